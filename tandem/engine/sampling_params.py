@@ -1,0 +1,69 @@
+"""Per-request sampling parameters, validated with messages that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to report per token (0 = sampled only)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `ValueError` naming the first field outside its allowed range."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= 20
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+            if vocab_size is not None and t >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})"
+                )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")

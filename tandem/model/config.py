@@ -90,7 +90,14 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            # Attention here is over the whole context; a sliding window (Mistral) only matters past
+            # its length, so the usable context is capped at the window.
+            max_position_embeddings=min(
+                int(cfg.get("max_position_embeddings", 2048)),
+                int(cfg.get("sliding_window") or 1 << 62)
+                if cfg.get("use_sliding_window", kind == "mistral")
+                else 1 << 62,
+            ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),

@@ -1,0 +1,81 @@
+"""Every Tandem setting, typed, in one place. Services and the CLI read settings from here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine (in-process `LLM`, a prefill worker or a decode worker)."""
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's context length
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self.resolved_dtype()
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from keyword options, then TANDEM_* environment variables for those not given."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        cfg = cls(**options)
+        for name, f in known.items():
+            env = os.environ.get(f"TANDEM_{name.upper()}")
+            if env is None or name in options:
+                continue
+            setattr(cfg, name, _parse(env, f.type, name))
+        cfg.validate()
+        return cfg
+
+
+def _parse(value: str, typ: Any, name: str) -> Any:
+    t = str(typ)
+    try:
+        if "int" in t:
+            return None if value.lower() in ("", "none") else int(value)
+        if "float" in t:
+            return float(value)
+    except ValueError as e:
+        raise ValueError(f"TANDEM_{name.upper()}={value!r} is not a valid {t}") from e
+    return value or None if "None" in t else value

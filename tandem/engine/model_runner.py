@@ -1,0 +1,66 @@
+"""Turns a scheduled batch into packed tensors, runs the model, and returns last-token logits."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.sequence import Sequence
+from tandem.kv.cache import KVCache
+from tandem.model.llama import AttentionMetadata, LlamaModel
+
+
+class ModelRunner:
+    """Owns the model and the KV pool tensor of one worker."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+        self.block_size = kv.block_size
+
+    def prepare(
+        self, items: list[tuple[Sequence, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack the new tokens of every sequence; (input_ids, positions, attention metadata)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        ctx: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in items:
+            start = seq.num_computed
+            toks = seq.all_token_ids
+            ids.extend(toks[start : start + n])
+            pos.extend(range(start, start + n))
+            blocks = seq.block_table.blocks
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            ctx.append(start + n)
+            tables.append(blocks[: (start + n + bs - 1) // bs])
+        width = max(len(t) for t in tables)
+        # Padding entries point at block 0; the context-length mask keeps them out of attention.
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            context_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
+            context_lens_list=ctx,
+            query_start_loc=qsl,
+            decode_only=len(ids) == len(items),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta
+
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Compute the new tokens' KV and return logits [B, vocab] at each sequence's last token."""
+        input_ids, positions, meta = self.prepare(items)
+        hidden = self.model.forward(input_ids, positions, self.kv, meta)
+        if not meta.decode_only:
+            last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
+            hidden = hidden[last]
+        return self.model.logits(hidden)

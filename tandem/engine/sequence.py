@@ -1,0 +1,51 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.block_table import BlockTable
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Prompt, output so far, KV blocks, and how many tokens already have KV in the cache."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_table: BlockTable
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,38 @@
+"""A sequence's map from logical KV blocks to pool blocks."""
+
+from __future__ import annotations
+
+from tandem.kv.block_pool import BlockPool
+
+
+class BlockTable:
+    """Logical block i of one sequence lives in pool block `blocks[i]`."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Extra blocks required to hold `num_tokens` tokens in total."""
+        want = (num_tokens + self.block_size - 1) // self.block_size
+        return max(0, want - len(self.blocks))
+
+    def ensure(self, pool: BlockPool, num_tokens: int) -> None:
+        """Grow to hold `num_tokens` tokens (all-or-nothing; raises `OutOfBlocks`)."""
+        n = self.blocks_needed(num_tokens)
+        if n:
+            self.blocks.extend(pool.allocate(n))
+
+    def release(self, pool: BlockPool) -> None:
+        pool.free(self.blocks)
+        self.blocks = []
+
+    def slot(self, position: int) -> int:
+        """Flat slot index (block * block_size + offset) of a token position."""
+        return (
+            self.blocks[position // self.block_size] * self.block_size + position % self.block_size
+        )

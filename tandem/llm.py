@@ -1,0 +1,153 @@
+"""In-process API: `tandem.LLM(model).generate(prompts, sampling)` and `.stream(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.model.loader import load_model
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class Completion:
+    """A finished generation."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs | None] | None = None
+    stop_string: str | None = None
+
+
+@dataclass
+class CompletionChunk:
+    """One streamed piece: new ids, their text, and the finish reason on the last chunk."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class LLM:
+    """Loads a model once and generates for batches of prompts with continuous batching."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig.from_options(model=model, **engine_options)
+        loaded = load_model(self.config.model, self.config.resolved_dtype())
+        self.engine = LLMEngine(loaded, self.config)
+        self.tokenizer = loaded.tokenizer
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Strings are tokenized (with BOS where the tokenizer adds one); id lists pass through."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it must hold at least one token")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence):
+            return list(prompt)
+        raise ValueError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Generate for every prompt (batched continuously); results in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling, list):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+            params = sampling
+        else:
+            params = [sampling or SamplingParams()] * len(prompts)
+        encoded = [self.encode_prompt(p) for p in prompts]
+        # Validate all before queueing any, so a bad prompt leaves nothing half-allocated.
+        for ids, sp in zip(encoded, params, strict=True):
+            self.engine.validate_request(ids, sp)
+        seqs = []
+        detoks = []
+        for ids, sp in zip(encoded, params, strict=True):
+            seqs.append(self.engine.add_request(ids, sp))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, sp.stop))
+        by_id = {s.seq_id: i for i, s in enumerate(seqs)}
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    d = detoks[by_id[out.seq.seq_id]]
+                    d.add(out.new_token_ids)
+                    if d.stopped_by is not None and not out.finished:
+                        self.engine.abort(out.seq.seq_id)
+                        out.seq.finish_reason = "stop"
+        except BaseException:
+            for s in seqs:
+                self.engine.abort(s.seq_id)
+            raise
+        results = []
+        for seq, d in zip(seqs, detoks, strict=True):
+            d.finish()
+            ids = seq.output_token_ids
+            lps = seq.output_logprobs if seq.params.logprobs is not None else None
+            if d.stopped_by is not None:
+                seq.finish_reason = "stop"
+            results.append(
+                Completion(
+                    prompt_token_ids=seq.prompt_token_ids,
+                    token_ids=list(ids),
+                    text=d.text,
+                    finish_reason=seq.finish_reason or "stop",
+                    logprobs=lps,
+                    stop_string=d.stopped_by,
+                )
+            )
+        return results
+
+    def stream(
+        self, prompt: Prompt, sampling: SamplingParams | None = None
+    ) -> Iterator[CompletionChunk]:
+        """Yield text deltas as tokens are generated; the last chunk carries the finish reason."""
+        sp = sampling or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        seq = self.engine.add_request(ids, sp)
+        d = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+        try:
+            while True:
+                outs = [o for o in self.engine.step() if o.seq is seq]
+                if not outs:
+                    if seq.is_finished:
+                        return
+                    continue
+                out = outs[0]
+                text = d.add(out.new_token_ids)
+                finished = out.finished
+                if d.stopped_by is not None and not finished:
+                    self.engine.abort(seq.seq_id)
+                    finished = True
+                if finished:
+                    text += d.finish()
+                    reason = "stop" if d.stopped_by is not None else (seq.finish_reason or "stop")
+                    yield CompletionChunk(out.new_token_ids, text, reason, out.new_logprobs)
+                    return
+                yield CompletionChunk(out.new_token_ids, text, None, out.new_logprobs)
+        finally:
+            if not seq.is_finished:
+                self.engine.abort(seq.seq_id)

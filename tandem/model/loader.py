@@ -1,0 +1,74 @@
+"""Find and load a checkpoint: a Hugging Face directory, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.model.config import ModelConfig
+from tandem.model.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: str
+
+
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load weights, config and tokenizer; `None` means the default SmolLM2 GGUF."""
+    from tandem.model.gguf_loader import default_model_path, load_gguf
+
+    if path is None:
+        path = default_model_path()
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(
+                f"model file {path!r} is not a .gguf file; pass a GGUF file or a Hugging Face "
+                "directory holding config.json, *.safetensors and tokenizer files"
+            )
+        cfg, weights, tok = load_gguf(path, dtype)
+        return LoadedModel(cfg, weights, tok, path)
+    return load_hf_dir(path, dtype)
+
+
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a local Hugging Face Llama-family directory (single or sharded safetensors)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(
+            f"{path!r} has no config.json; is it a Hugging Face model directory?"
+        )
+    with open(cfg_path) as f:
+        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path!r} holds no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            raise FileNotFoundError(f"weight shard {fp!r} named by the index is missing")
+        try:
+            shard = load_file(fp)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"cannot read {fp!r} (truncated or corrupt safetensors?): {e}") from e
+        weights.update({k: v.to(dtype) for k, v in shard.items()})
+    tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
+    return LoadedModel(cfg, weights, tok, path)

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random Llama-family checkpoints written to disk with transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _word_tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w1", bos_token="w2")
+
+
+def build_random_model(kind: str, path: str, seed: int = 0, **overrides):
+    """Write a small random checkpoint of `kind` (llama, llama3, mistral, qwen2) to `path`."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Larger than the default 0.02 so logits are peaked: greedy ties would make the
+        # token comparison depend on rounding rather than on correctness.
+        initializer_range=0.2,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    common.update(overrides)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    elif kind == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        }
+        model = LlamaForCausalLM(
+            LlamaConfig(rope_parameters=rope, tie_word_embeddings=True, **common)
+        )
+    elif kind == "mistral":
+        model = MistralForCausalLM(
+            MistralConfig(sliding_window=None, tie_word_embeddings=False, **common)
+        )
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    else:
+        raise ValueError(kind)
+    model = model.eval()
+    model.save_pretrained(path)
+    _word_tokenizer(common["vocab_size"]).save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """Build (and cache) a random checkpoint per kind: returns (hf_model, path)."""
+    cache: dict[str, tuple] = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            path = str(tmp_path_factory.mktemp(kind))
+            cache[kind] = (build_random_model(kind, path), path)
+        return cache[kind]
+
+    return get

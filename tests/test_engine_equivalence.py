@@ -56,7 +56,7 @@ def test_prefill_logits_match_transformers(model_factory, kind):
         hidden = eng.model.forward(input_ids, positions, eng.kv, meta)
         ours = eng.model.logits(hidden)
     for s, (a, b) in zip(
-        seqs, zip(meta.query_start_loc[:-1], meta.query_start_loc[1:]), strict=True
+        seqs, zip(meta.query_start_loc[:-1], meta.query_start_loc[1:], strict=True), strict=True
     ):
         with torch.no_grad():
             ref = hf(torch.tensor([s.prompt_token_ids])).logits[0].float()

@@ -79,3 +79,22 @@ def _parse(value: str, typ: Any, name: str) -> Any:
     except ValueError as e:
         raise ValueError(f"TANDEM_{name.upper()}={value!r} is not a valid {t}") from e
     return value or None if "None" in t else value
+
+
+def add_engine_args(parser: Any) -> None:
+    """Add a `--flag` for every `EngineConfig` field to an argparse parser (default: unset)."""
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        t = str(f.type)
+        typ = int if "int" in t else float if "float" in t else str
+        parser.add_argument(flag, dest=f.name, type=typ, default=None, help=f"engine {f.name}")
+
+
+def engine_config_from_args(args: Any) -> EngineConfig:
+    """EngineConfig from parsed flags; unset flags fall back to TANDEM_* variables, then defaults."""
+    opts = {
+        f.name: getattr(args, f.name)
+        for f in fields(EngineConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    return EngineConfig.from_options(**opts)

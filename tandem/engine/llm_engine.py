@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
@@ -11,9 +14,11 @@ from tandem.engine.sampler import TokenLogprobs, make_generator, sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
+from tandem.engine.validation import validate_request
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
 from tandem.kv.cache import KVCache
+from tandem.kv.lease import LeaseTable
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 
@@ -31,7 +36,13 @@ class StepOutput:
 class LLMEngine:
     """Model, KV pool, scheduler and sampler of one worker."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        kv: KVCache | None = None,
+        lease_ttl_s: float = 30.0,
+    ) -> None:
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -42,22 +53,20 @@ class LLMEngine:
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         self.model = LlamaModel(mc, loaded.weights, dtype, device, max_positions=self.max_model_len)
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            per_block = KVCache.bytes_per_block(
-                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+        if kv is None:
+            layout = self.pool_layout(loaded, config)
+            kv = KVCache.allocate(
+                mc.num_layers,
+                layout.num_blocks,
+                config.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+                dtype,
+                device,
             )
-            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-        self.kv = KVCache.allocate(
-            mc.num_layers,
-            num_blocks,
-            config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
-            dtype,
-            device,
-        )
-        self.pool = BlockPool(num_blocks)
+        self.kv = kv
+        self.pool = BlockPool(kv.num_blocks)
+        self.leases = LeaseTable(self.pool, lease_ttl_s)
         self.runner = ModelRunner(self.model, self.kv)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.device = device
@@ -65,22 +74,33 @@ class LLMEngine:
         self._ids = itertools.count()
         self.eos_token_ids = set(mc.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
 
+    @staticmethod
+    def pool_layout(loaded: LoadedModel, config: EngineConfig):
+        """The layout `__init__` would give this worker's KV pool (to allocate it elsewhere)."""
+        from tandem.kv.transport import DTYPE_NAMES, PoolLayout
+
+        mc = loaded.config
+        dtype = config.resolved_dtype()
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = KVCache.bytes_per_block(
+                mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
+            )
+            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        return PoolLayout(
+            mc.num_layers,
+            num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            DTYPE_NAMES[dtype],
+        )
+
     # ---- requests -------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise `ValueError` naming the field when a request cannot be served."""
-        vocab = self.model_config.vocab_size
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens "
-                f"(prompt + output), so the prompt must be shorter than {self.max_model_len}"
-            )
         bs = self.config.block_size
         need = (n + 1 + bs - 1) // bs
         if need > self.pool.num_blocks:
@@ -90,9 +110,16 @@ class LLMEngine:
             )
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
     ) -> Sequence:
-        """Validate and queue a request; nothing is allocated when it is refused."""
+        """Validate and queue a request; nothing is allocated when it is refused.
+
+        `prefill_only`: stop after the first token and keep the KV under a lease (prefill worker).
+        """
         self.validate_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else f"seq-{next(self._ids)}"
         if rid in self.seqs:
@@ -103,10 +130,62 @@ class LLMEngine:
             params=params,
             block_table=BlockTable(self.config.block_size),
             generator=None if params.greedy else make_generator(params.seed, self.device),
+            prefill_only=prefill_only,
         )
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         return seq
+
+    def admit_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        copy_in: Callable[[list[int]], None],
+        rng_state: torch.Tensor | None = None,
+    ) -> tuple[Sequence, bool]:
+        """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
+
+        Returns (sequence, imported). When this pool has no room for the prompt's blocks, the KV
+        is not imported: the sequence waits and is recomputed here (`imported` is False).
+        """
+        self.validate_request(prompt_token_ids, params)
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        gen = None
+        if not params.greedy:
+            gen = make_generator(params.seed, self.device)
+            if rng_state is not None:
+                gen.set_state(rng_state)
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.config.block_size),
+            generator=gen,
+            output_token_ids=[first_token],
+            output_logprobs=[None],
+        )
+        n = len(prompt_token_ids)
+        need = seq.block_table.blocks_needed(n + 1)
+        self.seqs[request_id] = seq
+        if (
+            not self.pool.can_allocate(need)
+            or len(self.scheduler.running) >= self.scheduler.max_num_seqs
+        ):
+            self.scheduler.add(seq)
+            return seq, False
+        seq.block_table.ensure(self.pool, n)
+        try:
+            copy_in(list(seq.block_table.blocks))
+        except BaseException:
+            self.seqs.pop(request_id, None)
+            seq.block_table.release(self.pool)
+            raise
+        seq.num_computed = n
+        self.scheduler.admit_running(seq)
+        return seq, True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False when it is unknown."""
@@ -142,7 +221,14 @@ class LLMEngine:
             seq.output_token_ids.append(tok)
             seq.output_logprobs.append(lp)
             reason = self._stop_reason(seq, tok)
-            if reason is not None:
+            if seq.prefill_only:
+                # The prompt's KV (not the sampled token's, which is not computed yet) is leased
+                # to the decode worker; the rest of the sequence's life is there.
+                blocks = self.scheduler.finish(seq, reason or "prefilled", keep_blocks=True)
+                seq.lease_id = self.leases.grant(blocks, seq.num_computed).lease_id
+                self.seqs.pop(seq.seq_id, None)
+                reason = reason or "prefilled"
+            elif reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, [tok], [lp], reason is not None))

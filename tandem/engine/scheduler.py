@@ -8,6 +8,7 @@ its blocks are freed and it waits at the head of the queue to be recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -79,6 +80,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.block_table.ensure(self.pool, seq.num_tokens)
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
@@ -94,8 +97,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return seq
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take a sequence out of the queues and return its blocks."""
+    def admit_running(self, seq: Sequence) -> None:
+        """Put a sequence whose KV is already in its blocks straight into the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> list[int]:
+        """Take a sequence out of the queues; free its blocks unless `keep_blocks` (returned)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -103,6 +111,11 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
-        seq.block_table.release(self.pool)
+        blocks = seq.block_table.blocks
+        if keep_blocks:
+            seq.block_table.blocks = []
+        else:
+            seq.block_table.release(self.pool)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        return blocks

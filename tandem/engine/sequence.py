@@ -37,6 +37,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Prefill worker: stop after the first token and lease the KV to a decode worker.
+    prefill_only: bool = False
+    lease_id: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

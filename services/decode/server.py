@@ -1,0 +1,343 @@
+"""Decode worker: imports prefilled KV by handle and continuously batches every live sequence."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.engine_loop import EngineLoop
+from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.kv.transport import DTYPES, PoolLayout, SharedPool, gather_copy, host_id
+from tandem.model.loader import load_model
+from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.convert import (
+    layout_from_proto,
+    layout_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from tandem.rpc.health import add_health, set_serving
+
+log = logging.getLogger("tandem.decode")
+SERVICE = "tandem.v1.Decode"
+
+
+@dataclass
+class PrefillPeer:
+    """A registered prefill worker: its pool handle, opened once."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: stages_pb2_grpc.PrefillStub
+    kind: str = "inline"
+    pool_id: str = ""
+    layout: PoolLayout | None = None
+    shared: SharedPool | None = None
+
+
+@dataclass
+class Session:
+    """One gateway's stream: its outgoing queue and the sequences it admitted."""
+
+    out: asyncio.Queue
+    seqs: set[str] = field(default_factory=set)
+
+
+class DecodeService(stages_pb2_grpc.DecodeServicer):
+    def __init__(self, config: EngineConfig, kv_transport: str = "auto") -> None:
+        loaded = load_model(config.model, config.resolved_dtype())
+        self.model_name = loaded.config.name
+        self.engine = LLMEngine(loaded, config)
+        self.layout = PoolLayout.of(self.engine.kv)
+        self.kv_transport = kv_transport
+        self.peer_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self.loop = asyncio.get_running_loop()
+        self.peers: dict[str, PrefillPeer] = {}
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self.owner: dict[str, Session] = {}
+        self.transfer: dict[str, tuple[float, str]] = {}
+        self.imports_by_transport: dict[str, int] = {}
+        self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
+        self.engine_loop.start()
+
+    def close(self) -> None:
+        self.engine_loop.stop()
+        for p in self.peers.values():
+            if p.shared is not None:
+                p.shared.close()
+
+    # ---- peers --------------------------------------------------------------------------------
+    async def peer(self, address: str) -> PrefillPeer:
+        """The registered prefill peer at `address`, registering (once) on first use."""
+        p = self.peers.get(address)
+        if p is not None:
+            return p
+        lock = self._peer_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            if address in self.peers:
+                return self.peers[address]
+            ch = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+            stub = stages_pb2_grpc.PrefillStub(ch)
+            kinds = {"auto": ["shm", "inline"], "shm": ["shm"], "inline": ["inline"]}[
+                self.kv_transport
+            ]
+            resp = await stub.Register(
+                stages_pb2.RegisterRequest(
+                    peer_id=self.peer_id,
+                    layout=layout_to_proto(self.layout),
+                    accept_kinds=kinds,
+                    host_id=host_id(),
+                    model=self.model_name,
+                ),
+                timeout=10,
+            )
+            h = resp.handle
+            layout = layout_from_proto(h.layout)
+            self.layout.check_compatible(layout)
+            if h.kind not in kinds:
+                raise RuntimeError(
+                    f"prefill {address} offered transport {h.kind!r}, wanted {kinds}"
+                )
+            p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
+            if h.kind == "shm":
+                p.shared = SharedPool.open(h.shm_name, layout)
+            self.peers[address] = p
+            log.info(
+                "registered with prefill %s (pool %s, transport %s)", address, h.pool_id, h.kind
+            )
+            return p
+
+    def forget_peer(self, address: str) -> None:
+        p = self.peers.pop(address, None)
+        if p is not None and p.shared is not None:
+            p.shared.close()
+
+    # ---- admission ----------------------------------------------------------------------------
+    async def admit(self, msg: stages_pb2.Admit, session: Session) -> None:
+        sid = msg.seq_id
+        params = sampling_from_proto(msg.sampling)
+        ids = list(msg.prompt_token_ids)
+        src_blocks = list(msg.kv.block_ids)
+        rng = (
+            torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
+        )
+        t0 = time.monotonic()
+        try:
+            peer = await self.peer(msg.prefill_address)
+            if peer.pool_id != msg.kv.pool_id:
+                # The prefill worker restarted since we registered: register again.
+                self.forget_peer(msg.prefill_address)
+                peer = await self.peer(msg.prefill_address)
+                if peer.pool_id != msg.kv.pool_id:
+                    raise ValueError(
+                        f"KV reference names pool {msg.kv.pool_id!r}, unknown at {msg.prefill_address}"
+                    )
+            staging = None
+            if peer.kind == "inline":
+                staging = await self._fetch_inline(peer, msg.kv)
+
+            def copy_in(dst_blocks: list[int]) -> None:
+                n = len(dst_blocks)
+                if staging is not None:
+                    idx = torch.tensor(
+                        dst_blocks, dtype=torch.long, device=self.engine.kv.data.device
+                    )
+                    self.engine.kv.data.index_copy_(
+                        2, idx, staging[:, :, :n].to(self.engine.kv.data.device)
+                    )
+                else:
+                    gather_copy(self.engine.kv, dst_blocks, peer.shared.kv, src_blocks[:n])
+
+            session.seqs.add(sid)
+            self.owner[sid] = session
+            _, imported = await asyncio.wrap_future(
+                self.engine_loop.submit(
+                    lambda e: e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
+                )
+            )
+            self.transfer[sid] = (
+                (time.monotonic() - t0) * 1e3,
+                peer.kind if imported else "recompute",
+            )
+            if imported:
+                self.imports_by_transport[peer.kind] = (
+                    self.imports_by_transport.get(peer.kind, 0) + 1
+                )
+        except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
+            log.warning("admit %s failed: %s", sid, e)
+            session.seqs.discard(sid)
+            self.owner.pop(sid, None)
+            session.out.put_nowait(
+                stages_pb2.DecodeOut(
+                    finished=[
+                        stages_pb2.SeqFinished(
+                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
+                        )
+                    ]
+                )
+            )
+        finally:
+            # The blocks were copied (or will be recomputed): the prefill side may reuse them.
+            asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id))
+
+    async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
+        lay = peer.layout
+        n = len(kv.block_ids)
+        staging = torch.empty(
+            (lay.num_layers, 2, n, lay.block_size, lay.kv_heads, lay.head_dim),
+            dtype=DTYPES[lay.dtype],
+        )
+        async for chunk in peer.stub.FetchBlocks(stages_pb2.FetchBlocksRequest(kv=kv), timeout=30):
+            t = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(staging.dtype)
+            staging[:, :, chunk.index] = t.view(staging[:, :, chunk.index].shape)
+        return staging
+
+    async def _release(self, address: str, lease_id: str) -> None:
+        p = self.peers.get(address)
+        if p is None or not lease_id:
+            return
+        try:
+            await p.stub.Release(stages_pb2.ReleaseRequest(lease_ids=[lease_id]), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            # The lease expires by itself on the prefill side.
+            log.warning("release of %s at %s failed: %s", lease_id, address, e.details())
+
+    # ---- engine thread -> event loop ----------------------------------------------------------
+    def _on_outputs(self, outs: list[StepOutput]) -> None:
+        items = [
+            (
+                o.seq.seq_id,
+                list(o.new_token_ids),
+                list(o.new_logprobs),
+                o.seq.finish_reason if o.finished else None,
+            )
+            for o in outs
+        ]
+        self.loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _on_error(self, seq_ids: list[str], message: str) -> None:
+        items = [(sid, [], [], "error:" + message) for sid in seq_ids]
+        self.loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items) -> None:
+        per_session: dict[int, tuple[Session, stages_pb2.DecodeOut]] = {}
+        for sid, toks, lps, reason in items:
+            sess = self.owner.get(sid)
+            if sess is None:
+                continue
+            _, msg = per_session.setdefault(id(sess), (sess, stages_pb2.DecodeOut()))
+            if toks:
+                msg.tokens.append(
+                    stages_pb2.SeqTokens(
+                        seq_id=sid,
+                        token_ids=toks,
+                        logprobs=[logprob_to_proto(lp) for lp in lps if lp is not None],
+                    )
+                )
+            if reason is not None:
+                msg.finished.append(self._finished(sid, reason))
+                sess.seqs.discard(sid)
+                self.owner.pop(sid, None)
+        for sess, msg in per_session.values():
+            sess.out.put_nowait(msg)
+
+    def _finished(self, sid: str, reason: str) -> stages_pb2.SeqFinished:
+        ms, kind = self.transfer.pop(sid, (0.0, ""))
+        err = ""
+        if reason.startswith("error:"):
+            reason, err = "error", reason[len("error:") :]
+        return stages_pb2.SeqFinished(
+            seq_id=sid, finish_reason=reason, error=err, kv_transfer_ms=ms, kv_transport=kind
+        )
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+    async def Session(self, request_iterator, context):
+        session = Session(out=asyncio.Queue())
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    kind = msg.WhichOneof("kind")
+                    if kind == "admit":
+                        asyncio.ensure_future(self.admit(msg.admit, session))
+                    elif kind == "cancel":
+                        await self._cancel(msg.cancel.seq_id, session)
+            finally:
+                session.out.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                msg = await session.out.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            # The gateway went away: its sequences have no one to stream to.
+            for sid in list(session.seqs):
+                await self._cancel(sid, session, notify=False)
+
+    async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
+        if self.owner.get(sid) is not session:
+            return
+        aborted = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
+        session.seqs.discard(sid)
+        self.owner.pop(sid, None)
+        if aborted and notify:
+            session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
+
+    async def Stats(self, request, context):
+        def snap(e: LLMEngine):
+            return stages_pb2.WorkerStats(
+                running=e.num_running,
+                waiting=e.num_waiting,
+                used_blocks=e.pool.num_used,
+                total_blocks=e.pool.num_blocks,
+                registered_peers=len(self.peers),
+                kv_imports=sum(self.imports_by_transport.values()),
+                imports_by_transport=self.imports_by_transport,
+            )
+
+        return await asyncio.wrap_future(self.engine_loop.submit(snap))
+
+
+async def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    kv_transport: str = "auto",
+    prefill: list[str] | None = None,
+) -> None:
+    """Run the decode worker until cancelled; registers eagerly with the given prefill workers."""
+    server = grpc.aio.server()
+    service = DecodeService(config, kv_transport)
+    stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
+    health = add_health(server, [SERVICE])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"decode: cannot bind {host}:{port}")
+    await server.start()
+    for addr in prefill or []:
+        try:
+            await service.peer(addr)
+        except Exception as e:  # noqa: BLE001 - registration is retried on first use
+            log.warning(
+                "registration with prefill %s failed (will retry on first use): %s", addr, e
+            )
+    await set_serving(health, [SERVICE], True)
+    log.info("decode serving on %s:%d (model %s)", host, bound, service.model_name)
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(1.0)
+        service.close()

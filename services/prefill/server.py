@@ -1,0 +1,249 @@
+"""Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.config import EngineConfig
+from tandem.engine.engine_loop import EngineLoop
+from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.kv.transport import (
+    LayoutMismatch,
+    PoolLayout,
+    SharedPool,
+    block_to_bytes,
+    host_id,
+)
+from tandem.model.loader import load_model
+from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.convert import (
+    layout_from_proto,
+    layout_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    status_for,
+)
+from tandem.rpc.health import add_health, set_serving
+
+log = logging.getLogger("tandem.prefill")
+SERVICE = "tandem.v1.Prefill"
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprob: object
+    lease_id: str
+    blocks: list[int]
+    num_tokens: int
+    rng_state: bytes
+    queue_ms: float
+    prefill_ms: float
+
+
+class PrefillService(stages_pb2_grpc.PrefillServicer):
+    """Prefill.Run batches prompts on the engine thread; the KV stays leased until released."""
+
+    def __init__(self, config: EngineConfig, lease_ttl_s: float = 30.0) -> None:
+        loaded = load_model(config.model, config.resolved_dtype())
+        self.model_name = loaded.config.name
+        device = config.resolved_device()
+        self.pool_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        self.shared: SharedPool | None = None
+        kv = None
+        if device.type == "cpu":
+            # On a CPU host the pool lives in named shared memory so decode workers can map it.
+            probe = LLMEngine.pool_layout(loaded, config)
+            self.shared = SharedPool.create(probe)
+            kv = self.shared.kv
+        self.engine = LLMEngine(loaded, config, kv=kv, lease_ttl_s=lease_ttl_s)
+        self.layout = PoolLayout.of(self.engine.kv)
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
+        self.peers: set[str] = set()
+        self.inline_bytes_sent = 0
+        self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
+        self.engine_loop.start()
+
+    def close(self) -> None:
+        self.engine_loop.stop()
+        if self.shared is not None:
+            self.shared.close()
+
+    # ---- engine thread -> event loop ----------------------------------------------------------
+    def _on_outputs(self, outs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        for o in outs:
+            seq = o.seq
+            if seq.lease_id is None:
+                continue
+            lease = self.engine.leases.leases[seq.lease_id]
+            state = (
+                seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
+            )
+            res = PrefillResult(
+                first_token=o.new_token_ids[0],
+                logprob=o.new_logprobs[0],
+                lease_id=seq.lease_id,
+                blocks=list(lease.blocks),
+                num_tokens=lease.num_tokens,
+                rng_state=state,
+                queue_ms=((seq.first_scheduled_time or now) - seq.arrival_time) * 1e3,
+                prefill_ms=(now - (seq.first_scheduled_time or now)) * 1e3,
+            )
+            self.loop.call_soon_threadsafe(self._resolve, seq.seq_id, res)
+
+    def _on_error(self, seq_ids: list[str], message: str) -> None:
+        for sid in seq_ids:
+            self.loop.call_soon_threadsafe(self._fail, sid, message)
+
+    def _resolve(self, seq_id: str, res: PrefillResult) -> None:
+        fut = self.pending.pop(seq_id, None)
+        if fut is None or fut.done():
+            # The caller went away: nobody will collect these blocks.
+            self.engine_loop.submit(lambda e: e.leases.release(res.lease_id))
+            return
+        fut.set_result(res)
+
+    def _fail(self, seq_id: str, message: str) -> None:
+        fut = self.pending.pop(seq_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RuntimeError(f"prefill failed: {message}"))
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+    async def Register(self, request, context):
+        peer_layout = layout_from_proto(request.layout)
+        try:
+            self.layout.check_compatible(peer_layout)
+        except LayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        if request.model and request.model != self.model_name:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model mismatch: prefill serves {self.model_name!r}, peer serves {request.model!r}",
+            )
+        kinds = list(request.accept_kinds) or ["inline"]
+        kind = "inline"
+        for k in kinds:
+            if k == "shm" and self.shared is not None and request.host_id == host_id():
+                kind = "shm"
+                break
+            if k == "inline":
+                break
+        self.peers.add(request.peer_id)
+        handle = stages_pb2.PoolHandle(
+            kind=kind,
+            pool_id=self.pool_id,
+            layout=layout_to_proto(self.layout),
+            shm_name=self.shared.name if kind == "shm" else "",
+            host_id=host_id(),
+        )
+        log.info("registered decode peer %s (transport %s)", request.peer_id, kind)
+        return stages_pb2.RegisterResponse(handle=handle, model=self.model_name)
+
+    async def Run(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        params = sampling_from_proto(request.sampling)
+        ids = list(request.prompt_token_ids)
+        fut: asyncio.Future[PrefillResult] = self.loop.create_future()
+        self.pending[rid] = fut
+        try:
+            await asyncio.wrap_future(
+                self.engine_loop.submit(
+                    lambda e: e.add_request(ids, params, rid, prefill_only=True)
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            self.pending.pop(rid, None)
+            await context.abort(status_for(e), str(e))
+        try:
+            res = await fut
+        except asyncio.CancelledError:
+            # Client cancelled or its deadline passed: drop the prompt from the queue.
+            self.pending.pop(rid, None)
+            self.engine_loop.submit(lambda e: e.abort(rid))
+            raise
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        out = stages_pb2.PrefillResponse(
+            first_token=res.first_token,
+            kv=stages_pb2.KvRef(
+                pool_id=self.pool_id,
+                block_ids=res.blocks,
+                num_tokens=res.num_tokens,
+                lease_id=res.lease_id,
+            ),
+            rng_state=res.rng_state,
+            queue_ms=res.queue_ms,
+            prefill_ms=res.prefill_ms,
+        )
+        if res.logprob is not None:
+            out.first_logprob.CopyFrom(logprob_to_proto(res.logprob))
+            out.has_logprob = True
+        return out
+
+    async def Release(self, request, context):
+        ids = list(request.lease_ids)
+        n = await asyncio.wrap_future(
+            self.engine_loop.submit(lambda e: sum(e.leases.release(i) for i in ids))
+        )
+        return stages_pb2.ReleaseResponse(released=n)
+
+    async def FetchBlocks(self, request, context):
+        lease_id = request.kv.lease_id
+        lease = await asyncio.wrap_future(
+            self.engine_loop.submit(lambda e: e.leases.leases.get(lease_id))
+        )
+        if lease is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"lease {lease_id!r} is unknown or expired"
+            )
+        for i, b in enumerate(lease.blocks):
+            data = block_to_bytes(self.engine.kv, b)
+            self.inline_bytes_sent += len(data)
+            yield stages_pb2.BlockBytes(index=i, data=data)
+
+    async def Stats(self, request, context):
+        def snap(e: LLMEngine):
+            return stages_pb2.WorkerStats(
+                running=e.num_running,
+                waiting=e.num_waiting,
+                used_blocks=e.pool.num_used,
+                total_blocks=e.pool.num_blocks,
+                leased_blocks=e.leases.num_blocks,
+                inline_bytes_sent=self.inline_bytes_sent,
+                registered_peers=len(self.peers),
+            )
+
+        return await asyncio.wrap_future(self.engine_loop.submit(snap))
+
+
+async def serve(config: EngineConfig, host: str, port: int, lease_ttl_s: float = 30.0) -> None:
+    """Run the prefill worker until cancelled."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    service = PrefillService(config, lease_ttl_s)
+    stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
+    health = add_health(server, [SERVICE])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"prefill: cannot bind {host}:{port}")
+    await server.start()
+    await set_serving(health, [SERVICE], True)
+    log.info(
+        "prefill serving on %s:%d (model %s, pool %s)",
+        host,
+        bound,
+        service.model_name,
+        service.pool_id,
+    )
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(1.0)
+        service.close()

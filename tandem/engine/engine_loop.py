@@ -1,0 +1,100 @@
+"""Runs an `LLMEngine` on a dedicated thread so an asyncio server's event loop never blocks.
+
+The thread's loop is the engine loop of vLLM v1 in one function: apply commands that arrived
+between steps (admit, abort, release), then schedule -> execute -> update, then hand the outputs
+to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
+its own thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tandem.engine.llm_engine import LLMEngine, StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    """A thread that owns an engine: `submit(fn)` runs `fn(engine)` between steps."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[StepOutput]], None],
+        on_error: Callable[[list[str], str], None] | None = None,
+        idle_tick_s: float = 0.25,
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.on_error = on_error
+        self.idle_tick_s = idle_tick_s
+        self._cmds: deque[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` on the engine thread before the next step; its result in a future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self._stop:
+                fut.set_exception(RuntimeError("engine loop is stopped"))
+                return fut
+            self._cmds.append((fn, fut))
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cond:
+                if not self._cmds and not eng.has_unfinished() and not self._stop:
+                    self._cond.wait(self.idle_tick_s)
+                if self._stop:
+                    break
+                cmds = list(self._cmds)
+                self._cmds.clear()
+            for fn, fut in cmds:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(eng))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            eng.leases.expire()
+            if not eng.has_unfinished():
+                continue
+            try:
+                outs = eng.step()
+            except Exception:  # noqa: BLE001 - a failed step must not kill the worker
+                msg = traceback.format_exc()
+                log.error("engine step failed; aborting its sequences:\n%s", msg)
+                ids = list(eng.seqs)
+                for sid in ids:
+                    eng.abort(sid)
+                if self.on_error is not None:
+                    self.on_error(ids, msg.strip().splitlines()[-1])
+                continue
+            self.steps += 1
+            if outs:
+                self.on_outputs(outs)
+        for _, fut in self._cmds:
+            fut.cancel()

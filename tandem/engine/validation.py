@@ -1,0 +1,25 @@
+"""Request checks shared by the engine and the gateway: each error names the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+def validate_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """Raise `ValueError` naming the field when a request cannot be served."""
+    if not prompt_token_ids:
+        raise ValueError("prompt is empty: it must hold at least one token")
+    for t in prompt_token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    params.validate(vocab_size)
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise ValueError(
+            f"prompt has {n} tokens; the model's context is {max_model_len} tokens "
+            f"(prompt + output), so the prompt must be shorter than {max_model_len}"
+        )

@@ -1,0 +1,160 @@
+"""Moving KV blocks between workers: pool handles (shared memory, CUDA IPC) and the gather copy.
+
+A worker's pool is exported once as a handle; a peer opens it once and afterwards copies blocks
+by id. Between hosts (or when nothing can be shared) blocks travel inline as bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from tandem.kv.cache import LAYOUT_VERSION, KVCache
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+class LayoutMismatch(ValueError):
+    """Two pools cannot exchange blocks: their layouts differ."""
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    layout_version: int = LAYOUT_VERSION
+
+    @classmethod
+    def of(cls, kv: KVCache) -> PoolLayout:
+        n_layers, _, n_blocks, bs, heads, dim = kv.data.shape
+        return cls(n_layers, n_blocks, bs, heads, dim, DTYPE_NAMES[kv.data.dtype])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+
+    def check_compatible(self, other: PoolLayout) -> None:
+        """Raise `LayoutMismatch` naming every field (but the block count) that differs."""
+        diffs = [
+            f"{name}: {getattr(self, name)} here vs {getattr(other, name)} at the peer"
+            for name in (
+                "num_layers",
+                "block_size",
+                "kv_heads",
+                "head_dim",
+                "dtype",
+                "layout_version",
+            )
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise LayoutMismatch("KV pool layouts differ (" + "; ".join(diffs) + ")")
+
+
+def host_id() -> str:
+    """Identity of this host (and boot): processes with the same id can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+_CREATED_HERE: set[str] = set()
+
+
+class SharedPool:
+    """A KV pool living in a named shared-memory segment (created by its owner, opened by peers)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: PoolLayout, owner: bool) -> None:
+        self.shm = shm
+        self.layout = layout
+        self.owner = owner
+        flat = torch.frombuffer(shm.buf, dtype=DTYPES[layout.dtype], count=_numel(layout.shape))
+        self.kv = KVCache(flat.view(layout.shape))
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @classmethod
+    def create(cls, layout: PoolLayout) -> SharedPool:
+        nbytes = layout.block_bytes * layout.num_blocks
+        shm = shared_memory.SharedMemory(
+            name=f"tandem-kv-{uuid.uuid4().hex[:12]}", create=True, size=nbytes
+        )
+        _CREATED_HERE.add(shm.name)
+        pool = cls(shm, layout, owner=True)
+        pool.kv.data.zero_()
+        return pool
+
+    @classmethod
+    def open(cls, name: str, layout: PoolLayout) -> SharedPool:
+        try:
+            shm = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError as e:
+            raise LayoutMismatch(
+                f"shared-memory KV pool {name!r} does not exist on this host "
+                "(is the peer on another machine? use the inline transport)"
+            ) from e
+        # The creator owns the segment's lifetime; stop this process's tracker from unlinking it.
+        if name not in _CREATED_HERE:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if shm.size < layout.block_bytes * layout.num_blocks:
+            raise LayoutMismatch(f"shared-memory KV pool {name!r} is smaller than its layout says")
+        return cls(shm, layout, owner=False)
+
+    def close(self) -> None:
+        del self.kv
+        try:
+            self.shm.close()
+        except BufferError:
+            return  # a tensor view is still alive; the OS reclaims the mapping at exit
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def gather_copy(dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: list[int]) -> None:
+    """Copy blocks of every layer, k and v, from one pool to another in one indexed copy."""
+    if len(dst_blocks) != len(src_blocks):
+        raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
+    si = torch.tensor(src_blocks, dtype=torch.long, device=src.data.device)
+    di = torch.tensor(dst_blocks, dtype=torch.long, device=dst.data.device)
+    blocks = src.data.index_select(2, si).to(dst.data.device, non_blocking=True)
+    dst.data.index_copy_(2, di, blocks)
+
+
+def block_to_bytes(kv: KVCache, block: int) -> bytes:
+    """One block of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim])."""
+    return kv.data[:, :, block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def bytes_to_block(kv: KVCache, block: int, data: bytes) -> None:
+    shape = kv.data[:, :, block].shape
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kv.data.dtype).view(shape)
+    kv.data[:, :, block] = t.to(kv.data.device)

@@ -1,0 +1,85 @@
+"""Conversions between protobuf messages and engine types, and small gRPC helpers."""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kv.transport import PoolLayout
+from tandem.rpc import api_pb2, stages_pb2
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def sampling_from_proto(
+    m: api_pb2.SamplingParams, default_max_tokens: int = DEFAULT_MAX_TOKENS
+) -> SamplingParams:
+    """Proto -> `SamplingParams` (unset fields take the engine defaults). Not validated here."""
+    return SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else default_max_tokens,
+        temperature=m.temperature if m.HasField("temperature") else 1.0,
+        top_k=m.top_k if m.HasField("top_k") else 0,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        min_p=m.min_p if m.HasField("min_p") else 0.0,
+        repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=list(m.stop_token_ids),
+        stop=list(m.stop),
+        ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
+    m = api_pb2.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        stop_token_ids=p.stop_token_ids,
+        stop=p.stop,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> api_pb2.TokenLogprob:
+    return api_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_proto(m: api_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status a Tandem exception maps to."""
+    from tandem.kv.block_pool import OutOfBlocks
+
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, OutOfBlocks):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+def layout_to_proto(layout: PoolLayout) -> stages_pb2.PoolLayout:
+    return stages_pb2.PoolLayout(**layout.__dict__)
+
+
+def layout_from_proto(m: stages_pb2.PoolLayout) -> PoolLayout:
+    return PoolLayout(
+        m.num_layers, m.num_blocks, m.block_size, m.kv_heads, m.head_dim, m.dtype, m.layout_version
+    )

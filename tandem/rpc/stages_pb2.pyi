@@ -1,0 +1,231 @@
+from tandem.rpc import api_pb2 as _api_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolLayout(_message.Message):
+    __slots__ = ("num_layers", "num_blocks", "block_size", "kv_heads", "head_dim", "dtype", "layout_version")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    layout_version: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
+
+class PoolHandle(_message.Message):
+    __slots__ = ("kind", "pool_id", "layout", "shm_name", "cuda_ipc", "device_uuid", "host_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    pool_id: str
+    layout: PoolLayout
+    shm_name: str
+    cuda_ipc: bytes
+    device_uuid: str
+    host_id: str
+    def __init__(self, kind: _Optional[str] = ..., pool_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class KvRef(_message.Message):
+    __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    lease_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_KINDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    layout: PoolLayout
+    accept_kinds: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    model: str
+    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("handle", "model")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    handle: PoolHandle
+    model: str
+    def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _api_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    first_logprob: _api_pb2.TokenLogprob
+    has_logprob: bool
+    kv: KvRef
+    rng_state: bytes
+    queue_ms: float
+    prefill_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KvRef
+    def __init__(self, kv: _Optional[_Union[KvRef, _Mapping]] = ...) -> None: ...
+
+class BlockBytes(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport")
+    class ImportsByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    KV_IMPORTS_FIELD_NUMBER: _ClassVar[int]
+    IMPORTS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    used_blocks: int
+    total_blocks: int
+    leased_blocks: int
+    inline_bytes_sent: int
+    registered_peers: int
+    kv_imports: int
+    imports_by_transport: _containers.ScalarMap[str, int]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Admit(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    sampling: _api_pb2.SamplingParams
+    kv: KvRef
+    prefill_address: str
+    rng_state: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ...) -> None: ...
+
+class CancelSeq(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class DecodeIn(_message.Message):
+    __slots__ = ("admit", "cancel")
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    admit: Admit
+    cancel: CancelSeq
+    def __init__(self, admit: _Optional[_Union[Admit, _Mapping]] = ..., cancel: _Optional[_Union[CancelSeq, _Mapping]] = ...) -> None: ...
+
+class SeqTokens(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class SeqFinished(_message.Message):
+    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    finish_reason: str
+    error: str
+    kv_transfer_ms: float
+    queue_ms: float
+    kv_transport: str
+    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+
+class DecodeOut(_message.Message):
+    __slots__ = ("tokens", "finished")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[SeqTokens]
+    finished: _containers.RepeatedCompositeFieldContainer[SeqFinished]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[SeqTokens, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SeqFinished, _Mapping]]] = ...) -> None: ...

@@ -72,3 +72,26 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         weights.update({k: v.to(dtype) for k, v in shard.items()})
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)
+
+
+def load_model_info(path: str | None = None) -> tuple[ModelConfig, Tokenizer, str]:
+    """Config and tokenizer only (no weights): what the gateway needs. Returns the resolved path."""
+    from tandem.model import gguf_loader
+
+    if path is None:
+        path = gguf_loader.default_model_path()
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.isfile(path):
+        reader = gguf_loader._open_reader(path)
+        meta = gguf_loader._Metadata(reader, path)
+        tensors = {t.name: t for t in reader.tensors}
+        cfg = gguf_loader._config_from_metadata(meta, tensors, path)
+        return cfg, gguf_loader._tokenizer(path, meta, cfg.eos_token_ids), path
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{path!r} has no config.json; is it a Hugging Face model directory?")
+    with open(cfg_path) as f:
+        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), path

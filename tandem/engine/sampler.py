@@ -1,0 +1,246 @@
+"""Turn a batch of next-token logits into token ids, one row per sequence.
+
+Semantics follow Hugging Face transformers' logits processors (and vLLM):
+repetition penalty, then greedy argmax or temperature -> top-k -> top-p -> min-p and a draw
+from the renormalised distribution. Each non-greedy row draws its random numbers from its own
+`torch.Generator`, so a seeded sequence produces the same tokens whatever else shares its batch.
+Reported logprobs come from the raw logits (vLLM's default), not the processed distribution.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+# With no top-p row, top-k uses torch.topk up to this k instead of sorting the whole vocabulary.
+_TOPK_WITHOUT_SORT_MAX = 1024
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities reported for one sampled token (from the raw logits)."""
+
+    token_id: int
+    logprob: float  # log-probability of the sampled token
+    top: list[tuple[int, float]]  # the `logprobs` most likely (id, logprob), best first
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """Per-sequence RNG: seeded when the request gives a seed, else from fresh OS entropy."""
+    g = torch.Generator(device=device)
+    # secrets draws from the OS, so unseeded sequences never share a stream.
+    g.manual_seed(seed if seed is not None else secrets.randbits(63))
+    return g
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    penalties: Sequence[float],
+    histories: Sequence[Sequence[int] | torch.Tensor],
+) -> torch.Tensor:
+    """Penalise every token already in a row's history (HF's RepetitionPenaltyLogitsProcessor).
+
+    Returns a new tensor (the input is left untouched) or `logits` itself when every penalty is 1.
+    Ids at or above the vocabulary size are ignored, as HF does.
+    """
+    rows = [i for i, p in enumerate(penalties) if p != 1.0]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    ids_per_row = [torch.as_tensor(histories[i], dtype=torch.long).reshape(-1).cpu() for i in rows]
+    lengths = torch.tensor([t.numel() for t in ids_per_row], dtype=torch.long)
+    flat = torch.cat(ids_per_row)
+    out = logits.clone(memory_format=torch.contiguous_format)
+    if flat.numel() == 0:
+        return out
+    lo, hi = torch.aminmax(flat)
+    if int(lo) < 0:
+        raise ValueError("histories hold a negative token id")
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    pens = torch.tensor([float(penalties[i]) for i in rows], dtype=logits.dtype)
+    pen_of = torch.repeat_interleave(pens, lengths)
+    if int(hi) >= vocab:
+        keep = flat < vocab
+        flat, row_of, pen_of = flat[keep], row_of[keep], pen_of[keep]
+    # Index math stays on the host; one copy per tensor moves it, and only the history positions
+    # are touched on the device (a full [B, V] pass would cost far more).
+    lin = (row_of * vocab + flat).to(logits.device)
+    pen_of = pen_of.to(logits.device)
+    view = out.view(-1)
+    seen = view.index_select(0, lin)
+    # Repeated ids write the same value (penalised once, from the original logit), as in HF.
+    view.scatter_(0, lin, torch.where(seen < 0, seen * pen_of, seen / pen_of))
+    return out
+
+
+def warp_logits(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ks: Sequence[int],
+    top_ps: Sequence[float],
+    min_ps: Sequence[float],
+) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p per row; dropped tokens become -inf.
+
+    All rows must have temperature > 0. `softmax` of the result is the distribution a token is
+    drawn from (speculative verification needs exactly this distribution too).
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    temp = torch.tensor([float(t) for t in temperatures], dtype=logits.dtype, device=device)
+    x = logits / temp.unsqueeze(1)
+
+    # top_k == 0 (off) or >= V keeps everything.
+    ks = [k if 0 < k < vocab else vocab for k in top_ks]
+    need_k = any(k < vocab for k in ks)
+    need_p = any(p < 1.0 for p in top_ps)
+    if need_p:
+        # Same recipe as HF / vLLM: ascending sort, mask in sorted space, scatter back.
+        x_sort, idx = x.sort(dim=-1, descending=False)
+        if need_k:
+            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device)
+            kth = x_sort.gather(1, pos.unsqueeze(1))
+            x_sort = x_sort.masked_fill(x_sort < kth, float("-inf"))
+        p = torch.tensor([float(v) for v in top_ps], dtype=logits.dtype, device=device)
+        cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
+        drop = (cum <= (1 - p).unsqueeze(1)) & (p < 1.0).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always survives
+        x_sort = x_sort.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, idx, x_sort)
+    elif need_k:
+        max_k = max(k for k in ks if k < vocab)
+        if max_k <= _TOPK_WITHOUT_SORT_MAX:
+            top = x.topk(max_k, dim=-1).values
+            pos = torch.tensor([min(k, max_k) - 1 for k in ks], dtype=torch.long, device=device)
+            kth = top.gather(1, pos.unsqueeze(1))
+            # Rows without top-k get a threshold that removes nothing.
+            off = torch.tensor([k >= vocab for k in ks], dtype=torch.bool, device=device)
+            kth = kth.masked_fill(off.unsqueeze(1), float("-inf"))
+        else:
+            x_sort = x.sort(dim=-1, descending=False).values
+            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device)
+            kth = x_sort.gather(1, pos.unsqueeze(1))
+        # `<` keeps ties with the k-th value, as HF's TopKLogitsWarper does.
+        x = x.masked_fill(x < kth, float("-inf"))
+
+    if any(m > 0.0 for m in min_ps):
+        m = torch.tensor([float(v) for v in min_ps], dtype=logits.dtype, device=device)
+        probs = x.softmax(dim=-1)
+        top_prob = probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < m.unsqueeze(1) * top_prob, float("-inf"))
+    return x
+
+
+def sample_ids(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[Sequence[int] | torch.Tensor],
+) -> torch.Tensor:
+    """Pick one token per row and return the ids as a [B] int64 tensor on `logits.device`.
+
+    Unlike `sample`, this never reads the ids back to the host, so a caller can copy them out
+    asynchronously (small per-call index tensors still travel host -> device).
+    """
+    batch = _check_inputs(logits, params, generators, histories)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    ids = x.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return ids
+
+    device = logits.device
+    for i in rows:
+        g = generators[i]
+        if g is None:
+            raise ValueError(f"row {i} samples (temperature > 0) but has no generator")
+        if g.device.type != device.type:
+            raise ValueError(
+                f"row {i}: generator is on {g.device.type} but logits are on {device.type}"
+            )
+    sel = torch.tensor(rows, dtype=torch.long, device=device)
+    sub = x if len(rows) == batch else x.index_select(0, sel)
+    ps = [params[i] for i in rows]
+    warped = warp_logits(
+        sub,
+        [p.temperature for p in ps],
+        [p.top_k for p in ps],
+        [p.top_p for p in ps],
+        [p.min_p for p in ps],
+    )
+    probs = warped.softmax(dim=-1)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
+    # Each row fills its own noise from its own generator, so a row's draw never depends on
+    # the batch around it.
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        noise[j].exponential_(generator=generators[i])
+    # Exp(1) can round to 0; a tiny floor keeps p / E finite (never inf or 0/0 = nan).
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    drawn = (probs / noise).argmax(dim=-1)
+    if len(rows) == batch:
+        return drawn
+    return ids.index_copy(0, sel, drawn)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[Sequence[int] | torch.Tensor],
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick the next token for every row and the logprobs each row asked for.
+
+    logits: [B, V] float32, one row per sequence (any device); never modified.
+    generators: per-row RNG from `make_generator(seed, logits.device)`; None only for greedy
+        rows. Each sampling row consumes V draws from its generator per call; greedy rows
+        leave theirs untouched.
+    histories: prompt + generated ids per row, read only for rows with repetition_penalty != 1.
+        A CPU int64 tensor per row is far cheaper than a Python list (no per-int conversion).
+    """
+    ids_t = sample_ids(logits, params, generators, histories)
+    ids = ids_t.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(ids)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return ids, logprobs
+
+    sel = torch.tensor(want, dtype=torch.long, device=logits.device)
+    # Raw logits, before penalty / temperature / truncation (vLLM's default "raw_logprobs").
+    lp = torch.log_softmax(logits.index_select(0, sel).float(), dim=-1)
+    chosen = lp.gather(1, ids_t.index_select(0, sel).unsqueeze(1)).squeeze(1).tolist()
+    n_max = max(int(params[i].logprobs or 0) for i in want)
+    n_max = min(n_max, lp.shape[1])
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if n_max > 0:
+        top_v, top_i = lp.topk(n_max, dim=-1)
+        top_vals, top_ids = top_v.tolist(), top_i.tolist()
+    for j, i in enumerate(want):
+        n = min(int(params[i].logprobs or 0), n_max)
+        top = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
+        logprobs[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], top=top)
+    return ids, logprobs
+
+
+def _check_inputs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    histories: Sequence[Sequence[int] | torch.Tensor],
+) -> int:
+    """Fail early, with a readable message, on mismatched batch arguments."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    for name, seq in (("params", params), ("generators", generators), ("histories", histories)):
+        if len(seq) != batch:
+            raise ValueError(f"{name} has {len(seq)} entries for {batch} logits rows")
+    return batch

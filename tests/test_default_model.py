@@ -1,0 +1,67 @@
+"""The embedded default model (SmolLM2-135M-Instruct GGUF) answers exactly as transformers does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tandem
+from tandem.model.gguf_loader import default_model_path
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    folder, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tandem.LLM()
+
+
+def test_greedy_chat_reply_equals_transformers(llm, hf_model):
+    tok, model = hf_model
+    ids = llm.chat_prompt(QUESTION)
+    ref_ids = tok.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    if isinstance(ref_ids, dict) or hasattr(ref_ids, "input_ids"):
+        ref_ids = ref_ids["input_ids"]
+    assert ids == list(ref_ids)
+    out = llm.generate([ids], tandem.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))[
+        0
+    ]
+    ref = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=48,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tok.eos_token_id,
+    )[0, len(ids) :].tolist()
+    assert out.token_ids == ref
+    assert len(out.token_ids) == 48
+    assert "Paris" in out.text
+
+
+def test_batch_of_chats_equals_one_by_one(llm):
+    questions = [
+        "Name a primary colour.",
+        "What is 2 + 2?",
+        "Say hello in French.",
+        "Who wrote Hamlet?",
+    ]
+    prompts = [llm.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    sp = tandem.SamplingParams(max_tokens=24, temperature=0)
+    batched = llm.generate(prompts, sp)
+    for p, b in zip(prompts, batched, strict=True):
+        assert llm.generate([p], sp)[0].token_ids == b.token_ids

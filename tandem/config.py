@@ -98,3 +98,70 @@ def engine_config_from_args(args: Any) -> EngineConfig:
         if getattr(args, f.name, None) is not None
     }
     return EngineConfig.from_options(**opts)
+
+
+# ---- service command lines ------------------------------------------------------------------
+DEFAULT_GATEWAY_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+
+
+def _addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def stage_parser(stage: str) -> Any:
+    """The argument parser of one stage (`gateway`, `prefill`, `decode`): every flag in one place."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog=f"tandem {stage}", description=f"Run the Tandem {stage} service."
+    )
+    p.add_argument(
+        "--host",
+        default=os.environ.get("TANDEM_HOST", "127.0.0.1"),
+        help="address to bind (default 127.0.0.1: never public unless asked)",
+    )
+    default_port = {
+        "gateway": DEFAULT_GATEWAY_PORT,
+        "prefill": DEFAULT_GATEWAY_PORT + 1,
+        "decode": DEFAULT_GATEWAY_PORT + 2,
+    }[stage]
+    p.add_argument(
+        "--port", type=int, default=default_port, help=f"gRPC port (default {default_port})"
+    )
+    p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
+    add_engine_args(p)
+    if stage == "prefill":
+        p.add_argument(
+            "--lease-ttl",
+            type=float,
+            default=30.0,
+            help="seconds a leased KV block waits for its decode worker (default 30)",
+        )
+    if stage == "decode":
+        p.add_argument(
+            "--prefill",
+            type=_addresses,
+            default=[],
+            help="prefill addresses to register with at start (comma separated)",
+        )
+        p.add_argument(
+            "--kv-transport",
+            choices=["auto", "shm", "inline"],
+            default="auto",
+            help="how KV reaches this worker: auto (shared memory on one host, else inline)",
+        )
+    if stage == "gateway":
+        p.add_argument(
+            "--http-port",
+            type=int,
+            default=DEFAULT_HTTP_PORT,
+            help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; -1 disables)",
+        )
+        p.add_argument(
+            "--prefill", type=_addresses, required=True, help="prefill addresses, comma separated"
+        )
+        p.add_argument(
+            "--decode", type=_addresses, required=True, help="decode addresses, comma separated"
+        )
+    return p

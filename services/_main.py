@@ -1,0 +1,58 @@
+"""Shared entry point of the stage processes (`python -m services.<stage>`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from tandem.config import engine_config_from_args, stage_parser
+
+
+def run_stage(
+    stage: str, serve: Callable[..., Awaitable[None]], argv: list[str] | None = None
+) -> None:
+    args = stage_parser(stage).parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = engine_config_from_args(args)
+    except (TypeError, ValueError) as e:
+        sys.exit(f"tandem {stage}: {e}")
+    kwargs = {}
+    if stage == "prefill":
+        kwargs = {"lease_ttl_s": args.lease_ttl}
+    elif stage == "decode":
+        kwargs = {"kv_transport": args.kv_transport, "prefill": args.prefill}
+    elif stage == "gateway":
+        kwargs = {
+            "http_port": None if args.http_port < 0 else args.http_port,
+            "prefill": args.prefill,
+            "decode": args.decode,
+        }
+
+    async def main() -> None:
+        task = asyncio.ensure_future(serve(config, args.host, args.port, **kwargs))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(main())
+    except (FileNotFoundError, ValueError, OSError) as e:
+        sys.exit(f"tandem {stage}: {e}")

@@ -1,0 +1,330 @@
+"""OpenAI-compatible HTTP: /v1/chat/completions, /v1/completions (SSE when streaming), /v1/models."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.grpc_api import Frontend
+from services.gateway.pipeline import Finished, TextDelta
+from services.gateway.router import StageUnavailable
+from tandem.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("tandem.gateway.http")
+
+
+class RequestError(ValueError):
+    """A bad request: rendered as the OpenAI error body with HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+def error_response(
+    message: str, status: int = 400, param: str | None = None, kind: str | None = None
+) -> web.Response:
+    etype = kind or ("invalid_request_error" if status < 500 else "server_error")
+    body = {"error": {"message": message, "type": etype, "param": param, "code": None}}
+    return web.json_response(body, status=status)
+
+
+def _num(body: dict, name: str, kind: type, default: Any) -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+        raise RequestError(
+            f"{name} must be a{'n integer' if kind is int else ' number'}, got {v!r}", name
+        )
+    return kind(v)
+
+
+def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
+    """OpenAI request fields -> SamplingParams; unsupported or mistyped fields name themselves."""
+    n = body.get("n", 1)
+    if n != 1:
+        raise RequestError("n must be 1: Tandem returns one choice per request", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _num(body, name, float, 0.0) != 0.0:
+            raise RequestError(f"{name} is not supported (use repetition_penalty)", name)
+    max_tokens = body.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = _num(body, "max_tokens", int, 256 if chat else 16)
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise RequestError(
+            f"max_completion_tokens must be an integer, got {max_tokens!r}", "max_completion_tokens"
+        )
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    if chat:
+        lp = body.get("logprobs", False)
+        if not isinstance(lp, bool):
+            raise RequestError("logprobs must be a boolean", "logprobs")
+        logprobs = _num(body, "top_logprobs", int, 0) if lp else None
+    else:
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+            raise RequestError("logprobs must be an integer", "logprobs")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError("seed must be an integer", "seed")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list):
+        raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", float, 1.0),
+        top_p=_num(body, "top_p", float, 1.0),
+        top_k=_num(body, "top_k", int, 0),
+        min_p=_num(body, "min_p", float, 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", float, 1.0),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        logprobs=logprobs,
+    )
+
+
+class OpenAIServer:
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+        self.app = web.Application(client_max_size=8 << 20)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.fe.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "tandem",
+                        "max_model_len": self.fe.pipeline.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        return body
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            self.fe.check_model(body.get("model") or "")
+            msgs = body.get("messages")
+            if not isinstance(msgs, list):
+                raise RequestError("messages must be a list of {role, content} objects", "messages")
+            norm = []
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict):
+                    raise RequestError(f"messages[{i}] must be an object", "messages")
+                content = m.get("content")
+                if isinstance(content, list):  # content parts: keep the text ones
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                norm.append({"role": m.get("role"), "content": content})
+            ids = self.fe.chat_ids(norm)
+            params = sampling_from_body(body, chat=True)
+            self.fe.check(ids, params)
+        except RequestError as e:
+            return error_response(str(e), e.status, e.param)
+        except ValueError as e:
+            return error_response(str(e), 400, _param_of(str(e)))
+        return await self._respond(request, body, ids, params, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            self.fe.check_model(body.get("model") or "")
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                ids = self.fe.prompt_ids(prompt)
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            ):
+                ids = list(prompt)
+            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                ids = self.fe.prompt_ids(prompt[0])
+            else:
+                raise RequestError(
+                    "prompt must be a string or a list of token ids (one prompt per request)",
+                    "prompt",
+                )
+            params = sampling_from_body(body, chat=False)
+            self.fe.check(ids, params)
+        except RequestError as e:
+            return error_response(str(e), e.status, e.param)
+        except ValueError as e:
+            return error_response(str(e), 400, _param_of(str(e)))
+        return await self._respond(request, body, ids, params, chat=False)
+
+    async def _respond(self, request, body, ids, params, chat: bool) -> web.StreamResponse:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        model = self.fe.model_name
+        obj = "chat.completion" if chat else "text_completion"
+        stream = bool(body.get("stream", False))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        events = self.fe.pipeline.run(ids, params, rid)
+        if not stream:
+            text, toks, lps, fin = [], [], [], None
+            try:
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        text.append(ev.text)
+                        toks.extend(ev.token_ids)
+                        lps.extend(ev.logprobs)
+                    else:
+                        fin = ev
+            except StageUnavailable as e:
+                return error_response(str(e), 503, kind="service_unavailable")
+            full = "".join(text)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": fin.reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": full}
+                choice["logprobs"] = (
+                    self._chat_logprobs(lps) if params.logprobs is not None else None
+                )
+            else:
+                choice["text"] = full
+                choice["logprobs"] = None
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": _usage(fin),
+                }
+            )
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(payload: dict) -> None:
+            await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        try:
+            if chat:
+                await send(
+                    _chunk(
+                        rid,
+                        chunk_obj,
+                        created,
+                        model,
+                        {"delta": {"role": "assistant", "content": ""}},
+                    )
+                )
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    if not ev.text:
+                        continue
+                    part = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                    if chat and params.logprobs is not None:
+                        part["logprobs"] = self._chat_logprobs(ev.logprobs)
+                    await send(_chunk(rid, chunk_obj, created, model, part))
+                else:
+                    part = {"delta": {}} if chat else {"text": ""}
+                    await send(_chunk(rid, chunk_obj, created, model, part, ev.reason))
+                    if include_usage:
+                        await send(
+                            {
+                                "id": rid,
+                                "object": chunk_obj,
+                                "created": created,
+                                "model": model,
+                                "choices": [],
+                                "usage": _usage(ev),
+                            }
+                        )
+            await resp.write(b"data: [DONE]\n\n")
+        except StageUnavailable as e:
+            await send(
+                {
+                    "error": {
+                        "message": str(e),
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
+        except (ConnectionResetError, ConnectionError):
+            pass  # the client went away; closing `events` cancels the request
+        finally:
+            await events.aclose()
+        return resp
+
+    def _chat_logprobs(self, lps) -> dict:
+        tok = self.fe.tokenizer
+        content = []
+        for lp in lps:
+            content.append(
+                {
+                    "token": tok.decode([lp.token_id], skip_special_tokens=False),
+                    "logprob": lp.logprob,
+                    "top_logprobs": [
+                        {"token": tok.decode([t], skip_special_tokens=False), "logprob": v}
+                        for t, v in lp.top
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _chunk(
+    rid: str, obj: str, created: int, model: str, part: dict, finish: str | None = None
+) -> dict:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "finish_reason": finish, **part}],
+    }
+
+
+def _usage(f: Finished | None) -> dict:
+    if f is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    }
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine validation message is about (its first word)."""
+    word = message.split(" ", 1)[0]
+    return {"prompt": "prompt"}.get(word, word if word.isidentifier() else None)

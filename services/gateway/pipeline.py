@@ -1,0 +1,160 @@
+"""One request through the stages: prefill -> KV handover -> decode, detokenized as it streams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.gateway.router import Router, StageUnavailable
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.model.tokenizer import Tokenizer
+from tandem.rpc import stages_pb2
+from tandem.rpc.convert import logprob_from_proto, sampling_to_proto
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class Finished:
+    reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict[str, float]
+    stop_string: str | None = None
+    kv_transport: str = "none"
+    request_id: str = ""
+
+
+class Pipeline:
+    """Runs requests across the router's workers."""
+
+    def __init__(
+        self, router: Router, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int
+    ) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.eos = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def _stop_reason(
+        self, params: SamplingParams, tok: int, n_out: int, n_total: int
+    ) -> str | None:
+        if tok in params.stop_token_ids or (not params.ignore_eos and tok in self.eos):
+            return "stop"
+        if n_out >= params.max_tokens or n_total >= self.max_model_len:
+            return "length"
+        return None
+
+    async def run(
+        self, ids: list[int], params: SamplingParams, request_id: str = ""
+    ) -> AsyncIterator[TextDelta | Finished]:
+        """Stream text deltas, then one `Finished`. Closing the iterator early cancels the request."""
+        t0 = time.monotonic()
+        seq_id = uuid.uuid4().hex
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        prefill = self.router.pick_prefill()
+        prefill.inflight += 1
+        try:
+            resp = await prefill.stub.Run(
+                stages_pb2.PrefillRequest(
+                    request_id=seq_id, prompt_token_ids=ids, sampling=sampling_to_proto(params)
+                )
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(e.details()) from e
+            raise StageUnavailable(
+                f"prefill worker {prefill.address} failed: {e.code().name}: {e.details()}"
+            ) from e
+        finally:
+            prefill.inflight -= 1
+        t_first = time.monotonic()
+        first = resp.first_token
+        n_out = 1
+        reason = self._stop_reason(params, first, n_out, len(ids) + 1)
+        text = detok.add([first])
+        if detok.stopped_by is not None:
+            reason = "stop"
+        lps = [logprob_from_proto(resp.first_logprob)] if resp.has_logprob else []
+        yield TextDelta(text, [first], lps)
+        timings = {
+            "queue_ms": resp.queue_ms,
+            "prefill_ms": resp.prefill_ms,
+            "ttft_ms": (t_first - t0) * 1e3,
+            "kv_transfer_ms": 0.0,
+        }
+        transport = "none"
+        if reason is not None:
+            try:
+                await prefill.stub.Release(
+                    stages_pb2.ReleaseRequest(lease_ids=[resp.kv.lease_id]), timeout=5
+                )
+            except grpc.aio.AioRpcError:
+                pass  # the lease expires on its own
+        else:
+            decode = self.router.pick_decode()
+            admit = stages_pb2.Admit(
+                seq_id=seq_id,
+                prompt_token_ids=ids,
+                first_token=first,
+                sampling=sampling_to_proto(params),
+                kv=resp.kv,
+                prefill_address=prefill.address,
+                rng_state=resp.rng_state,
+            )
+            done = False
+            try:
+                q = await decode.open(seq_id, admit)
+                while not done:
+                    kind, msg = await q.get()
+                    if kind == "tokens":
+                        toks = list(msg.token_ids)
+                        n_out += len(toks)
+                        text = detok.add(toks)
+                        lps = [logprob_from_proto(m) for m in msg.logprobs]
+                        if detok.stopped_by is not None:
+                            reason, done = "stop", True
+                        if text or toks:
+                            yield TextDelta(text, toks, lps)
+                    elif kind == "finished":
+                        done = True
+                        if msg.finish_reason == "error":
+                            raise StageUnavailable(
+                                f"decode worker {decode.address} failed: {msg.error}"
+                            )
+                        reason = reason or msg.finish_reason
+                        timings["kv_transfer_ms"] = msg.kv_transfer_ms
+                        transport = msg.kv_transport or transport
+                    else:  # the stream to the decode worker broke
+                        done = True
+                        raise StageUnavailable(msg)
+            finally:
+                if not done or reason == "stop" and detok.stopped_by is not None:
+                    decode.cancel(seq_id)
+                decode.close_seq(seq_id)
+        tail = detok.finish()
+        if tail:
+            yield TextDelta(tail, [])
+        t_end = time.monotonic()
+        timings["total_ms"] = (t_end - t0) * 1e3
+        timings["mean_tpot_ms"] = (t_end - t_first) * 1e3 / (n_out - 1) if n_out > 1 else 0.0
+        yield Finished(
+            reason=reason or "stop",
+            prompt_tokens=len(ids),
+            completion_tokens=n_out,
+            timings=timings,
+            stop_string=detok.stopped_by,
+            kv_transport=transport,
+            request_id=request_id,
+        )

@@ -1,0 +1,127 @@
+"""Clients of the prefill and decode workers, and the least-loaded choice between them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from tandem.rpc import stages_pb2, stages_pb2_grpc
+
+log = logging.getLogger("tandem.gateway")
+
+
+class StageUnavailable(RuntimeError):
+    """A worker could not be reached or failed the request; the message names the stage."""
+
+
+class PrefillClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self.stub = stages_pb2_grpc.PrefillStub(self.channel)
+        self.inflight = 0
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DecodeClient:
+    """One long-lived bidirectional Session stream to a decode worker, shared by all requests."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = stages_pb2_grpc.DecodeStub(self.channel)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._send: asyncio.Queue | None = None
+        self._reader: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def load(self) -> int:
+        return len(self.queues)
+
+    async def _ensure_stream(self) -> asyncio.Queue:
+        async with self._lock:
+            if self._send is not None and self._reader is not None and not self._reader.done():
+                return self._send
+            send: asyncio.Queue = asyncio.Queue()
+
+            async def requests():
+                while True:
+                    m = await send.get()
+                    if m is None:
+                        return
+                    yield m
+
+            call = self.stub.Session(requests())
+            self._send = send
+            self._reader = asyncio.ensure_future(self._read(call))
+            return send
+
+    async def _read(self, call) -> None:
+        try:
+            async for out in call:
+                for t in out.tokens:
+                    q = self.queues.get(t.seq_id)
+                    if q is not None:
+                        q.put_nowait(("tokens", t))
+                for f in out.finished:
+                    q = self.queues.get(f.seq_id)
+                    if q is not None:
+                        q.put_nowait(("finished", f))
+            reason = "decode worker closed the stream"
+        except grpc.aio.AioRpcError as e:
+            reason = f"decode worker {self.address} unavailable: {e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            return
+        log.warning("%s", reason)
+        self._send = None
+        for q in self.queues.values():
+            q.put_nowait(("error", reason))
+
+    async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
+        """Admit a sequence; its token batches and finish event arrive on the returned queue."""
+        send = await self._ensure_stream()
+        q: asyncio.Queue = asyncio.Queue()
+        self.queues[seq_id] = q
+        send.put_nowait(stages_pb2.DecodeIn(admit=admit))
+        return q
+
+    def cancel(self, seq_id: str) -> None:
+        if self._send is not None:
+            self._send.put_nowait(stages_pb2.DecodeIn(cancel=stages_pb2.CancelSeq(seq_id=seq_id)))
+
+    def close_seq(self, seq_id: str) -> None:
+        self.queues.pop(seq_id, None)
+
+    async def close(self) -> None:
+        if self._send is not None:
+            self._send.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+        await self.channel.close()
+
+
+class Router:
+    """Chooses the least-loaded worker of each stage."""
+
+    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+        if not prefill or not decode:
+            raise ValueError("the gateway needs at least one prefill and one decode address")
+        self.prefill = [PrefillClient(a) for a in prefill]
+        self.decode = [DecodeClient(a) for a in decode]
+
+    def pick_prefill(self) -> PrefillClient:
+        return min(self.prefill, key=lambda c: c.inflight)
+
+    def pick_decode(self) -> DecodeClient:
+        return min(self.decode, key=lambda c: c.load)
+
+    async def close(self) -> None:
+        for c in [*self.prefill, *self.decode]:
+            await c.close()

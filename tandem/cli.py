@@ -1,0 +1,253 @@
+"""`tandem up | gateway | prefill | decode | chat`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
+
+STAGES = ("prefill", "decode", "gateway")
+
+
+def _exec_stage(stage: str, argv: list[str]) -> None:
+    # Stages live in services/; tandem/ never imports them, it runs them as modules.
+    os.execv(sys.executable, [sys.executable, "-m", f"services.{stage}", *argv])
+
+
+# ---- tandem up --------------------------------------------------------------------------------
+@dataclass
+class Child:
+    stage: str
+    address: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _wait_healthy(children: list[Child], timeout: float) -> None:
+    import asyncio
+
+    from tandem.rpc.health import check
+
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        for c in list(pending):
+            if c.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode} during start-up; "
+                    f"last lines of {c.log_path}:\n{c.tail()}"
+                )
+            if asyncio.run(check(c.address, timeout=1.0)):
+                pending.remove(c)
+        if time.monotonic() > deadline:
+            names = ", ".join(c.stage for c in pending)
+            raise RuntimeError(
+                f"timed out after {timeout:.0f}s waiting for {names} to become healthy"
+            )
+        if pending:
+            time.sleep(0.3)
+
+
+def _stop(children: list[Child]) -> None:
+    for c in reversed(children):
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+
+
+def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
+    host = args.host
+    port = args.port
+    http_port = args.http_port
+    if http_port is None:
+        http_port = DEFAULT_HTTP_PORT if port == DEFAULT_GATEWAY_PORT else port + 3
+    prefill_port = args.prefill_port or port + 1
+    decode_port = args.decode_port or port + 2
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
+    os.makedirs(log_dir, exist_ok=True)
+    common = ["--host", host, *engine_argv]
+    if args.model:
+        common += ["--model", args.model]
+    prefill_addr = f"{host}:{prefill_port}"
+    decode_addr = f"{host}:{decode_port}"
+    plan = [
+        ("prefill", prefill_addr, ["--port", str(prefill_port)]),
+        ("decode", decode_addr, ["--port", str(decode_port), "--prefill", prefill_addr]),
+        (
+            "gateway",
+            f"{host}:{port}",
+            [
+                "--port",
+                str(port),
+                "--http-port",
+                str(http_port),
+                "--prefill",
+                prefill_addr,
+                "--decode",
+                decode_addr,
+            ],
+        ),
+    ]
+    children: list[Child] = []
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for stage, addr, extra in plan:
+            log_path = os.path.join(log_dir, f"{stage}.log")
+            logf = open(log_path, "w")  # noqa: SIM115 - owned by the child process
+            proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{stage}", *common, *extra],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            children.append(Child(stage, addr, proc, log_path))
+        _wait_healthy(children, args.start_timeout)
+        print(f"Tandem is up (logs in {log_dir})", flush=True)
+        print(f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on)", flush=True)
+        if http_port >= 0:
+            print(f"  OpenAI HTTP   http://{host}:{http_port}/v1", flush=True)
+        print(f"  prefill       {prefill_addr}", flush=True)
+        print(f"  decode        {decode_addr}", flush=True)
+        if args.then_chat:
+            rc = cmd_chat(
+                argparse.Namespace(
+                    message=args.then_chat,
+                    address=f"{host}:{port}",
+                    max_tokens=128,
+                    temperature=0.0,
+                    system=None,
+                    seed=None,
+                ),
+            )
+            if rc != 0:
+                return rc
+            print("Still serving; Ctrl-C stops every stage.", flush=True)
+        while True:
+            for c in children:
+                if c.proc.poll() is not None:
+                    print(
+                        f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
+                        f"last lines of {c.log_path}:\n{c.tail()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping...", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"tandem up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _stop(children)
+
+
+# ---- tandem chat ------------------------------------------------------------------------------
+def cmd_chat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tandem.rpc import api_pb2, api_pb2_grpc
+
+    msgs = []
+    if args.system:
+        msgs.append(api_pb2.ChatMessage(role="system", content=args.system))
+    msgs.append(api_pb2.ChatMessage(role="user", content=args.message))
+    sampling = api_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
+    t0 = time.monotonic()
+    with grpc.insecure_channel(args.address) as ch:
+        stub = api_pb2_grpc.GatewayStub(ch)
+        try:
+            for resp in stub.Generate(req):
+                if resp.HasField("chunk"):
+                    sys.stdout.write(resp.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    f = resp.finish
+                    secs = time.monotonic() - t0
+                    tps = f.usage.completion_tokens / secs if secs > 0 else 0.0
+                    print(
+                        f"\n[{f.usage.completion_tokens} tokens, finish={f.finish_reason}, "
+                        f"TTFT {f.timings.ttft_ms:.0f} ms, {tps:.1f} tokens/s, KV via {f.kv_transport}]",
+                        flush=True,
+                    )
+        except grpc.RpcError as e:
+            print(f"\ntandem chat: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+# ---- entry ------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in STAGES:
+        _exec_stage(argv[0], argv[1:])
+    p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for s in STAGES:
+        sub.add_parser(s, help=f"run the {s} service (see `tandem {s} --help`)")
+    up = sub.add_parser(
+        "up", help="start every stage on this host, wait for health, print endpoints"
+    )
+    up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway gRPC port")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"OpenAI HTTP port (default {DEFAULT_HTTP_PORT} with the default --port, else port+3)",
+    )
+    up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
+    up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
+    up.add_argument("--log-dir", default=None)
+    up.add_argument("--start-timeout", type=float, default=180.0)
+    up.add_argument(
+        "--then-chat",
+        default=None,
+        metavar="MESSAGE",
+        help="once healthy, stream one chat reply to MESSAGE, then keep serving",
+    )
+    chat = sub.add_parser("chat", help="stream a chat reply from a running gateway")
+    chat.add_argument("message")
+    chat.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None)
+    chat.add_argument("--seed", type=int, default=None)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "up":
+        return cmd_up(args, rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cmd_chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

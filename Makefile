@@ -20,7 +20,7 @@ serve: install
 	$(VENV)/bin/tandem up --then-chat "What is the capital of France? Answer in one sentence."
 
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 lint: install
 	$(VENV)/bin/ruff check tandem services tests bench

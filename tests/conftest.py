@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without CUDA, Triton kernels run under the interpreter; it must be chosen before triton loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _word_tokenizer(vocab: int):

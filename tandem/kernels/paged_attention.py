@@ -2,12 +2,25 @@
 
 Cache layout per layer: k_cache, v_cache are [num_blocks, block_size, kv_heads, head_dim].
 A sequence's logical block i lives in pool block block_tables[seq, i].
+
+The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs in two stages:
+1. one program per (sequence, kv head, partition of the context) reads the block table itself,
+   computes all the query heads of its GQA group at once (so each K/V tile is loaded once per
+   group) and writes a partial softmax state (running max, sum of exponentials, unnormalised
+   output) for its partition;
+2. one program per (sequence, query head) merges the partitions with a log-sum-exp reduction.
+When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
+skipped. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -63,15 +76,313 @@ def paged_attention_varlen_ref(
         v = _gather(v_cache, table)[:, :, :ctx]
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if q_len == ctx:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             qpos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         out[s:e] = o[0].transpose(0, 1)
     return out
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention: the Triton kernel on CUDA, the torch reference elsewhere."""
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks]
+    context_lens_ptr,  # [B]
+    out_ptr,  # [B, Hq, D]: written only when DIRECT_OUT
+    m_ptr,  # [B, Hq, P] f32: running max of the scores (base 2) per partition
+    l_ptr,  # [B, Hq, P] f32: sum of exp2(score - max) per partition
+    acc_ptr,  # [B, Hq, P, D] f32: unnormalised sum of exp2(score - max) * v per partition
+    qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_btb,
+    stride_btn,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of 2 >= 16 (tl.dot's minimum M)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # tokens per inner iteration (may span several cache blocks)
+    PARTITION_SIZE: tl.constexpr,  # tokens per program, a multiple of BLOCK_N
+    DIRECT_OUT: tl.constexpr,  # a single partition: write the normalised output, skip stage 2
+    DOT_FP32: tl.constexpr,  # upcast K/V/Q before tl.dot instead of feeding the native dtype
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    num_parts = tl.num_programs(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    context_len = tl.load(context_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    # Partitions past the context have nothing to do and stage 2 never reads them, so they write
+    # nothing (the grid is sized for the longest context). Partition 0 always runs, so an empty
+    # context (a padding slot of a captured batch) still produces a defined output (zeros).
+    if start >= tl.maximum(context_len, 1):
+        return
+    end = tl.minimum(start + PARTITION_SIZE, context_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h  # [BLOCK_H]
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=head_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + seq * stride_btb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for tok0 in range(start, end, BLOCK_N):
+        offs_t = tok0 + offs_n  # [BLOCK_N] logical token positions
+        tok_mask = offs_t < end
+        # The block table is read per token so one iteration may span several cache blocks;
+        # int64 because block * stride overflows int32 on large pools.
+        blocks = tl.load(bt_row + (offs_t // BLOCK_SIZE) * stride_btn, mask=tok_mask, other=0)
+        blocks = blocks.to(tl.int64)
+        slots = offs_t % BLOCK_SIZE
+        k = tl.load(
+            k_head
+            + blocks[:, None] * stride_kb
+            + slots[:, None] * stride_kt
+            + offs_d[None, :] * stride_kd,
+            mask=tok_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        v = tl.load(
+            v_head
+            + blocks[:, None] * stride_vb
+            + slots[:, None] * stride_vt
+            + offs_d[None, :] * stride_vd,
+            mask=tok_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_N, D]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        # "ieee" only matters for fp32 operands (no TF32 rounding); 16-bit operands use the
+        # tensor cores with an fp32 accumulator either way.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every iteration has a valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if DIRECT_OUT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only for an empty context
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None],
+        )
+    else:
+        row = (seq * num_q_heads + heads) * num_parts + part  # [BLOCK_H] index into [B, Hq, P]
+        tl.store(m_ptr + row, m_i, mask=head_mask)
+        tl.store(l_ptr + row, l_i, mask=head_mask)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [B, Hq, D]
+    m_ptr,  # [B, Hq, P] f32
+    l_ptr,  # [B, Hq, P] f32
+    acc_ptr,  # [B, Hq, P, D] f32
+    context_lens_ptr,  # [B]
+    stride_ob,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    NUM_PARTITIONS: tl.constexpr,  # P, the partition axis of the workspace
+    BLOCK_P: tl.constexpr,  # partitions merged per iteration
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    # Only the partitions stage 1 wrote: at least one, so an empty context reads zeros, and never
+    # past the workspace row, even if a caller's max_context_len was too small.
+    num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), NUM_PARTITIONS)
+    row0 = (seq * num_q_heads + head) * NUM_PARTITIONS
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    m_run = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        p_mask = p0 + offs_p < num_used
+        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+        m_run = tl.maximum(m_run, m)
+    # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
+    m_max = tl.max(m_run, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+
+    l_run = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        p_mask = p0 + offs_p < num_used
+        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+        w = tl.exp2(m - m_max)  # [BLOCK_P], 0 for masked partitions (m = -inf)
+        l_run += w * tl.load(l_ptr + row0 + p0 + offs_p, mask=p_mask, other=0.0)
+        a = tl.load(
+            acc_ptr + (row0 + p0 + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=p_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_P, D]
+        acc += tl.sum(w[:, None] * a, axis=0)
+    l_sum = tl.sum(l_run, axis=0)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+def paged_attention_decode_triton(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32/int64
+    context_lens: torch.Tensor,  # [B] int32/int64, the query's own token included
+    scale: float,
+    partition_size: int = 512,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
+
+    max_context_len (a host-side bound, e.g. from the scheduler) sizes the grid and the partial
+    workspace; without it the bound is block_tables.shape[1] * block_size, which needs no sync
+    and keeps the launch shape fixed for CUDA graphs. It must be >= every context length: tokens
+    past it are not attended. A context of length 0 yields zeros.
+    """
+    b, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, k_dim = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_dim != head_dim:
+        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of 2 >= 16, got {head_dim}")
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of 2 >= 16, got {partition_size}")
+    if block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError("block_tables and context_lens need one row per query")
+
+    out = torch.empty((b, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
+    num_parts = max(1, triton.cdiv(max_len, partition_size))
+    block_n = min(64, partition_size)
+    # The Triton interpreter (CPU tensors) stores bf16 as raw uint16 and its tl.dot multiplies
+    # the bit patterns (triton-lang/triton#11584), so bf16 is upcast there; on CUDA the native
+    # 16-bit dot runs on the tensor cores. fp32 inputs always take the fp32 dot.
+    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    direct = num_parts == 1
+    if direct:
+        m = l_ = acc = out  # unused by the kernel when DIRECT_OUT
+    else:
+        m = torch.empty((b, num_q_heads, num_parts), dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        acc = torch.empty(
+            (b, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
+        )
+
+    _decode_partition_kernel[(b, num_kv_heads, num_parts)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        m,
+        l_,
+        acc,
+        scale * _LOG2E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        DIRECT_OUT=direct,
+        DOT_FP32=dot_fp32,
+        num_warps=4,
+    )
+    if not direct:
+        _decode_reduce_kernel[(b, num_q_heads)](
+            out,
+            m,
+            l_,
+            acc,
+            context_lens,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            PARTITION_SIZE=partition_size,
+            NUM_PARTITIONS=num_parts,
+            BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    context_lens: torch.Tensor,  # [B] int
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention: the Triton kernel on CUDA, the torch reference elsewhere.
+
+    On CPU the Triton interpreter would be far too slow for the engine, so the reference runs.
+    """
+    if q.is_cuda:
+        return paged_attention_decode_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
+        )
     return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,0 +1,142 @@
+"""Fused residual-add + RMSNorm: a Triton kernel (CUDA) beside its plain-torch reference (CPU).
+
+Semantics are Hugging Face's LlamaRMSNorm applied after the decoder's residual add:
+    new_residual = x + residual                      (rounded to the activation dtype)
+    h = float32(new_residual)
+    out = weight * (h * rsqrt(mean(h^2) + eps)).to(activation dtype)
+so the normalised value is rounded to the activation dtype before the weight multiply, and the
+product takes torch's promoted dtype of (weight, activation), exactly as the unfused module does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [N, H]
+    residual_ptr,  # [N, H], read only when HAS_RESIDUAL
+    weight_ptr,  # [H]
+    out_ptr,  # [N, H]
+    new_residual_ptr,  # [N, H], written only when HAS_RESIDUAL
+    n_cols,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # n_cols padded to a power of 2: one program holds a whole row
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the stored dtype before normalising it, as the unfused add does.
+        s = (h + r).to(new_residual_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
+        h = s.to(tl.float32)
+
+    var = tl.sum(h * h, axis=0) / n_cols
+    normed = h * tl.rsqrt(var + eps)
+    # The cast HF makes: back to the dtype of the tensor being normalised, before the weight.
+    if HAS_RESIDUAL:
+        normed = normed.to(new_residual_ptr.dtype.element_ty)
+    else:
+        normed = normed.to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = normed.to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_ref(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then Llama RMSNorm in plain torch; returns (out, new_residual)."""
+    if residual is not None:
+        x = x + residual
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rmsnorm_triton(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then Llama RMSNorm in one Triton pass; returns (out, new_residual)."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden {hidden}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+
+    if weight.stride(0) != 1:
+        weight = weight.contiguous()
+    # Rows may be strided, columns must be contiguous (reshape copies only when they are not).
+    x2 = x.reshape(-1, hidden)  # [N, H]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if residual is not None:
+        new_dtype = torch.promote_types(x.dtype, residual.dtype)
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+        new_residual = torch.empty(x.shape, dtype=new_dtype, device=x.device)
+        nr2 = new_residual.view(-1, hidden)
+        # The norm reads the rounded sum, so its "input dtype" is the sum's dtype.
+        norm_dtype = new_dtype
+    else:
+        r2 = nr2 = x2  # unused by the kernel
+        new_residual = x
+        norm_dtype = x.dtype
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, norm_dtype), device=x.device)
+    o2 = out.view(-1, hidden)
+    rows = x2.shape[0]
+    if rows == 0:
+        return out, new_residual
+
+    block = triton.next_power_of_2(hidden)
+    # Enough warps that each thread holds a handful of elements of the row.
+    num_warps = min(16, max(1, block // 512))
+    _rmsnorm_kernel[(rows,)](
+        x2,
+        r2,
+        weight,
+        o2,
+        nr2,
+        hidden,
+        eps,
+        x2.stride(0),
+        r2.stride(0),
+        o2.stride(0),
+        nr2.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return out, new_residual
+
+
+def rmsnorm(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual-add + RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if x.is_cuda:
+        return rmsnorm_triton(x, weight, eps, residual)
+    return rmsnorm_ref(x, weight, eps, residual)

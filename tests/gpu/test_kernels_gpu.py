@@ -1,0 +1,262 @@
+"""Triton kernels on CUDA (compiled) against float64 references, in bf16/fp16 and larger shapes.
+
+Skipped without CUDA. The kernels must run compiled: with TRITON_INTERPRET=1 in the environment
+(the interpreter is chosen when triton is imported) these tests skip, so run this directory as
+`pytest tests/gpu` without it. The tandem kernels are imported lazily so that collecting this
+module on a CPU host does not import triton before tests/test_kernels.py selects the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def pa() -> ModuleType:
+    """The paged-attention module, compiled (not interpreted) kernels required."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
+    from tandem.kernels import paged_attention
+
+    return paged_attention
+
+
+@pytest.fixture(scope="module")
+def rn(pa: ModuleType) -> ModuleType:
+    """The RMSNorm module (after the same interpreter check)."""
+    from tandem.kernels import rmsnorm
+
+    return rmsnorm
+
+
+def attention_decode_f64(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Softmax(q k^T * scale) v per sequence in float64, gathering the cache token by token."""
+    b, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    kv_of_head = torch.arange(hq, device=q.device) // (hq // hkv)
+    out = torch.zeros(b, hq, d, dtype=torch.float64, device=q.device)
+    for i in range(b):
+        n = context_lens[i]
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        phys = block_tables[i, pos // block_size].long()
+        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
+        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def make_paged(
+    context_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, a shuffled [layers, 2, ...] pool slice and block tables with stale padding."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    b = len(context_lens)
+    need = [(n + block_size - 1) // block_size for n in context_lens]
+    max_blocks = max(need) + 3
+    num_blocks = sum(need) + 7
+    shape = (2, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    pool = torch.randn(shape, generator=g, device=DEV).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g, device=DEV)
+    table = torch.randint(
+        0, num_blocks, (b, max_blocks), generator=g, device=DEV, dtype=torch.int32
+    )
+    used = 0
+    for i, nb in enumerate(need):
+        table[i, :nb] = perm[used : used + nb].int()
+        used += nb
+    qkv = torch.randn(b, 2 * num_q_heads, head_dim, generator=g, device=DEV).to(dtype)
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEV)
+    return qkv[:, :num_q_heads], pool[1, 0], pool[1, 1], table, ctx
+
+
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+LENS = [1, 16, 17, 511, 512, 513, 1000, 2047, 3001, 64, 7, 1500]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "hq, hkv, d",
+    [(16, 16, 128), (12, 4, 64), (32, 8, 128), (28, 4, 128), (64, 8, 128), (9, 3, 64)],
+    ids=["gqa1", "gqa3-d64", "gqa4", "gqa7", "gqa8", "gqa3-odd"],
+)
+@pytest.mark.parametrize("ps", [512, 256])
+def test_decode_triton_matches_f64(
+    pa: ModuleType, dtype: torch.dtype, hq: int, hkv: int, d: int, ps: int
+) -> None:
+    q, kc, vc, table, ctx = make_paged(LENS, hq, hkv, d, 16, dtype)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, d**-0.5, partition_size=ps)
+    assert out.dtype == dtype
+    expect = attention_decode_f64(q, kc, vc, table, LENS, d**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[dtype])
+
+
+@pytest.mark.parametrize("bs", [8, 32])
+def test_decode_triton_other_block_sizes(pa: ModuleType, bs: int) -> None:
+    q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, bs, torch.bfloat16)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 128**-0.5)
+    expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.bfloat16])
+
+
+def test_decode_triton_fp32_single_partition(pa: ModuleType) -> None:
+    lens = [1, 100, 300, 17]
+    q, kc, vc, table, ctx = make_paged(lens, 32, 8, 128, 16, torch.float32)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 128**-0.5, max_context_len=300)
+    expect = attention_decode_f64(q, kc, vc, table, lens, 128**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_ref_matches_f64(pa: ModuleType, dtype: torch.dtype) -> None:
+    q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, 16, dtype)
+    out = pa.paged_attention_decode_ref(q, kc, vc, table, ctx, 128**-0.5)
+    expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[dtype])
+
+
+def test_decode_dispatch_uses_triton_on_cuda(pa: ModuleType) -> None:
+    q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, 16, torch.bfloat16)
+    got = pa.paged_attention_decode(q, kc, vc, table, ctx, 128**-0.5)
+    assert torch.equal(got, pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 128**-0.5))
+
+
+def test_decode_triton_cuda_graph_replay(pa: ModuleType) -> None:
+    # Captured once with a fixed bound; replays see new lengths and tables written in place.
+    lens = [5, 1000, 1, 0]  # 0: a padding slot of the captured batch
+    q, kc, vc, table, ctx = make_paged(lens, 32, 8, 128, 16, torch.bfloat16)
+    static_q = q.clone()
+
+    def step() -> torch.Tensor:
+        return pa.paged_attention_decode_triton(
+            static_q, kc, vc, table, ctx, 128**-0.5, max_context_len=1024
+        )
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for new_lens in ([6, 901, 2, 0], [700, 3, 1000, 0]):
+        need = max((n + 15) // 16 for n in new_lens)
+        assert need <= table.shape[1]
+        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        table.copy_(table.flip(0))  # other sequences' blocks: a changed table, same shape
+        static_q.copy_(torch.randn_like(static_q))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = attention_decode_f64(static_q, kc, vc, table, new_lens, 128**-0.5)
+        torch.testing.assert_close(static_out.double(), expect, **TOL[torch.bfloat16])
+        assert torch.equal(static_out[3], torch.zeros_like(static_out[3]))
+
+
+def test_decode_triton_pool_beyond_int32_offsets(pa: ModuleType) -> None:
+    # Element offsets past 2**31 in the cache: the kernel must index in int64.
+    num_blocks, bs, hkv, d = 140_000, 16, 8, 128  # 2.3e9 elements per cache, 4.6 GB in bf16
+    need_bytes = 2 * num_blocks * bs * hkv * d * 2
+    if torch.cuda.mem_get_info()[0] < need_bytes + (2 << 30):
+        pytest.skip("not enough free GPU memory for a >2**31-element pool")
+    kc = torch.empty(num_blocks, bs, hkv, d, dtype=torch.bfloat16, device=DEV)
+    vc = torch.empty_like(kc)
+    lens = [40, 33]
+    table = torch.tensor([[num_blocks - 1, 5, num_blocks - 2], [num_blocks - 3, 0, 0]], device=DEV)
+    table = table.int()
+    for blk in (num_blocks - 1, num_blocks - 2, num_blocks - 3, 5, 0):
+        kc[blk].normal_()
+        vc[blk].normal_()
+    q = torch.randn(2, 32, d, device=DEV, dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, d**-0.5)
+    expect = attention_decode_f64(q, kc, vc, table, lens, d**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=["bf16", "fp16", "bf16-fp32-weight"],
+)
+@pytest.mark.parametrize("hidden", [576, 4096, 8192])
+def test_rmsnorm_matches_llama_module(
+    rn: ModuleType, x_dtype: torch.dtype, w_dtype: torch.dtype, hidden: int
+) -> None:
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = (torch.randn(64, hidden, generator=g, device=DEV) * 4).to(x_dtype)
+    res = (torch.randn(64, hidden, generator=g, device=DEV) * 4).to(x_dtype)
+    module = llama.LlamaRMSNorm(hidden, eps=1e-5).to(DEV)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(hidden, generator=g, device=DEV) + 0.5)
+    module = module.to(w_dtype)
+    w = module.weight.detach()
+    with torch.no_grad():
+        expect_res = x + res
+        expect = module(expect_res)
+        expect_plain = module(x)
+
+    out, new_res = rn.rmsnorm_triton(x, w, 1e-5, res)
+    assert out.dtype == expect.dtype
+    assert torch.equal(new_res, expect_res)
+    # Only the float32 summation order differs from torch's mean, which now and then moves a
+    # value across a rounding boundary (one ulp of the activation dtype); a wrong cast order
+    # changes about a quarter of the elements.
+    ulp_tol = dict(rtol=2 * torch.finfo(x_dtype).eps, atol=1e-5)
+    torch.testing.assert_close(out, expect, **ulp_tol)
+    assert (out != expect).float().mean().item() < 0.01
+
+    out, same = rn.rmsnorm_triton(x, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, expect_plain, **ulp_tol)
+    assert (out != expect_plain).float().mean().item() < 0.01
+
+    ref_out, ref_res = rn.rmsnorm_ref(x, w, 1e-5, res)
+    assert torch.equal(ref_res, expect_res) and torch.equal(ref_out, expect)
+    got = rn.rmsnorm(x, w, 1e-5, res)  # the dispatcher takes the Triton path on CUDA
+    assert torch.equal(got[0], rn.rmsnorm_triton(x, w, 1e-5, res)[0])
+
+
+def test_rmsnorm_triton_fp32_matches_f64(rn: ModuleType) -> None:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(3, 5, 4096, generator=g, device=DEV)
+    res = torch.randn(3, 5, 4096, generator=g, device=DEV)
+    w = torch.rand(4096, generator=g, device=DEV) + 0.5
+    out, new_res = rn.rmsnorm_triton(x, w, 1e-6, res)
+    h = x.double() + res.double()
+    expect = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_res.double(), h, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,303 @@
+"""Triton kernels against independent float64 references, on CPU under the Triton interpreter.
+
+The interpreter must be chosen before triton.jit runs, hence the environment variable set before
+any import (the Makefile's test target sets it too). Shapes are small: the interpreter runs each
+program in Python.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import rmsnorm as rn  # noqa: E402
+
+# triton.jit picks interpreter or compiler when a function is decorated, triton's own library
+# (tl.sum, tl.cdiv, ...) included, so the choice is fixed by whoever imported triton first.
+_INTERPRETED = all(
+    isinstance(f, InterpretedFunction)
+    for f in (tl.sum, pa._decode_partition_kernel, pa._decode_reduce_kernel, rn._rmsnorm_kernel)
+)
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreter() -> None:
+    """Explain, rather than crash inside triton, when triton was imported in compiled mode."""
+    if _INTERPRETED:
+        return
+    if torch.cuda.is_available():
+        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
+    pytest.fail(
+        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
+        "run `make test`, or set TRITON_INTERPRET=1 in the environment"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references, written from the definitions (per-token gather, no shared code with tandem)
+
+
+def attention_decode_f64(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Softmax(q k^T * scale) v per sequence, in float64, for one query token at the end."""
+    b, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    kv_of_head = torch.arange(hq) // (hq // hkv)  # query head -> its kv head
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = context_lens[i]
+        if n == 0:
+            continue
+        pos = torch.arange(n)
+        phys = block_tables[i, pos // block_size].long()
+        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
+        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
+        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def attention_varlen_f64(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries (the last q_len positions of each context), float64."""
+    t, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    kv_of_head = torch.arange(hq) // (hq // hkv)
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    for i, n in enumerate(context_lens):
+        s0, e0 = query_start_loc[i], query_start_loc[i + 1]
+        for j in range(s0, e0):
+            qpos = n - (e0 - s0) + (j - s0)
+            pos = torch.arange(qpos + 1)
+            phys = block_tables[i, pos // block_size].long()
+            k = k_cache[phys, pos % block_size].double()[:, kv_of_head]
+            v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
+            s = torch.einsum("hd,nhd->hn", q[j].double(), k) * scale
+            out[j] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+def make_paged(
+    context_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    extra_table_cols: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, a shuffled cache pool and block tables; padding entries point at stale blocks."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(context_lens)
+    need = [(n + block_size - 1) // block_size for n in context_lens]
+    max_blocks = max(max(need), 1) + extra_table_cols
+    num_blocks = sum(need) + 5  # a few blocks nobody owns
+    # The cache is a slice of a [layers, 2, ...] pool, as the workers lay it out.
+    pool = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    pool = pool.to(dtype)
+    k_cache, v_cache = pool[1, 0], pool[1, 1]
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.randint(0, num_blocks, (b, max_blocks), generator=g, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(need):
+        table[i, :nb] = perm[used : used + nb].int()
+        used += nb
+    # q as a strided view (one slice of a fused qkv projection output).
+    qkv = torch.randn(b, 2 * num_q_heads, head_dim, generator=g).to(dtype)
+    q = qkv[:, :num_q_heads]
+    return q, k_cache, v_cache, table, torch.tensor(context_lens, dtype=torch.int32)
+
+
+# (context_lens, Hq, Hkv, head_dim, block_size, partition_size)
+DECODE_CASES = [
+    # GQA 1; a length-1 context; lengths not multiples of the block; 2 partitions.
+    pytest.param([1, 17, 40], 4, 4, 64, 16, 32, id="gqa1-len1-2parts"),
+    # GQA 3 (a group that is not a power of 2); up to 4 partitions.
+    pytest.param([5, 33, 100, 1], 6, 2, 64, 16, 32, id="gqa3-4parts"),
+    # GQA 4, head_dim 128, a partition boundary crossed by one token.
+    pytest.param([16, 64, 129], 8, 2, 128, 16, 64, id="gqa4-d128"),
+    # GQA 4, everything in one partition: stage 1 writes the output itself.
+    pytest.param([3, 50, 77], 8, 2, 64, 16, 512, id="gqa4-single-partition"),
+    # GQA 8, block size 8 (an iteration spans two blocks).
+    pytest.param([9, 31, 70], 8, 1, 64, 8, 16, id="gqa8-bs8"),
+    # GQA 3, block size 32 with partitions smaller than a block.
+    pytest.param([9, 31, 70], 6, 2, 64, 32, 16, id="gqa3-bs32-small-partitions"),
+]
+
+
+@pytest.mark.parametrize("lens, hq, hkv, d, bs, ps", DECODE_CASES)
+def test_decode_triton_matches_f64(
+    lens: list[int], hq: int, hkv: int, d: int, bs: int, ps: int
+) -> None:
+    q, kc, vc, table, ctx = make_paged(lens, hq, hkv, d, bs, torch.float32, extra_table_cols=2)
+    scale = d**-0.5
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, scale, partition_size=ps)
+    assert out.shape == (len(lens), hq, d) and out.dtype == torch.float32
+    expect = attention_decode_f64(q, kc, vc, table, lens, scale)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_triton_max_context_len_bounds_partitions() -> None:
+    # A wide table (room for 256 tokens) but a host-known bound of 70: 3 partitions of 32.
+    lens = [70, 2, 33]
+    q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=10)
+    out = pa.paged_attention_decode_triton(
+        q, kc, vc, table, ctx, 0.125, partition_size=32, max_context_len=70
+    )
+    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ps", [16, 512])
+def test_decode_triton_empty_context_gives_zeros(ps: int) -> None:
+    # Padding slots of a captured batch have no context: zeros, and the neighbours are unaffected.
+    lens = [0, 37, 0]
+    q, kc, vc, table, ctx = make_paged(lens, 4, 2, 64, 16, torch.float32)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
+    torch.testing.assert_close(out[1].double(), expect[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)], ids=["fp16", "bf16"]
+)
+def test_decode_triton_half_precision(dtype: torch.dtype, tol: float) -> None:
+    lens = [1, 45, 100]
+    q, kc, vc, table, ctx = make_paged(lens, 8, 2, 64, 16, dtype)
+    out = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=32)
+    assert out.dtype == dtype
+    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
+    torch.testing.assert_close(out.double(), expect, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("lens, hq, hkv, d, bs, ps", DECODE_CASES[:3])
+def test_decode_ref_matches_f64(
+    lens: list[int], hq: int, hkv: int, d: int, bs: int, ps: int
+) -> None:
+    q, kc, vc, table, ctx = make_paged(lens, hq, hkv, d, bs, torch.float32, extra_table_cols=2)
+    out = pa.paged_attention_decode_ref(q, kc, vc, table, ctx, d**-0.5)
+    expect = attention_decode_f64(q, kc, vc, table, lens, d**-0.5)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_dispatch_uses_reference_on_cpu() -> None:
+    q, kc, vc, table, ctx = make_paged([5, 40], 6, 2, 64, 16, torch.float32)
+    got = pa.paged_attention_decode(q, kc, vc, table, ctx, 0.125)
+    assert torch.equal(got, pa.paged_attention_decode_ref(q, kc, vc, table, ctx, 0.125))
+
+
+def test_varlen_ref_matches_f64() -> None:
+    # Prefill (q_len == context), chunked prefill / verification (q_len < context), and a
+    # sequence with no queries this step.
+    lens, q_lens = [7, 40, 20, 33], [7, 5, 0, 1]
+    _, kc, vc, table, _ = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=1)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], 6, 64, generator=torch.Generator().manual_seed(1))
+    out = pa.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, 0.125)
+    expect = attention_varlen_f64(q, kc, vc, table, starts, lens, 0.125)
+    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def rmsnorm_f64(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (+ residual) / sqrt(mean(x^2) + eps) * weight, in float64 and without intermediate casts."""
+    h = x.double() if residual is None else x.double() + residual.double()
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double(), h
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 96), (4, 576)], ids=["2d", "3d", "smollm"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rmsnorm_triton_matches_f64(shape: tuple[int, ...], with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.rand(shape[-1], generator=g) + 0.5
+    res = torch.randn(shape, generator=g) if with_residual else None
+    out, new_res = rn.rmsnorm_triton(x, w, 1e-6, res)
+    expect, expect_res = rmsnorm_f64(x, w, 1e-6, res)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_res.double(), expect_res, atol=1e-6, rtol=1e-6)
+    ref_out, ref_res = rn.rmsnorm_ref(x, w, 1e-6, res)
+    torch.testing.assert_close(ref_out.double(), expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_res.double(), expect_res, atol=1e-6, rtol=1e-6)
+    if not with_residual:
+        assert new_res is x  # no copy when there is nothing to add
+
+
+@pytest.mark.parametrize(
+    "x_dtype, w_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=["bf16", "fp16", "bf16-fp32-weight"],
+)
+def test_rmsnorm_matches_llama_module(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    # Same rounding points as transformers' LlamaRMSNorm after the decoder's residual add.
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator().manual_seed(0)
+    hidden = 576
+    x = (torch.randn(8, hidden, generator=g) * 4).to(x_dtype)
+    res = (torch.randn(8, hidden, generator=g) * 4).to(x_dtype)
+    module = llama.LlamaRMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    module = module.to(w_dtype)
+    w = module.weight.detach()
+    with torch.no_grad():
+        expect_res = x + res
+        expect = module(expect_res)
+
+    ref_out, ref_res = rn.rmsnorm_ref(x, w, 1e-5, res)
+    assert ref_out.dtype == expect.dtype
+    assert torch.equal(ref_res, expect_res) and torch.equal(ref_out, expect)
+
+    out, new_res = rn.rmsnorm_triton(x, w, 1e-5, res)
+    assert out.dtype == expect.dtype and new_res.dtype == x_dtype
+    if x_dtype == torch.bfloat16:
+        # The interpreter truncates float32 -> bf16 instead of rounding to nearest even, so each
+        # cast may land one bf16 ulp (<= 2**-7 relative) off; tests/gpu checks exact rounding.
+        torch.testing.assert_close(new_res, expect_res, rtol=2**-6, atol=0)
+        torch.testing.assert_close(out, expect, rtol=3 * 2**-7, atol=1e-3)
+        return
+    assert torch.equal(new_res, expect_res)
+    # Only the float32 summation order differs from torch's mean, which now and then moves a
+    # value across a rounding boundary (one ulp); a wrong cast order changes about a quarter.
+    torch.testing.assert_close(out, expect, rtol=2 * torch.finfo(x_dtype).eps, atol=1e-5)
+    assert (out != expect).float().mean().item() < 0.01
+
+
+def test_rmsnorm_dispatch_uses_reference_on_cpu() -> None:
+    x, res, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64)
+    got = rn.rmsnorm(x, w, 1e-6, res)
+    ref = rn.rmsnorm_ref(x, w, 1e-6, res)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -91,7 +91,18 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
     decode_addr = f"{host}:{decode_port}"
     plan = [
         ("prefill", prefill_addr, ["--port", str(prefill_port)]),
-        ("decode", decode_addr, ["--port", str(decode_port), "--prefill", prefill_addr]),
+        (
+            "decode",
+            decode_addr,
+            [
+                "--port",
+                str(decode_port),
+                "--prefill",
+                prefill_addr,
+                "--kv-transport",
+                args.kv_transport,
+            ],
+        ),
         (
             "gateway",
             f"{host}:{port}",
@@ -226,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
+    up.add_argument(
+        "--kv-transport",
+        choices=["auto", "shm", "inline"],
+        default="auto",
+        help="how KV moves from prefill to decode (auto: shared memory on one host)",
+    )
     up.add_argument("--log-dir", default=None)
     up.add_argument("--start-timeout", type=float, default=180.0)
     up.add_argument(

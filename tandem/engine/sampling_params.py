@@ -66,4 +66,6 @@ class SamplingParams:
 
 
 def _finite(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+    return (
+        isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+    )

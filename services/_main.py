@@ -8,7 +8,13 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from tandem.config import engine_config_from_args, stage_parser
+from tandem import telemetry
+from tandem.config import (
+    engine_config_from_args,
+    gateway_config_from_args,
+    metrics_port_of,
+    stage_parser,
+)
 
 
 def run_stage(
@@ -30,11 +36,19 @@ def run_stage(
     elif stage == "decode":
         kwargs = {"kv_transport": args.kv_transport, "prefill": args.prefill}
     elif stage == "gateway":
+        try:
+            gateway_config = gateway_config_from_args(args)
+        except (TypeError, ValueError) as e:
+            sys.exit(f"tandem {stage}: {e}")
         kwargs = {
+            "gateway_config": gateway_config,
             "http_port": None if args.http_port < 0 else args.http_port,
             "prefill": args.prefill,
             "decode": args.decode,
         }
+    kwargs["metrics_port"] = metrics_port_of(args)
+    # OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing stays off (free).
+    telemetry.init_tracing(stage)
 
     async def main() -> None:
         task = asyncio.ensure_future(serve(config, args.host, args.port, **kwargs))
@@ -56,3 +70,5 @@ def run_stage(
         asyncio.run(main())
     except (FileNotFoundError, ValueError, OSError) as e:
         sys.exit(f"tandem {stage}: {e}")
+    finally:
+        telemetry.shutdown()  # flush the spans still queued

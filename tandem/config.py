@@ -24,6 +24,14 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's context length
+    # KV cache storage: "auto" (the model dtype), "fp8" (e4m3) or "int8", both with one float32
+    # scale per (block, kv head).
+    kv_dtype: str = "auto"
+    # Linear weights: "auto" (as the checkpoint stores them: a `tandem quantize` output loads
+    # quantized, a GGUF file is dequantized to float), "int4" (GGUF Q4_1 tensors load natively as
+    # INT4 g32, float weights are quantized at load to INT4 g128 by round-to-nearest) or "none"
+    # (everything dequantized to float).
+    quantization: str = "auto"
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -36,6 +44,16 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         return _DTYPES[self.dtype]
+
+    def resolved_kv_dtype(self) -> torch.dtype:
+        """The KV pool's storage dtype."""
+        if self.kv_dtype == "auto":
+            return self.resolved_dtype()
+        if self.kv_dtype == "fp8":
+            return torch.float8_e4m3fn
+        if self.kv_dtype == "int8":
+            return torch.int8
+        raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -51,6 +69,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.resolved_dtype()
+        self.resolved_kv_dtype()
+        if self.quantization not in ("auto", "int4", "none"):
+            raise ValueError(
+                f"quantization must be one of auto, int4, none; got {self.quantization!r}"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -81,13 +104,67 @@ def _parse(value: str, typ: Any, name: str) -> Any:
     return value or None if "None" in t else value
 
 
-def add_engine_args(parser: Any) -> None:
-    """Add a `--flag` for every `EngineConfig` field to an argparse parser (default: unset)."""
-    for f in fields(EngineConfig):
+@dataclass
+class GatewayConfig:
+    """Limits and security settings of the public gateway."""
+
+    max_waiting: int = 256  # requests waiting for their first token; more -> RESOURCE_EXHAUSTED
+    max_inflight: int = 1024  # requests in progress; more -> RESOURCE_EXHAUSTED
+    max_prompt_tokens: int | None = None  # None: the model's context minus one
+    max_tokens_limit: int | None = None  # largest accepted max_tokens; None: the model's context
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters per stop string
+    max_messages: int = 512
+    max_prompt_chars: int = 1_000_000
+    max_concurrent_streams: int = 256  # per HTTP/2 connection (gRPC)
+    api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
+    tls_key: str | None = None
+
+    def validate(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {v}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} file {path!r} does not exist")
+
+
+def _add_dataclass_args(parser: Any, cls: Any, what: str) -> None:
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
         typ = int if "int" in t else float if "float" in t else str
-        parser.add_argument(flag, dest=f.name, type=typ, default=None, help=f"engine {f.name}")
+        parser.add_argument(flag, dest=f.name, type=typ, default=None, help=f"{what} {f.name}")
+
+
+def _from_args(cls: Any, args: Any) -> Any:
+    opts = {}
+    for f in fields(cls):
+        v = getattr(args, f.name, None)
+        if v is None:
+            env = os.environ.get(f"TANDEM_{f.name.upper()}")
+            if env is not None:
+                v = _parse(env, f.type, f.name)
+        if v is not None:
+            opts[f.name] = v
+    return cls(**opts)
+
+
+def gateway_config_from_args(args: Any) -> GatewayConfig:
+    """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
+    cfg = _from_args(GatewayConfig, args)
+    cfg.validate()
+    return cfg
+
+
+def add_engine_args(parser: Any) -> None:
+    """Add a `--flag` for every `EngineConfig` field to an argparse parser (default: unset)."""
+    _add_dataclass_args(parser, EngineConfig, "engine")
 
 
 def engine_config_from_args(args: Any) -> EngineConfig:
@@ -103,6 +180,19 @@ def engine_config_from_args(args: Any) -> EngineConfig:
 # ---- service command lines ------------------------------------------------------------------
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+
+
+METRICS_PORT_OFFSET = 1000  # a stage's /metrics port defaults to its gRPC port + this
+
+
+def metrics_port_of(args: Any) -> int | None:
+    """The /metrics port a stage's parsed flags ask for; None when disabled."""
+    port = args.metrics_port
+    if port is None:
+        port = args.port + METRICS_PORT_OFFSET
+        if args.port <= 0 or port > 65535:
+            return None
+    return None if port < 0 else port
 
 
 def _addresses(value: str) -> list[str]:
@@ -128,6 +218,13 @@ def stage_parser(stage: str) -> Any:
     }[stage]
     p.add_argument(
         "--port", type=int, default=default_port, help=f"gRPC port (default {default_port})"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"Prometheus /metrics HTTP port (default: gRPC port + {METRICS_PORT_OFFSET}; "
+        "-1 disables)",
     )
     p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
     add_engine_args(p)
@@ -158,6 +255,7 @@ def stage_parser(stage: str) -> Any:
             default=DEFAULT_HTTP_PORT,
             help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; -1 disables)",
         )
+        _add_dataclass_args(p, GatewayConfig, "gateway")
         p.add_argument(
             "--prefill", type=_addresses, required=True, help="prefill addresses, comma separated"
         )

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import grpc
 
+from services.gateway.observe import (
+    GatewayTelemetry,
+    RequestTrace,
+    grpc_carrier,
+    operation_of,
+)
 from services.gateway.pipeline import Finished, Pipeline, TextDelta
-from services.gateway.router import StageUnavailable
+from services.gateway.router import Overloaded, StageUnavailable
+from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import validate_request
 from tandem.rpc import api_pb2, api_pb2_grpc
@@ -21,11 +29,24 @@ ROLES = ("system", "user", "assistant", "tool")
 class Frontend:
     """Turns public requests into token ids and checked sampling parameters."""
 
-    def __init__(self, pipeline: Pipeline, model_name: str, vocab_size: int) -> None:
+    # The server installs one holding its metrics registry; this default records nothing.
+    telemetry: GatewayTelemetry = GatewayTelemetry()
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        model_name: str,
+        vocab_size: int,
+        limits: GatewayConfig | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.tokenizer = pipeline.tokenizer
+        self.limits = limits or GatewayConfig()
+        ctx = pipeline.max_model_len
+        self.max_prompt_tokens = min(self.limits.max_prompt_tokens or ctx - 1, ctx - 1)
+        self.max_tokens_limit = min(self.limits.max_tokens_limit or ctx, ctx)
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
@@ -34,6 +55,11 @@ class Frontend:
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: send at least one message")
+        if len(messages) > self.limits.max_messages:
+            raise ValueError(
+                f"messages holds {len(messages)} messages; at most {self.limits.max_messages} are allowed"
+            )
+        total = 0
         for i, m in enumerate(messages):
             if m.get("role") not in ROLES:
                 raise ValueError(
@@ -41,14 +67,37 @@ class Frontend:
                 )
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
+            total += len(m["content"])
+        if total > self.limits.max_prompt_chars:
+            raise ValueError(
+                f"messages hold {total} characters; at most {self.limits.max_prompt_chars} are allowed"
+            )
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if not prompt:
             raise ValueError("prompt is empty: it must hold at least one token")
+        if len(prompt) > self.limits.max_prompt_chars:
+            raise ValueError(
+                f"prompt has {len(prompt)} characters; at most {self.limits.max_prompt_chars} are allowed"
+            )
         return self.tokenizer.encode(prompt)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
+        """Apply the gateway's limits, then the engine's own checks; errors name the field."""
+        lim = self.limits
+        if len(params.stop) > lim.max_stop_strings:
+            raise ValueError(f"stop holds {len(params.stop)} strings; at most {lim.max_stop_strings} are allowed")
+        for s in params.stop:
+            if isinstance(s, str) and len(s) > lim.max_stop_length:
+                raise ValueError(f"stop strings may be at most {lim.max_stop_length} characters, got {len(s)}")
+        if isinstance(params.max_tokens, int) and params.max_tokens > self.max_tokens_limit:
+            raise ValueError(f"max_tokens must be <= {self.max_tokens_limit}, got {params.max_tokens}")
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are accepted "
+                f"(the model's context is {self.pipeline.max_model_len} tokens)"
+            )
         validate_request(ids, params, self.vocab_size, self.pipeline.max_model_len)
 
 
@@ -83,6 +132,8 @@ async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if isinstance(e, StageUnavailable):
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    if isinstance(e, Overloaded):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     log.exception("request failed")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 
@@ -109,17 +160,26 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         return ids, params
 
     async def Generate(self, request, context):
+        rt = self.fe.telemetry.begin(
+            operation_of(request.WhichOneof("input")), grpc_carrier(context)
+        )
+        if rt.trace_id:  # the client learns its trace id before the first token
+            await context.send_initial_metadata(rt.response_metadata())
         try:
             ids, params = self._parse_generate(request)
         except ValueError as e:
+            rt.fail(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rt.tokenized(ids, params, request.model)
         try:
-            async for ev in self.fe.pipeline.run(ids, params, request.request_id):
+            async for ev in rt.watch(
+                self.fe.pipeline.run(ids, params, request.request_id, trace=rt)
+            ):
                 if isinstance(ev, TextDelta):
                     yield api_pb2.GenerateResponse(chunk=chunk_to_proto(ev))
                 else:
-                    yield api_pb2.GenerateResponse(finish=finish_to_proto(ev))
-        except (ValueError, StageUnavailable, RuntimeError) as e:
+                    yield api_pb2.GenerateResponse(finish=finish_to_proto(ev, rt.trace_id))
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a traceback
             await _abort_for(context, e)
 
     async def Chat(self, request_iterator, context):
@@ -127,21 +187,30 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         history: list[dict[str, str]] = []
         state: dict = {"task": None, "turn": 0}
 
-        async def run_turn(turn_no: int, ids: list[int], params: SamplingParams, rid: str) -> None:
+        carrier = grpc_carrier(context)  # each turn is a request span under the client's
+
+        async def run_turn(
+            turn_no: int, ids: list[int], params: SamplingParams, rid: str, rt: RequestTrace
+        ) -> None:
             text: list[str] = []
             try:
-                async for ev in self.fe.pipeline.run(ids, params, rid):
+                async for ev in rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt)):
                     if isinstance(ev, TextDelta):
                         text.append(ev.text)
                         out.put_nowait(api_pb2.ChatResponse(turn=turn_no, chunk=chunk_to_proto(ev)))
                     else:
                         out.put_nowait(
-                            api_pb2.ChatResponse(turn=turn_no, finish=finish_to_proto(ev))
+                            api_pb2.ChatResponse(
+                                turn=turn_no, finish=finish_to_proto(ev, rt.trace_id)
+                            )
                         )
             except asyncio.CancelledError:
                 out.put_nowait(
                     api_pb2.ChatResponse(
-                        turn=turn_no, finish=api_pb2.Finish(finish_reason="abort", request_id=rid)
+                        turn=turn_no,
+                        finish=api_pb2.Finish(
+                            finish_reason="abort", request_id=rid, trace_id=rt.trace_id
+                        ),
                     )
                 )
             except Exception as e:  # noqa: BLE001 - ends the session with a status
@@ -165,6 +234,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                     if t is not None and not t.done():
                         await asyncio.wait([t])  # turns run one after another
                     turn = req.turn
+                    rt = self.fe.telemetry.begin("chat", carrier)
                     try:
                         self.fe.check_model(turn.model)
                         msgs = [{"role": m.role, "content": m.content} for m in turn.messages]
@@ -172,12 +242,14 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                         params = sampling_from_proto(turn.sampling)
                         self.fe.check(ids, params)
                     except ValueError as e:
+                        rt.fail(e)
                         out.put_nowait(e)
                         return
+                    rt.tokenized(ids, params, turn.model)
                     history.extend(msgs)
                     state["turn"] += 1
                     state["task"] = asyncio.ensure_future(
-                        run_turn(state["turn"], ids, params, turn.request_id)
+                        run_turn(state["turn"], ids, params, turn.request_id, rt)
                     )
                 t = state["task"]
                 if t is not None:
@@ -210,3 +282,42 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 )
             ]
         )
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <key>` on the public API (health and reflection stay open)."""
+
+    OPEN = ("/grpc.health.v1.", "/grpc.reflection.")
+
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN):
+            return handler
+        md = dict(details.invocation_metadata or ())
+        got = md.get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        if hmac.compare_digest(got, self.expected):
+            return handler
+        msg = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+            yield  # pragma: no cover - makes this an async generator
+
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)
+        return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)

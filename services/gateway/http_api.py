@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -11,11 +12,14 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.grpc_api import Frontend
+from services.gateway.observe import RequestTrace
 from services.gateway.pipeline import Finished, TextDelta
-from services.gateway.router import StageUnavailable
+from services.gateway.router import Overloaded, StageUnavailable
+from tandem import telemetry
 from tandem.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway.http")
+TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request
 
 
 class RequestError(ValueError):
@@ -96,14 +100,49 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     )
 
 
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Every failure answers with the OpenAI error body, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return error_response(e.reason or "request failed", e.status)
+    except Overloaded as e:
+        return error_response(str(e), 429, kind="rate_limit_exceeded")
+    except StageUnavailable as e:
+        return error_response(str(e), 503, kind="service_unavailable")
+    except Exception:  # noqa: BLE001 - logged here, a plain message to the client
+        log.exception("HTTP request failed")
+        return error_response("internal error", 500)
+
+
 class OpenAIServer:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, api_key: str | None = None) -> None:
         self.fe = frontend
-        self.app = web.Application(client_max_size=8 << 20)
+        self.api_key = api_key
+        middlewares = [errors_middleware]
+        if api_key:
+            middlewares.append(self._auth)
+        self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.on_response_prepare.append(_trace_header)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path != "/health":
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
+                return error_response(
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    401,
+                    kind="authentication_error",
+                )
+        return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -133,7 +172,14 @@ class OpenAIServer:
             raise RequestError("request body must be a JSON object")
         return body
 
+    def _begin(self, request: web.Request, operation: str) -> RequestTrace:
+        """Start the request's trace; the client's `traceparent` header is its parent."""
+        rt = self.fe.telemetry.begin(operation, request.headers if telemetry.enabled() else None)
+        request[TRACE_KEY] = rt
+        return rt
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        rt = self._begin(request, "chat")
         try:
             body = await self._body(request)
             self.fe.check_model(body.get("model") or "")
@@ -151,6 +197,7 @@ class OpenAIServer:
             ids = self.fe.chat_ids(norm)
             params = sampling_from_body(body, chat=True)
             self.fe.check(ids, params)
+            rt.tokenized(ids, params, body.get("model") or "")
         except RequestError as e:
             return error_response(str(e), e.status, e.param)
         except ValueError as e:
@@ -158,6 +205,7 @@ class OpenAIServer:
         return await self._respond(request, body, ids, params, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        rt = self._begin(request, "text_completion")
         try:
             body = await self._body(request)
             self.fe.check_model(body.get("model") or "")
@@ -179,6 +227,7 @@ class OpenAIServer:
                 )
             params = sampling_from_body(body, chat=False)
             self.fe.check(ids, params)
+            rt.tokenized(ids, params, body.get("model") or "")
         except RequestError as e:
             return error_response(str(e), e.status, e.param)
         except ValueError as e:
@@ -190,9 +239,17 @@ class OpenAIServer:
         created = int(time.time())
         model = self.fe.model_name
         obj = "chat.completion" if chat else "text_completion"
-        stream = bool(body.get("stream", False))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-        events = self.fe.pipeline.run(ids, params, rid)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            return error_response("stream must be a boolean", 400, "stream")
+        # Refuse before the 200 of a stream is sent; run() checks again when it starts.
+        self.fe.pipeline.admit()
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            return error_response("stream_options must be an object", 400, "stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+        rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
+        events = rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt))
         if not stream:
             text, toks, lps, fin = [], [], [], None
             try:
@@ -205,6 +262,8 @@ class OpenAIServer:
                         fin = ev
             except StageUnavailable as e:
                 return error_response(str(e), 503, kind="service_unavailable")
+            except Overloaded as e:
+                return error_response(str(e), 429, kind="rate_limit_exceeded")
             full = "".join(text)
             choice: dict[str, Any] = {"index": 0, "finish_reason": fin.reason}
             if chat:
@@ -268,7 +327,7 @@ class OpenAIServer:
                             }
                         )
             await resp.write(b"data: [DONE]\n\n")
-        except StageUnavailable as e:
+        except (StageUnavailable, Overloaded) as e:
             await send(
                 {
                     "error": {
@@ -300,6 +359,16 @@ class OpenAIServer:
                 }
             )
         return {"content": content}
+
+
+async def _trace_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Name the request's trace in the response (`x-trace-id`); a refusal ends the trace."""
+    rt = request.get(TRACE_KEY)
+    if rt is None or not rt.trace_id:
+        return
+    response.headers[telemetry.TRACE_ID_HEADER] = rt.trace_id
+    if response.status >= 400:
+        rt.fail(f"HTTP {response.status}")
 
 
 def _chunk(

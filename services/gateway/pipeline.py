@@ -6,16 +6,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
-from services.gateway.router import Router, StageUnavailable
+from services.gateway.router import Overloaded, Router, StageUnavailable
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import logprob_from_proto, sampling_to_proto
+
+if TYPE_CHECKING:
+    from services.gateway.observe import RequestTrace
 
 
 @dataclass
@@ -40,12 +44,34 @@ class Pipeline:
     """Runs requests across the router's workers."""
 
     def __init__(
-        self, router: Router, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int
+        self,
+        router: Router,
+        tokenizer: Tokenizer,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        max_waiting: int = 256,
+        max_inflight: int = 1024,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.max_inflight = max_inflight
+        self.waiting = 0  # admitted, no first token yet
+        self.inflight = 0  # admitted, not finished
+
+    def admit(self) -> None:
+        """Refuse at once (rather than queue without bound) when a limit is reached."""
+        if self.inflight >= self.max_inflight:
+            raise Overloaded(
+                f"gateway is at its limit of {self.max_inflight} requests in progress; retry later"
+            )
+        if self.waiting >= self.max_waiting:
+            raise Overloaded(
+                f"gateway is at its limit of {self.max_waiting} requests waiting for a first "
+                "token; retry later"
+            )
 
     def _stop_reason(
         self, params: SamplingParams, tok: int, n_out: int, n_total: int
@@ -57,28 +83,68 @@ class Pipeline:
         return None
 
     async def run(
-        self, ids: list[int], params: SamplingParams, request_id: str = ""
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str = "",
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[TextDelta | Finished]:
-        """Stream text deltas, then one `Finished`. Closing the iterator early cancels the request."""
+        """Stream text deltas, then one `Finished`. Closing the iterator early cancels the request.
+
+        Raises `Overloaded` before doing anything when a gateway limit is reached.
+        """
+        self.admit()
+        self.inflight += 1
+        self.waiting += 1
+        state = {"waiting": True}
+        try:
+            async for ev in self._run(ids, params, request_id, state, trace):
+                yield ev
+        finally:
+            self.inflight -= 1
+            if state["waiting"]:
+                self.waiting -= 1
+
+    def _first_token_seen(self, state: dict) -> None:
+        if state["waiting"]:
+            state["waiting"] = False
+            self.waiting -= 1
+
+    async def _run(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        state: dict,
+        trace: RequestTrace | None = None,
+    ) -> AsyncIterator[TextDelta | Finished]:
         t0 = time.monotonic()
         seq_id = uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        prefill = self.router.pick_prefill()
+        if trace is not None:  # spans of this request: parent context, timed detokenizer
+            detok = trace.detokenizer(detok)
+        prefill = self.router.pick_prefill()  # raises StageUnavailable when none is up
         prefill.inflight += 1
         try:
             resp = await prefill.stub.Run(
                 stages_pb2.PrefillRequest(
                     request_id=seq_id, prompt_token_ids=ids, sampling=sampling_to_proto(params)
-                )
+                ),
+                metadata=trace.metadata() if trace is not None else None,
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Overloaded(f"prefill worker {prefill.address} is full: {e.details()}") from e
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                prefill.mark_down(e.details() or "unavailable")
             raise StageUnavailable(
                 f"prefill worker {prefill.address} failed: {e.code().name}: {e.details()}"
             ) from e
         finally:
             prefill.inflight -= 1
+            self._first_token_seen(state)
         t_first = time.monotonic()
         first = resp.first_token
         n_out = 1
@@ -103,7 +169,7 @@ class Pipeline:
             except grpc.aio.AioRpcError:
                 pass  # the lease expires on its own
         else:
-            decode = self.router.pick_decode()
+            decode = self.router.pick_decode()  # raises StageUnavailable when none is up
             admit = stages_pb2.Admit(
                 seq_id=seq_id,
                 prompt_token_ids=ids,
@@ -112,6 +178,7 @@ class Pipeline:
                 kv=resp.kv,
                 prefill_address=prefill.address,
                 rng_state=resp.rng_state,
+                trace_context=trace.carrier() if trace is not None else {},
             )
             done = False
             try:

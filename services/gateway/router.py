@@ -16,9 +16,49 @@ class StageUnavailable(RuntimeError):
     """A worker could not be reached or failed the request; the message names the stage."""
 
 
-class PrefillClient:
+class Overloaded(RuntimeError):
+    """The gateway is at a configured limit; the request is refused at once."""
+
+
+PROBE_INTERVAL_S = 0.5
+
+
+class Worker:
+    """Health bookkeeping shared by both kinds of worker client."""
+
+    stage = "worker"
+
     def __init__(self, address: str) -> None:
         self.address = address
+        self.healthy = True
+        self._probe: asyncio.Task | None = None
+
+    def mark_down(self, reason: str) -> None:
+        """Stop routing here and probe `grpc.health.v1` until the worker answers SERVING again."""
+        if self.healthy:
+            log.warning("%s worker %s is down: %s", self.stage, self.address, reason)
+        self.healthy = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        from tandem.rpc.health import check
+
+        while not await check(self.address, timeout=1.0):
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        log.info("%s worker %s is back", self.stage, self.address)
+        self.healthy = True
+
+    def stop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+
+
+class PrefillClient(Worker):
+    stage = "prefill"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
         self.channel = grpc.aio.insecure_channel(
             address, options=[("grpc.max_receive_message_length", 64 << 20)]
         )
@@ -29,11 +69,13 @@ class PrefillClient:
         await self.channel.close()
 
 
-class DecodeClient:
+class DecodeClient(Worker):
     """One long-lived bidirectional Session stream to a decode worker, shared by all requests."""
 
+    stage = "decode"
+
     def __init__(self, address: str) -> None:
-        self.address = address
+        super().__init__(address)
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -79,8 +121,8 @@ class DecodeClient:
             reason = f"decode worker {self.address} unavailable: {e.code().name}: {e.details()}"
         except asyncio.CancelledError:
             return
-        log.warning("%s", reason)
         self._send = None
+        self.mark_down(reason)
         for q in self.queues.values():
             q.put_nowait(("error", reason))
 
@@ -117,11 +159,25 @@ class Router:
         self.decode = [DecodeClient(a) for a in decode]
 
     def pick_prefill(self) -> PrefillClient:
-        return min(self.prefill, key=lambda c: c.inflight)
+        up = [c for c in self.prefill if c.healthy]
+        if not up:
+            names = ", ".join(c.address for c in self.prefill)
+            raise StageUnavailable(f"no prefill worker is available (tried {names}); retry later")
+        return min(up, key=lambda c: c.inflight)
 
     def pick_decode(self) -> DecodeClient:
-        return min(self.decode, key=lambda c: c.load)
+        up = [c for c in self.decode if c.healthy]
+        if not up:
+            names = ", ".join(c.address for c in self.decode)
+            raise StageUnavailable(f"no decode worker is available (tried {names}); retry later")
+        return min(up, key=lambda c: c.load)
+
+    @property
+    def serving(self) -> bool:
+        """The gateway can take work: at least one worker of each stage is up."""
+        return any(c.healthy for c in self.prefill) and any(c.healthy for c in self.decode)
 
     async def close(self) -> None:
         for c in [*self.prefill, *self.decode]:
+            c.stop_probe()
             await c.close()

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 
 import grpc
 from aiohttp import web
 from grpc_reflection.v1alpha import reflection
 
-from services.gateway.grpc_api import Frontend, GatewayService
+from services.gateway.grpc_api import ApiKeyInterceptor, Frontend, GatewayService
 from services.gateway.http_api import OpenAIServer
+from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
 from services.gateway.router import Router
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, GatewayConfig
+from tandem.metrics import GatewayMetrics, serve_metrics
 from tandem.model.loader import load_model_info
 from tandem.rpc import api_pb2, api_pb2_grpc
-from tandem.rpc.health import add_health, set_serving
+from tandem.rpc.health import add_health, check, set_serving
 
 log = logging.getLogger("tandem.gateway")
 SERVICE = "tandem.v1.Gateway"
@@ -28,16 +32,26 @@ async def serve(
     http_port: int | None,
     prefill: list[str],
     decode: list[str],
+    gateway_config: GatewayConfig | None = None,
+    metrics_port: int | None = None,
 ) -> None:
-    """Run the gateway until cancelled."""
+    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off)."""
+    gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     router = Router(prefill, decode)
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
-    pipeline = Pipeline(router, tokenizer, eos, max_len)
-    frontend = Frontend(pipeline, mc.name, mc.vocab_size)
+    pipeline = Pipeline(router, tokenizer, eos, max_len, gc.max_waiting, gc.max_inflight)
+    frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
+    gateway_metrics = GatewayMetrics()
+    frontend.telemetry = GatewayTelemetry(gateway_metrics, mc.name)
+    metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway")
 
-    server = grpc.aio.server()
+    interceptors = [ApiKeyInterceptor(gc.api_key)] if gc.api_key else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_concurrent_streams", gc.max_concurrent_streams)],
+    )
     api_pb2_grpc.add_GatewayServicer_to_server(GatewayService(frontend), server)
     health = add_health(server, [SERVICE])
     names = (
@@ -46,23 +60,52 @@ async def serve(
         "grpc.health.v1.Health",
     )
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if gc.tls_cert:
+        with open(gc.tls_key, "rb") as f_key, open(gc.tls_cert, "rb") as f_cert:
+            creds = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
+        bound = server.add_secure_port(f"{host}:{port}", creds)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gateway: cannot bind {host}:{port}")
     await server.start()
     runner = None
     if http_port is not None:
-        runner = web.AppRunner(OpenAIServer(frontend).app, access_log=None)
+        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key).app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, http_port).start()
-    await set_serving(health, [SERVICE], True)
+        ssl_ctx = None
+        if gc.tls_cert:
+            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_ctx.load_cert_chain(gc.tls_cert, gc.tls_key)
+        await web.TCPSite(runner, host, http_port, ssl_context=ssl_ctx).start()
+    # Workers that do not answer yet are probed until they do; health follows the router.
+    for w in [*router.prefill, *router.decode]:
+        if not await check(w.address, timeout=2.0):
+            w.mark_down("not serving at gateway start")
+    health_task = asyncio.ensure_future(_follow_router(router, health))
     log.info(
         "gateway serving gRPC on %s:%d, HTTP on %s (model %s)", host, bound, http_port, mc.name
     )
     try:
         await server.wait_for_termination()
     finally:
+        health_task.cancel()
         await server.stop(1.0)
         if runner is not None:
             await runner.cleanup()
         await router.close()
+        if metrics is not None:
+            metrics.close()
+
+
+async def _follow_router(router: Router, health) -> None:
+    """Report SERVING while at least one worker of each stage is up, NOT_SERVING otherwise."""
+    last = None
+    while True:
+        serving = router.serving
+        if serving != last:
+            await set_serving(health, [SERVICE], serving)
+            if last is not None:
+                log.warning("gateway is %s", "serving again" if serving else "NOT serving: a stage is down")
+            last = serving
+        await asyncio.sleep(0.2)

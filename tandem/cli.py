@@ -28,6 +28,9 @@ class Child:
     address: str
     proc: subprocess.Popen
     log_path: str
+    cmd: list[str]
+    failures: int = 0
+    started: float = 0.0
 
     def tail(self, n: int = 15) -> str:
         try:
@@ -35,6 +38,11 @@ class Child:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
+
+
+def _spawn(cmd: list[str], log_path: str, append: bool = False) -> subprocess.Popen:
+    logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> None:
@@ -74,6 +82,15 @@ def _stop(children: list[Child]) -> None:
             c.proc.kill()
 
 
+def _stage_env(stage: str) -> dict[str, str]:
+    """The environment of a stage: one OTEL_SERVICE_NAME per process (`<name>-<stage>`)."""
+    env = dict(os.environ)
+    name = env.get("OTEL_SERVICE_NAME")
+    if name:
+        env["OTEL_SERVICE_NAME"] = f"{name}-{stage}"
+    return env
+
+
 def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
     host = args.host
     port = args.port
@@ -82,6 +99,14 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
         http_port = DEFAULT_HTTP_PORT if port == DEFAULT_GATEWAY_PORT else port + 3
     prefill_port = args.prefill_port or port + 1
     decode_port = args.decode_port or port + 2
+    # Prometheus /metrics of each stage: its gRPC port + 1000 unless given; -1 turns all off.
+    metrics_ports = {
+        "gateway": args.metrics_port if args.metrics_port is not None else port + 1000,
+        "prefill": args.prefill_metrics_port or prefill_port + 1000,
+        "decode": args.decode_metrics_port or decode_port + 1000,
+    }
+    if args.metrics_port is not None and args.metrics_port < 0:
+        metrics_ports = dict.fromkeys(metrics_ports, -1)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
     os.makedirs(log_dir, exist_ok=True)
     common = ["--host", host, *engine_argv]
@@ -127,14 +152,8 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
     try:
         for stage, addr, extra in plan:
             log_path = os.path.join(log_dir, f"{stage}.log")
-            logf = open(log_path, "w")  # noqa: SIM115 - owned by the child process
-            proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{stage}", *common, *extra],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            children.append(Child(stage, addr, proc, log_path))
+            cmd = [sys.executable, "-m", f"services.{stage}", *common, *extra]
+            children.append(Child(stage, addr, _spawn(cmd, log_path), log_path, cmd))
         _wait_healthy(children, args.start_timeout)
         print(f"Tandem is up (logs in {log_dir})", flush=True)
         print(f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on)", flush=True)
@@ -142,6 +161,17 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
             print(f"  OpenAI HTTP   http://{host}:{http_port}/v1", flush=True)
         print(f"  prefill       {prefill_addr}", flush=True)
         print(f"  decode        {decode_addr}", flush=True)
+        if metrics_ports["gateway"] >= 0:
+            urls = "  ".join(
+                f"{s}=http://{host}:{metrics_ports[s]}/metrics"
+                for s in ("gateway", "prefill", "decode")
+            )
+            print(f"  metrics       {urls}", flush=True)
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        if endpoint:
+            print(f"  traces        OTLP/gRPC to {endpoint}", flush=True)
         if args.then_chat:
             rc = cmd_chat(
                 argparse.Namespace(
@@ -158,14 +188,26 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
             print("Still serving; Ctrl-C stops every stage.", flush=True)
         while True:
             for c in children:
-                if c.proc.poll() is not None:
-                    print(
-                        f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
-                        f"last lines of {c.log_path}:\n{c.tail()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                if c.proc.poll() is None:
+                    if c.failures and time.monotonic() - c.started > 60:
+                        c.failures = 0  # it stayed up: the next crash starts the backoff again
+                    continue
+                print(
+                    f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
+                    f"last lines of {c.log_path}:\n{c.tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if not args.restart:
                     return 1
+                delay = min(30.0, 2.0**c.failures)
+                c.failures += 1
+                print(
+                    f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True
+                )
+                time.sleep(delay)
+                c.proc = _spawn(c.cmd, c.log_path, append=True)
+                c.started = time.monotonic()
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("stopping...", flush=True)
@@ -203,9 +245,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     f = resp.finish
                     secs = time.monotonic() - t0
                     tps = f.usage.completion_tokens / secs if secs > 0 else 0.0
+                    trace = f", trace {f.trace_id}" if f.trace_id else ""
                     print(
                         f"\n[{f.usage.completion_tokens} tokens, finish={f.finish_reason}, "
-                        f"TTFT {f.timings.ttft_ms:.0f} ms, {tps:.1f} tokens/s, KV via {f.kv_transport}]",
+                        f"TTFT {f.timings.ttft_ms:.0f} ms, {tps:.1f} tokens/s, KV via {f.kv_transport}"
+                        f"{trace}]",
                         flush=True,
                     )
         except grpc.RpcError as e:
@@ -238,12 +282,29 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
     up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="gateway Prometheus /metrics port (default: port+1000; -1: no stage serves metrics)",
+    )
+    up.add_argument(
+        "--prefill-metrics-port", type=int, default=None, help="default: prefill-port+1000"
+    )
+    up.add_argument(
+        "--decode-metrics-port", type=int, default=None, help="default: decode-port+1000"
+    )
+    up.add_argument(
         "--kv-transport",
         choices=["auto", "shm", "inline"],
         default="auto",
         help="how KV moves from prefill to decode (auto: shared memory on one host)",
     )
     up.add_argument("--log-dir", default=None)
+    up.add_argument(
+        "--restart",
+        action="store_true",
+        help="restart a stage that dies (exponential backoff, 1 s doubling to 30 s)",
+    )
     up.add_argument("--start-timeout", type=float, default=180.0)
     up.add_argument(
         "--then-chat",

@@ -33,6 +33,10 @@ class StepOutput:
     finished: bool
 
 
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its bound; the request is refused, not queued."""
+
+
 class LLMEngine:
     """Model, KV pool, scheduler and sampler of one worker."""
 
@@ -121,6 +125,7 @@ class LLMEngine:
         `prefill_only`: stop after the first token and keep the KV under a lease (prefill worker).
         """
         self.validate_request(prompt_token_ids, params)
+        self._check_queue()
         rid = request_id if request_id is not None else f"seq-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request id {rid!r} is already running")
@@ -151,6 +156,7 @@ class LLMEngine:
         is not imported: the sequence waits and is recomputed here (`imported` is False).
         """
         self.validate_request(prompt_token_ids, params)
+        self._check_queue()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         gen = None
@@ -186,6 +192,13 @@ class LLMEngine:
         seq.num_computed = n
         self.scheduler.admit_running(seq)
         return seq, True
+
+    def _check_queue(self) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFull(
+                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"(max_waiting={self.config.max_waiting}); retry later"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False when it is unknown."""

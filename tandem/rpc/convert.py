@@ -68,7 +68,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, OutOfBlocks):
+    from tandem.engine.llm_engine import QueueFull
+
+    if isinstance(exc, OutOfBlocks | QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED

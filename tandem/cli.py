@@ -1,4 +1,4 @@
-"""`tandem up | gateway | prefill | decode | chat`: the command line."""
+"""`tandem up | gateway | prefill | decode | chat | quantize`: the command line."""
 
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ class Child:
 
 def _spawn(cmd: list[str], log_path: str, append: bool = False) -> subprocess.Popen:
     logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    env = _stage_env(cmd[2].removeprefix("services."))  # cmd: python -m services.<stage> ...
+    return subprocess.Popen(
+        cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
 
 
 def _wait_healthy(children: list[Child], timeout: float) -> None:
@@ -153,6 +156,7 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
         for stage, addr, extra in plan:
             log_path = os.path.join(log_dir, f"{stage}.log")
             cmd = [sys.executable, "-m", f"services.{stage}", *common, *extra]
+            cmd += ["--metrics-port", str(metrics_ports[stage])]
             children.append(Child(stage, addr, _spawn(cmd, log_path), log_path, cmd))
         _wait_healthy(children, args.start_timeout)
         print(f"Tandem is up (logs in {log_dir})", flush=True)
@@ -319,11 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--system", default=None)
     chat.add_argument("--seed", type=int, default=None)
+    from tandem.quant.cli import add_quantize_args, run_quantize
+
+    quantize = sub.add_parser(
+        "quantize", help="profile a model's weights, or write an INT4/INT8 checkpoint (AWQ/RTN)"
+    )
+    add_quantize_args(quantize)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "up":
         return cmd_up(args, rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "quantize":
+        return run_quantize(args)
     return cmd_chat(args)
 
 

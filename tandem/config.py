@@ -23,7 +23,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_waiting: int = 1024  # queued sequences; more are refused (RESOURCE_EXHAUSTED)
+    max_queued_seqs: int = 1024  # waiting sequences; more are refused (RESOURCE_EXHAUSTED)
     max_model_len: int | None = None  # None: the model's context length
     # KV cache storage: "auto" (the model dtype), "fp8" (e4m3) or "int8", both with one float32
     # scale per (block, kv head).
@@ -57,7 +57,7 @@ class EngineConfig:
         raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

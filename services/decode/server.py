@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from services.decode.observe import DecodeTelemetry
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv.transport import DTYPES, PoolLayout, SharedPool, gather_copy, host_id
+from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.convert import (
@@ -64,6 +66,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
         self.imports_by_transport: dict[str, int] = {}
+        self.obs = DecodeTelemetry(self.engine, self.loop, self.layout.block_bytes)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
         self.engine_loop.start()
 
@@ -84,7 +87,13 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             if address in self.peers:
                 return self.peers[address]
             ch = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+                address,
+                options=[
+                    ("grpc.use_local_subchannel_pool", 1),
+                    ("grpc.initial_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                    ("grpc.max_receive_message_length", 64 << 20),
+                ],
             )
             stub = stages_pb2_grpc.PrefillStub(ch)
             kinds = {"auto": ["shm", "inline"], "shm": ["shm"], "inline": ["inline"]}[
@@ -131,6 +140,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
         )
         t0 = time.monotonic()
+        self.obs.begin(msg)
         try:
             peer = await self.peer(msg.prefill_address)
             if peer.pool_id != msg.kv.pool_id:
@@ -168,12 +178,16 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 (time.monotonic() - t0) * 1e3,
                 peer.kind if imported else "recompute",
             )
+            self.obs.admitted(
+                sid, t0, peer.kind if imported else "recompute", len(src_blocks) if imported else 0
+            )
             if imported:
                 self.imports_by_transport[peer.kind] = (
                     self.imports_by_transport.get(peer.kind, 0) + 1
                 )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
             log.warning("admit %s failed: %s", sid, e)
+            self.obs.admit_failed(sid, t0, e)
             session.seqs.discard(sid)
             self.owner.pop(sid, None)
             session.out.put_nowait(
@@ -213,6 +227,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
 
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
+        self.obs.on_step(outs, self.engine_loop.last_step)
         items = [
             (
                 o.seq.seq_id,
@@ -244,6 +259,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                     )
                 )
             if reason is not None:
+                self.obs.finished(sid, reason)
                 msg.finished.append(self._finished(sid, reason))
                 sess.seqs.discard(sid)
                 self.owner.pop(sid, None)
@@ -291,6 +307,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         if self.owner.get(sid) is not session:
             return
         aborted = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
+        if aborted:
+            self.obs.finished(sid, "abort")
         session.seqs.discard(sid)
         self.owner.pop(sid, None)
         if aborted and notify:
@@ -317,8 +335,12 @@ async def serve(
     port: int,
     kv_transport: str = "auto",
     prefill: list[str] | None = None,
+    metrics_port: int | None = None,
 ) -> None:
-    """Run the decode worker until cancelled; registers eagerly with the given prefill workers."""
+    """Run the decode worker until cancelled; registers eagerly with the given prefill workers.
+
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint).
+    """
     server = grpc.aio.server()
     service = DecodeService(config, kv_transport)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
@@ -327,6 +349,12 @@ async def serve(
     if bound == 0:
         raise OSError(f"decode: cannot bind {host}:{port}")
     await server.start()
+    try:
+        metrics = serve_metrics(service.obs.metrics.registry, host, metrics_port, "decode")
+    except OSError:
+        await server.stop(None)
+        service.close()
+        raise
     for addr in prefill or []:
         try:
             await service.peer(addr)
@@ -341,3 +369,5 @@ async def serve(
     finally:
         await server.stop(1.0)
         service.close()
+        if metrics is not None:
+            metrics.close()

@@ -7,6 +7,7 @@ import hmac
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.gateway.observe import (
     GatewayTelemetry,
@@ -87,12 +88,18 @@ class Frontend:
         """Apply the gateway's limits, then the engine's own checks; errors name the field."""
         lim = self.limits
         if len(params.stop) > lim.max_stop_strings:
-            raise ValueError(f"stop holds {len(params.stop)} strings; at most {lim.max_stop_strings} are allowed")
+            raise ValueError(
+                f"stop holds {len(params.stop)} strings; at most {lim.max_stop_strings} are allowed"
+            )
         for s in params.stop:
             if isinstance(s, str) and len(s) > lim.max_stop_length:
-                raise ValueError(f"stop strings may be at most {lim.max_stop_length} characters, got {len(s)}")
+                raise ValueError(
+                    f"stop strings may be at most {lim.max_stop_length} characters, got {len(s)}"
+                )
         if isinstance(params.max_tokens, int) and params.max_tokens > self.max_tokens_limit:
-            raise ValueError(f"max_tokens must be <= {self.max_tokens_limit}, got {params.max_tokens}")
+            raise ValueError(
+                f"max_tokens must be <= {self.max_tokens_limit}, got {params.max_tokens}"
+            )
         if len(ids) > self.max_prompt_tokens:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are accepted "
@@ -160,6 +167,8 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         return ids, params
 
     async def Generate(self, request, context):
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         rt = self.fe.telemetry.begin(
             operation_of(request.WhichOneof("input")), grpc_carrier(context)
         )
@@ -221,6 +230,9 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         async def read() -> None:
             try:
                 async for req in request_iterator:
+                    if isinstance(req, MalformedRequest):
+                        out.put_nowait(ValueError(req.message))
+                        return
                     kind = req.WhichOneof("kind")
                     if kind == "cancel":
                         t = state["task"]
@@ -321,3 +333,48 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)
         return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+
+
+class MalformedRequest:
+    """Stands in for a request whose bytes do not parse (bad UTF-8, wrong wire types)."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.message = f"request is not a valid {type_name}: {error}"
+
+
+def _lenient(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return MalformedRequest(cls.DESCRIPTOR.full_name, str(e).split(": ")[-1])
+
+    return parse
+
+
+def add_gateway_to_server(servicer: GatewayService, server: grpc.aio.Server) -> None:
+    """Register the Gateway service so that undecodable requests become INVALID_ARGUMENT.
+
+    The generated registration lets a parse failure surface as UNKNOWN; a client sending bad
+    UTF-8 must instead learn that its request was invalid.
+    """
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(api_pb2.GenerateRequest),
+            response_serializer=api_pb2.GenerateResponse.SerializeToString,
+        ),
+        "Chat": grpc.stream_stream_rpc_method_handler(
+            servicer.Chat,
+            request_deserializer=_lenient(api_pb2.ChatRequest),
+            response_serializer=api_pb2.ChatResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=_lenient(api_pb2.ListModelsRequest),
+            response_serializer=api_pb2.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tandem.v1.Gateway", handlers),)
+    )

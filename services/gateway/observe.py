@@ -119,7 +119,9 @@ class RequestTrace:
         if self.span is None:
             return
         now = time.monotonic()
-        tel.record_span(tel.GATEWAY_TOKENIZE, self.span, self.t0, now, {tel.USAGE_INPUT_TOKENS: len(ids)})
+        tel.record_span(
+            tel.GATEWAY_TOKENIZE, self.span, self.t0, now, {tel.USAGE_INPUT_TOKENS: len(ids)}
+        )
         attrs: dict[str, Any] = {
             tel.USAGE_INPUT_TOKENS: len(ids),
             tel.REQUEST_MAX_TOKENS: params.max_tokens,
@@ -191,7 +193,11 @@ class RequestTrace:
             self._finish(t_first, n_tokens, fin, error)
 
     def _finish(
-        self, t_first: float | None, n_tokens: int, fin: Finished | None, error: BaseException | None
+        self,
+        t_first: float | None,
+        n_tokens: int,
+        fin: Finished | None,
+        error: BaseException | None,
     ) -> None:
         t_end = time.monotonic()
         if fin is not None:

@@ -21,6 +21,14 @@ class Overloaded(RuntimeError):
 
 
 PROBE_INTERVAL_S = 0.5
+# Each worker channel owns its subchannels (a replaced channel must not inherit the old one's
+# reconnect backoff), and reconnects quickly once a restarted worker listens again.
+CHANNEL_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
 
 
 class Worker:
@@ -47,7 +55,12 @@ class Worker:
         while not await check(self.address, timeout=1.0):
             await asyncio.sleep(PROBE_INTERVAL_S)
         log.info("%s worker %s is back", self.stage, self.address)
+        # The old channel may sit in reconnect backoff and fail fast for a while: start afresh.
+        await self.reconnect()
         self.healthy = True
+
+    async def reconnect(self) -> None:
+        """Replace the channel to this worker."""
 
     def stop_probe(self) -> None:
         if self._probe is not None:
@@ -59,11 +72,15 @@ class PrefillClient(Worker):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         self.inflight = 0
+
+    async def reconnect(self) -> None:
+        old = self.channel
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = stages_pb2_grpc.PrefillStub(self.channel)
+        await old.close()
 
     async def close(self) -> None:
         await self.channel.close()
@@ -76,12 +93,19 @@ class DecodeClient(Worker):
 
     def __init__(self, address: str) -> None:
         super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+
+    async def reconnect(self) -> None:
+        old = self.channel
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = stages_pb2_grpc.DecodeStub(self.channel)
+        self._send = None
+        await old.close()
 
     @property
     def load(self) -> int:

@@ -10,7 +10,12 @@ import grpc
 from aiohttp import web
 from grpc_reflection.v1alpha import reflection
 
-from services.gateway.grpc_api import ApiKeyInterceptor, Frontend, GatewayService
+from services.gateway.grpc_api import (
+    ApiKeyInterceptor,
+    Frontend,
+    GatewayService,
+    add_gateway_to_server,
+)
 from services.gateway.http_api import OpenAIServer
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
@@ -18,7 +23,7 @@ from services.gateway.router import Router
 from tandem.config import EngineConfig, GatewayConfig
 from tandem.metrics import GatewayMetrics, serve_metrics
 from tandem.model.loader import load_model_info
-from tandem.rpc import api_pb2, api_pb2_grpc
+from tandem.rpc import api_pb2
 from tandem.rpc.health import add_health, check, set_serving
 
 log = logging.getLogger("tandem.gateway")
@@ -52,7 +57,7 @@ async def serve(
         interceptors=interceptors,
         options=[("grpc.max_concurrent_streams", gc.max_concurrent_streams)],
     )
-    api_pb2_grpc.add_GatewayServicer_to_server(GatewayService(frontend), server)
+    add_gateway_to_server(GatewayService(frontend), server)
     health = add_health(server, [SERVICE])
     names = (
         api_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
@@ -106,6 +111,8 @@ async def _follow_router(router: Router, health) -> None:
         if serving != last:
             await set_serving(health, [SERVICE], serving)
             if last is not None:
-                log.warning("gateway is %s", "serving again" if serving else "NOT serving: a stage is down")
+                log.warning(
+                    "gateway is %s", "serving again" if serving else "NOT serving: a stage is down"
+                )
             last = serving
         await asyncio.sleep(0.2)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.prefill.observe import PrefillTelemetry
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -20,6 +21,7 @@ from tandem.kv.transport import (
     block_to_bytes,
     host_id,
 )
+from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.convert import (
@@ -68,6 +70,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
         self.inline_bytes_sent = 0
+        self.obs = PrefillTelemetry(self.engine, self.loop)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
         self.engine_loop.start()
 
@@ -78,6 +81,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
+        self.obs.on_step(outs, self.engine_loop.last_step)
         now = time.monotonic()
         for o in outs:
             seq = o.seq
@@ -112,6 +116,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         fut.set_result(res)
 
     def _fail(self, seq_id: str, message: str) -> None:
+        self.obs.forget(seq_id)
         fut = self.pending.pop(seq_id, None)
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"prefill failed: {message}"))
@@ -153,6 +158,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         ids = list(request.prompt_token_ids)
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
         self.pending[rid] = fut
+        self.obs.begin(rid, context)
         try:
             await asyncio.wrap_future(
                 self.engine_loop.submit(
@@ -161,12 +167,14 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             )
         except Exception as e:  # noqa: BLE001 - mapped to a status
             self.pending.pop(rid, None)
+            self.obs.forget(rid)
             await context.abort(status_for(e), str(e))
         try:
             res = await fut
         except asyncio.CancelledError:
             # Client cancelled or its deadline passed: drop the prompt from the queue.
             self.pending.pop(rid, None)
+            self.obs.forget(rid)
             self.engine_loop.submit(lambda e: e.abort(rid))
             raise
         except RuntimeError as e:
@@ -224,8 +232,14 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
 
 
-async def serve(config: EngineConfig, host: str, port: int, lease_ttl_s: float = 30.0) -> None:
-    """Run the prefill worker until cancelled."""
+async def serve(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    lease_ttl_s: float = 30.0,
+    metrics_port: int | None = None,
+) -> None:
+    """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     service = PrefillService(config, lease_ttl_s)
     stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
@@ -234,6 +248,12 @@ async def serve(config: EngineConfig, host: str, port: int, lease_ttl_s: float =
     if bound == 0:
         raise OSError(f"prefill: cannot bind {host}:{port}")
     await server.start()
+    try:
+        metrics = serve_metrics(service.obs.metrics.registry, host, metrics_port, "prefill")
+    except OSError:
+        await server.stop(None)
+        service.close()
+        raise
     await set_serving(health, [SERVICE], True)
     log.info(
         "prefill serving on %s:%d (model %s, pool %s)",
@@ -247,3 +267,5 @@ async def serve(config: EngineConfig, host: str, port: int, lease_ttl_s: float =
     finally:
         await server.stop(1.0)
         service.close()
+        if metrics is not None:
+            metrics.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,8 @@ class EngineLoop:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self.steps = 0
+        # time.monotonic() at the start and end of the latest step, for the output callback.
+        self.last_step: tuple[float, float] = (0.0, 0.0)
 
     def start(self) -> None:
         self._thread.start()
@@ -82,6 +85,7 @@ class EngineLoop:
             eng.leases.expire()
             if not eng.has_unfinished():
                 continue
+            t_step = time.monotonic()
             try:
                 outs = eng.step()
             except Exception:  # noqa: BLE001 - a failed step must not kill the worker
@@ -94,6 +98,7 @@ class EngineLoop:
                     self.on_error(ids, msg.strip().splitlines()[-1])
                 continue
             self.steps += 1
+            self.last_step = (t_step, time.monotonic())
             if outs:
                 self.on_outputs(outs)
         for _, fut in self._cmds:

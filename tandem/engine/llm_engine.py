@@ -21,6 +21,7 @@ from tandem.kv.cache import KVCache
 from tandem.kv.lease import LeaseTable
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
+from tandem.quant.weights import prepare_weights
 
 
 @dataclass
@@ -56,7 +57,8 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        self.model = LlamaModel(mc, loaded.weights, dtype, device, max_positions=self.max_model_len)
+        weights = prepare_weights(loaded, config.quantization, dtype)
+        self.model = LlamaModel(mc, weights, dtype, device, max_positions=self.max_model_len)
         if kv is None:
             layout = self.pool_layout(loaded, config)
             kv = KVCache.allocate(
@@ -65,7 +67,7 @@ class LLMEngine:
                 config.block_size,
                 mc.num_kv_heads,
                 mc.head_dim,
-                dtype,
+                config.resolved_kv_dtype(),
                 device,
             )
         self.kv = kv
@@ -84,7 +86,7 @@ class LLMEngine:
         from tandem.kv.transport import DTYPE_NAMES, PoolLayout
 
         mc = loaded.config
-        dtype = config.resolved_dtype()
+        dtype = config.resolved_kv_dtype()
         num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = KVCache.bytes_per_block(
@@ -194,10 +196,10 @@ class LLMEngine:
         return seq, True
 
     def _check_queue(self) -> None:
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if len(self.scheduler.waiting) >= self.config.max_queued_seqs:
             raise QueueFull(
                 f"{len(self.scheduler.waiting)} requests are already waiting "
-                f"(max_waiting={self.config.max_waiting}); retry later"
+                f"(max_queued_seqs={self.config.max_queued_seqs}); retry later"
             )
 
     def abort(self, request_id: str) -> bool:

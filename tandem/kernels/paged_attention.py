@@ -1,7 +1,9 @@
 """Attention over the paged KV cache: torch references (used on CPU) and the call sites the runner uses.
 
 Cache layout per layer: k_cache, v_cache are [num_blocks, block_size, kv_heads, head_dim].
-A sequence's logical block i lives in pool block block_tables[seq, i].
+A sequence's logical block i lives in pool block block_tables[seq, i]. An FP8 / INT8 cache comes
+with k_scale, v_scale [num_blocks, kv_heads] float32: a value is code * scale of its block and
+head (`tandem.quant.kv`); every path here dequantizes as it reads.
 
 The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs in two stages:
 1. one program per (sequence, kv head, partition of the context) reads the block table itself,
@@ -23,10 +25,19 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     # [B, nb] -> [B, kv_heads, nb * block_size, head_dim]
     b, nb = block_tables.shape
-    x = cache[block_tables]  # [B, nb, bs, Hkv, D]
+    # index_select rather than cache[block_tables]: the same copy, but advanced indexing is far
+    # slower on CPU (milliseconds per call when the cores are shared with other processes).
+    x = cache.index_select(0, block_tables.reshape(-1)).view(b, nb, *cache.shape[1:])
+    if scale is not None:
+        x = (x.float() * scale[block_tables][:, :, None, :, None]).to(dtype)
     return x.reshape(b, nb * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
@@ -37,10 +48,12 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int
     context_lens: torch.Tensor,  # [B] int: tokens in cache, the query's own included
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence attends to its whole cached context (grouped-query)."""
-    k = _gather(k_cache, block_tables)
-    v = _gather(v_cache, block_tables)
+    k = _gather(k_cache, block_tables, k_scale, q.dtype)
+    v = _gather(v_cache, block_tables, v_scale, q.dtype)
     length = k.shape[2]
     mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
@@ -57,6 +70,8 @@ def paged_attention_varlen_ref(
     query_start_loc: list[int],  # B + 1 offsets into q
     context_lens: list[int],  # tokens in cache per sequence, the queries included (they are last)
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed multi-token queries (prefill, chunked prefill, verification).
 
@@ -72,8 +87,8 @@ def paged_attention_varlen_ref(
             continue
         nb = (ctx + bs - 1) // bs
         table = block_tables[i : i + 1, :nb]
-        k = _gather(k_cache, table)[:, :, :ctx]  # [1, Hkv, ctx, D]
-        v = _gather(v_cache, table)[:, :, :ctx]
+        k = _gather(k_cache, table, k_scale, q.dtype)[:, :, :ctx]  # [1, Hkv, ctx, D]
+        v = _gather(v_cache, table, v_scale, q.dtype)[:, :, :ctx]
         qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         if q_len == ctx:
             o = F.scaled_dot_product_attention(
@@ -100,6 +115,8 @@ def _decode_partition_kernel(
     m_ptr,  # [B, Hq, P] f32: running max of the scores (base 2) per partition
     l_ptr,  # [B, Hq, P] f32: sum of exp2(score - max) per partition
     acc_ptr,  # [B, Hq, P, D] f32: unnormalised sum of exp2(score - max) * v per partition
+    ks_ptr,  # [num_blocks, Hkv] f32 block scales of k: read only when KV_SCALED
+    vs_ptr,  # [num_blocks, Hkv] f32 block scales of v
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
     stride_qb,
     stride_qh,
@@ -117,6 +134,7 @@ def _decode_partition_kernel(
     stride_ob,
     stride_oh,
     stride_od,
+    stride_sb,  # block stride of the scale tensors (their head stride is 1)
     GROUP: tl.constexpr,  # query heads per kv head
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of 2 >= 16 (tl.dot's minimum M)
     HEAD_DIM: tl.constexpr,
@@ -125,6 +143,7 @@ def _decode_partition_kernel(
     PARTITION_SIZE: tl.constexpr,  # tokens per program, a multiple of BLOCK_N
     DIRECT_OUT: tl.constexpr,  # a single partition: write the normalised output, skip stage 2
     DOT_FP32: tl.constexpr,  # upcast K/V/Q before tl.dot instead of feeding the native dtype
+    KV_SCALED: tl.constexpr,  # FP8 / INT8 codes times per-(block, head) scales
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -186,7 +205,15 @@ def _decode_partition_kernel(
             mask=tok_mask[:, None],
             other=0.0,
         )  # [BLOCK_N, D]
-        if DOT_FP32:
+        if KV_SCALED:
+            ks = tl.load(ks_ptr + blocks * stride_sb + kv_head, mask=tok_mask, other=0.0)
+            vs = tl.load(vs_ptr + blocks * stride_sb + kv_head, mask=tok_mask, other=0.0)
+            k = k.to(tl.float32) * ks[:, None]
+            v = v.to(tl.float32) * vs[:, None]
+            if not DOT_FP32:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+        elif DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
@@ -281,6 +308,8 @@ def paged_attention_decode_triton(
     scale: float,
     partition_size: int = 512,
     max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
 
@@ -293,8 +322,17 @@ def paged_attention_decode_triton(
     _, block_size, num_kv_heads, k_dim = k_cache.shape
     if k_cache.shape != v_cache.shape or k_dim != head_dim:
         raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    scaled = k_scale is not None
+    if scaled != (v_scale is not None):
+        raise ValueError("k_scale and v_scale come together")
+    if v_cache.dtype != k_cache.dtype or (not scaled and q.dtype != k_cache.dtype):
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if scaled:
+        want = (k_cache.shape[0], k_cache.shape[2])
+        if k_scale.shape != want or v_scale.shape != want or k_scale.stride() != v_scale.stride():
+            raise ValueError(f"k/v scales must be [num_blocks, kv_heads] = {want}, alike")
+        if k_scale.stride(1) != 1 or k_scale.dtype != torch.float32:
+            raise ValueError("k/v scales must be float32 with a unit head stride")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -335,12 +373,15 @@ def paged_attention_decode_triton(
         m,
         l_,
         acc,
+        k_scale if scaled else out,
+        v_scale if scaled else out,
         scale * _LOG2E,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         *block_tables.stride(),
         *out.stride(),
+        k_scale.stride(0) if scaled else 0,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -349,6 +390,7 @@ def paged_attention_decode_triton(
         PARTITION_SIZE=partition_size,
         DIRECT_OUT=direct,
         DOT_FP32=dot_fp32,
+        KV_SCALED=scaled,
         num_warps=4,
     )
     if not direct:
@@ -376,6 +418,8 @@ def paged_attention_decode(
     context_lens: torch.Tensor,  # [B] int
     scale: float,
     max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: the Triton kernel on CUDA, the torch reference elsewhere.
 
@@ -383,6 +427,16 @@ def paged_attention_decode(
     """
     if q.is_cuda:
         return paged_attention_decode_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            max_context_len=max_context_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
-    return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode_ref(
+        q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+    )

@@ -6,6 +6,7 @@ by id. Between hosts (or when nothing can be shared) blocks travel inline as byt
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from dataclasses import dataclass
@@ -14,8 +15,16 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from tandem.kv.cache import LAYOUT_VERSION, KVCache
+from tandem.quant.kv import is_quantized_kv
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    # Quantized pools: codes plus per-(block, kv head) float32 scales (tandem.quant.kv).
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.int8: "int8",
+}
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
@@ -33,6 +42,14 @@ class PoolLayout:
     dtype: str
     layout_version: int = LAYOUT_VERSION
 
+    @property
+    def quantized(self) -> bool:
+        return is_quantized_kv(DTYPES[self.dtype])
+
+    @property
+    def scales_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.kv_heads)
+
     @classmethod
     def of(cls, kv: KVCache) -> PoolLayout:
         n_layers, _, n_blocks, bs, heads, dim = kv.data.shape
@@ -44,8 +61,10 @@ class PoolLayout:
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return self.num_layers * 2 * self.block_size * self.kv_heads * self.head_dim * elem
+        """Bytes of one block across layers, k and v, scales included."""
+        return KVCache.bytes_per_block(
+            self.num_layers, self.block_size, self.kv_heads, self.head_dim, DTYPES[self.dtype]
+        )
 
     def check_compatible(self, other: PoolLayout) -> None:
         """Raise `LayoutMismatch` naming every field (but the block count) that differs."""
@@ -66,13 +85,18 @@ class PoolLayout:
 
 
 def host_id() -> str:
-    """Identity of this host (and boot): processes with the same id can share memory."""
+    """Identity of this host (and boot): processes with the same id can share memory.
+
+    Containers on one host each have their own hostname, yet two of them can share memory when
+    they share an IPC namespace (compose.yaml: decode joins prefill's). TANDEM_HOST_ID names
+    such a group in place of the hostname; the boot id still guards against other machines.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{os.environ.get('TANDEM_HOST_ID') or socket.gethostname()}/{boot}"
 
 
 _CREATED_HERE: set[str] = set()
@@ -85,8 +109,16 @@ class SharedPool:
         self.shm = shm
         self.layout = layout
         self.owner = owner
-        flat = torch.frombuffer(shm.buf, dtype=DTYPES[layout.dtype], count=_numel(layout.shape))
-        self.kv = KVCache(flat.view(layout.shape))
+        # The codes, then (quantized pools) the float32 scales, in one segment.
+        data_bytes = _numel(layout.shape) * torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+        raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=data_bytes)
+        scales = None
+        if layout.quantized:
+            n = _numel(layout.scales_shape)
+            scales = torch.frombuffer(
+                shm.buf, dtype=torch.float32, count=n, offset=data_bytes
+            ).view(layout.scales_shape)
+        self.kv = KVCache(raw.view(DTYPES[layout.dtype]).view(layout.shape), scales)
 
     @property
     def name(self) -> str:
@@ -100,7 +132,9 @@ class SharedPool:
         )
         _CREATED_HERE.add(shm.name)
         pool = cls(shm, layout, owner=True)
-        pool.kv.data.zero_()
+        pool.kv.data.view(torch.uint8).zero_()
+        if pool.kv.scales is not None:
+            pool.kv.scales.zero_()
         return pool
 
     @classmethod
@@ -145,16 +179,37 @@ def gather_copy(dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: l
         raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
     si = torch.tensor(src_blocks, dtype=torch.long, device=src.data.device)
     di = torch.tensor(dst_blocks, dtype=torch.long, device=dst.data.device)
-    blocks = src.data.index_select(2, si).to(dst.data.device, non_blocking=True)
-    dst.data.index_copy_(2, di, blocks)
+    src_data, dst_data = src.data, dst.data
+    if is_quantized_kv(dst_data.dtype):
+        # Byte views: index_copy_ is not implemented for float8 on every device.
+        src_data, dst_data = src_data.view(torch.uint8), dst_data.view(torch.uint8)
+    blocks = src_data.index_select(2, si).to(dst_data.device, non_blocking=True)
+    dst_data.index_copy_(2, di, blocks)
+    if (src.scales is None) != (dst.scales is None):
+        raise LayoutMismatch("copying blocks between a quantized and an unquantized KV pool")
+    if src.scales is not None and dst.scales is not None:
+        scales = src.scales.index_select(2, si).to(dst.scales.device, non_blocking=True)
+        dst.scales.index_copy_(2, di, scales)
 
 
 def block_to_bytes(kv: KVCache, block: int) -> bytes:
-    """One block of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim])."""
-    return kv.data[:, :, block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    """One block of every layer as bytes ([layers, 2, block_size, kv_heads, head_dim]), followed
+    for a quantized pool by its float32 scales ([layers, 2, kv_heads])."""
+    out = kv.data[:, :, block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    if kv.scales is not None:
+        out += kv.scales[:, :, block].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return out
 
 
 def bytes_to_block(kv: KVCache, block: int, data: bytes) -> None:
+    """The inverse of `block_to_bytes`."""
     shape = kv.data[:, :, block].shape
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kv.data.dtype).view(shape)
-    kv.data[:, :, block] = t.to(kv.data.device)
+    n = _numel(tuple(shape)) * kv.data.element_size()
+    expected = n + (0 if kv.scales is None else _numel(tuple(kv.scales[:, :, block].shape)) * 4)
+    if len(data) != expected:
+        raise LayoutMismatch(f"a KV block of this pool has {expected} bytes, got {len(data)}")
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    kv.data[:, :, block] = raw[:n].view(kv.data.dtype).view(shape).to(kv.data.device)
+    if kv.scales is not None:
+        s = raw[n:].view(torch.float32).view(kv.scales[:, :, block].shape)
+        kv.scales[:, :, block] = s.to(kv.scales.device)

@@ -15,6 +15,8 @@ from tandem.kernels.paged_attention import paged_attention_decode, paged_attenti
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
+from tandem.quant.format import QuantizedWeight, cat_rows
+from tandem.quant.linear import linear
 
 
 @dataclass
@@ -32,12 +34,13 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    # Linear weights are float tensors or per-group integer QuantizedWeights (tandem.quant).
+    qkv: torch.Tensor | QuantizedWeight  # [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
+    o: torch.Tensor | QuantizedWeight  # [H, Hq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | QuantizedWeight  # [2 I, H]
+    down: torch.Tensor | QuantizedWeight  # [H, I]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,6 +48,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+class _CpuDecodeAttention:
+    """Decode attention on CPU, the same maths as `paged_attention_decode_ref` but with what
+    every layer shares (flat block ids, the padding mask) built once per step, K and V gathered
+    by one `index_select`, and no mask at all when every sequence has the same length (batch 1):
+    the keys are then sliced to the context instead (transformers' unpadded call, too).
+    """
+
+    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+        b, nb = meta.block_tables.shape
+        self.batch = b
+        self.flat_blocks = meta.block_tables.reshape(-1)
+        lens = meta.context_lens_list
+        self.mask: torch.Tensor | None = None
+        if all(n == lens[0] for n in lens):
+            self.length = lens[0]
+        else:
+            self.length = nb * block_size
+            pos = torch.arange(self.length, device=meta.context_lens.device)
+            self.mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]
+
+    def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D], layer_kv [2, num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
+        hkv, d = layer_kv.shape[-2], layer_kv.shape[-1]
+        kv = layer_kv.index_select(1, self.flat_blocks).view(2, self.batch, -1, hkv, d)
+        kv = kv[:, :, : self.length].transpose(2, 3)  # [2, B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
 
 
 class LlamaModel:
@@ -87,11 +121,11 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv=cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                     qkv_bias=bias,
                     o=w(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    gate_up=cat_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
                     down=w(p + "mlp.down_proj.weight"),
                 )
             )
@@ -111,23 +145,41 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = input_ids.shape[0]
         half = d // 2
-        cs = self.cos_sin[positions]  # [T, D]
+        cs = self.cos_sin.index_select(0, positions)  # [T, D] (cheaper than cos_sin[positions])
         cos = cs[:, None, :half].to(self.dtype)
         sin = cs[:, None, half:].to(self.dtype)
         h = F.embedding(input_ids, self.embed)
+        cpu_decode = (
+            _CpuDecodeAttention(meta, kv.block_size)
+            if meta.decode_only and self.device.type == "cpu"
+            else None
+        )
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = linear(x, lw.qkv, lw.qkv_bias)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q = apply_rotary(q.view(t, hq, d), cos, sin)
             k = apply_rotary(k.view(t, hkv, d), cos, sin)
             v = v.view(t, hkv, d)
             k_cache, v_cache = kv.layer(i)
-            k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-            if meta.decode_only:
+            k_scale, v_scale = kv.layer_scales(i)
+            if k_scale is None:
+                k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+                v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+            else:  # FP8 / INT8 cache: quantize on write, per-block scales
+                kv.write_quantized(i, meta.slot_mapping, k, v, unique_blocks=meta.decode_only)
+            if cpu_decode is not None and k_scale is None:
+                attn = cpu_decode(q, kv.data[i], self.scale)
+            elif meta.decode_only:
                 attn = paged_attention_decode(
-                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.context_lens,
+                    self.scale,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
                 )
             else:
                 attn = paged_attention_varlen_ref(
@@ -138,11 +190,13 @@ class LlamaModel:
                     meta.query_start_loc,
                     meta.context_lens_list,
                     self.scale,
+                    k_scale,
+                    v_scale,
                 )
-            h = h + F.linear(attn.reshape(t, hq * d), lw.o)
+            h = h + linear(attn.reshape(t, hq * d), lw.o)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, lw.down)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,7 +16,8 @@ from tandem.model.tokenizer import Tokenizer
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    # Float tensors, and tandem.quant QuantizedWeights for a `tandem quantize` checkpoint.
+    weights: dict[str, Any]
     tokenizer: Tokenizer
     path: str
 
@@ -41,9 +43,15 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
 
 
 def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a local Hugging Face Llama-family directory (single or sharded safetensors)."""
+    """Load a local Hugging Face Llama-family directory (single or sharded safetensors).
+
+    A directory written by `tandem quantize` (it holds quantization.json) loads its quantized
+    layers as QuantizedWeights; their codes, scales and zero points keep their stored dtypes.
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from tandem.quant.checkpoint import assemble_quantized, is_quantized_part, read_quantization
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -60,7 +68,8 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{path!r} holds no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
+    quant = read_quantization(path)
+    weights: dict[str, Any] = {}
     for name in files:
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
@@ -69,7 +78,11 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             shard = load_file(fp)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"cannot read {fp!r} (truncated or corrupt safetensors?): {e}") from e
-        weights.update({k: v.to(dtype) for k, v in shard.items()})
+        weights.update(
+            {k: v if quant and is_quantized_part(k) else v.to(dtype) for k, v in shard.items()}
+        )
+    if quant:
+        weights = assemble_quantized(weights, quant, path)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)
 

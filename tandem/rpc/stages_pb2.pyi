@@ -165,7 +165,14 @@ class WorkerStats(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Admit(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state")
+    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +180,7 @@ class Admit(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -180,7 +188,8 @@ class Admit(_message.Message):
     kv: KvRef
     prefill_address: str
     rng_state: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CancelSeq(_message.Message):
     __slots__ = ("seq_id",)

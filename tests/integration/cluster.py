@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -35,10 +35,14 @@ class Cluster:
     prefill_port: int
     decode_port: int
     output: list[str]
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # stage -> /metrics port
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def metrics_url(self, stage: str) -> str:
+        return f"http://127.0.0.1:{self.metrics_ports[stage]}/metrics"
 
     def gateway(self) -> api_pb2_grpc.GatewayStub:
         return api_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address))
@@ -69,8 +73,13 @@ class Cluster:
                 self.proc.kill()
 
 
-def start_cluster(extra: list[str] | None = None, timeout: float = 240.0) -> Cluster:
-    port, http_port, pp, dp = free_ports(4)
+def start_cluster(
+    extra: list[str] | None = None, timeout: float = 240.0, env: dict[str, str | None] | None = None
+) -> Cluster:
+    """`tandem up` on free ports; `env` adds to (or, with None values, removes from) the
+    environment of every stage."""
+    port, http_port, pp, dp, gm, pm, dm = free_ports(7)
+    metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
     cmd = [
         sys.executable,
         "-m",
@@ -84,9 +93,21 @@ def start_cluster(extra: list[str] | None = None, timeout: float = 240.0) -> Clu
         str(pp),
         "--decode-port",
         str(dp),
+        "--metrics-port",
+        str(gm),
+        "--prefill-metrics-port",
+        str(pm),
+        "--decode-metrics-port",
+        str(dm),
         *(extra or []),
     ]
+    overrides = env or {}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k, v in overrides.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -98,6 +119,6 @@ def start_cluster(extra: list[str] | None = None, timeout: float = 240.0) -> Clu
             raise RuntimeError("tandem up exited before it was healthy:\n" + "".join(lines))
         lines.append(line)
         if line.startswith("Tandem is up"):
-            return Cluster(proc, port, http_port, pp, dp, lines)
+            return Cluster(proc, port, http_port, pp, dp, lines, metrics_ports)
     proc.kill()
     raise RuntimeError("tandem up did not become healthy in time:\n" + "".join(lines))

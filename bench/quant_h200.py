@@ -1,0 +1,413 @@
+"""W4A16 and FP8-KV speed on one GPU (written for the H200): kernels, decode, memory, admission.
+
+Everything is built on the device from random weights (Llama-3-8B shapes); nothing is downloaded
+and the gguf package is not needed. Sections, each timed with CUDA graphs (so Python launch cost
+is not measured) and with enough distinct weight copies that the L2 cache (60 MB) cannot serve
+them:
+  copy       device-to-device copy bandwidth, (bytes read + bytes written) / time
+  gemm       for (N, K) in 14336x4096 and 4096x14336 and M in 1, 8, 32, 128: Tandem's W4A16
+             Triton kernel (INT4 g128, default config and the best of a small sweep), torch's
+             `aten._weight_int4pack_mm` (tinygemm, same grid), and the bf16 cuBLAS matmul
+  decode     one decode step (batch 1, 1024 cached tokens) of a Llama-3-8B-shaped LlamaModel
+             captured in a CUDA graph: bf16 weights vs INT4 g128 weights (lm_head and
+             embeddings stay bf16), bf16 KV vs FP8 KV
+  memory     weight bytes, INT4 vs bf16
+  admission  2k-token sequences the engine's pool sizing admits at one memory budget, FP8 vs bf16
+
+    python bench/quant_h200.py            # writes bench/results/h200_quant.json
+    python bench/quant_h200.py --smoke    # tiny shapes; also runs on CPU (Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tandem.kernels.w4a16 import (  # noqa: E402
+    GemmConfig,
+    GemvConfig,
+    default_config,
+    w4a16_matmul_triton,
+)
+from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+)
+GEMV_SWEEP = [
+    GemvConfig(block_n=bn, block_w=bw, split_k=sk, num_warps=nw)
+    for bn, bw, sk, nw in [
+        (2, 256, 1, 4),
+        (4, 128, 1, 4),
+        (4, 256, 1, 4),
+        (8, 128, 1, 4),
+        (8, 256, 1, 8),
+        (16, 128, 1, 8),
+        (4, 128, 2, 4),
+        (8, 128, 4, 4),
+    ]
+]
+GEMM_SWEEP = {
+    8: [GemmConfig(16, 64, 128, sk, 4, 3) for sk in (1, 2, 4)] + [GemmConfig(16, 32, 128, 1, 4, 4)],
+    32: [GemmConfig(32, 64, 128, sk, 4, 3) for sk in (1, 2, 4)] + [GemmConfig(32, 128, 64, 1, 4, 4)],
+    128: [GemmConfig(64, 128, 64, 1, 8, 3), GemmConfig(128, 128, 64, 1, 8, 3),
+          GemmConfig(64, 64, 128, 2, 4, 3), GemmConfig(64, 128, 128, 1, 8, 4)],
+}  # fmt: skip
+
+
+def timed(fn: Callable[[int], object], copies: int, reps: int = 20) -> float:
+    """Seconds per call of fn(i) (i cycling over the weight copies), GPU time."""
+    if torch.cuda.is_available():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(copies):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(copies):
+                fn(i)
+        g.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / copies)
+        del g
+        times.sort()
+        return times[len(times) // 2]
+    t0 = time.perf_counter()
+    for i in range(copies):
+        fn(i)
+    return (time.perf_counter() - t0) / copies
+
+
+def copy_bandwidth(dev: str, smoke: bool) -> dict:
+    n = (1 << 20) if smoke else (2 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    t = timed(lambda i: dst.copy_(src), 1, reps=10 if not smoke else 2)
+    return {"bytes": n, "seconds": t, "bytes_per_s": 2 * n / t}
+
+
+def int4pack(w_codes: torch.Tensor, qw: QuantizedWeight):
+    """torch's tinygemm layout of the same grid: w = (q - 8) * scale + zero."""
+    n, k = qw.shape
+    packed_u8 = (w_codes[:, ::2] << 4 | w_codes[:, 1::2]).to(torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, 8)
+    scale = qw.scales.to(torch.bfloat16)
+    zero = (qw.mins.float() + 8 * qw.scales.float()).to(torch.bfloat16)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    return packed, sz
+
+
+def gemm_section(dev: str, smoke: bool, copy_bw: float, results: dict) -> None:
+    shapes = [(256, 512), (512, 256)] if smoke else [(14336, 4096), (4096, 14336)]
+    ms = [1, 8] if smoke else [1, 8, 32, 128]
+    group = 128
+    dtype = torch.bfloat16
+    out = results.setdefault("gemm", [])
+    for n, k in shapes:
+        w_float = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+        qw0 = quantize_rtn(w_float, 4, group)
+        q_bytes = qw0.nbytes
+        copies = 1 if smoke else max(2, int(8 * L2_BYTES / q_bytes) + 1)
+        qws = [qw0] + [
+            QuantizedWeight(
+                qw0.qweight.clone(), qw0.scales.clone(), qw0.mins.clone(), 4, group, k
+            )
+            for _ in range(copies - 1)
+        ]
+        bf_copies = 1 if smoke else max(2, int(8 * L2_BYTES / (n * k * 2)) + 1)
+        wbf = [w_float] + [w_float.clone() for _ in range(bf_copies - 1)]
+        tiny = None
+        if dev == "cuda":
+            try:
+                codes = qw0.codes()[:, :k]
+                tiny = int4pack(codes, qw0)
+                tinys = [tiny] + [(tiny[0].clone(), tiny[1].clone()) for _ in range(copies - 1)]
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                tiny = None
+                results.setdefault("errors", []).append(f"int4pack setup {n}x{k}: {e!r}")
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            ref = x.double() @ qw0.dequantize(torch.float64).T
+            row = {"N": n, "K": k, "M": m, "group_size": group, "int4_weight_bytes": q_bytes,
+                   "bf16_weight_bytes": n * k * 2, "copies": copies}  # fmt: skip
+
+            def rec(name: str, t: float, nbytes: int, y: torch.Tensor | None = None, **extra):
+                e = {"us": t * 1e6, "weight_GBps": nbytes / t / 1e9,
+                     "frac_of_copy_bw": nbytes / t / copy_bw, "TFLOPs": 2 * m * n * k / t / 1e12}  # fmt: skip
+                if y is not None:
+                    e["rel_err_vs_f64"] = ((y.double() - ref).norm() / ref.norm()).item()
+                e.update(extra)
+                row[name] = e
+
+            cfg = default_config(m, n, k, torch.device(dev))
+            y = w4a16_matmul_triton(x, qw0, cfg)
+            t = timed(lambda i, cfg=cfg: w4a16_matmul_triton(x, qws[i % copies], cfg), copies)
+            rec("tandem_w4a16_default", t, q_bytes, y, config=repr(cfg))
+            sweep = GEMV_SWEEP if m == 1 else GEMM_SWEEP.get(m, [])
+            if smoke:
+                sweep = sweep[:2]
+            best = None
+            tried = []
+            for c in sweep:
+                try:
+                    tc = timed(lambda i, c=c: w4a16_matmul_triton(x, qws[i % copies], c), copies)
+                except Exception as e:  # noqa: BLE001
+                    tried.append({"config": repr(c), "error": repr(e)[:200]})
+                    continue
+                tried.append({"config": repr(c), "us": tc * 1e6})
+                if best is None or tc < best[0]:
+                    best = (tc, c)
+            if best is not None:
+                yb = w4a16_matmul_triton(x, qw0, best[1])
+                rec("tandem_w4a16_best", best[0], q_bytes, yb, config=repr(best[1]))
+            row["sweep"] = tried
+            if tiny is not None:
+                try:
+                    yt = torch.ops.aten._weight_int4pack_mm(x, tiny[0], group, tiny[1])
+                    t = timed(
+                        lambda i: torch.ops.aten._weight_int4pack_mm(
+                            x, tinys[i % copies][0], group, tinys[i % copies][1]
+                        ),
+                        copies,
+                    )
+                    rec("torch_int4pack_mm", t, q_bytes, yt)
+                except Exception as e:  # noqa: BLE001
+                    row["torch_int4pack_mm"] = {"error": repr(e)[:300]}
+            yb = x @ w_float.T
+            t = timed(lambda i: x @ wbf[i % bf_copies].T, bf_copies)
+            rec("bf16_cublas", t, n * k * 2, None,
+                rel_err_vs_f64_of_bf16_weight=((yb.double() - x.double() @ w_float.double().T).norm()
+                                               / (x.double() @ w_float.double().T).norm()).item())  # fmt: skip
+            out.append(row)
+            d = row.get("tandem_w4a16_best", row["tandem_w4a16_default"])
+            print(
+                f"gemm N={n} K={k} M={m}: w4a16 {row['tandem_w4a16_default']['us']:.1f} us "
+                f"(best {d['us']:.1f} us, {d['frac_of_copy_bw']:.2f} of copy bw), "
+                f"int4pack {row.get('torch_int4pack_mm', {}).get('us', float('nan')):.1f} us, "
+                f"bf16 {row['bf16_cublas']['us']:.1f} us",
+                flush=True,
+            )
+        del qws, wbf, w_float
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def llama_config(smoke: bool):
+    from tandem.model.config import ModelConfig
+
+    shape = dict(LLAMA3_8B)
+    if smoke:
+        shape.update(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    return ModelConfig(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                       max_position_embeddings=8192, tie_word_embeddings=False,
+                       eos_token_ids=[1], **shape)  # fmt: skip
+
+
+def random_weights(cfg, dev: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, i_ = cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, device=dev, dtype=dtype) * 0.02)
+
+    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h),
+         "model.norm.weight": torch.ones(h, device=dev, dtype=dtype),
+         "lm_head.weight": r(cfg.vocab_size, h)}  # fmt: skip
+    for li in range(cfg.num_layers):
+        p = f"model.layers.{li}."
+        w[p + "input_layernorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
+        w[p + "self_attn.q_proj.weight"] = r(qd, h)
+        w[p + "self_attn.k_proj.weight"] = r(kvd, h)
+        w[p + "self_attn.v_proj.weight"] = r(kvd, h)
+        w[p + "self_attn.o_proj.weight"] = r(h, qd)
+        w[p + "mlp.gate_proj.weight"] = r(i_, h)
+        w[p + "mlp.up_proj.weight"] = r(i_, h)
+        w[p + "mlp.down_proj.weight"] = r(h, i_)
+    return w
+
+
+def model_bytes(model) -> dict:
+    def nb(t) -> int:
+        return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+
+    linear = sum(nb(getattr(lw, f)) for lw in model.layers for f in ("qkv", "o", "gate_up", "down"))
+    other = sum(nb(lw.input_norm) + nb(lw.post_norm) for lw in model.layers)
+    other += nb(model.embed) + nb(model.norm)
+    head = 0 if model.lm_head is model.embed else nb(model.lm_head)
+    return {"linear": linear, "embed_norms": other, "lm_head": head, "total": linear + other + head}
+
+
+def decode_section(dev: str, smoke: bool, results: dict) -> None:
+    from tandem.kv.cache import KVCache
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+    from tandem.quant.recipe import LayerSpec, linear_layer_names
+    from tandem.quant.weights import quantize_weights
+
+    cfg = llama_config(smoke)
+    dtype = torch.bfloat16
+    ctx = 64 if smoke else 1024
+    bs = 16
+    nb = ctx // bs + 1
+    out = results.setdefault("decode", {"batch": 1, "context_tokens": ctx, "rows": []})
+    weights = random_weights(cfg, dev, dtype)
+    bf16 = LlamaModel(cfg, weights, dtype, dev, max_positions=ctx + 8)
+    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
+    qweights = quantize_weights(weights, specs)
+    del weights
+    int4 = LlamaModel(cfg, qweights, dtype, dev, max_positions=ctx + 8)
+    del qweights
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    mem = {"bf16": model_bytes(bf16), "int4": model_bytes(int4)}
+    mem["ratio_linear"] = mem["int4"]["linear"] / mem["bf16"]["linear"]
+    mem["ratio_total"] = mem["int4"]["total"] / mem["bf16"]["total"]
+    results["memory"] = mem
+    print(f"weights: linear int4/bf16 {mem['ratio_linear']:.3f}, total {mem['ratio_total']:.3f}")
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([ctx - 1], device=dev),
+        block_tables=torch.arange(nb, device=dev)[None],
+        context_lens=torch.tensor([ctx], device=dev),
+        context_lens_list=[ctx],
+        query_start_loc=[0, 1],
+        decode_only=True,
+    )
+    ids = torch.tensor([7], device=dev)
+    pos = torch.tensor([ctx - 1], device=dev)
+    for name, model in (("bf16", bf16), ("int4", int4)):
+        for kvd in (dtype, torch.float8_e4m3fn):
+            kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kvd, dev)
+            kv.data.view(torch.uint8).random_(0, 64)  # finite codes (fp8 bit patterns < 0x40)
+            if kv.scales is not None:
+                kv.scales.fill_(0.01)
+
+            def step(i, model=model, kv=kv):
+                return model.logits(model.forward(ids, pos, kv, meta))
+
+            try:
+                with torch.inference_mode():
+                    t = timed(step, 1, reps=5 if smoke else 30)
+                row = {"weights": name, "kv_dtype": str(kvd).removeprefix("torch."),
+                       "step_ms": t * 1e3, "tokens_per_s": 1 / t}  # fmt: skip
+            except Exception as e:  # noqa: BLE001
+                row = {"weights": name, "kv_dtype": str(kvd), "error": repr(e)[:400]}
+                traceback.print_exc()
+            out["rows"].append(row)
+            print(f"decode {row}", flush=True)
+            del kv
+    by = {(r["weights"], r["kv_dtype"]): r.get("tokens_per_s") for r in out["rows"]}
+    if by.get(("bf16", "bfloat16")) and by.get(("int4", "bfloat16")):
+        out["speedup_int4_vs_bf16"] = by[("int4", "bfloat16")] / by[("bf16", "bfloat16")]
+    if by.get(("bf16", "bfloat16")) and by.get(("int4", "float8_e4m3fn")):
+        out["speedup_int4_fp8kv_vs_bf16"] = by[("int4", "float8_e4m3fn")] / by[("bf16", "bfloat16")]
+
+
+def admission_section(smoke: bool, results: dict) -> None:
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.model.loader import LoadedModel
+
+    cfg = llama_config(smoke)
+    loaded = LoadedModel(cfg, {}, None, "random")  # pool_layout reads only the config
+    seq_tokens = 2048
+    budget_gb = 40.0
+    rows = {}
+    for kvd in ("auto", "fp8", "int8"):
+        ec = EngineConfig(dtype="bfloat16", device="cpu", kv_dtype=kvd, kv_cache_memory_gb=budget_gb)
+        lay = LLMEngine.pool_layout(loaded, ec)
+        per_seq = -(-(seq_tokens + 1) // lay.block_size)
+        rows[kvd] = {"dtype": lay.dtype, "num_blocks": lay.num_blocks, "block_bytes": lay.block_bytes,
+                     "sequences_of_2k": lay.num_blocks // per_seq}  # fmt: skip
+    results["admission"] = {
+        "kv_cache_memory_gb": budget_gb,
+        "sequence_tokens": seq_tokens,
+        "pools": rows,
+        "ratio_fp8_vs_bf16": rows["fp8"]["sequences_of_2k"] / rows["auto"]["sequences_of_2k"],
+        "ratio_int8_vs_bf16": rows["int8"]["sequences_of_2k"] / rows["auto"]["sequences_of_2k"],
+    }
+    print(f"admission {results['admission']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU or GPU)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "h200_quant.json"))
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict = {
+        "benchmark": "quant_h200",
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "smoke": args.smoke,
+    }
+    t0 = time.monotonic()
+
+    def save() -> None:
+        results["seconds"] = round(time.monotonic() - t0, 1)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+    sections = [
+        ("copy", lambda: results.__setitem__("copy", copy_bandwidth(dev, args.smoke))),
+        ("gemm", lambda: gemm_section(dev, args.smoke, results["copy"]["bytes_per_s"], results)),
+        ("admission", lambda: admission_section(args.smoke, results)),
+        ("decode", lambda: decode_section(dev, args.smoke, results)),
+    ]
+    for name, fn in sections:
+        if name in skip:
+            continue
+        try:
+            s = time.monotonic()
+            fn()
+            print(f"[{name} done in {time.monotonic() - s:.1f}s]", flush=True)
+        except Exception as e:  # noqa: BLE001 - keep what the other sections measured
+            traceback.print_exc()
+            results.setdefault("errors", []).append(f"{name}: {e!r}"[:500])
+        save()
+    if "copy" in results:
+        print(f"copy bandwidth {results['copy']['bytes_per_s'] / 1e12:.2f} TB/s")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Quantization quality on SmolLM2-135M-Instruct: perplexity on held-out real text, CPU.
+
+Rows (all through Tandem's LlamaModel and paged KV cache):
+  reference        the default GGUF's weights dequantized to float32. The GGUF stores its linear
+                   layers as Q4_1 (INT4, group 32) and no higher-precision SmolLM2 is on disk, so
+                   this "unquantized" reference is itself the dequantized Q4_1 model.
+  q4_1_native      the same Q4_1 tensors loaded directly as INT4 g32 (no re-quantization):
+                   must equal the reference.
+  int4_g128_rtn    INT4 group 128 with zero point, round-to-nearest (no calibration).
+  int4_g128_awq    the same after activation-aware scaling calibrated on the shipped calibration
+                   text (this project's own docs, tandem/quant/data/calibration.txt).
+  kv_fp8, kv_int8  reference weights, KV cache in FP8 e4m3 / INT8 with per-block scales.
+  int4_g128_awq_kv_fp8  both.
+The quantized checkpoints are written with `tandem quantize`'s code path and loaded back from disk.
+
+Held-out text: the Python language reference shipped with the interpreter (pydoc_data.topics,
+topics in sorted order), a text different from the calibration file. Perplexity runs over
+non-overlapping windows (--window tokens, one prefill each). A second, shorter "decode" pass feeds
+the last --decode-tokens of each window one token at a time, so the FP8/INT8 cache is written as
+in serving (per-block scales growing token by token).
+
+    .venv/bin/python bench/quant_quality.py            # writes bench/results/quant_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tandem.model.gguf_loader import default_model_path  # noqa: E402
+from tandem.model.llama import LlamaModel  # noqa: E402
+from tandem.model.loader import load_model  # noqa: E402
+from tandem.quant.checkpoint import save_quantized  # noqa: E402
+from tandem.quant.cli import default_calibration_path, quantize_model  # noqa: E402
+from tandem.quant.eval import perplexity  # noqa: E402
+from tandem.quant.format import QuantizedWeight  # noqa: E402
+from tandem.quant.recipe import LayerSpec, Recipe  # noqa: E402
+from tandem.quant.weights import dequantize_weights, load_gguf_q4_1  # noqa: E402
+
+TARGETS = {"int4_g128_awq": 1.05, "kv_fp8": 1.01}
+
+
+def eval_text() -> tuple[str, str]:
+    import pydoc_data.topics as topics
+
+    keys = sorted(topics.topics)
+    text = "\n\n".join(topics.topics[k] for k in keys)
+    src = f"pydoc_data.topics of Python {platform.python_version()} ({len(keys)} topics, sorted)"
+    return text, src
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).decode().strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=12, help="prefill windows evaluated")
+    ap.add_argument("--decode-windows", type=int, default=2)
+    ap.add_argument("--decode-window", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quant_quality.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.monotonic()
+    path = default_model_path()
+    loaded = load_model(path, torch.float32)
+    cfg, tok = loaded.config, loaded.tokenizer
+    text, text_src = eval_text()
+    ids = tok.encode(text, add_special_tokens=False)
+    n_pre = args.window * args.windows
+    if len(ids) < n_pre:
+        raise SystemExit(f"held-out text has {len(ids)} tokens, need {n_pre}")
+    pre_ids = ids[:n_pre]
+    # The decode pass reads text after the prefill pass's, so the two passes do not overlap.
+    dec_ids = ids[n_pre : n_pre + args.decode_window * args.decode_windows]
+
+    def model_of(weights) -> LlamaModel:
+        return LlamaModel(cfg, weights, torch.float32, "cpu", max_positions=args.window)
+
+    def evaluate(name: str, weights, kv_dtype=None, note: str = "") -> dict:
+        t0 = time.monotonic()
+        # On CPU the W4A16 path is the reference (dequantize, then matmul), so dequantizing once
+        # up front computes exactly the same logits, without re-dequantizing at every step.
+        m = model_of(dequantize_weights(weights, torch.float32))
+        pre = perplexity(m, pre_ids, args.window, kv_dtype)
+        dec = perplexity(m, dec_ids, args.decode_window, kv_dtype, decode_tokens=args.decode_tokens)
+        q = [w for w in weights.values() if isinstance(w, QuantizedWeight)]
+        row = {
+            "name": name,
+            "ppl": pre["ppl"],
+            "nll": pre["nll"],
+            "tokens": pre["tokens"],
+            "decode_pass_ppl": dec["ppl"],
+            "decode_pass_tokens": dec["tokens"],
+            "kv_dtype": str(kv_dtype or torch.float32).removeprefix("torch."),
+            "quantized_layers": len(q),
+            "quantized_bytes": sum(w.nbytes for w in q),
+            "seconds": round(time.monotonic() - t0, 1),
+            "note": note,
+        }
+        print(
+            f"{name:24s} ppl {row['ppl']:8.4f}   decode-pass ppl {row['decode_pass_ppl']:8.4f}"
+            f"   ({row['seconds']}s)",
+            flush=True,
+        )
+        return row
+
+    rows = []
+    ref_w = loaded.weights
+    rows.append(evaluate("reference", ref_w, note="GGUF Q4_1 weights dequantized to float32"))
+    native = dict(ref_w)
+    native.update(load_gguf_q4_1(path, cfg))
+    rows.append(evaluate("q4_1_native", native, note="Q4_1 loaded directly as INT4 g32"))
+    del native
+
+    recipe = Recipe(LayerSpec(bits=4, group_size=128, zero_point=True))
+    tmp = tempfile.mkdtemp(prefix="tandem-quant-")
+    quantized = {}
+    for method in ("rtn", "awq"):
+        t0 = time.monotonic()
+        weights, info = quantize_model(loaded, recipe, method, log=lambda s: None)
+        out = os.path.join(tmp, method)
+        save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
+        back = load_model(out, torch.float32)
+        quantized[method] = (back.weights, round(time.monotonic() - t0, 1))
+        print(f"quantized ({method}) in {quantized[method][1]}s -> {out}", flush=True)
+    rows.append(
+        evaluate("int4_g128_rtn", quantized["rtn"][0], note="INT4 g128 RTN, no calibration")
+    )
+    rows.append(
+        evaluate(
+            "int4_g128_awq",
+            quantized["awq"][0],
+            note="INT4 g128 after AWQ-style scaling on the shipped calibration text",
+        )
+    )
+    rows.append(evaluate("kv_fp8", ref_w, torch.float8_e4m3fn, note="reference weights, FP8 KV"))
+    rows.append(evaluate("kv_int8", ref_w, torch.int8, note="reference weights, INT8 KV"))
+    rows.append(
+        evaluate("int4_g128_awq_kv_fp8", quantized["awq"][0], torch.float8_e4m3fn, note="both")
+    )
+
+    ref = rows[0]
+    for r in rows:
+        r["ppl_ratio"] = r["ppl"] / ref["ppl"]
+        r["decode_pass_ppl_ratio"] = r["decode_pass_ppl"] / ref["decode_pass_ppl"]
+    checks = {
+        name: {
+            "target_ratio_max": t,
+            "ppl_ratio": next(r["ppl_ratio"] for r in rows if r["name"] == name),
+            "decode_pass_ppl_ratio": next(
+                r["decode_pass_ppl_ratio"] for r in rows if r["name"] == name
+            ),
+        }
+        for name, t in TARGETS.items()
+    }
+    for c in checks.values():
+        c["pass"] = c["ppl_ratio"] <= c["target_ratio_max"] and (
+            c["decode_pass_ppl_ratio"] <= c["target_ratio_max"]
+        )
+    calib = default_calibration_path()
+    result = {
+        "benchmark": "quant_quality",
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_rev(),
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "model": os.path.basename(path),
+        "reference_note": (
+            "The default SmolLM2-135M-Instruct GGUF stores its linear layers as Q4_1 (INT4, "
+            "group 32, scale + min) and the token embedding as Q8_0; no higher-precision SmolLM2 "
+            "is on disk and nothing may be downloaded, so the 'unquantized' reference is the "
+            "Q4_1 model dequantized to float32. INT4 g128 rows re-quantize that grid."
+        ),
+        "cpu_w4a16_note": (
+            "On CPU a quantized layer runs the torch reference (dequantize to float32, then "
+            "matmul); rows with quantized weights are evaluated with their weights dequantized "
+            "once, which computes the same logits (tests/test_quant.py checks the engine's INT4 "
+            "path gives the same tokens as a float engine holding the dequantized weights)."
+        ),
+        "eval_text": text_src,
+        "eval_tokens": {"prefill_pass": len(pre_ids) - args.windows, "decode_pass": len(dec_ids)},
+        "window": args.window,
+        "decode_pass": {
+            "window": args.decode_window,
+            "windows": args.decode_windows,
+            "decoded_tokens_per_window": args.decode_tokens,
+        },
+        "calibration_text": {
+            "file": os.path.relpath(calib, ROOT),
+            "source": "this project's README.md, DESIGN.md and CONVENTIONS.md",
+            "tokens_used": quantized and 0,
+        },
+        "quantize_seconds": {m: quantized[m][1] for m in quantized},
+        "rows": rows,
+        "checks": checks,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    # The calibration token count as the quantizer used it.
+    with open(os.path.join(tmp, "awq", "quantization.json")) as f:
+        result["calibration_text"]["tokens_used"] = json.load(f)["calibration"]["tokens"]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\n{'row':24s} {'ppl':>9s} {'ratio':>7s} {'dec ppl':>9s} {'ratio':>7s}")
+    for r in rows:
+        print(
+            f"{r['name']:24s} {r['ppl']:9.4f} {r['ppl_ratio']:7.4f} "
+            f"{r['decode_pass_ppl']:9.4f} {r['decode_pass_ppl_ratio']:7.4f}"
+        )
+    for name, c in checks.items():
+        print(f"{name}: ratio {c['ppl_ratio']:.4f} (<= {c['target_ratio_max']}): {c['pass']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,690 @@
+"""Serving benchmark: a gRPC load generator for the gateway, and the same load in-process.
+
+Workloads (one "level" each, all from one seeded generator):
+  * closed loop at each --concurrency c: c clients, each sends its next request as soon as the
+    previous one finishes;
+  * open loop at each --rate r: requests arrive as a Poisson process of r requests/s.
+Prompts are random token ids (`prompt_token_ids`), lengths uniform in --prompt-len; outputs are
+uniform in --output-len, fixed per request by max_tokens with ignore_eos (greedy), so both paths
+do exactly the same work.
+
+Services path: grpc.aio clients call tandem.v1.Gateway/Generate on --address, or on a
+`tandem up` this script starts (--launch) and stops at the end. In-process path: the same
+requests through one `tandem.LLMEngine` (`add_request` + `step()`, a timestamp per token),
+stepped from a worker thread as the decode service steps its engine. The two paths never run at
+the same time: services first, then (after they are stopped) the engine.
+
+Per level: TTFT p50/p99 (send -> first token), TPOT p50/p99 (per request: (last - first token
+time) / (tokens - 1)), throughput (output tokens/s, requests/s over the level), errors.
+Overhead = TPOT p50 (services) / TPOT p50 (in-process), printed for every closed-loop level.
+
+    .venv/bin/python bench/serve.py --launch
+    .venv/bin/python bench/serve.py --address 127.0.0.1:50051      # a gateway already running
+    .venv/bin/python bench/serve.py --launch --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+TARGET_TPOT_OVERHEAD = 1.15
+
+
+# ---- run metadata and CPU accounting (kept in this file so each benchmark stands alone) ------
+def git_revision() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        rev = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return rev + (" (uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_metadata() -> dict[str, Any]:
+    import torch
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    return {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "git_revision": git_revision(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu,
+        "torch_num_threads": torch.get_num_threads(),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all processes have used (every core), from /proc/stat; 0 where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / _TICK
+
+
+def _tree_cpu_s(roots: list[int]) -> float:
+    """CPU seconds used so far by `roots` and all their descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(name), int(rest[1])
+        children.setdefault(ppid, []).append(pid)
+        times[pid] = (int(rest[11]) + int(rest[12])) / _TICK
+    total, todo, seen = 0.0, list(roots), set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += times.get(p, 0.0)
+        todo.extend(children.get(p, []))
+    return total
+
+
+class CpuMonitor:
+    """How much of the machine's CPU the measured processes and everybody else used."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self.roots = roots
+
+    def __enter__(self) -> CpuMonitor:
+        self.t0, self.m0, self.o0 = time.monotonic(), _machine_busy_s(), _tree_cpu_s(self.roots)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        cap = wall * (os.cpu_count() or 1)
+        own = _tree_cpu_s(self.roots) - self.o0
+        machine = _machine_busy_s() - self.m0
+        self.result = {
+            "measured_cpu_frac": round(own / cap, 3),
+            "other_processes_cpu_frac": round(max(machine - own, 0.0) / cap, 3),
+        }
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return str(v)
+
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    head = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
+    print(head)
+    print("-" * len(head))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+# ---- workloads ------------------------------------------------------------------------------
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0  # open loop: offset from the level's start
+
+
+@dataclass
+class Level:
+    name: str
+    kind: str  # "concurrency" | "poisson"
+    value: float  # clients, or requests/s
+    requests: list[Req]
+
+
+@dataclass
+class Record:
+    t_send: float
+    t_first: float | None = None
+    t_last: float | None = None
+    n_tokens: int = 0
+    error: str | None = None
+    server: dict[str, float] = field(default_factory=dict)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(",")
+    lo, hi = int(a), int(b or a)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def make_levels(args: argparse.Namespace, vocab_size: int) -> list[Level]:
+    rng = random.Random(args.seed)
+
+    def req() -> Req:
+        n = rng.randint(*args.prompt_len)
+        return Req([rng.randrange(vocab_size) for _ in range(n)], rng.randint(*args.output_len))
+
+    levels = []
+    for c in args.concurrency:
+        n = args.requests or max(args.min_requests, 2 * c)
+        levels.append(Level(f"concurrency {c}", "concurrency", c, [req() for _ in range(n)]))
+    for r in args.rate:
+        n = args.requests or args.poisson_requests
+        reqs, t = [], 0.0
+        for _ in range(n):
+            t += rng.expovariate(r)
+            x = req()
+            x.arrival_s = t
+            reqs.append(x)
+        levels.append(Level(f"poisson {r:g}/s", "poisson", r, reqs))
+    return levels
+
+
+def summarize(level: Level, recs: list[Record], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in recs if r.error is None and r.t_first is not None]
+    ttft = [r.t_first - r.t_send for r in ok]
+    tpot = [(r.t_last - r.t_first) / (r.n_tokens - 1) for r in ok if r.n_tokens > 1]
+    tokens = sum(r.n_tokens for r in ok)
+    expected = sum(q.max_tokens for q in level.requests)
+    out: dict[str, Any] = {
+        "level": level.name,
+        "kind": level.kind,
+        "value": level.value,
+        "requests": len(level.requests),
+        "completed": len(ok),
+        "errors": len(recs) - len(ok),
+        "output_tokens": tokens,
+        "expected_output_tokens": expected,
+        "wall_s": wall_s,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "tpot_p50_ms": _ms(percentile(tpot, 50)),
+        "tpot_p99_ms": _ms(percentile(tpot, 99)),
+        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+    }
+    errs = sorted({r.error for r in recs if r.error})
+    if errs:
+        out["error_messages"] = errs[:5]
+    if ok and ok[0].server:
+        for key in ("ttft_ms", "mean_tpot_ms"):
+            vals = [r.server[key] for r in ok if key in r.server]
+            out[f"server_{key}_p50"] = percentile(vals, 50)
+    return out
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+# ---- services path --------------------------------------------------------------------------
+def _ports_free(ports: list[int]) -> bool:
+    for p in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                return False
+    return True
+
+
+def free_base_port() -> int:
+    """A port p with p..p+3 and p+1000..p+1002 free (tandem up's defaults around --port)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + 1003 < 65535 and _ports_free([p, p + 1, p + 2, p + 3, p + 1000, p + 1001, p + 1002]):
+            return p
+    raise RuntimeError("no free port range found")
+
+
+class Launched:
+    """`tandem up` in a subprocess; ready once it prints its banner."""
+
+    def __init__(self, extra: list[str], timeout: float) -> None:
+        port = free_base_port()
+        self.address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--http-port", "-1"]
+        help_text = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "up", "--help"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        ).stdout
+        if "--metrics-port" in help_text:
+            cmd += ["--metrics-port", "-1"]
+        cmd += extra
+        self.command = shlex.join(cmd)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
+            "w+", prefix="tandem-bench-up-", suffix=".log", delete=False
+        )
+        print(f"launching: {self.command}  (output in {self.log.name})", flush=True)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        while True:
+            with open(self.log.name, errors="replace") as f:
+                text = f.read()
+            if "Tandem is up" in text:
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem up exited with {self.proc.returncode}:\n{text[-3000:]}")
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(f"tandem up not ready after {timeout:.0f}s:\n{text[-3000:]}")
+            time.sleep(0.25)
+        self.startup_s = time.monotonic() - t0
+        print(f"services up in {self.startup_s:.1f}s at {self.address}", flush=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+async def _one_grpc(stub: Any, pb: Any, req: Req) -> Record:
+    import grpc
+
+    msg = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=req.prompt),
+        sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    rec = Record(t_send=time.perf_counter())
+    try:
+        async for resp in stub.Generate(msg):
+            now = time.perf_counter()
+            if resp.HasField("chunk"):
+                n = len(resp.chunk.token_ids)
+                if n:
+                    if rec.t_first is None:
+                        rec.t_first = now
+                        n -= 1
+                        rec.n_tokens += 1
+                    rec.n_tokens += n
+                    rec.t_last = now
+            else:
+                t = resp.finish.timings
+                rec.server = {"ttft_ms": t.ttft_ms, "mean_tpot_ms": t.mean_tpot_ms}
+                if resp.finish.usage.completion_tokens != req.max_tokens:
+                    rec.error = (
+                        f"completion_tokens {resp.finish.usage.completion_tokens} "
+                        f"!= max_tokens {req.max_tokens}"
+                    )
+    except grpc.aio.AioRpcError as e:
+        rec.error = f"{e.code().name}: {e.details()}"
+    return rec
+
+
+async def _run_level_grpc(address: str, level: Level) -> tuple[list[Record], float]:
+    import grpc
+
+    from tandem.rpc import api_pb2, api_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = api_pb2_grpc.GatewayStub(ch)
+        t0 = time.perf_counter()
+        if level.kind == "concurrency":
+            queue = list(reversed(level.requests))
+            recs: list[Record] = []
+
+            async def client() -> None:
+                while queue:
+                    recs.append(await _one_grpc(stub, api_pb2, queue.pop()))
+
+            await asyncio.gather(*(client() for _ in range(int(level.value))))
+        else:
+
+            async def at(req: Req) -> Record:
+                await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+                return await _one_grpc(stub, api_pb2, req)
+
+            recs = list(await asyncio.gather(*(at(r) for r in level.requests)))
+        return recs, time.perf_counter() - t0
+
+
+async def _warmup_grpc(address: str, reqs: list[Req], timeout: float) -> None:
+    import grpc
+
+    from tandem.rpc import api_pb2, api_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        await asyncio.wait_for(ch.channel_ready(), timeout)
+        stub = api_pb2_grpc.GatewayStub(ch)
+        for r in reqs:
+            rec = await _one_grpc(stub, api_pb2, r)
+            if rec.error:
+                raise RuntimeError(f"warm-up request failed: {rec.error}")
+
+
+def run_services(
+    address: str, levels: list[Level], warm: list[Req], roots: list[int]
+) -> list[dict[str, Any]]:
+    asyncio.run(_warmup_grpc(address, warm, 60.0))
+    out = []
+    for level in levels:
+        with CpuMonitor(roots) as mon:
+            recs, wall = asyncio.run(_run_level_grpc(address, level))
+        s = summarize(level, recs, wall)
+        s["cpu"] = mon.result
+        out.append(s)
+        _progress("services", s)
+    return out
+
+
+# ---- in-process path ------------------------------------------------------------------------
+def run_inprocess(levels: list[Level], warm: list[Req]) -> list[dict[str, Any]]:
+    import tandem
+
+    llm = tandem.LLM()
+    engine = llm.engine
+
+    def submit(req: Req) -> Any:
+        sp = tandem.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        return engine.add_request(req.prompt, sp)
+
+    for r in warm:
+        submit(r)
+        while engine.has_unfinished():
+            engine.step()
+
+    out = []
+    for level in levels:
+        recs: dict[str, Record] = {}
+        pending = list(level.requests)
+        with CpuMonitor([os.getpid()]) as mon:
+            t0 = time.perf_counter()
+
+            def add(req: Req, t_send: float, recs: dict[str, Record] = recs) -> None:
+                recs[submit(req).seq_id] = Record(t_send=t_send)
+
+            if level.kind == "concurrency":
+                for _ in range(min(int(level.value), len(pending))):
+                    add(pending.pop(0), time.perf_counter())
+            while pending or engine.has_unfinished():
+                if level.kind == "poisson":
+                    now = time.perf_counter()
+                    while pending and t0 + pending[0].arrival_s <= now:
+                        req = pending.pop(0)
+                        add(req, t0 + req.arrival_s)  # it waited from its arrival time
+                    if not engine.has_unfinished():
+                        if pending:
+                            time.sleep(max(0.0, t0 + pending[0].arrival_s - time.perf_counter()))
+                        continue
+                outs = engine.step()
+                now = time.perf_counter()
+                for o in outs:
+                    rec = recs[o.seq.seq_id]
+                    if o.new_token_ids:
+                        if rec.t_first is None:
+                            rec.t_first = now
+                        rec.t_last = now
+                        rec.n_tokens += len(o.new_token_ids)
+                    if o.finished and level.kind == "concurrency" and pending:
+                        add(pending.pop(0), now)
+            wall = time.perf_counter() - t0
+        s = summarize(level, list(recs.values()), wall)
+        s["cpu"] = mon.result
+        out.append(s)
+        _progress("in-process", s)
+    return out
+
+
+def in_worker_thread(fn, *args) -> Any:
+    """Run fn in a fresh thread and return its result (re-raising its exception)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["err"] = e
+
+    th = threading.Thread(target=target, name="bench-engine")
+    th.start()
+    th.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def _progress(path: str, s: dict[str, Any]) -> None:
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    print(
+        f"  {path:10s} {s['level']:16s} TTFT p50 {f(s['ttft_p50_ms'])} ms, "
+        f"TPOT p50 {f(s['tpot_p50_ms'])} ms, {f(s['output_tokens_per_s'])} tok/s, "
+        f"errors {s['errors']}, other processes {s['cpu']['other_processes_cpu_frac']:.0%} CPU",
+        flush=True,
+    )
+
+
+# ---- main -----------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="host:port of a running gateway")
+    where.add_argument("--launch", action="store_true", help="start `tandem up` for the run")
+    ap.add_argument("--concurrency", default="1,8", help="closed-loop client counts (comma list)")
+    ap.add_argument("--rate", default="2", help="Poisson arrival rates in requests/s (comma list)")
+    ap.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="MIN,MAX tokens")
+    ap.add_argument("--output-len", type=parse_range, default=(24, 40), help="MIN,MAX tokens")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (overrides)")
+    ap.add_argument("--min-requests", type=int, default=6, help="closed loop: max(this, 2c)")
+    ap.add_argument("--poisson-requests", type=int, default=16, help="requests per Poisson level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-inprocess", action="store_true", help="services path only")
+    ap.add_argument(
+        "--inprocess-main-thread",
+        action="store_true",
+        help="step the in-process engine in the main thread (default: a worker thread, as the "
+        "decode service does)",
+    )
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter requests (a smoke run)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve_cpu.json"))
+    ap.add_argument("up_args", nargs="*", help="after --: extra flags for `tandem up`")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.rate = [float(r) for r in args.rate.split(",") if r]
+    if args.quick:
+        args.output_len = (8, 16)
+        args.requests = args.requests or 4
+
+    from tandem.model.loader import load_model_info
+
+    mc, _, model_path = load_model_info(None)
+    levels = make_levels(args, mc.vocab_size)
+    warm_rng = random.Random(args.seed + 1)
+    warm = [Req([warm_rng.randrange(mc.vocab_size) for _ in range(32)], 8) for _ in range(2)]
+    meta = run_metadata()
+    print(
+        f"torch {meta['torch']}, {meta['cpu_count']} CPUs, torch threads "
+        f"{meta['torch_num_threads']}, load average {meta['loadavg_at_start'][0]:.2f}; "
+        f"levels: {', '.join(lv.name + f' ({len(lv.requests)} requests)' for lv in levels)}",
+        flush=True,
+    )
+
+    launched = None
+    services: list[dict[str, Any]] = []
+    t_start = time.monotonic()
+    try:
+        if args.launch:
+            launched = Launched(args.up_args, args.start_timeout)
+            address, roots = launched.address, [os.getpid(), launched.proc.pid]
+        else:
+            address, roots = args.address, [os.getpid()]
+        services = run_services(address, levels, warm, roots)
+    finally:
+        if launched is not None:
+            launched.stop()
+            print("services stopped", flush=True)
+    inproc: list[dict[str, Any]] = []
+    if not args.skip_inprocess:
+        if args.inprocess_main_thread:
+            inproc = run_inprocess(levels, warm)
+        else:
+            inproc = in_worker_thread(run_inprocess, levels, warm)
+
+    print()
+    headers = ["path", "level", "ok/err", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
+    headers += ["tok/s", "req/s", "other CPU"]
+    rows = []
+    for name, res in (("services", services), ("in-process", inproc)):
+        for s in res:
+            rows.append(
+                [
+                    name,
+                    s["level"],
+                    f"{s['completed']}/{s['errors']}",
+                    s["ttft_p50_ms"],
+                    s["ttft_p99_ms"],
+                    s["tpot_p50_ms"],
+                    s["tpot_p99_ms"],
+                    s["output_tokens_per_s"],
+                    s["requests_per_s"],
+                    f"{s['cpu']['other_processes_cpu_frac']:.0%}",
+                ]
+            )
+    print("(times in ms)")
+    print_table(headers, rows)
+    overhead = []
+    for sv, ip in zip(services, inproc, strict=False):
+        if sv["tpot_p50_ms"] and ip["tpot_p50_ms"]:
+            o = {
+                "level": sv["level"],
+                "tpot_p50_ratio": sv["tpot_p50_ms"] / ip["tpot_p50_ms"],
+                "ttft_p50_ratio": sv["ttft_p50_ms"] / ip["ttft_p50_ms"],
+                "throughput_ratio": sv["output_tokens_per_s"] / ip["output_tokens_per_s"],
+                "target_tpot_ratio": TARGET_TPOT_OVERHEAD if sv["kind"] == "concurrency" else None,
+            }
+            overhead.append(o)
+            tgt = o["target_tpot_ratio"]
+            verdict = (
+                ""
+                if tgt is None
+                else f" (target <= {tgt}: {'met' if o['tpot_p50_ratio'] <= tgt else 'NOT met'})"
+            )
+            print(
+                f"{sv['level']}: TPOT services / in-process {o['tpot_p50_ratio']:.2f}x{verdict}, "
+                f"TTFT {o['ttft_p50_ratio']:.2f}x, throughput {o['throughput_ratio']:.2f}x"
+            )
+
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    meta["wall_s"] = time.monotonic() - t_start
+    data = {
+        "benchmark": "serve_cpu",
+        "meta": meta,
+        "model": model_path,
+        "settings": {
+            "address": None if args.launch else args.address,
+            "launched": None
+            if launched is None
+            else {"command": launched.command, "startup_s": launched.startup_s},
+            "concurrency": args.concurrency,
+            "rate_rps": args.rate,
+            "prompt_len": list(args.prompt_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "requests_per_level": {lv.name: len(lv.requests) for lv in levels},
+            "sampling": "greedy, ignore_eos, max_tokens = output length",
+            "warmup_requests": len(warm),
+            "inprocess_thread": "main" if args.inprocess_main_thread else "worker",
+        },
+        "services": services,
+        "in_process": inproc,
+        "overhead": overhead,
+        "notes": [
+            "Services: gateway, prefill and decode are three processes (plus the `tandem up` "
+            f"supervisor and this client) sharing {os.cpu_count()} CPU cores; each stage runs "
+            "torch with its default thread count, so they contend for cores, which the "
+            "in-process path (one process) does not.",
+            "The two paths ran one after the other, never at the same time.",
+            "TTFT: client send -> first token id received (services) / request added -> the "
+            "step that produced its first token returned (in-process). TPOT: per request, "
+            "(last token time - first token time) / (tokens - 1); p50/p99 over requests.",
+            "In-process uses the engine directly: no detokenization, no RPC; the services path "
+            "detokenizes in the gateway. It steps the engine from a worker thread (settings."
+            "inprocess_thread), as the decode service does.",
+            "cpu.other_processes_cpu_frac: share of the machine's CPU used by processes outside "
+            "the measured ones during the level (other work on a shared machine).",
+        ],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    print(f"wrote {os.path.relpath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

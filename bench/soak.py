@@ -1,0 +1,245 @@
+"""Soak test: random concurrent requests with cancels, disconnects and deadlines against `tandem up`.
+
+At the end every KV pool must be back to zero used blocks, no request may have failed with an
+unexpected status, and no service's resident memory may have grown by more than 10% after
+warm-up. Bounded in time and count; talks only to 127.0.0.1.
+
+    python bench/soak.py                      # 120 s, writes bench/results/soak_cpu.json
+    python bench/soak.py --duration 20 --out -  # the short variant (also run by the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc  # noqa: E402
+from tests.integration.cluster import start_cluster  # noqa: E402
+
+EXPECTED = {
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+PROMPTS = [
+    "Tell me about the ocean.",
+    "Write a short poem about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a busy train station in the morning.",
+    "Give three tips for learning to cook.",
+]
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d))
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def stage_name(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        parts = f.read().split(b"\0")
+    for p in parts:
+        if p.startswith(b"services."):
+            return p.decode().split(".")[1]
+    return str(pid)
+
+
+async def one_request(stub, rng: random.Random, stats: dict) -> None:
+    action = rng.choices(["complete", "cancel", "deadline", "disconnect"], [5, 2, 2, 1])[0]
+    req = api_pb2.GenerateRequest(
+        messages=api_pb2.ChatMessages(
+            messages=[api_pb2.ChatMessage(role="user", content=rng.choice(PROMPTS))]
+        ),
+        sampling=api_pb2.SamplingParams(
+            max_tokens=rng.randint(4, 48),
+            temperature=rng.choice([0.0, 0.7, 1.0]),
+            seed=rng.randint(0, 1000),
+        ),
+    )
+    timeout = rng.uniform(0.05, 2.0) if action == "deadline" else 120.0
+    stats["sent"] += 1
+    try:
+        call = stub.Generate(req, timeout=timeout)
+        n = 0
+        cut = rng.randint(1, 6)
+        async for r in call:
+            if r.HasField("chunk"):
+                n += 1
+                if action in ("cancel", "disconnect") and n == cut:
+                    call.cancel()
+                    break
+        stats[action] += 1
+    except grpc.aio.AioRpcError as e:
+        if e.code() in EXPECTED:
+            stats[e.code().name] = stats.get(e.code().name, 0) + 1
+        else:
+            stats["unexpected"].append(f"{e.code().name}: {e.details()}")
+    except asyncio.CancelledError:
+        stats["cancelled_locally"] += 1
+
+
+async def load(address: str, seconds: float, concurrency: int, seed: int, stats: dict) -> None:
+    rng = random.Random(seed)
+    deadline = time.monotonic() + seconds
+    sem = asyncio.Semaphore(concurrency)
+    tasks: set[asyncio.Task] = set()
+    channels = [grpc.aio.insecure_channel(address) for _ in range(4)]
+    try:
+        while time.monotonic() < deadline:
+            await sem.acquire()
+            ch = rng.choice(channels)
+            stub = api_pb2_grpc.GatewayStub(ch)
+            t = asyncio.ensure_future(one_request(stub, rng, stats))
+            t.add_done_callback(lambda _t: sem.release())
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+            if rng.random() < 0.03:
+                # A client vanishing: close a whole connection with its streams in flight.
+                i = rng.randrange(len(channels))
+                await channels[i].close()
+                channels[i] = grpc.aio.insecure_channel(address)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+def worker_stats(cluster) -> dict:
+    out = {}
+    for name, port, stub_cls in (
+        ("prefill", cluster.prefill_port, stages_pb2_grpc.PrefillStub),
+        ("decode", cluster.decode_port, stages_pb2_grpc.DecodeStub),
+    ):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            st = stub_cls(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
+        out[name] = {
+            "used_blocks": st.used_blocks,
+            "leased_blocks": st.leased_blocks,
+            "running": st.running,
+        }
+    return out
+
+
+def run(duration: float, concurrency: int, seed: int) -> dict:
+    cluster = start_cluster()
+    try:
+        pids = {stage_name(p): p for p in children_of(cluster.proc.pid)}
+        stats = {
+            "sent": 0,
+            "complete": 0,
+            "cancel": 0,
+            "deadline": 0,
+            "disconnect": 0,
+            "cancelled_locally": 0,
+            "unexpected": [],
+        }
+        warm = min(15.0, duration / 4)
+        asyncio.run(load(cluster.address, warm, concurrency, seed, stats))
+        rss_warm = {k: rss_mb(p) for k, p in pids.items()}
+        asyncio.run(load(cluster.address, duration - warm, concurrency, seed + 1, stats))
+        # Leases are released right after the copy; give in-flight cancels a moment to land.
+        deadline = time.monotonic() + 15
+        pools = worker_stats(cluster)
+        while (
+            any(v["used_blocks"] or v["leased_blocks"] for v in pools.values())
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.25)
+            pools = worker_stats(cluster)
+        rss_end = {k: rss_mb(p) for k, p in pids.items()}
+    finally:
+        cluster.stop()
+    growth = {k: (rss_end[k] - rss_warm[k]) / rss_warm[k] for k in rss_warm if rss_warm[k]}
+    ok = (
+        not stats["unexpected"]
+        and all(v["used_blocks"] == 0 and v["leased_blocks"] == 0 for v in pools.values())
+        and all(g <= 0.10 for g in growth.values())
+    )
+    return {
+        "duration_s": duration,
+        "concurrency": concurrency,
+        "seed": seed,
+        "requests": stats,
+        "pools_at_end": pools,
+        "rss_mb_after_warmup": rss_warm,
+        "rss_mb_at_end": rss_end,
+        "rss_growth": growth,
+        "passed": ok,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--out", default=str(ROOT / "bench" / "results" / "soak_cpu.json"), help="'-' to skip"
+    )
+    args = ap.parse_args()
+    res = run(args.duration, args.concurrency, args.seed)
+    res["command"] = "python " + " ".join(sys.argv)
+    res["git_revision"] = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    res["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    r = res["requests"]
+    print(f"{'requests sent':<24}{r['sent']}")
+    for k in (
+        "complete",
+        "cancel",
+        "deadline",
+        "disconnect",
+        "DEADLINE_EXCEEDED",
+        "CANCELLED",
+        "RESOURCE_EXHAUSTED",
+    ):
+        print(f"{k:<24}{r.get(k, 0)}")
+    print(f"{'unexpected errors':<24}{len(r['unexpected'])}")
+    for k, v in res["pools_at_end"].items():
+        print(f"{k + ' blocks at end':<24}used {v['used_blocks']}, leased {v['leased_blocks']}")
+    for k, g in res["rss_growth"].items():
+        print(
+            f"{k + ' RSS growth':<24}{g * 100:+.1f}%  ({res['rss_mb_after_warmup'][k]:.0f} -> {res['rss_mb_at_end'][k]:.0f} MB)"
+        )
+    print("PASSED" if res["passed"] else "FAILED")
+    if args.out != "-":
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

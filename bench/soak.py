@@ -58,11 +58,18 @@ def children_of(pid: int) -> list[int]:
 
 
 def rss_mb(pid: int) -> float:
+    """Resident memory a process owns: anonymous + file-backed, without shared memory.
+
+    The decode worker maps the prefill worker's KV pool (shared memory); its pages count in
+    VmRSS as they are first read, which is not growth of the decode worker's own memory.
+    """
+    fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile", "RssShmem", "VmRSS"):
+                fields[k] = int(v.split()[0]) / 1024
+    return fields.get("RssAnon", 0.0) + fields.get("RssFile", 0.0)
 
 
 def stage_name(pid: int) -> str:
@@ -106,6 +113,9 @@ async def one_request(stub, rng: random.Random, stats: dict) -> None:
             stats["unexpected"].append(f"{e.code().name}: {e.details()}")
     except asyncio.CancelledError:
         stats["cancelled_locally"] += 1
+    except grpc.aio.UsageError:
+        # The load generator closed this connection (a simulated vanished client) first.
+        stats["disconnect"] += 1
 
 
 async def load(address: str, seconds: float, concurrency: int, seed: int, stats: dict) -> None:

@@ -41,7 +41,9 @@ class KVCache:
             scales = torch.zeros(
                 (num_layers, 2, num_blocks, kv_heads), dtype=torch.float32, device=device
             )
-        return cls(torch.zeros(shape, dtype=dtype, device=device), scales)
+        # Touch every page now (zero_ rather than a lazily mapped calloc): the pool's memory is
+        # reserved at start-up, so usage does not creep up as new blocks are first written.
+        return cls(torch.empty(shape, dtype=dtype, device=device).zero_(), scales)
 
     @staticmethod
     def bytes_per_block(

@@ -41,11 +41,33 @@ class CompletionChunk:
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching."""
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative: str | None = None,
+        spec_k: int | None = None,
+        **engine_options: Any,
+    ) -> None:
+        """`speculative`: None, "ngram" or "self:N" (the first N layers as an in-process draft)."""
         self.config = EngineConfig.from_options(model=model, **engine_options)
         loaded = load_model(self.config.model, self.config.resolved_dtype())
         self.engine = LLMEngine(loaded, self.config)
         self.tokenizer = loaded.tokenizer
+        self.speculator = None
+        if speculative is not None:
+            from tandem.engine.proposers import build_proposer
+            from tandem.engine.speculator import Speculator, local_backend
+
+            proposer = build_proposer(speculative, loaded, self.config)
+            self.speculator = Speculator(local_backend(proposer), fixed_k=spec_k)
+
+    def _step(self):
+        if self.speculator is None:
+            return self.engine.step()
+        self.speculator.before_step(self.engine)
+        outs = self.engine.step()
+        self.speculator.after_step(outs)
+        return outs
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Strings are tokenized (with BOS where the tokenizer adds one); id lists pass through."""
@@ -84,15 +106,26 @@ class LLM:
         # Validate all before queueing any, so a bad prompt leaves nothing half-allocated.
         for ids, sp in zip(encoded, params, strict=True):
             self.engine.validate_request(ids, sp)
-        seqs = []
-        detoks = []
-        for ids, sp in zip(encoded, params, strict=True):
-            seqs.append(self.engine.add_request(ids, sp))
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, sp.stop))
-        by_id = {s.seq_id: i for i, s in enumerate(seqs)}
+        seqs: list = [None] * len(encoded)
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+            for ids, sp in zip(encoded, params, strict=True)
+        ]
+        by_id: dict[str, int] = {}
+        todo = iter(range(len(encoded)))
+        nxt = next(todo, None)
+        limit = self.config.max_queued_seqs
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
+            while True:
+                # Feed the queue as it drains, so any number of prompts fits its bound.
+                while nxt is not None and self.engine.num_waiting < limit:
+                    seq = self.engine.add_request(encoded[nxt], params[nxt])
+                    seqs[nxt] = seq
+                    by_id[seq.seq_id] = nxt
+                    nxt = next(todo, None)
+                if not self.engine.has_unfinished():
+                    break
+                for out in self._step():
                     d = detoks[by_id[out.seq.seq_id]]
                     d.add(out.new_token_ids)
                     if d.stopped_by is not None and not out.finished:
@@ -100,7 +133,8 @@ class LLM:
                         out.seq.finish_reason = "stop"
         except BaseException:
             for s in seqs:
-                self.engine.abort(s.seq_id)
+                if s is not None:
+                    self.engine.abort(s.seq_id)
             raise
         results = []
         for seq, d in zip(seqs, detoks, strict=True):
@@ -131,7 +165,7 @@ class LLM:
         d = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
         try:
             while True:
-                outs = [o for o in self.engine.step() if o.seq is seq]
+                outs = [o for o in self._step() if o.seq is seq]
                 if not outs:
                     if seq.is_finished:
                         return

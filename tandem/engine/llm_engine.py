@@ -13,7 +13,8 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.spec_decode import accept_draft_tokens
 from tandem.engine.validation import validate_request
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
@@ -220,10 +221,12 @@ class LLMEngine:
         if not batch:
             return []
         items = batch.items
+        seqs = [s for s, _ in items]
+        if any(s.spec_tokens for s in seqs):
+            return self._step_speculative(items)
         logits = self.runner.execute(items)
         # A sequence finishing its prompt (or a decode step) samples; all rows here do, because
         # prompts are computed whole.
-        seqs = [s for s, _ in items]
         token_ids, logprobs = sample(
             logits,
             [s.params for s in seqs],
@@ -248,6 +251,73 @@ class LLMEngine:
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, [tok], [lp], reason is not None))
         return outs
+
+    def _step_speculative(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
+        """One target forward that also scores every sequence's draft tokens (k + 1 positions)."""
+        counts = [1 + len(s.spec_tokens) for s, _ in items]
+        logits = self.runner.execute(items, counts)
+        outs: list[StepOutput] = []
+        row = 0
+        plain = [(i, s) for i, (s, _) in enumerate(items) if not s.spec_tokens]
+        plain_rows = []
+        for (seq, _), c in zip(items, counts, strict=True):
+            if not seq.spec_tokens:
+                plain_rows.append(row)
+            row += c
+        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        if plain:
+            toks, lps = sample(
+                logits[torch.tensor(plain_rows, device=logits.device)],
+                [s.params for _, s in plain],
+                [s.generator for _, s in plain],
+                [s.all_token_ids if s.params.repetition_penalty != 1.0 else () for _, s in plain],
+            )
+            sampled = {i: (t, lp) for (i, _), t, lp in zip(plain, toks, lps, strict=True)}
+        row = 0
+        for i, ((seq, n), c) in enumerate(zip(items, counts, strict=True)):
+            draft = seq.spec_tokens
+            if draft:
+                new, new_lps = accept_draft_tokens(
+                    logits[row : row + c], draft, seq.params, seq.generator, seq.all_token_ids
+                )
+                seq.spec_proposed += len(draft)
+                seq.spec_accepted += len(new) - 1
+                # KV is valid for the sequence's pending token and the accepted drafts.
+                seq.num_computed += n - len(draft) + (len(new) - 1)
+            else:
+                tok, lp = sampled[i]
+                new, new_lps = [tok], [lp]
+                seq.num_computed += n
+            row += c
+            seq.spec_tokens = []
+            reason = None
+            emitted: list[int] = []
+            emitted_lps: list[TokenLogprobs | None] = []
+            for tok, lp in zip(new, new_lps, strict=True):
+                seq.output_token_ids.append(tok)
+                seq.output_logprobs.append(lp)
+                emitted.append(tok)
+                emitted_lps.append(lp)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    break  # a stop inside the accepted run ends the sequence right there
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                self.seqs.pop(seq.seq_id, None)
+            outs.append(StepOutput(seq, emitted, emitted_lps, reason is not None))
+        return outs
+
+    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """Attach draft tokens to running sequences for the next step (capped by their limits)."""
+        for sid, toks in proposals.items():
+            seq = self.seqs.get(sid)
+            if seq is None or seq.status is not SequenceStatus.RUNNING or not toks:
+                continue
+            room = min(
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            seq.spec_tokens = [int(t) for t in toks[: max(0, room)]]
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

@@ -31,7 +31,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         for seq, n in items:
             start = seq.num_computed
-            toks = seq.all_token_ids
+            toks = seq.step_token_ids
             ids.extend(toks[start : start + n])
             pos.extend(range(start, start + n))
             blocks = seq.block_table.blocks
@@ -56,11 +56,24 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Compute the new tokens' KV and return logits [B, vocab] at each sequence's last token."""
+    def execute(
+        self, items: list[tuple[Sequence, int]], num_logits: list[int] | None = None
+    ) -> torch.Tensor:
+        """Compute the new tokens' KV and return logits at each sequence's last positions.
+
+        `num_logits[i]`: how many trailing positions of sequence i need logits (1 + its draft
+        tokens when verifying); default one each. Rows come sequence by sequence, in order.
+        """
         input_ids, positions, meta = self.prepare(items)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
-        if not meta.decode_only:
+        if num_logits is not None and any(m != 1 for m in num_logits):
+            rows = [
+                r
+                for end, m in zip(meta.query_start_loc[1:], num_logits, strict=True)
+                for r in range(end - m, end)
+            ]
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        elif not meta.decode_only:
             last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
             hidden = hidden[last]
         return self.model.logits(hidden)

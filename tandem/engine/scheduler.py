@@ -54,7 +54,11 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            need = seq.block_table.blocks_needed(seq.num_tokens)
+            if seq.spec_tokens and not self.pool.can_allocate(
+                seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
+            ):
+                seq.spec_tokens = []  # no room to verify drafts: decode one token instead
+            need = seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
             while not self.pool.can_allocate(need) and self.running[-1] is not seq:
                 batch.preempted.append(self._preempt(self.running.pop()))
             if not self.pool.can_allocate(need):
@@ -62,8 +66,8 @@ class Scheduler:
                 self.running.pop()
                 batch.preempted.append(self._preempt(seq))
                 break
-            seq.block_table.ensure(self.pool, seq.num_tokens)
-            batch.items.append((seq, seq.num_tokens - seq.num_computed))
+            seq.block_table.ensure(self.pool, seq.num_tokens + len(seq.spec_tokens))
+            batch.items.append((seq, seq.num_tokens - seq.num_computed + len(seq.spec_tokens)))
             i += 1
         if batch.preempted:
             return batch
@@ -89,6 +93,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> Sequence:
+        seq.spec_tokens = []
         seq.block_table.release(self.pool)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING

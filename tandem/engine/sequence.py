@@ -40,10 +40,20 @@ class Sequence:
     # Prefill worker: stop after the first token and lease the KV to a decode worker.
     prefill_only: bool = False
     lease_id: str | None = None
+    # Speculative decoding: draft tokens to verify in the next step (cleared by the step).
+    spec_tokens: list[int] = field(default_factory=list)
+    spec_proposed: int = 0  # draft tokens verified so far
+    spec_accepted: int = 0  # of which accepted
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def step_token_ids(self) -> list[int]:
+        """Tokens this step computes from: the sequence plus any draft tokens to verify."""
+        toks = self.prompt_token_ids + self.output_token_ids
+        return toks + self.spec_tokens if self.spec_tokens else toks
 
     @property
     def num_tokens(self) -> int:

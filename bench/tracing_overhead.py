@@ -1,15 +1,17 @@
 """What tracing costs: serving throughput with OpenTelemetry export on and off, side by side.
 
-Two `tandem up` clusters run at once on the embedded SmolLM2 model: one with tracing off (no
-OTLP endpoint: the no-op path), one exporting every span over OTLP/gRPC to a collector in this
-process (a real `TraceService` server that counts what it receives). Rounds alternate between
-the clusters (off, on, on, off, ...) so machine noise hits both alike; a round sends --requests
-chat requests (greedy, EOS ignored, --max-tokens each) from --concurrency concurrent streams and
-measures output tokens per second. The cost is 1 - median(on) / median(off) over the rounds.
+Two `tandem up` clusters run at once on the embedded SmolLM2 model: one with tracing off (no OTLP
+endpoint: the no-op path), one exporting every span of every request over OTLP/gRPC to a
+collector in this process (a real `TraceService` server that counts what it receives). Rounds
+alternate between the clusters (off, on, on, off, ...), so slow drifts in the host's load hit
+both alike; a round sends --requests chat requests (greedy, EOS ignored, --max-tokens each) from
+--concurrency streams to one cluster and measures output tokens per second, and the CPU time its
+stage processes spent per token (much less sensitive to other work on the host than wall time).
+The cost is 1 - median over round pairs of (tokens/s on) / (tokens/s off).
 Results go to bench/results/tracing_overhead_cpu.json.
 
-    .venv/bin/python bench/tracing_overhead.py               # 6 rounds per side
-    .venv/bin/python bench/tracing_overhead.py --quick       # 2 rounds per side
+    .venv/bin/python bench/tracing_overhead.py            # 8 round pairs
+    .venv/bin/python bench/tracing_overhead.py --quick    # 2 round pairs
 """
 
 from __future__ import annotations
@@ -164,34 +166,41 @@ def _request(i: int, max_tokens: int) -> api_pb2.GenerateRequest:
     )
 
 
-async def _round(address: str, requests: int, concurrency: int, max_tokens: int) -> dict:
-    """Send `requests` requests from `concurrency` streams; output tokens per second."""
-    async with grpc.aio.insecure_channel(address) as ch:
+async def _round(cluster: Cluster, args: argparse.Namespace) -> dict:
+    """Send `args.requests` requests from `args.concurrency` streams to one cluster."""
+    cpu0 = cluster.cpu_seconds()
+    async with grpc.aio.insecure_channel(cluster.address) as ch:
         stub = api_pb2_grpc.GatewayStub(ch)
-        todo = list(range(requests))
+        todo = list(range(args.requests))
         tokens = 0
 
         async def worker() -> None:
             nonlocal tokens
             while todo:
                 i = todo.pop()
-                async for r in stub.Generate(_request(i, max_tokens)):
+                async for r in stub.Generate(_request(i, args.max_tokens)):
                     if r.HasField("chunk"):
                         tokens += len(r.chunk.token_ids)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         secs = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+    cpu_ms = (cluster.cpu_seconds() - cpu0) * 1e3
+    return {
+        "tokens": tokens,
+        "seconds": secs,
+        "tokens_per_s": tokens / secs,
+        "cpu_ms_per_token": cpu_ms / tokens,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=6, help="measured rounds per side")
+    ap.add_argument("--rounds", type=int, default=8, help="round pairs (one off, one on)")
     ap.add_argument("--requests", type=int, default=32, help="requests per round")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--quick", action="store_true", help="2 rounds per side")
+    ap.add_argument("--quick", action="store_true", help="2 round pairs")
     ap.add_argument(
         "--out", default=os.path.join(ROOT, "bench", "results", "tracing_overhead_cpu.json")
     )
@@ -212,22 +221,18 @@ def main() -> int:
         ),
     }
     results: dict[str, list[dict]] = {"off": [], "on": []}
+    load_before = os.getloadavg()
     try:
         for c in clusters.values():
             c.wait_up()
-        for c in clusters.values():  # warm-up round, not measured
-            asyncio.run(_round(c.address, args.concurrency, args.concurrency, args.max_tokens))
+        warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
+        for c in clusters.values():  # warm-up, not measured
+            asyncio.run(_round(c, warm))
         spans_before = collector.total
         for r in range(args.rounds):
             order = ["off", "on"] if r % 2 == 0 else ["on", "off"]
             for name in order:
-                c = clusters[name]
-                cpu0 = c.cpu_seconds()
-                res = asyncio.run(
-                    _round(c.address, args.requests, args.concurrency, args.max_tokens)
-                )
-                # CPU time the stages spent per token: less sensitive to other load on the host.
-                res["cpu_ms_per_token"] = (c.cpu_seconds() - cpu0) * 1e3 / res["tokens"]
+                res = asyncio.run(_round(clusters[name], args))
                 results[name].append(res)
                 print(
                     f"round {r + 1}/{args.rounds} tracing {name:>3}: "
@@ -242,7 +247,11 @@ def main() -> int:
         collector.server.stop(0)
     med = {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in results.items()}
     cpu = {k: statistics.median(x["cpu_ms_per_token"] for x in v) for k, v in results.items()}
-    cost = 1.0 - med["on"] / med["off"]
+    ratios = [
+        on["tokens_per_s"] / off["tokens_per_s"]
+        for on, off in zip(results["on"], results["off"], strict=True)
+    ]
+    cost = 1.0 - statistics.median(ratios)
     cpu_cost = cpu["on"] / cpu["off"] - 1.0
     spans = collector.total - spans_before
     print()
@@ -260,10 +269,15 @@ def main() -> int:
         "benchmark": "tracing_overhead",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "commit": _commit(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            # Other work on the host makes wall-time rounds noisy; CPU ms/token much less so.
+            "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        },
         "model": "SmolLM2-135M-Instruct (embedded GGUF), float32, CPU",
         "workload": {
-            "rounds_per_side": args.rounds,
+            "round_pairs": args.rounds,
             "requests_per_round": args.requests,
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
@@ -279,6 +293,7 @@ def main() -> int:
         "tokens_per_s": {k: [x["tokens_per_s"] for x in v] for k, v in results.items()},
         "cpu_ms_per_token": {k: [x["cpu_ms_per_token"] for x in v] for k, v in results.items()},
         "median_tokens_per_s": med,
+        "throughput_ratio_on_off_per_round": ratios,
         "median_cpu_ms_per_token": cpu,
         "throughput_cost": cost,
         "cpu_time_cost": cpu_cost,

@@ -34,7 +34,19 @@ def run_stage(
     if stage == "prefill":
         kwargs = {"lease_ttl_s": args.lease_ttl}
     elif stage == "decode":
-        kwargs = {"kv_transport": args.kv_transport, "prefill": args.prefill}
+        kwargs = {
+            "kv_transport": args.kv_transport,
+            "prefill": args.prefill,
+            "draft": args.draft,
+            "spec": {
+                "fixed_k": args.spec_k,
+                "k_min": args.spec_k_min,
+                "k_max": args.spec_k_max,
+                "timeout_s": args.draft_timeout_ms / 1e3,
+            },
+        }
+    elif stage == "draft":
+        kwargs = {"draft": args.draft, "num_blocks": args.draft_blocks}
     elif stage == "gateway":
         try:
             gateway_config = gateway_config_from_args(args)
@@ -45,6 +57,7 @@ def run_stage(
             "http_port": None if args.http_port < 0 else args.http_port,
             "prefill": args.prefill,
             "decode": args.decode,
+            "draft": args.draft,
         }
     kwargs["metrics_port"] = metrics_port_of(args)
     # OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing stays off (free).

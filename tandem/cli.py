@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
 
-STAGES = ("prefill", "decode", "gateway")
+STAGES = ("prefill", "decode", "gateway", "draft")
 
 
 def _exec_stage(stage: str, argv: list[str]) -> None:
@@ -107,6 +107,7 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
         "gateway": args.metrics_port if args.metrics_port is not None else port + 1000,
         "prefill": args.prefill_metrics_port or prefill_port + 1000,
         "decode": args.decode_metrics_port or decode_port + 1000,
+        "draft": (args.draft_port or port + 4) + 1000,
     }
     if args.metrics_port is not None and args.metrics_port < 0:
         metrics_ports = dict.fromkeys(metrics_ports, -1)
@@ -117,6 +118,8 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
         common += ["--model", args.model]
     prefill_addr = f"{host}:{prefill_port}"
     decode_addr = f"{host}:{decode_port}"
+    draft_port = args.draft_port or port + 4
+    draft_addr = f"{host}:{draft_port}"
     plan = [
         ("prefill", prefill_addr, ["--port", str(prefill_port)]),
         (
@@ -146,6 +149,14 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
             ],
         ),
     ]
+    if args.draft:
+        # The draft worker starts first; decode and gateway are told where it is.
+        plan.insert(0, ("draft", draft_addr, ["--port", str(draft_port), "--draft", args.draft]))
+        for stage, _, extra in plan:
+            if stage in ("decode", "gateway"):
+                extra += ["--draft", draft_addr]
+            if stage == "decode" and args.spec_k is not None:
+                extra += ["--spec-k", str(args.spec_k)]
     children: list[Child] = []
 
     def on_signal(signum, frame):
@@ -165,6 +176,8 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
             print(f"  OpenAI HTTP   http://{host}:{http_port}/v1", flush=True)
         print(f"  prefill       {prefill_addr}", flush=True)
         print(f"  decode        {decode_addr}", flush=True)
+        if args.draft:
+            print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
         if metrics_ports["gateway"] >= 0:
             urls = "  ".join(
                 f"{s}=http://{host}:{metrics_ports[s]}/metrics"
@@ -303,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="how KV moves from prefill to decode (auto: shared memory on one host)",
     )
+    up.add_argument(
+        "--draft",
+        default=None,
+        help="speculative decoding with a draft worker: ngram, self:N or a model path",
+    )
+    up.add_argument("--draft-port", type=int, default=None, help="default: port+4")
+    up.add_argument("--spec-k", type=int, default=None, help="fixed speculation length")
     up.add_argument("--log-dir", default=None)
     up.add_argument(
         "--restart",

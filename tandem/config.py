@@ -33,6 +33,13 @@ class EngineConfig:
     # INT4 g32, float weights are quantized at load to INT4 g128 by round-to-nearest) or "none"
     # (everything dequantized to float).
     quantization: str = "auto"
+    # CUDA only: replay captured CUDA graphs for decode batches of up to max_num_seqs sequences
+    # (buckets 1, 2, 4, ... 256), except with an FP8 / INT8 KV pool.
+    cuda_graphs: bool = True
+    # Launch step t+1 before reading step t's sampled tokens, so the GPU never waits for Python
+    # (plain decode batches without logprobs or repetition penalty; others run step by step).
+    # Finished sequences are noticed one step late and the extra step's token is dropped.
+    async_scheduling: bool = False
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -95,6 +102,8 @@ class EngineConfig:
 
 def _parse(value: str, typ: Any, name: str) -> Any:
     t = str(typ)
+    if t == "bool":
+        return _bool(value, f"TANDEM_{name.upper()}")
     try:
         if "int" in t:
             return None if value.lower() in ("", "none") else int(value)
@@ -135,10 +144,28 @@ class GatewayConfig:
                 raise ValueError(f"{name} file {path!r} does not exist")
 
 
+def _bool(value: str, what: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{what}={value!r} is not a boolean (true/false)")
+
+
 def _add_dataclass_args(parser: Any, cls: Any, what: str) -> None:
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
+        if t == "bool":
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=lambda v, _f=flag: _bool(v, _f),
+                default=None,
+                help=f"{what} {f.name} (true/false)",
+            )
+            continue
         typ = int if "int" in t else float if "float" in t else str
         parser.add_argument(flag, dest=f.name, type=typ, default=None, help=f"{what} {f.name}")
 
@@ -201,7 +228,7 @@ def _addresses(value: str) -> list[str]:
 
 
 def stage_parser(stage: str) -> Any:
-    """The argument parser of one stage (`gateway`, `prefill`, `decode`): every flag in one place."""
+    """The argument parser of one stage (`gateway`, `prefill`, `decode`, `draft`): every flag."""
     import argparse
 
     p = argparse.ArgumentParser(
@@ -216,6 +243,7 @@ def stage_parser(stage: str) -> Any:
         "gateway": DEFAULT_GATEWAY_PORT,
         "prefill": DEFAULT_GATEWAY_PORT + 1,
         "decode": DEFAULT_GATEWAY_PORT + 2,
+        "draft": DEFAULT_GATEWAY_PORT + 4,
     }[stage]
     p.add_argument(
         "--port", type=int, default=default_port, help=f"gRPC port (default {default_port})"
@@ -249,7 +277,41 @@ def stage_parser(stage: str) -> Any:
             default="auto",
             help="how KV reaches this worker: auto (shared memory on one host, else inline)",
         )
+    if stage == "decode":
+        p.add_argument(
+            "--draft",
+            type=_addresses,
+            default=[],
+            help="draft worker address: speculate with its proposals (default: no speculation)",
+        )
+        p.add_argument(
+            "--spec-k", type=int, default=None, help="fixed speculation length (default: adaptive)"
+        )
+        p.add_argument("--spec-k-min", type=int, default=1, help="adaptive k lower bound (1)")
+        p.add_argument("--spec-k-max", type=int, default=8, help="adaptive k upper bound (8)")
+        p.add_argument(
+            "--draft-timeout-ms",
+            type=float,
+            default=200.0,
+            help="wait this long for proposals, then decode without them for that step",
+        )
+    if stage == "draft":
+        p.add_argument(
+            "--draft",
+            default="ngram",
+            help="proposer: ngram (prompt lookup), self:N (the target's first N layers) or a "
+            "path to a smaller model with the target's tokenizer",
+        )
+        p.add_argument(
+            "--draft-blocks", type=int, default=4096, help="KV blocks of a draft model's pool"
+        )
     if stage == "gateway":
+        p.add_argument(
+            "--draft",
+            type=_addresses,
+            default=[],
+            help="draft workers to admit sequences to, concurrently with prefill (optional)",
+        )
         p.add_argument(
             "--http-port",
             type=int,

@@ -15,6 +15,7 @@ from services.decode.observe import DecodeTelemetry
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.engine.speculator import Speculator
 from tandem.kv.transport import DTYPES, PoolLayout, SharedPool, gather_copy, host_id
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
@@ -52,8 +53,112 @@ class Session:
     seqs: set[str] = field(default_factory=set)
 
 
+class DraftClient:
+    """The decode worker's long-lived Propose stream to a draft worker.
+
+    `propose` is called from the engine thread once per step; it waits at most `timeout_s` for
+    the answer and returns None when the draft is slow or down, so that step decodes plainly.
+    """
+
+    def __init__(self, address: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.address = address
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
+        )
+        self.stub = stages_pb2_grpc.DraftStub(self.channel)
+        self._send: asyncio.Queue | None = None
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._step = 0
+        self._retry_at = 0.0
+        self.failures = 0
+
+    def _ensure_stream(self) -> asyncio.Queue | None:
+        if self._send is not None:
+            return self._send
+        if time.monotonic() < self._retry_at:
+            return None
+        send: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while True:
+                m = await send.get()
+                if m is None:
+                    return
+                yield m
+
+        call = self.stub.Propose(requests())
+        self._send = send
+        asyncio.ensure_future(self._read(call, send))
+        return send
+
+    async def _read(self, call, send) -> None:
+        try:
+            async for resp in call:
+                fut = self._waiting.pop(resp.step, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(resp)
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "draft worker %s unavailable (%s); decoding without speculation",
+                self.address,
+                e.code().name,
+            )
+        if self._send is send:
+            self._send = None
+            self._retry_at = time.monotonic() + 1.0
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_result(None)
+        self._waiting.clear()
+
+    async def _propose(self, req: stages_pb2.ProposeRequest):
+        send = self._ensure_stream()
+        if send is None:
+            return None
+        fut = self.loop.create_future()
+        self._waiting[req.step] = fut
+        send.put_nowait(req)
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            self._waiting.pop(req.step, None)
+            return None
+
+    def propose(self, batch, dropped):
+        """Backend for `Speculator`: runs on the engine thread."""
+        self._step += 1
+        req = stages_pb2.ProposeRequest(
+            step=self._step,
+            seqs=[stages_pb2.DraftSync(seq_id=s, start=a, tokens=t, k=k) for s, a, t, k in batch],
+            dropped=dropped,
+        )
+        try:
+            resp = asyncio.run_coroutine_threadsafe(self._propose(req), self.loop).result(
+                self.timeout_s + 1.0
+            )
+        except Exception:  # noqa: BLE001 - any failure means: no proposals this step
+            resp = None
+        if resp is None:
+            self.failures += 1
+            return None
+        return {p.seq_id: (list(p.tokens) if p.known else None) for p in resp.proposals}
+
+
 class DecodeService(stages_pb2_grpc.DecodeServicer):
-    def __init__(self, config: EngineConfig, kv_transport: str = "auto") -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_transport: str = "auto",
+        draft: list[str] | None = None,
+        spec: dict | None = None,
+    ) -> None:
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
         self.engine = LLMEngine(loaded, config)
@@ -67,7 +172,22 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.transfer: dict[str, tuple[float, str]] = {}
         self.imports_by_transport: dict[str, int] = {}
         self.obs = DecodeTelemetry(self.engine, self.loop, self.layout.block_bytes)
-        self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
+        self.draft = None
+        self.speculator = None
+        self.spec_totals: dict[str, tuple[int, int]] = {}
+        self._spec_seen = (0, 0, 0)
+        if draft:
+            spec = spec or {}
+            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2))
+            self.speculator = Speculator(
+                self.draft.propose,
+                k_min=spec.get("k_min", 1),
+                k_max=spec.get("k_max", 8),
+                fixed_k=spec.get("fixed_k"),
+            )
+        self.engine_loop = EngineLoop(
+            self.engine, self._on_outputs, self._on_error, speculator=self.speculator
+        )
         self.engine_loop.start()
 
     def close(self) -> None:
@@ -237,6 +357,22 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             )
             for o in outs
         ]
+        for o in outs:
+            if o.finished and o.seq.spec_proposed:
+                self.spec_totals[o.seq.seq_id] = (o.seq.spec_proposed, o.seq.spec_accepted)
+        if self.speculator is not None:
+            st = self.speculator.stats
+            last = self._spec_seen
+            rounds, prop, acc = (
+                st.verify_rounds - last[0],
+                st.proposed - last[1],
+                st.accepted - last[2],
+            )
+            if rounds:
+                self.obs.metrics.spec_proposals.inc(rounds)
+                self.obs.metrics.spec_proposed_tokens.inc(prop)
+                self.obs.metrics.spec_accepted_tokens.inc(acc)
+            self._spec_seen = (st.verify_rounds, st.proposed, st.accepted)
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
     def _on_error(self, seq_ids: list[str], message: str) -> None:
@@ -268,11 +404,18 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
 
     def _finished(self, sid: str, reason: str) -> stages_pb2.SeqFinished:
         ms, kind = self.transfer.pop(sid, (0.0, ""))
+        proposed, accepted = self.spec_totals.pop(sid, (0, 0))
         err = ""
         if reason.startswith("error:"):
             reason, err = "error", reason[len("error:") :]
         return stages_pb2.SeqFinished(
-            seq_id=sid, finish_reason=reason, error=err, kv_transfer_ms=ms, kv_transport=kind
+            seq_id=sid,
+            finish_reason=reason,
+            error=err,
+            kv_transfer_ms=ms,
+            kv_transport=kind,
+            proposed_draft_tokens=proposed,
+            accepted_draft_tokens=accepted,
         )
 
     # ---- RPCs ---------------------------------------------------------------------------------
@@ -336,13 +479,15 @@ async def serve(
     kv_transport: str = "auto",
     prefill: list[str] | None = None,
     metrics_port: int | None = None,
+    draft: list[str] | None = None,
+    spec: dict | None = None,
 ) -> None:
     """Run the decode worker until cancelled; registers eagerly with the given prefill workers.
 
     Prometheus text is served on `metrics_port` (None: no metrics endpoint).
     """
     server = grpc.aio.server()
-    service = DecodeService(config, kv_transport)
+    service = DecodeService(config, kv_transport, draft, spec)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
     health = add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

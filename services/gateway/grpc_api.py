@@ -112,7 +112,11 @@ def finish_to_proto(f: Finished, trace_id: str = "") -> api_pb2.Finish:
     t = f.timings
     return api_pb2.Finish(
         finish_reason=f.reason,
-        usage=api_pb2.Usage(prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens),
+        usage=api_pb2.Usage(
+            prompt_tokens=f.prompt_tokens,
+            completion_tokens=f.completion_tokens,
+            accepted_draft_tokens=f.accepted_draft_tokens,
+        ),
         timings=api_pb2.Timings(
             queue_ms=t.get("queue_ms", 0.0),
             prefill_ms=t.get("prefill_ms", 0.0),

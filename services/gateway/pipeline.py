@@ -38,6 +38,8 @@ class Finished:
     stop_string: str | None = None
     kv_transport: str = "none"
     request_id: str = ""
+    accepted_draft_tokens: int = 0
+    proposed_draft_tokens: int = 0
 
 
 class Pipeline:
@@ -124,6 +126,11 @@ class Pipeline:
         if trace is not None:  # spans of this request: parent context, timed detokenizer
             detok = trace.detokenizer(detok)
         prefill = self.router.pick_prefill()  # raises StageUnavailable when none is up
+        draft = self.router.pick_draft()
+        if draft is not None:
+            # The draft prefills its own state while the target prefills; failures only cost
+            # speculation (the decode worker resends the whole sequence when the draft lacks it).
+            draft.admit(seq_id, ids)
         prefill.inflight += 1
         try:
             resp = await prefill.stub.Run(
@@ -161,6 +168,7 @@ class Pipeline:
             "kv_transfer_ms": 0.0,
         }
         transport = "none"
+        spec = (0, 0)  # draft tokens proposed and accepted for this sequence
         if reason is not None:
             try:
                 await prefill.stub.Release(
@@ -203,6 +211,7 @@ class Pipeline:
                         reason = reason or msg.finish_reason
                         timings["kv_transfer_ms"] = msg.kv_transfer_ms
                         transport = msg.kv_transport or transport
+                        spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
                     else:  # the stream to the decode worker broke
                         done = True
                         raise StageUnavailable(msg)
@@ -216,7 +225,10 @@ class Pipeline:
         t_end = time.monotonic()
         timings["total_ms"] = (t_end - t0) * 1e3
         timings["mean_tpot_ms"] = (t_end - t_first) * 1e3 / (n_out - 1) if n_out > 1 else 0.0
+        proposed, accepted = spec
         yield Finished(
+            accepted_draft_tokens=accepted,
+            proposed_draft_tokens=proposed,
             reason=reason or "stop",
             prompt_tokens=len(ids),
             completion_tokens=n_out,

@@ -173,14 +173,47 @@ class DecodeClient(Worker):
         await self.channel.close()
 
 
+class DraftAdmitter:
+    """Admits sequences to a draft worker, fire-and-forget (speculation is optional)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = stages_pb2_grpc.DraftStub(self.channel)
+        self.failures = 0
+
+    def admit(self, seq_id: str, ids: list[int]) -> None:
+        async def call() -> None:
+            try:
+                await self.stub.Admit(
+                    stages_pb2.DraftAdmitRequest(seq_id=seq_id, prompt_token_ids=ids), timeout=10
+                )
+            except grpc.aio.AioRpcError:
+                self.failures += 1
+
+        asyncio.ensure_future(call())
+
+    def stop_probe(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
 class Router:
     """Chooses the least-loaded worker of each stage."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], draft: list[str] | None = None
+    ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
         self.prefill = [PrefillClient(a) for a in prefill]
         self.decode = [DecodeClient(a) for a in decode]
+        self.draft = [DraftAdmitter(a) for a in draft or []]
+
+    def pick_draft(self) -> DraftAdmitter | None:
+        return self.draft[0] if self.draft else None
 
     def pick_prefill(self) -> PrefillClient:
         up = [c for c in self.prefill if c.healthy]
@@ -202,6 +235,6 @@ class Router:
         return any(c.healthy for c in self.prefill) and any(c.healthy for c in self.decode)
 
     async def close(self) -> None:
-        for c in [*self.prefill, *self.decode]:
+        for c in [*self.prefill, *self.decode, *self.draft]:
             c.stop_probe()
             await c.close()

@@ -38,13 +38,14 @@ async def serve(
     prefill: list[str],
     decode: list[str],
     gateway_config: GatewayConfig | None = None,
+    draft: list[str] | None = None,
     metrics_port: int | None = None,
 ) -> None:
     """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off)."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    router = Router(prefill, decode)
+    router = Router(prefill, decode, draft)
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
     pipeline = Pipeline(router, tokenizer, eos, max_len, gc.max_waiting, gc.max_inflight)
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)

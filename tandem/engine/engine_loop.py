@@ -32,8 +32,11 @@ class EngineLoop:
         on_outputs: Callable[[list[StepOutput]], None],
         on_error: Callable[[list[str], str], None] | None = None,
         idle_tick_s: float = 0.25,
+        speculator: Any = None,
     ) -> None:
         self.engine = engine
+        # Optional `tandem.engine.speculator.Speculator`: proposals attached before each step.
+        self.speculator = speculator
         self.on_outputs = on_outputs
         self.on_error = on_error
         self.idle_tick_s = idle_tick_s
@@ -87,7 +90,11 @@ class EngineLoop:
                 continue
             t_step = time.monotonic()
             try:
+                if self.speculator is not None:
+                    self.speculator.before_step(eng)
                 outs = eng.step()
+                if self.speculator is not None:
+                    self.speculator.after_step(outs)
             except Exception:  # noqa: BLE001 - a failed step must not kill the worker
                 msg = traceback.format_exc()
                 log.error("engine step failed; aborting its sequences:\n%s", msg)

@@ -145,6 +145,19 @@ class ModelProposer:
             active = nxt
         return out
 
+    @torch.inference_mode()
+    def prefill(self, seq_id: str) -> None:
+        """Compute the KV of a newly admitted sequence now (all but its last token)."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return
+        n = seq.num_tokens - seq.num_computed - 1
+        if n <= 0 or not self.pool.can_allocate(seq.block_table.blocks_needed(seq.num_tokens)):
+            return
+        seq.block_table.ensure(self.pool, seq.num_tokens)
+        self.runner.execute([(seq, n)])
+        seq.num_computed += n
+
     def drop(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:

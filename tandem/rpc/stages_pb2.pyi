@@ -216,20 +216,24 @@ class SeqTokens(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SeqFinished(_message.Message):
-    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport")
+    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     finish_reason: str
     error: str
     kv_transfer_ms: float
     queue_ms: float
     kv_transport: str
-    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    proposed_draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
     __slots__ = ("tokens", "finished")
@@ -238,3 +242,55 @@ class DecodeOut(_message.Message):
     tokens: _containers.RepeatedCompositeFieldContainer[SeqTokens]
     finished: _containers.RepeatedCompositeFieldContainer[SeqFinished]
     def __init__(self, tokens: _Optional[_Iterable[_Union[SeqTokens, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SeqFinished, _Mapping]]] = ...) -> None: ...
+
+class DraftAdmitRequest(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftAdmitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftSync(_message.Message):
+    __slots__ = ("seq_id", "start", "tokens", "k")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    k: int
+    def __init__(self, seq_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("step", "seqs", "dropped")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seqs: _containers.RepeatedCompositeFieldContainer[DraftSync]
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[DraftSync, _Mapping]]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("seq_id", "known", "tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    known: bool
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., known: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("step", "proposals")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
+    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ...) -> None: ...

@@ -399,3 +399,171 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class DraftStub:
+    """---- Draft ----------------------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Admit = channel.unary_unary(
+                '/tandem.v1.Draft/Admit',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.DraftAdmitRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.DraftAdmitResponse.FromString,
+                _registered_method=True)
+        self.Propose = channel.stream_stream(
+                '/tandem.v1.Draft/Propose',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.ProposeResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/tandem.v1.Draft/Stats',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
+                _registered_method=True)
+
+
+class DraftServicer:
+    """---- Draft ----------------------------------------------------------------------------------
+
+    """
+
+    def Admit(self, request, context):
+        """From the gateway, concurrently with the target prefill: the draft prefills its own state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Propose(self, request_iterator, context):
+        """One long-lived stream per decode worker: per step, one message syncing every speculating
+        sequence (tokens accepted since the last step, which also rolls back rejected drafts) and
+        asking for k proposals each; one message back with all proposals.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DraftServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.DraftAdmitRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.DraftAdmitResponse.SerializeToString,
+            ),
+            'Propose': grpc.stream_stream_rpc_method_handler(
+                    servicer.Propose,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.ProposeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.ProposeResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.Draft', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.Draft', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Draft:
+    """---- Draft ----------------------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Draft/Admit',
+            tandem_dot_v1_dot_stages__pb2.DraftAdmitRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.DraftAdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Propose(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Draft/Propose',
+            tandem_dot_v1_dot_stages__pb2.ProposeRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Draft/Stats',
+            tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,172 @@
+"""Speculative decoding through real processes: a draft worker, its failure and its return."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+import tandem
+from tandem.rpc import api_pb2, api_pb2_grpc
+from tests.integration.cluster import free_ports
+from tests.integration.stages import Stage
+
+REWRITE = (
+    "Repeat this text exactly:\nTandem serves large language models as a pipeline of cooperating "
+    "processes: a gateway, a prefill worker and a decode worker that moves KV cache by handle."
+)
+
+
+def _stack(tmp, model_args, draft_spec, decode_extra=()):
+    pp, dp, gp, hp, fp = free_ports(5)
+    draft = Stage("draft", fp, [*model_args, "--draft", draft_spec], os.path.join(tmp, "draft.log"))
+    prefill = Stage("prefill", pp, [*model_args], os.path.join(tmp, "prefill.log"))
+    decode = Stage(
+        "decode",
+        dp,
+        [*model_args, "--prefill", f"127.0.0.1:{pp}", "--draft", f"127.0.0.1:{fp}", *decode_extra],
+        os.path.join(tmp, "decode.log"),
+    )
+    gateway = Stage(
+        "gateway",
+        gp,
+        [
+            *model_args,
+            "--http-port",
+            str(hp),
+            "--prefill",
+            f"127.0.0.1:{pp}",
+            "--decode",
+            f"127.0.0.1:{dp}",
+            "--draft",
+            f"127.0.0.1:{fp}",
+        ],
+        os.path.join(tmp, "gateway.log"),
+    )
+    return draft, prefill, decode, gateway
+
+
+def _generate(gateway: Stage, req: api_pb2.GenerateRequest) -> tuple[list[int], api_pb2.Finish]:
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    ids, fin = [], None
+    for r in stub.Generate(req, timeout=300):
+        if r.HasField("chunk"):
+            ids.extend(r.chunk.token_ids)
+        else:
+            fin = r.finish
+    return ids, fin
+
+
+def _chat(text: str, n: int) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(
+        messages=api_pb2.ChatMessages(messages=[api_pb2.ChatMessage(role="user", content=text)]),
+        sampling=api_pb2.SamplingParams(max_tokens=n, temperature=0.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def ngram_stack(tmp_path_factory):
+    stages = _stack(
+        str(tmp_path_factory.mktemp("draft")), [], "ngram", ["--draft-timeout-ms", "2000"]
+    )
+    for s in stages:
+        s.start()
+    yield stages
+    for s in reversed(stages):
+        s.stop()
+
+
+def test_ngram_draft_greedy_equals_plain_and_accepts(ngram_stack):
+    _, _, _, gateway = ngram_stack
+    llm = tandem.LLM()
+    sp = tandem.SamplingParams(max_tokens=40, temperature=0)
+    for text in (REWRITE, "What is the capital of France?"):
+        exp = llm.generate([llm.chat_prompt([{"role": "user", "content": text}])], sp)[0]
+        ids, fin = _generate(gateway, _chat(text, 40))
+        assert ids == exp.token_ids
+        if text == REWRITE:
+            assert fin.usage.accepted_draft_tokens > 0
+
+
+def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):
+    draft, _, _, gateway = ngram_stack
+    llm = tandem.LLM()
+    sp = tandem.SamplingParams(max_tokens=40, temperature=0)
+    exp = llm.generate([llm.chat_prompt([{"role": "user", "content": REWRITE}])], sp)[0]
+    draft.kill()
+    ids, fin = _generate(gateway, _chat(REWRITE, 40))
+    assert ids == exp.token_ids  # plain decoding, same tokens
+    assert fin.usage.accepted_draft_tokens == 0
+    draft.start()
+    ids, fin = _generate(gateway, _chat(REWRITE, 40))
+    assert ids == exp.token_ids
+    assert fin.usage.accepted_draft_tokens > 0  # speculation resumed
+
+
+@pytest.mark.parametrize("draft_kind", ["self:2", "path"])
+def test_model_drafts_through_services(tmp_path, model_factory, draft_kind):
+    from tests.conftest import build_random_model
+
+    _, path = model_factory("llama")
+    if draft_kind == "path":
+        # A different (smaller) model with the same tokenizer.
+        spec = str(tmp_path / "small")
+        build_random_model("llama", spec, seed=9, num_hidden_layers=1)
+    else:
+        spec = draft_kind
+    stages = _stack(
+        str(tmp_path),
+        ["--model", path, "--num-blocks", "128"],
+        spec,
+        ["--draft-timeout-ms", "2000"],
+    )
+    try:
+        for s in stages:
+            s.start()
+        llm = tandem.LLM(path, num_blocks=128)
+        g = torch.Generator().manual_seed(2)
+        for n in (6, 30):
+            prompt = torch.randint(3, 512, (n,), generator=g).tolist()
+            exp = llm.generate(
+                [prompt], tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            )[0]
+            req = api_pb2.GenerateRequest(
+                prompt_token_ids=api_pb2.TokenIds(ids=prompt),
+                sampling=api_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+            )
+            ids, _ = _generate(stages[3], req)
+            assert ids == exp.token_ids
+    finally:
+        for s in reversed(stages):
+            s.stop()
+
+
+def test_draft_with_another_tokenizer_is_refused(tmp_path, model_factory):
+    from tests.conftest import build_random_model
+
+    _, path = model_factory("llama")
+    other = str(tmp_path / "other")
+    build_random_model("llama", other, seed=4, vocab_size=600)
+    (port,) = free_ports(1)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.draft",
+            "--port",
+            str(port),
+            "--model",
+            path,
+            "--draft",
+            other,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "cannot propose for the target" in r.stderr and "vocab" in r.stderr

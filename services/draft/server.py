@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 
 import grpc
 
+from tandem import telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import ModelProposer, NgramProposer, build_proposer
 from tandem.model.llama import LlamaModel
@@ -69,8 +71,10 @@ def make_proposer(spec: str, config: EngineConfig, num_blocks: int):
 
 
 class DraftService(stages_pb2_grpc.DraftServicer):
-    def __init__(self, proposer) -> None:
+    def __init__(self, proposer, kind: str = "") -> None:
         self.proposer = proposer
+        self.kind = kind
+        self.links: dict = {}  # seq_id -> link to its draft.admit span (tracing on)
         # One thread owns the proposer: calls never overlap, the event loop never blocks.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
         self.proposals = 0
@@ -80,6 +84,7 @@ class DraftService(stages_pb2_grpc.DraftServicer):
 
     async def Admit(self, request, context):
         sid, ids = request.seq_id, list(request.prompt_token_ids)
+        t0 = time.monotonic()
 
         def admit():
             self.proposer.drop(sid)
@@ -89,11 +94,27 @@ class DraftService(stages_pb2_grpc.DraftServicer):
                 warm(sid)
 
         await self._run(admit)
+        if telemetry.enabled():
+            parent = telemetry.extract(telemetry.metadata_carrier(context.invocation_metadata()))
+            if parent is not None:
+                # The draft's prefill is a child of the request; each propose step links to it.
+                span = telemetry.record_span(
+                    "draft.admit",
+                    parent,
+                    t0,
+                    time.monotonic(),
+                    {"tandem.draft.prompt_tokens": len(ids), "tandem.draft.proposer": self.kind},
+                )
+                link = telemetry.link_to(span)
+                if link is not None:
+                    self.links[sid] = link
         return stages_pb2.DraftAdmitResponse()
 
     def _step(self, req: stages_pb2.ProposeRequest) -> stages_pb2.ProposeResponse:
+        t0 = time.monotonic()
         for sid in req.dropped:
             self.proposer.drop(sid)
+            self.links.pop(sid, None)
         ks, unknown = {}, []
         for s in req.seqs:
             if self.proposer.sync(s.seq_id, s.start, list(s.tokens)):
@@ -109,6 +130,20 @@ class DraftService(stages_pb2_grpc.DraftServicer):
             )
         for sid in unknown:
             out.proposals.append(stages_pb2.DraftProposal(seq_id=sid, known=False))
+        links = [self.links[sid] for sid in ks if sid in self.links]
+        if links:
+            # One span per propose step for the whole batch, linked to the requests it served.
+            telemetry.record_batch_span(
+                "draft.propose",
+                t0,
+                time.monotonic(),
+                {
+                    "tandem.draft.sequences": len(ks),
+                    "tandem.draft.proposed_tokens": sum(len(v) for v in props.values()),
+                    "tandem.draft.proposer": self.kind,
+                },
+                links,
+            )
         return out
 
     async def Propose(self, request_iterator, context):
@@ -130,7 +165,7 @@ async def serve(
     """Run the draft worker until cancelled."""
     proposer = make_proposer(draft, config, num_blocks)
     server = grpc.aio.server()
-    service = DraftService(proposer)
+    service = DraftService(proposer, draft)
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
     health = add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -130,7 +130,7 @@ class Pipeline:
         if draft is not None:
             # The draft prefills its own state while the target prefills; failures only cost
             # speculation (the decode worker resends the whole sequence when the draft lacks it).
-            draft.admit(seq_id, ids)
+            draft.admit(seq_id, ids, trace.metadata() if trace is not None else None)
         prefill.inflight += 1
         try:
             resp = await prefill.stub.Run(

@@ -182,11 +182,13 @@ class DraftAdmitter:
         self.stub = stages_pb2_grpc.DraftStub(self.channel)
         self.failures = 0
 
-    def admit(self, seq_id: str, ids: list[int]) -> None:
+    def admit(self, seq_id: str, ids: list[int], metadata=None) -> None:
         async def call() -> None:
             try:
                 await self.stub.Admit(
-                    stages_pb2.DraftAdmitRequest(seq_id=seq_id, prompt_token_ids=ids), timeout=10
+                    stages_pb2.DraftAdmitRequest(seq_id=seq_id, prompt_token_ids=ids),
+                    timeout=10,
+                    metadata=metadata,
                 )
             except grpc.aio.AioRpcError:
                 self.failures += 1

@@ -40,11 +40,24 @@ class Child:
             return ""
 
 
+def _die_with_parent() -> None:
+    # A stage must not outlive `tandem up`, even when `tandem up` is killed with SIGKILL.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _spawn(cmd: list[str], log_path: str, append: bool = False) -> subprocess.Popen:
     logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
     env = _stage_env(cmd[2].removeprefix("services."))  # cmd: python -m services.<stage> ...
     return subprocess.Popen(
-        cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        cmd,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        preexec_fn=_die_with_parent,
     )
 
 

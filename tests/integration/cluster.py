@@ -15,6 +15,14 @@ import grpc
 from tandem.rpc import api_pb2_grpc, stages_pb2, stages_pb2_grpc
 
 
+def _die_with_parent() -> None:
+    # Linux: the stage gets SIGTERM when the test process dies, even by SIGKILL, so an
+    # interrupted test run leaves no servers behind.
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def free_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
@@ -109,7 +117,12 @@ def start_cluster(
         else:
             env[k] = v
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=_die_with_parent,
     )
     lines: list[str] = []
     deadline = time.monotonic() + timeout

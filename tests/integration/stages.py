@@ -7,6 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+
+
+def _die_with_parent() -> None:
+    # Linux: the stage gets SIGTERM when the test process dies, even by SIGKILL, so an
+    # interrupted test run leaves no servers behind.
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +71,7 @@ class Stage:
             stdout=logf,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},
+            preexec_fn=_die_with_parent,
         )
         if wait:
             deadline = time.monotonic() + 180

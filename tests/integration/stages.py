@@ -7,6 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.cluster import free_ports
 
 
 def _die_with_parent() -> None:
@@ -15,14 +21,6 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from tests.integration.cluster import free_ports
 
 
 def health(address: str, timeout: float = 1.0, credentials=None) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampler import TokenLogprobs, make_generator, sample
+from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceStatus
@@ -33,6 +33,17 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
     finished: bool
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    items: list[tuple[Sequence, int]]
+    ids: torch.Tensor  # [B] int64 on the device: the sampled tokens
+    host: torch.Tensor  # [B] int64 (pinned on CUDA): their copy, valid once `event` completes
+    event: torch.cuda.Event | None  # None on CPU, where the copy is already done
+    rows: dict[str, int]  # seq_id -> row in `items`
 
 
 class QueueFull(RuntimeError):
@@ -74,12 +85,26 @@ class LLMEngine:
         self.kv = kv
         self.pool = BlockPool(kv.num_blocks)
         self.leases = LeaseTable(self.pool, lease_ttl_s)
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.device = device
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.eos_token_ids = set(mc.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
+        # Asynchronous scheduling: the step in flight, and a pinned ring of sampled-id buffers
+        # (two: the step being read and the one just launched).
+        self._inflight: _InFlight | None = None
+        self._ring = [
+            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=device.type == "cuda")
+            for _ in range(2)
+        ]
+        self._ring_next = 0
 
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
@@ -216,11 +241,20 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one batched forward for every scheduled sequence and return the new tokens."""
+        """Run one batched forward for every scheduled sequence and return the new tokens.
+
+        Under `async_scheduling` a plain decode step returns the tokens of the step before it
+        (launched by the previous call), so the GPU already has the next step when Python waits.
+        """
+        if self.config.async_scheduling or self._inflight is not None:
+            return self._step_async()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        items = batch.items
+        return self._run_batch(batch.items)
+
+    def _run_batch(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
+        """Execute, sample and update one scheduled batch, step by step (no overlap)."""
         seqs = [s for s, _ in items]
         if any(s.spec_tokens for s in seqs):
             return self._step_speculative(items)
@@ -250,6 +284,89 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, [tok], [lp], reason is not None))
+        return outs
+
+    # ---- asynchronous scheduling ---------------------------------------------------------
+    def _step_async(self) -> list[StepOutput]:
+        """Launch the next decode step, then read the step in flight; returns its tokens.
+
+        A batch that cannot run ahead (a prompt, draft tokens, logprobs, a repetition penalty)
+        first waits for the step in flight; it is then scheduled again by the next call.
+        """
+        prev, self._inflight = self._inflight, None
+        batch = self.scheduler.schedule()
+        # A sequence whose pending token is its last (length limit) needs no further step.
+        items = [(s, n) for s, n in batch.items if not (s.num_pending and self._ends_by_length(s))]
+        if items and self._can_run_ahead(items):
+            self._inflight = self._launch(items, prev)
+            return self._collect(prev) if prev is not None else []
+        if prev is not None:
+            return self._collect(prev)
+        return self._run_batch(batch.items) if batch else []
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """True when the sequence is at its length limit once its pending tokens are read."""
+        return (
+            len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
+
+    @staticmethod
+    def _can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
+        return all(
+            n == 1
+            and not s.spec_tokens
+            and not s.prefill_only
+            and s.params.logprobs is None
+            and s.params.repetition_penalty == 1.0
+            for s, n in items
+        )
+
+    def _launch(self, items: list[tuple[Sequence, int]], prev: _InFlight | None) -> _InFlight:
+        """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids."""
+        rows: list[int] = []
+        prev_rows: list[int] = []
+        for j, (seq, _) in enumerate(items):
+            if seq.num_pending:  # its input token is the one `prev` sampled
+                assert prev is not None, "a pending token without a step in flight"
+                rows.append(j)
+                prev_rows.append(prev.rows[seq.seq_id])
+        pending = (rows, prev_rows, prev.ids) if rows else None
+        logits = self.runner.execute(items, pending=pending)
+        seqs = [s for s, _ in items]
+        params = [s.params for s in seqs]
+        ids = sample_ids(logits, params, [s.generator for s in seqs], [()] * len(seqs))
+        for seq in seqs:
+            seq.num_computed += 1
+            seq.num_pending += 1
+        host = self._ring[self._ring_next][: len(items)]
+        self._ring_next ^= 1
+        event = None
+        if ids.is_cuda:
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host.copy_(ids)
+        return _InFlight(items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)})
+
+    def _collect(self, step: _InFlight) -> list[StepOutput]:
+        """Wait for a launched step's tokens and apply them (stop checks, finishing)."""
+        if step.event is not None:
+            step.event.synchronize()
+        outs: list[StepOutput] = []
+        for (seq, _), tok in zip(step.items, step.host.tolist(), strict=True):
+            if seq.is_finished or seq.num_pending == 0:
+                continue  # finished (stop token, abort) while this step was in flight
+            seq.num_pending -= 1
+            seq.output_token_ids.append(tok)
+            seq.output_logprobs.append(None)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                seq.num_pending = 0  # a later step's token for it is dropped
+                self.scheduler.finish(seq, reason)
+                self.seqs.pop(seq.seq_id, None)
+            outs.append(StepOutput(seq, [tok], [None], reason is not None))
         return outs
 
     def _step_speculative(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
@@ -323,7 +440,8 @@ class LLMEngine:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens aside
+        if len(seq.output_token_ids) >= p.max_tokens or known >= self.max_model_len:
             return "length"
         return None
 

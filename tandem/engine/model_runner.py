@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.cuda_graphs import DecodeGraphs, PendingIds, write_pending_ids
 from tandem.engine.sequence import Sequence
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
 
 class ModelRunner:
-    """Owns the model and the KV pool tensor of one worker."""
+    """Owns the model and the KV pool tensor of one worker.
 
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    With `cuda_graphs` (CUDA, unquantized KV pool) decode batches of up to `max_num_seqs`
+    sequences replay captured graphs; prefill, mixed and verification batches run eagerly.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
         self.block_size = kv.block_size
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and kv.scales is None:
+            self.graphs = DecodeGraphs(
+                model, kv, max_num_seqs, max_model_len or model.max_positions
+            )
 
     def prepare(
         self, items: list[tuple[Sequence, int]]
@@ -31,8 +48,10 @@ class ModelRunner:
         tables: list[list[int]] = []
         for seq, n in items:
             start = seq.num_computed
-            toks = seq.step_token_ids
-            ids.extend(toks[start : start + n])
+            toks = seq.step_token_ids[start : start + n]
+            # A token the device sampled but the host has not read yet (asynchronous scheduling)
+            # is a placeholder here; `write_pending_ids` fills it in on the device.
+            ids.extend(toks if len(toks) == n else toks + [0] * (n - len(toks)))
             pos.extend(range(start, start + n))
             blocks = seq.block_table.blocks
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -57,14 +76,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, items: list[tuple[Sequence, int]], num_logits: list[int] | None = None
+        self,
+        items: list[tuple[Sequence, int]],
+        num_logits: list[int] | None = None,
+        pending: PendingIds | None = None,
     ) -> torch.Tensor:
         """Compute the new tokens' KV and return logits at each sequence's last positions.
 
         `num_logits[i]`: how many trailing positions of sequence i need logits (1 + its draft
         tokens when verifying); default one each. Rows come sequence by sequence, in order.
+        `pending`: input tokens still on the device, sampled by the step in flight.
+        A decode batch on CUDA graphs returns a view that the next replay overwrites.
         """
+        if (
+            self.graphs is not None
+            and all(n == 1 for _, n in items)
+            and (num_logits is None or all(m == 1 for m in num_logits))
+            and self.graphs.bucket_for(len(items)) is not None
+        ):
+            return self.graphs.run(items, pending)
         input_ids, positions, meta = self.prepare(items)
+        write_pending_ids(input_ids, pending)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
         if num_logits is not None and any(m != 1 for m in num_logits):
             rows = [

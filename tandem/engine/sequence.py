@@ -44,6 +44,9 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)
     spec_proposed: int = 0  # draft tokens verified so far
     spec_accepted: int = 0  # of which accepted
+    # Asynchronous scheduling: tokens sampled on the device that the host has not read yet. They
+    # count in num_tokens (the next step is scheduled around them) but are not in output_token_ids.
+    num_pending: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -57,7 +60,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,179 @@
+"""CUDA graphs of the decode step: one per batch-size bucket, replayed over static input buffers.
+
+A decode step of a small batch is hundreds of short kernels; launched one by one from Python
+their launch latency, not memory bandwidth, sets the step time. A graph replays them with one
+launch. Each bucket (1, 2, 4, ... 256 sequences) is captured on first use; a batch is padded to
+the next bucket. Padding rows write no KV (slot -1) and attend to nothing (context length 0).
+
+The step's inputs travel in two host-to-device copies from pinned buffers (the small vectors,
+then the block-table rows), never from Python lists. Host buffers come in pairs: under
+asynchronous scheduling the host fills step t+1's while step t's copy may still be queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from tandem.engine.sequence import Sequence
+from tandem.kv.cache import KVCache
+from tandem.model.llama import AttentionMetadata, LlamaModel
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# A step's token ids that the device sampled but the host has not read yet:
+# (batch rows, rows of the previous step's ids, the previous step's [B'] device ids).
+PendingIds = tuple[list[int], list[int], torch.Tensor]
+
+
+def fill_decode_inputs(
+    items: Seq[tuple[Sequence, int]],
+    block_size: int,
+    small: np.ndarray,  # [4, >= rows] int64: input ids, positions, slots, context lengths
+    tables: np.ndarray,  # [>= len(items), max_blocks]: block tables
+    rows: int,
+) -> None:
+    """Write a decode batch (one new token per sequence) into host arrays; rows from
+    len(items) up to `rows` become padding (token 0 at position 0, slot -1, context 0).
+
+    A token the device sampled but the host has not read yet is written as 0 (the caller copies
+    it in on the device, `write_pending_ids`).
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    for j, (seq, _) in enumerate(items):
+        p = seq.num_computed
+        prompt, out = seq.prompt_token_ids, seq.output_token_ids
+        if p < len(prompt):
+            ids.append(prompt[p])
+        elif p - len(prompt) < len(out):
+            ids.append(out[p - len(prompt)])
+        else:
+            ids.append(0)
+        blocks = seq.block_table.blocks
+        pos.append(p)
+        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        nb = p // block_size + 1
+        tables[j, :nb] = blocks[:nb]
+    b = len(items)
+    small[0, :b] = ids
+    small[1, :b] = pos
+    small[2, :b] = slots
+    small[3, :b] = pos
+    small[3, :b] += 1
+    small[0:2, b:rows] = 0
+    small[2, b:rows] = -1
+    small[3, b:rows] = 0
+
+
+def write_pending_ids(input_ids: torch.Tensor, pending: PendingIds | None) -> None:
+    """Copy tokens still on the device (sampled by the step in flight) into `input_ids`."""
+    if pending is None:
+        return
+    rows, prev_rows, prev_ids = pending
+    n = len(rows)
+    if rows == prev_rows and rows == list(range(n)):  # the common case: the same batch again
+        input_ids[:n].copy_(prev_ids[:n])
+        return
+    dev = input_ids.device
+    src = prev_ids.index_select(0, torch.tensor(prev_rows, dtype=torch.long, device=dev))
+    input_ids.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=dev), src)
+
+
+class DecodeGraphs:
+    """Captured decode steps (forward + logits) of one model and KV pool, per batch bucket."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_model_len: int) -> None:
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        if kv.scales is not None:
+            raise ValueError("CUDA graphs need an unquantized KV pool (FP8 / INT8 run eagerly)")
+        self.model = model
+        self.kv = kv
+        first_fit = [b for b in BUCKETS if b >= max_batch]
+        self.buckets = [b for b in BUCKETS if b < max_batch] + first_fit[:1]
+        self.max_batch = self.buckets[-1]
+        self.block_size = kv.block_size
+        # Every captured graph attends over this many blocks per sequence (the kernel's grid is
+        # fixed at capture); blocks past a sequence's context are masked, never read.
+        self.max_blocks = -(-max_model_len // self.block_size)
+        n, dev = self.max_batch, model.device
+        self.small = torch.zeros((4, n), dtype=torch.long, device=dev)
+        self.tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
+        self._small_host = [torch.zeros((4, n), dtype=torch.long).pin_memory() for _ in range(2)]
+        self._tables_host = [
+            torch.zeros((n, self.max_blocks), dtype=torch.int32).pin_memory() for _ in range(2)
+        ]
+        self._small_np = [t.numpy() for t in self._small_host]
+        self._tables_np = [t.numpy() for t in self._tables_host]
+        # Recorded after each host buffer's copies: the host waits on it before refilling that
+        # buffer, so a caller that never synchronizes cannot overwrite inputs not yet copied.
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._next = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [bucket, vocab] f32
+        self._pool = None
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest captured size holding `batch` sequences; None when none does."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def _step(self, b: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.small[2, :b],
+            block_tables=self.tables[:b],
+            context_lens=self.small[3, :b],
+            context_lens_list=[],
+            query_start_loc=list(range(b + 1)),
+            decode_only=True,
+        )
+        hidden = self.model.forward(self.small[0, :b], self.small[1, :b], self.kv, meta)
+        return self.model.logits(hidden)
+
+    def capture(self, b: int) -> None:
+        """Capture the decode step of bucket `b` (warm-up runs first compile its kernels)."""
+        torch.cuda.synchronize()  # a replay in flight may still read the static buffers
+        self.small[0:2].zero_()
+        self.small[2].fill_(-1)  # all padding: the warm-up writes no KV
+        self.small[3].zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(b)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = self._step(b)
+        self.graphs[b] = g
+        self.logits[b] = out
+
+    def run(self, items: Seq[tuple[Sequence, int]], pending: PendingIds | None) -> torch.Tensor:
+        """Replay the decode step for `items`; returns a view of the logits, [len(items), vocab].
+
+        The view is overwritten by the next replay of the same bucket.
+        """
+        b = len(items)
+        bucket = self.bucket_for(b)
+        if bucket is None:
+            raise ValueError(f"batch of {b} is larger than the largest graph ({self.max_batch})")
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        k = self._next
+        self._next ^= 1
+        self._copied[k].synchronize()  # done long ago in the engine's loops; not so for any caller
+        fill_decode_inputs(items, self.block_size, self._small_np[k], self._tables_np[k], bucket)
+        self.small.copy_(self._small_host[k], non_blocking=True)
+        self.tables[:bucket].copy_(self._tables_host[k][:bucket], non_blocking=True)
+        self._copied[k].record()
+        write_pending_ids(self.small[0], pending)
+        self.graphs[bucket].replay()
+        return self.logits[bucket][:b]

@@ -1,0 +1,123 @@
+"""Asynchronous scheduling gives the same tokens as step-by-step; decode inputs packed for CUDA
+graphs equal the eager runner's. On CPU: the async path runs the same code, only synchronously."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tandem
+from tandem import SamplingParams
+from tandem.engine.cuda_graphs import fill_decode_inputs
+from tandem.engine.sequence import Sequence
+from tandem.kv.block_pool import BlockPool
+from tandem.kv.block_table import BlockTable
+
+LENGTHS = [5, 17, 3, 33, 9]
+
+
+def _prompts(seed: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def pair(model_factory):
+    _, path = model_factory("llama")
+    sync = tandem.LLM(path, num_blocks=96)
+    run_ahead = tandem.LLM(path, num_blocks=96, async_scheduling=True)
+    return sync, run_ahead
+
+
+def test_greedy_and_seeded_equal_sync(pair):
+    sync, run_ahead = pair
+    prompts = _prompts()
+    # Different lengths, so sequences leave the batch at different steps.
+    params = [
+        SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    params[1] = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    want = sync.generate(prompts, params)
+    got = run_ahead.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason == "length"
+    assert run_ahead.engine.pool.num_used == 0
+
+
+def test_stop_tokens_end_sequences_at_the_same_token(pair):
+    sync, run_ahead = pair
+    prompts = _prompts(seed=5)
+    free = sync.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    # Stop tokens taken from the middle of two outputs: those sequences end early, mid-batch.
+    stops = [free[0].token_ids[5], free[3].token_ids[9]]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=stops)
+    want = sync.generate(prompts, sp)
+    got = run_ahead.generate(prompts, sp)
+    assert any(w.finish_reason == "stop" for w in want)
+    for a, b in zip(want, got, strict=True):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+    assert run_ahead.engine.pool.num_used == 0
+
+
+def test_mixed_logprobs_fall_back_and_match(pair):
+    sync, run_ahead = pair
+    prompts = _prompts(seed=6)
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
+    params[2] = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    want = sync.generate(prompts, params)
+    got = run_ahead.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+    assert got[2].logprobs is not None and all(lp is not None for lp in got[2].logprobs)
+
+
+def test_preemption_and_abort_while_in_flight(model_factory):
+    _, path = model_factory("llama")
+    prompts = _prompts(seed=7)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    want = tandem.LLM(path, num_blocks=96).generate(prompts, sp)
+    small = tandem.LLM(path, num_blocks=10, async_scheduling=True)  # forces preemption
+    got = small.generate(prompts, sp)
+    assert small.engine.scheduler.num_preemptions > 0
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+    # A stream closed after three chunks aborts its sequence with a step in flight.
+    chunks = []
+    for c in small.stream(prompts[0], sp):
+        chunks.append(c)
+        if len(chunks) == 3:
+            break
+    assert [t for c in chunks for t in c.token_ids] == want[0].token_ids[:3]
+    assert small.generate(prompts[:2], sp)[1].token_ids == want[1].token_ids
+    assert small.engine.pool.num_used == 0
+
+
+def test_fill_decode_inputs_equals_prepare(pair):
+    sync, _ = pair
+    runner = sync.engine.runner
+    pool = BlockPool(64)
+    items = []
+    for i, n in enumerate([1, 16, 17, 40]):
+        seq = Sequence(f"s{i}", list(range(3, 3 + n)), SamplingParams(), BlockTable(16))
+        seq.output_token_ids = [100 + i, 200 + i]
+        seq.num_computed = seq.num_tokens - 1
+        seq.block_table.ensure(pool, seq.num_tokens)
+        items.append((seq, 1))
+    ids, pos, meta = runner.prepare(items)
+    rows = 8
+    small = np.full((4, rows), 99, dtype=np.int64)
+    tables = np.full((rows, 4), 99, dtype=np.int32)
+    fill_decode_inputs(items, 16, small, tables, rows)
+    b = len(items)
+    assert small[0, :b].tolist() == ids.tolist()
+    assert small[1, :b].tolist() == pos.tolist()
+    assert small[2, :b].tolist() == meta.slot_mapping.tolist()
+    assert small[3, :b].tolist() == meta.context_lens.tolist()
+    for j, n in enumerate(meta.context_lens.tolist()):
+        nb = (n + 15) // 16
+        assert tables[j, :nb].tolist() == meta.block_tables[j, :nb].tolist()
+    # Padding rows: token 0 at position 0, no KV write (slot -1), empty context.
+    assert (small[:, b:] == np.array([[0], [0], [-1], [0]])).all()

@@ -195,7 +195,7 @@ def test_triton_w4a16_matches_f64(m: int, bits: int, group: int, config) -> None
 
 def _attention_f64(q, k_pool, v_pool, tables, lens, scale, q_lens=None):
     """float64 attention, token by token; the last q_len positions of each context are queries."""
-    hq, d = q.shape[1], q.shape[2]
+    hq = q.shape[1]
     bs, hkv = k_pool.shape[1], k_pool.shape[2]
     kv_of_head = torch.arange(hq) // (hq // hkv)
     q_lens = q_lens or [1] * len(lens)
@@ -297,7 +297,9 @@ def test_shared_pool_and_gather_copy_carry_scales() -> None:
         assert torch.equal(peer.kv.scales, pool.kv.scales)
         dst = KVCache.allocate(2, 5, 4, 2, 16, torch.float8_e4m3fn, "cpu")
         gather_copy(dst, [4, 0], peer.kv, [1, 3])
-        assert torch.equal(dst.data[:, :, 4].view(torch.uint8), pool.kv.data[:, :, 1].view(torch.uint8))
+        assert torch.equal(
+            dst.data[:, :, 4].view(torch.uint8), pool.kv.data[:, :, 1].view(torch.uint8)
+        )
         assert torch.equal(dst.scales[:, :, 0], pool.kv.scales[:, :, 3])
         bytes_to_block(dst, 2, block_to_bytes(pool.kv, 5))
         assert torch.equal(dst.scales[:, :, 2], pool.kv.scales[:, :, 5])
@@ -325,7 +327,9 @@ def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -
     loaded = load_model(path)
     deq = dequantize_weights(prepare_weights(loaded, "int4", torch.float32), torch.float32)
     a = LLMEngine(loaded, EngineConfig(num_blocks=32, quantization="int4"))
-    b = LLMEngine(LoadedModel(loaded.config, deq, loaded.tokenizer, path), EngineConfig(num_blocks=32))
+    b = LLMEngine(
+        LoadedModel(loaded.config, deq, loaded.tokenizer, path), EngineConfig(num_blocks=32)
+    )
     sp = tandem.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for eng in (a, b):
         eng.add_request([5, 9, 33, 100, 7, 7, 300], sp, request_id="r")
@@ -378,3 +382,18 @@ def test_default_model_with_fp8_kv_answers() -> None:
     ids = llm.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate([ids], tandem.SamplingParams(max_tokens=12, temperature=0))[0]
     assert "Paris" in out.text
+
+
+def test_triton_gemv_even_tiles_match_f64() -> None:
+    """Shapes that divide into whole tiles take the unmasked (EVEN) path."""
+    g = torch.Generator().manual_seed(3)
+    qw = quantize_rtn(torch.randn(32, 256, generator=g), 4, 64)
+    x = torch.randn(1, 256, generator=g)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    for cfg in (
+        wk.GemvConfig(block_n=8, block_w=16),
+        wk.GemvConfig(block_n=16, block_w=8, split_k=2),
+    ):
+        torch.testing.assert_close(
+            wk.w4a16_matmul_triton(x, qw, cfg).double(), ref, rtol=1e-4, atol=1e-4
+        )

@@ -50,12 +50,13 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,  # packed words per row per iteration
     ATOMIC: tl.constexpr,
+    EVEN: tl.constexpr,  # whole tiles only (N, K and the split sizes divide evenly): no masks
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2).to(tl.int64)
-    PER = 32 // BITS
-    MASK = (1 << BITS) - 1
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -71,17 +72,25 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for w0 in range(w_start, w_end, BLOCK_W):
         wi = w0 + offs_w  # [BLOCK_W] word index
-        w_mask = wi < w_end
-        mask = n_mask[:, None] & w_mask[None, :]
-        q = tl.load(q_row + wi[None, :], mask=mask, other=0)  # [BLOCK_N, BLOCK_W] int32
         g = (wi * PER) // GROUP
-        s = tl.load(s_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        mn = tl.load(mn_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
+        if EVEN:
+            q = tl.load(q_row + wi[None, :])  # [BLOCK_N, BLOCK_W] int32
+            s = tl.load(s_row + g[None, :]).to(tl.float32)
+            mn = tl.load(mn_row + g[None, :]).to(tl.float32)
+        else:
+            w_mask = wi < w_end
+            mask = n_mask[:, None] & w_mask[None, :]
+            q = tl.load(q_row + wi[None, :], mask=mask, other=0)
+            s = tl.load(s_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(PER):
             k = wi * PER + j
-            xj = tl.load(x_row + k, mask=w_mask & (k < K), other=0.0).to(tl.float32)
+            if EVEN:
+                xj = tl.load(x_row + k).to(tl.float32)
+            else:
+                xj = tl.load(x_row + k, mask=w_mask & (k < K), other=0.0).to(tl.float32)
             # >> is arithmetic on int32: the mask drops the sign bits of the top code.
             cj = ((q >> (j * BITS)) & MASK).to(tl.float32)
             qx += cj * xj[None, :]
@@ -90,6 +99,8 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if ATOMIC:
         tl.atomic_add(out_ptr + m * stride_om + offs_n, y, mask=n_mask)
+    elif EVEN:
+        tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty))
     else:
         tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
@@ -121,9 +132,9 @@ def _gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    PER = 32 // BITS
-    BLOCK_W = BLOCK_K // PER
-    MASK = (1 << BITS) - 1
+    PER: tl.constexpr = 32 // BITS
+    BLOCK_W: tl.constexpr = BLOCK_K // PER
+    MASK: tl.constexpr = (1 << BITS) - 1
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,8 +211,10 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig |
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
     if m == 1:
-        block_n = 8 if n >= 8192 else 4
-        return GemvConfig(block_n=block_n, block_w=128, split_k=1, num_warps=4)
+        # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
+        return GemvConfig(block_n=8, block_w=256 if n >= 8192 else 128, split_k=1, num_warps=4)
+    if m > 64 and n >= 8192:
+        return GemmConfig(block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -263,6 +276,7 @@ def w4a16_matmul_triton(
             BLOCK_N=config.block_n,
             BLOCK_W=block_w,
             ATOMIC=atomic,
+            EVEN=n % config.block_n == 0 and kw % block_w == 0 and k == kw * per,
             num_warps=config.num_warps,
         )
     else:

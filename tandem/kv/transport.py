@@ -110,7 +110,9 @@ class SharedPool:
         self.layout = layout
         self.owner = owner
         # The codes, then (quantized pools) the float32 scales, in one segment.
-        data_bytes = _numel(layout.shape) * torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+        data_bytes = (
+            _numel(layout.shape) * torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+        )
         raw = torch.frombuffer(shm.buf, dtype=torch.uint8, count=data_bytes)
         scales = None
         if layout.quantized:

@@ -24,9 +24,9 @@ class LoadedModel:
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load weights, config and tokenizer; `None` means the default SmolLM2 GGUF."""
-    from tandem.model.gguf_loader import default_model_path, load_gguf
-
     if path is None:
+        from tandem.model.gguf_loader import default_model_path
+
         path = default_model_path()
     path = os.path.expanduser(path)
     if not os.path.exists(path):
@@ -37,6 +37,8 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
                 f"model file {path!r} is not a .gguf file; pass a GGUF file or a Hugging Face "
                 "directory holding config.json, *.safetensors and tokenizer files"
             )
+        from tandem.model.gguf_loader import load_gguf  # needs the gguf package
+
         cfg, weights, tok = load_gguf(path, dtype)
         return LoadedModel(cfg, weights, tok, path)
     return load_hf_dir(path, dtype)

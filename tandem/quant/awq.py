@@ -27,10 +27,39 @@ from tandem.quant.recipe import LayerSpec
 
 @dataclass
 class AwqReport:
-    """The chosen alpha and output error (before -> after) of every scaled layer group."""
+    """The chosen alpha and output error (before -> after) of every scaled layer group, and the
+    per-group clipping ratios chosen for each quantized layer (`quantize_weights(clips=...)`)."""
 
     alphas: dict[str, float] = field(default_factory=dict)
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)
+    clips: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(10))  # 1.0 down to 0.55
+
+
+def _clip_search(x: torch.Tensor, w: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Per-(row, group) range ratio minimising that group's contribution to the output error.
+
+    A group's share of the output error is sum_t (x_t,g . (w_g - Q(w_g)))^2, independent of the
+    other groups' rounding, so each (row, group) keeps its best ratio.
+    """
+    n, k = w.shape
+    g = spec.group_size
+    kp = (k + g - 1) // g * g
+    xs = F.pad(x, (0, kp - k)).view(x.shape[0], kp // g, g)  # [T, G, g]
+    wg = F.pad(w, (0, kp - k)).view(n, kp // g, g)
+    best = torch.full((n, kp // g), torch.inf)
+    ratio = torch.ones(n, kp // g)
+    for r in CLIP_RATIOS:
+        clip = torch.full((n, kp // g), r)
+        q = quantize_rtn(w, spec.bits, g, spec.zero_point, clip).dequantize()
+        dw = wg - F.pad(q, (0, kp - k)).view(n, kp // g, g)
+        err = torch.einsum("tgk,ngk->tng", xs, dw).pow(2).sum(0)  # [N, G]
+        better = err < best
+        best = torch.where(better, err, best)
+        ratio = torch.where(better, r, ratio)
+    return ratio
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,8 +109,13 @@ def awq_scale(
     grid: int = 20,
     max_search_tokens: int = 2048,
     log=None,
+    clip: bool = True,
+    max_clip_tokens: int = 512,
 ) -> tuple[dict[str, torch.Tensor], AwqReport]:
-    """A float32 copy of `weights` with activation-aware scales folded in, and the search report."""
+    """A float32 copy of `weights` with activation-aware scales folded in, and the search report.
+
+    `clip`: also search per-group clipping ratios on the scaled weights (report.clips).
+    """
     w = {k: v.float().clone() for k, v in weights.items()}
     report = AwqReport()
     s_count, length = calib.shape
@@ -96,8 +130,11 @@ def awq_scale(
     gen = torch.Generator().manual_seed(0)
     n_tok = h.shape[0]
     pick = torch.randperm(n_tok, generator=gen)[: min(max_search_tokens, n_tok)]
+    pick_clip = pick[:max_clip_tokens]
 
-    def scale_group(name: str, x: torch.Tensor, members: list[str], tie=None) -> torch.Tensor | None:
+    def scale_group(
+        name: str, x: torch.Tensor, members: list[str], tie=None
+    ) -> torch.Tensor | None:
         spec = specs[members[0]]
         if not spec.quantized:
             return None
@@ -105,6 +142,8 @@ def awq_scale(
         s, alpha, base, err = _search(x[pick], ws, spec, grid, tie)
         for m in members:
             w[m + ".weight"] = w[m + ".weight"] * s
+            if clip:
+                report.clips[m] = _clip_search((x / s)[pick_clip], w[m + ".weight"], spec)
         report.alphas[name] = alpha
         report.errors[name] = (base, err)
         if log is not None:

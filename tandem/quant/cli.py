@@ -52,6 +52,9 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--awq-grid", type=int, default=20, help="alpha grid points in [0, 1]")
     p.add_argument(
+        "--no-clip", action="store_true", help="AWQ without the per-group clipping search"
+    )
+    p.add_argument(
         "--float-dtype",
         choices=["float16", "bfloat16", "float32"],
         default="float16",
@@ -89,6 +92,7 @@ def quantize_model(
     max_tokens: int = 8192,
     grid: int = 20,
     log=print,
+    clip: bool = True,
 ):
     """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json)."""
     import torch
@@ -101,12 +105,14 @@ def quantize_model(
     specs = resolve_specs(recipe, cfg.num_layers)
     weights = dequantize_weights(loaded.weights, torch.float32)
     info: dict = {"method": method, "recipe": recipe.to_dict(), "source": str(loaded.path)}
+    clips = None
     if method == "awq":
         calib_path = calib_path or default_calibration_path()
         calib, text = calibration_batch(loaded.tokenizer, calib_path, seq_len, max_tokens)
         log(f"AWQ: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
         t0 = time.monotonic()
-        weights, report = awq_scale(weights, cfg, specs, calib, grid=grid, log=log)
+        weights, report = awq_scale(weights, cfg, specs, calib, grid=grid, log=log, clip=clip)
+        clips = report.clips
         log(f"AWQ scales searched in {time.monotonic() - t0:.1f}s")
         info["calibration"] = {
             "file": os.path.basename(calib_path),
@@ -115,10 +121,11 @@ def quantize_model(
             "seq_len": seq_len,
             "grid": grid,
             "alphas": report.alphas,
+            "clip_search": clip,
         }
     elif method != "rtn":
         raise ValueError(f"method must be awq or rtn, got {method!r}")
-    return quantize_weights(weights, specs), info
+    return quantize_weights(weights, specs, clips), info
 
 
 def run_quantize(args: argparse.Namespace) -> int:
@@ -154,6 +161,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             args.calib_seq_len,
             args.calib_max_tokens,
             args.awq_grid,
+            clip=not args.no_clip,
         )
         save_quantized(
             args.out,

@@ -54,7 +54,9 @@ def perplexity(
         chunks = [(0, n_pre)] + [(p, p + 1) for p in range(n_pre, window)]
         logits = []
         for a, b in chunks:
-            meta = _meta(list(range(a, b)), table[: (b + block_size - 1) // block_size], b, b - a, dev)
+            meta = _meta(
+                list(range(a, b)), table[: (b + block_size - 1) // block_size], b, b - a, dev
+            )
             inp = torch.tensor(ids[a:b], dtype=torch.long, device=dev)
             pos = torch.arange(a, b, dtype=torch.long, device=dev)
             logits.append(model.logits(model.forward(inp, pos, kv, meta)))

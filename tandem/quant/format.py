@@ -119,9 +119,17 @@ def _padded(k: int, group_size: int) -> int:
 
 
 def quantize_rtn(
-    w: torch.Tensor, bits: int = 4, group_size: int = 128, zero_point: bool = True
+    w: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    zero_point: bool = True,
+    clip: torch.Tensor | None = None,
 ) -> QuantizedWeight:
-    """Round-to-nearest per-group quantization of a float weight [N, K]."""
+    """Round-to-nearest per-group quantization of a float weight [N, K].
+
+    `clip` [N, Kp // group_size] (ratios in (0, 1]) shrinks each group's range before rounding:
+    the extreme values saturate, the rest get a finer grid (AWQ's clipping search picks it).
+    """
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size not in SUPPORTED_GROUP_SIZES:
@@ -142,10 +150,14 @@ def quantize_rtn(
     if zero_point:
         lo = torch.where(real, groups, torch.inf).amin(-1)
         hi = torch.where(real, groups, -torch.inf).amax(-1)
+        if clip is not None:
+            lo, hi = lo * clip, hi * clip
         scale = (hi - lo) / levels
         mins = lo
     else:
         amax = torch.where(real, groups.abs(), 0).amax(-1)
+        if clip is not None:
+            amax = amax * clip
         scale = amax / (levels // 2)
         mins = -(levels // 2 + 1) * scale
     # Codes are chosen against the FP16-rounded scale and zero point the kernels will use.
@@ -173,7 +185,11 @@ def cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:
         raise ValueError("cannot fuse float and quantized weights into one layer")
     first = parts[0]
     for p in parts[1:]:
-        if (p.bits, p.group_size, p.in_features) != (first.bits, first.group_size, first.in_features):
+        if (p.bits, p.group_size, p.in_features) != (
+            first.bits,
+            first.group_size,
+            first.in_features,
+        ):
             raise ValueError(
                 f"cannot fuse quantized weights of bits/group_size {p.bits}/{p.group_size} and "
                 f"{first.bits}/{first.group_size}: fused layers need one spec"

@@ -1,7 +1,7 @@
 """FP8 (e4m3) / INT8 KV cache with one float32 scale per (block, kv head).
 
-A cache block holds `block_size` tokens; its scale is amax / QMAX over every value written into
-the block for that head, so dequantization is `code * scale`. Tokens arrive one at a time during
+A cache block holds `block_size` tokens; its scale is amax / SCALE_TARGET over every value written
+into the block for that head, so dequantization is `code * scale`. Tokens arrive one at a time during
 decode, so a block's scale can grow after it already holds codes: the block is then re-quantized
 at the new scale (codes * old / new), which is exact when the scale did not change. A block whose
 first slot is written starts afresh, forgetting the scale its previous owner left behind.
@@ -13,6 +13,10 @@ import torch
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# The value a block's amax maps to when its scale is set. FP8 keeps its relative precision over
+# a wide range, so it leaves 4x headroom: later tokens up to 4x larger fit without re-quantizing
+# the block (each re-quantization rounds the held codes again). INT8 would lose bits to headroom.
+SCALE_TARGET = {torch.float8_e4m3fn: 112.0, torch.int8: 127.0}
 
 
 def is_quantized_kv(dtype: torch.dtype) -> bool:
@@ -49,7 +53,7 @@ def write_kv_block_scaled(
     `torch.unique` (a host sync) and keeps the call capturable in a CUDA graph.
     """
     block_size, heads = cache.shape[1], cache.shape[2]
-    qmax = QMAX[cache.dtype]
+    target = SCALE_TARGET[cache.dtype]
     blocks = slots // block_size
     index = blocks[:, None].expand(-1, heads)  # [T, H]
     xf = x.float()
@@ -60,14 +64,14 @@ def write_kv_block_scaled(
     touched = blocks if unique_blocks else torch.unique(blocks)
     old = scales[touched]  # [U, H] (a copy)
     # 2. Grow each block's scale to cover the new values.
-    scales.scatter_reduce_(0, index, xf.abs().amax(-1) / qmax, "amax")
+    scales.scatter_reduce_(0, index, xf.abs().amax(-1) / target, "amax")
     new = scales[touched]
     # 3. Re-quantize what the touched blocks already hold. The ratio is exactly 1 where the scale
     #    did not grow (codes unchanged) and 0 for fresh blocks (stale codes cleared).
     ratio = torch.where(new > 0, old / new, 1.0)
-    held = cache[touched].float() * ratio[:, None, :, None]
-    # Copies go through a byte view: not every device implements index_copy_ for float8.
+    # Gathers and copies go through a byte view: not every device implements them for float8.
     raw = cache.view(torch.uint8)
+    held = raw[touched].view(cache.dtype).float() * ratio[:, None, :, None]
     raw.index_copy_(0, touched, quantize_codes(held, cache.dtype).view(torch.uint8))
     # 4. The new tokens at their block's scale.
     s = scales[blocks]  # [T, H]

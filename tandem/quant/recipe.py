@@ -76,7 +76,9 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Any, source: str = "recipe") -> Recipe:
         if not isinstance(data, dict):
-            raise RecipeError(f"{source}: a recipe must be a mapping with 'default' and/or 'overrides'")
+            raise RecipeError(
+                f"{source}: a recipe must be a mapping with 'default' and/or 'overrides'"
+            )
         unknown = sorted(set(data) - {"default", "overrides"})
         if unknown:
             raise RecipeError(
@@ -93,7 +95,9 @@ class Recipe:
         overrides = []
         for pattern, spec in overrides_raw.items():
             if not isinstance(pattern, str) or not pattern.strip():
-                raise RecipeError(f"{source}: override pattern {pattern!r} must be a non-empty string")
+                raise RecipeError(
+                    f"{source}: override pattern {pattern!r} must be a non-empty string"
+                )
             overrides.append((pattern, _spec(spec, default, f"{source}: overrides[{pattern!r}]")))
         return cls(default, overrides)
 
@@ -125,7 +129,9 @@ def _spec(raw: Any, base: LayerSpec, where: str) -> LayerSpec:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where} must be a mapping like {{bits: 4, group_size: 128}}, got {raw!r}")
+        raise RecipeError(
+            f"{where} must be a mapping like {{bits: 4, group_size: 128}}, got {raw!r}"
+        )
     unknown = sorted(set(raw) - set(SPEC_KEYS))
     if unknown:
         raise RecipeError(

@@ -19,15 +19,22 @@ Q4_1_BYTES = 20
 
 
 def quantize_weights(
-    weights: dict[str, Any], specs: dict[str, LayerSpec]
+    weights: dict[str, Any],
+    specs: dict[str, LayerSpec],
+    clips: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """RTN-quantize the layers `specs` marks as quantized; other tensors pass through."""
+    """RTN-quantize the layers `specs` marks as quantized (with per-group clipping ratios where
+    `clips` has them); other tensors pass through."""
     out = dict(weights)
+    clips = clips or {}
     for name, spec in specs.items():
         key = name + ".weight"
         w = out.get(key)
         if spec.quantized and isinstance(w, torch.Tensor):
-            out[key] = quantize_rtn(w, spec.bits, spec.group_size, spec.zero_point)
+            c = clips.get(name)
+            out[key] = quantize_rtn(
+                w, spec.bits, spec.group_size, spec.zero_point, None if c is None else c.to(w.device)
+            )
     return out
 
 

@@ -50,14 +50,17 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize(
-    "m, n, k",
-    [(1, 4096, 4096), (1, 1000, 576), (3, 2048, 1536), (8, 1536, 4096), (32, 512, 2048),
-     (128, 1024, 1024), (256, 768, 640)],
-)  # fmt: skip
-def test_w4a16_matches_f64(wk: ModuleType, dtype, group: int, m: int, n: int, k: int) -> None:
+BF16, FP16 = torch.bfloat16, torch.float16
+W4A16_CASES = [  # (M, N, K, group, dtype): M from 1 to 256, every group size, ragged K and N
+    (1, 4096, 4096, 128, BF16), (1, 1000, 576, 32, BF16), (1, 14336, 4096, 64, FP16),
+    (3, 2048, 1536, 128, BF16), (8, 1536, 4096, 32, BF16), (8, 4096, 14336, 128, FP16),
+    (32, 512, 2048, 64, BF16), (128, 1024, 1024, 128, BF16), (128, 768, 4096, 32, FP16),
+    (256, 768, 640, 64, BF16), (256, 4096, 4096, 128, BF16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("m, n, k, group, dtype", W4A16_CASES)
+def test_w4a16_matches_f64(wk: ModuleType, m: int, n: int, k: int, group: int, dtype) -> None:
     qw = _weight(n, k, 4, group, seed=m + n + k)
     x = torch.randn(m, k, device=DEV).to(dtype)
     ref = x.double() @ qw.dequantize(torch.float64).T
@@ -166,8 +169,8 @@ def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv:
             write_kv_block_scaled(vc, vs, slots[t : t + 1], vx[t : t + 1], unique_blocks=True)
     q = torch.randn(len(lens), hq, d, generator=g, device=DEV).to(torch.bfloat16)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    k_deq = kc.double() * ks[:, None, :, None].double()
-    v_deq = vc.double() * vs[:, None, :, None].double()
+    k_deq = kc.float().double() * ks[:, None, :, None].double()
+    v_deq = vc.float().double() * vs[:, None, :, None].double()
     expect = _attention_f64(q, k_deq, v_deq, tables, lens, d**-0.5)
     for ps in (512, 256):
         out = pa.paged_attention_decode_triton(

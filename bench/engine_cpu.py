@@ -13,9 +13,12 @@ decode tokens/s = batch * (new_tokens - 1) / (median total - median prefill)
 overall tokens/s = batch * new_tokens / median total
 Ratios are Tandem / transformers. Results go to bench/results/engine_cpu.json.
 
-Both engines run in one worker thread (not the main thread) with torch's default thread count:
-on an oversubscribed machine, torch's OpenMP pool was measured to be many times slower when
-driven from the main thread (see bench/README.md); --main-thread measures there instead.
+Both models are loaded in the main thread and measured in one worker thread, with torch's
+default thread count. That choice matters on a machine busy with other processes: libgomp (torch's
+OpenMP) spin-waits between parallel regions while a process's OpenMP threads do not outnumber
+the cores, which made every step several times slower there; with a second thread's pool alive
+it throttles the spin, as in Tandem's decode service (see bench/README.md). --main-thread
+measures in the main thread, the spinning regime.
 
     .venv/bin/python bench/engine_cpu.py            # 128 new tokens, batches 1 and 8, 3 repeats
     .venv/bin/python bench/engine_cpu.py --quick    # 32 new tokens
@@ -187,6 +190,21 @@ def timed(fn, *args) -> tuple[float, float, Any]:
     return wall, other, out
 
 
+def wait_quiet(max_other: float | None, timeout: float = 180.0) -> float:
+    """Wait (up to timeout) until other processes use at most max_other of the machine's CPU,
+    sampled over 1 s; returns the last sample. No waiting when max_other is None."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m0, c0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        time.sleep(1.0)
+        wall = time.perf_counter() - t0
+        own = time.process_time() - c0
+        other = max(_machine_busy_s() - m0 - own, 0.0) / (wall * (os.cpu_count() or 1))
+        if max_other is None or other <= max_other or time.monotonic() > deadline:
+            return other
+        time.sleep(2.0)
+
+
 def in_worker_thread(fn, *args) -> Any:
     """Run fn in a fresh thread and return its result (re-raising its exception)."""
     box: dict[str, Any] = {}
@@ -206,7 +224,12 @@ def in_worker_thread(fn, *args) -> Any:
 
 
 def measure(
-    runners: list[Any], all_prompts: list[list[int]], batches: list[int], n: int, repeats: int
+    runners: list[Any],
+    all_prompts: list[list[int]],
+    batches: list[int],
+    n: int,
+    repeats: int,
+    quiet: float | None,
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for b in batches:
@@ -216,6 +239,7 @@ def measure(
         for r in runners:  # warm-up: one full run each
             outputs[r.name] = r.generate(prompts, n)
         for rep in range(repeats):
+            wait_quiet(quiet)
             order = runners if rep % 2 == 0 else runners[::-1]
             for r in order:
                 tp, op, _ = timed(r.generate, prompts, 1)
@@ -251,6 +275,16 @@ def measure(
         tan, hf = row[runners[0].name], row[runners[1].name]
         row["decode_ratio"] = tan["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
         row["overall_ratio"] = tan["overall_tokens_per_s"] / hf["overall_tokens_per_s"]
+        # Paired per repeat (the two engines ran back to back): robust to slow drifts in load.
+        pa, pb = samples[runners[0].name], samples[runners[1].name]
+        paired = [
+            (tb - sb) / (ta - sa)
+            for sa, ta, sb, tb in zip(
+                pa["prefill_s"], pa["total_s"], pb["prefill_s"], pb["total_s"], strict=True
+            )
+        ]
+        row["paired_decode_ratios"] = paired
+        row["median_paired_decode_ratio"] = median(paired)
         row["target_decode_ratio"] = TARGETS.get(b)
         same = sum(
             a == c for a, c in zip(outputs[runners[0].name], outputs[runners[1].name], strict=True)
@@ -270,6 +304,13 @@ def main() -> int:
         "--main-thread",
         action="store_true",
         help="measure in the main thread (default: one worker thread, for both engines)",
+    )
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=None,
+        metavar="FRAC",
+        help="before each repeat, wait (up to 180 s) until other processes use <= FRAC of the CPU",
     )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "engine_cpu.json"))
     args = ap.parse_args()
@@ -295,7 +336,7 @@ def main() -> int:
     t_hf_load = time.perf_counter() - t0
     meta["hf_attn_implementation"] = getattr(hf.model.config, "_attn_implementation", None)
     runners = [tan, hf]
-    work = (runners, tan.prompts(), batches, new_tokens, args.repeats)
+    work = (runners, tan.prompts(), batches, new_tokens, args.repeats, args.wait_quiet)
     results = measure(*work) if args.main_thread else in_worker_thread(measure, *work)
 
     print()
@@ -326,7 +367,8 @@ def main() -> int:
             )
         print(
             f"batch {row['batch']}: Tandem / transformers decode {row['decode_ratio']:.2f}x"
-            f"{verdict}, overall {row['overall_ratio']:.2f}x; "
+            f"{verdict}, overall {row['overall_ratio']:.2f}x, median of paired repeats "
+            f"{row['median_paired_decode_ratio']:.2f}x; "
             f"identical greedy outputs {row['identical_outputs']}"
         )
 
@@ -342,13 +384,15 @@ def main() -> int:
             "greedy": True,
             "ignore_eos": True,
             "thread": "main" if args.main_thread else "worker",
+            "wait_quiet": args.wait_quiet,
             "load_s": {"tandem": t_tan_load, "transformers": t_hf_load},
             "questions": QUESTIONS[: max(batches)],
         },
         "method": (
             "warm-up once per (batch, engine); each repeat times generate(1 token) [prefill] and "
             "generate(new_tokens) [total], engines interleaved with alternating order; medians. "
-            "decode tok/s = batch*(new_tokens-1)/(total-prefill). Tandem: tandem.LLM.generate "
+            "decode tok/s = batch*(new_tokens-1)/(total-prefill); decode_ratio is the ratio of those "
+            "medians, paired_decode_ratios the ratio within each repeat. Tandem: tandem.LLM.generate "
             "(includes its incremental detokenizer). transformers: model.generate with left "
             "padding + attention mask, eos_token_id=None, inference_mode."
         ),

@@ -65,7 +65,11 @@ def eval_text() -> tuple[str, str]:
 
 def git_rev() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT).decode().strip()
+        return (
+            subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT)
+            .decode()
+            .strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -73,7 +77,7 @@ def git_rev() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=12, help="prefill windows evaluated")
+    ap.add_argument("--windows", type=int, default=8, help="prefill windows evaluated")
     ap.add_argument("--decode-windows", type=int, default=2)
     ap.add_argument("--decode-window", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -139,7 +143,7 @@ def main() -> int:
     quantized = {}
     for method in ("rtn", "awq"):
         t0 = time.monotonic()
-        weights, info = quantize_model(loaded, recipe, method, log=lambda s: None)
+        weights, info = quantize_model(loaded, recipe, method, log=lambda s: print(s, flush=True))
         out = os.path.join(tmp, method)
         save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
         back = load_model(out, torch.float32)
@@ -183,7 +187,7 @@ def main() -> int:
     result = {
         "benchmark": "quant_quality",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "git": git_rev(),
         "host": {
             "platform": platform.platform(),

@@ -11,8 +11,10 @@ do exactly the same work.
 Services path: grpc.aio clients call tandem.v1.Gateway/Generate on --address, or on a
 `tandem up` this script starts (--launch) and stops at the end. In-process path: the same
 requests through one `tandem.LLMEngine` (`add_request` + `step()`, a timestamp per token),
-stepped from a worker thread as the decode service steps its engine. The two paths never run at
-the same time: services first, then (after they are stopped) the engine.
+stepped from a worker thread as the decode service steps its engine, in a child process with a
+session of its own as each `tandem up` stage has (Linux autogroup scheduling shares the CPU
+between sessions, so this matters on a busy machine). The two paths never run at the same time:
+services first, then (after they are stopped) the engine.
 
 Per level: TTFT p50/p99 (send -> first token), TPOT p50/p99 (per request: (last - first token
 time) / (tokens - 1)), throughput (output tokens/s, requests/s over the level), errors.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -151,9 +154,11 @@ class CpuMonitor:
         cap = wall * (os.cpu_count() or 1)
         own = _tree_cpu_s(self.roots) - self.o0
         machine = _machine_busy_s() - self.m0
+        # Clamped: a measured process that exits mid-level takes its CPU time with it.
         self.result = {
-            "measured_cpu_frac": round(own / cap, 3),
-            "other_processes_cpu_frac": round(max(machine - own, 0.0) / cap, 3),
+            "measured_cpu_s": round(own, 3),
+            "measured_cpu_frac": round(min(own / cap, 1.0), 3),
+            "other_processes_cpu_frac": round(min(max(machine - own, 0.0) / cap, 1.0), 3),
         }
 
 
@@ -339,6 +344,15 @@ class Launched:
         self.startup_s = time.monotonic() - t0
         print(f"services up in {self.startup_s:.1f}s at {self.address}", flush=True)
 
+    def check_alive(self) -> None:
+        """Raise, with the supervisor's output, when `tandem up` (or one of its stages) died."""
+        if self.proc.poll() is not None:
+            with open(self.log.name, errors="replace") as f:
+                text = f.read()
+            raise RuntimeError(
+                f"tandem up exited with code {self.proc.returncode} during the run:\n{text[-3000:]}"
+            )
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -425,7 +439,11 @@ async def _warmup_grpc(address: str, reqs: list[Req], timeout: float) -> None:
 
 
 def run_services(
-    address: str, levels: list[Level], warm: list[Req], roots: list[int]
+    address: str,
+    levels: list[Level],
+    warm: list[Req],
+    roots: list[int],
+    launched: Launched | None = None,
 ) -> list[dict[str, Any]]:
     asyncio.run(_warmup_grpc(address, warm, 60.0))
     out = []
@@ -433,17 +451,18 @@ def run_services(
         with CpuMonitor(roots) as mon:
             recs, wall = asyncio.run(_run_level_grpc(address, level))
         s = summarize(level, recs, wall)
-        s["cpu"] = mon.result
+        _add_cpu(s, mon.result)
         out.append(s)
         _progress("services", s)
+        if launched is not None:
+            launched.check_alive()
     return out
 
 
 # ---- in-process path ------------------------------------------------------------------------
-def run_inprocess(levels: list[Level], warm: list[Req]) -> list[dict[str, Any]]:
+def run_inprocess(levels: list[Level], warm: list[Req], llm: Any) -> list[dict[str, Any]]:
     import tandem
 
-    llm = tandem.LLM()
     engine = llm.engine
 
     def submit(req: Req) -> Any:
@@ -491,10 +510,66 @@ def run_inprocess(levels: list[Level], warm: list[Req]) -> list[dict[str, Any]]:
                         add(pending.pop(0), now)
             wall = time.perf_counter() - t0
         s = summarize(level, list(recs.values()), wall)
-        s["cpu"] = mon.result
+        _add_cpu(s, mon.result)
         out.append(s)
         _progress("in-process", s)
     return out
+
+
+def run_inprocess_here(
+    levels: list[Level], warm: list[Req], kv_gb: float, main_thread: bool
+) -> list[dict[str, Any]]:
+    """Load the model in this (main) thread and step the engine in a worker thread, as the
+    decode service does. This is not a detail: with libgomp (torch's OpenMP on Linux) a process
+    whose OpenMP threads do not outnumber the cores spin-waits between parallel regions, and on a
+    machine busy with other processes that made each step 5-7x slower here; a second thread
+    that has run parallel work (the loading thread) switches libgomp to its short, throttled
+    spin, as in the decode service. --inprocess-main-thread measures the other regime."""
+    import tandem
+
+    llm = tandem.LLM(kv_cache_memory_gb=kv_gb)
+    if main_thread:
+        return run_inprocess(levels, warm, llm)
+    return in_worker_thread(run_inprocess, levels, warm, llm)
+
+
+def run_inprocess_isolated(
+    levels: list[Level], warm: list[Req], kv_gb: float, main_thread: bool
+) -> list[dict[str, Any]]:
+    """The in-process path in a child process of its own session, as each stage of `tandem up`
+    runs: with the kernel's autogroup scheduling (Linux default), CPU is shared fairly between
+    sessions, so on a busy machine a process in this script's session would get a smaller share
+    than the stages and the comparison would measure the scheduler, not Tandem."""
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+        job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+        with open(job, "w") as f:
+            json.dump(
+                {
+                    "levels": [dataclasses.asdict(lv) for lv in levels],
+                    "warm": [dataclasses.asdict(r) for r in warm],
+                    "kv_gb": kv_gb,
+                    "main_thread": main_thread,
+                },
+                f,
+            )
+        cmd = [sys.executable, os.path.abspath(__file__), "--_inprocess-child", job, result]
+        subprocess.run(cmd, cwd=ROOT, check=True, start_new_session=True)
+        with open(result) as f:
+            return json.load(f)
+
+
+def _inprocess_child(job_path: str, result_path: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    levels = [
+        Level(lv["name"], lv["kind"], lv["value"], [Req(**r) for r in lv["requests"]])
+        for lv in job["levels"]
+    ]
+    warm = [Req(**r) for r in job["warm"]]
+    out = run_inprocess_here(levels, warm, job["kv_gb"], job["main_thread"])
+    with open(result_path, "w") as f:
+        json.dump(out, f)
+    return 0
 
 
 def in_worker_thread(fn, *args) -> Any:
@@ -515,6 +590,14 @@ def in_worker_thread(fn, *args) -> Any:
     return box["out"]
 
 
+def _add_cpu(s: dict[str, Any], cpu: dict[str, float]) -> None:
+    s["cpu"] = cpu
+    # CPU time of the measured processes per output token: less sensitive than wall time to
+    # how the kernel shares the cores with other work (it still counts OpenMP spin-waiting).
+    tokens = s["output_tokens"]
+    s["cpu_ms_per_output_token"] = cpu["measured_cpu_s"] * 1e3 / tokens if tokens else None
+
+
 def _progress(path: str, s: dict[str, Any]) -> None:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f}"
@@ -529,6 +612,8 @@ def _progress(path: str, s: dict[str, Any]) -> None:
 
 # ---- main -----------------------------------------------------------------------------------
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--_inprocess-child":
+        return _inprocess_child(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="host:port of a running gateway")
@@ -543,12 +628,24 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-inprocess", action="store_true", help="services path only")
     ap.add_argument(
+        "--inprocess-here",
+        action="store_true",
+        help="run the in-process path in this process (default: a child in a new session)",
+    )
+    ap.add_argument(
         "--inprocess-main-thread",
         action="store_true",
         help="step the in-process engine in the main thread (default: a worker thread, as the "
         "decode service does)",
     )
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=0.25,
+        help="KV pool per worker, for the launched stages and the in-process engine alike "
+        "(default 0.25: plenty for these workloads, and three processes share the RAM)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer, shorter requests (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve_cpu.json"))
     ap.add_argument("up_args", nargs="*", help="after --: extra flags for `tandem up`")
@@ -578,25 +675,24 @@ def main() -> int:
     t_start = time.monotonic()
     try:
         if args.launch:
-            launched = Launched(args.up_args, args.start_timeout)
+            up_args = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), *args.up_args]
+            launched = Launched(up_args, args.start_timeout)
             address, roots = launched.address, [os.getpid(), launched.proc.pid]
         else:
             address, roots = args.address, [os.getpid()]
-        services = run_services(address, levels, warm, roots)
+        services = run_services(address, levels, warm, roots, launched)
     finally:
         if launched is not None:
             launched.stop()
             print("services stopped", flush=True)
     inproc: list[dict[str, Any]] = []
     if not args.skip_inprocess:
-        if args.inprocess_main_thread:
-            inproc = run_inprocess(levels, warm)
-        else:
-            inproc = in_worker_thread(run_inprocess, levels, warm)
+        job = (levels, warm, args.kv_cache_memory_gb, args.inprocess_main_thread)
+        inproc = run_inprocess_here(*job) if args.inprocess_here else run_inprocess_isolated(*job)
 
     print()
     headers = ["path", "level", "ok/err", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"]
-    headers += ["tok/s", "req/s", "other CPU"]
+    headers += ["tok/s", "req/s", "CPU ms/tok", "other CPU"]
     rows = []
     for name, res in (("services", services), ("in-process", inproc)):
         for s in res:
@@ -611,6 +707,7 @@ def main() -> int:
                     s["tpot_p99_ms"],
                     s["output_tokens_per_s"],
                     s["requests_per_s"],
+                    s["cpu_ms_per_output_token"],
                     f"{s['cpu']['other_processes_cpu_frac']:.0%}",
                 ]
             )
@@ -624,6 +721,8 @@ def main() -> int:
                 "tpot_p50_ratio": sv["tpot_p50_ms"] / ip["tpot_p50_ms"],
                 "ttft_p50_ratio": sv["ttft_p50_ms"] / ip["ttft_p50_ms"],
                 "throughput_ratio": sv["output_tokens_per_s"] / ip["output_tokens_per_s"],
+                "cpu_per_token_ratio": sv["cpu_ms_per_output_token"]
+                / ip["cpu_ms_per_output_token"],
                 "target_tpot_ratio": TARGET_TPOT_OVERHEAD if sv["kind"] == "concurrency" else None,
             }
             overhead.append(o)
@@ -635,7 +734,8 @@ def main() -> int:
             )
             print(
                 f"{sv['level']}: TPOT services / in-process {o['tpot_p50_ratio']:.2f}x{verdict}, "
-                f"TTFT {o['ttft_p50_ratio']:.2f}x, throughput {o['throughput_ratio']:.2f}x"
+                f"TTFT {o['ttft_p50_ratio']:.2f}x, throughput {o['throughput_ratio']:.2f}x, "
+                f"CPU time per token {o['cpu_per_token_ratio']:.2f}x"
             )
 
     meta["loadavg_at_end"] = list(os.getloadavg())
@@ -657,7 +757,11 @@ def main() -> int:
             "requests_per_level": {lv.name: len(lv.requests) for lv in levels},
             "sampling": "greedy, ignore_eos, max_tokens = output length",
             "warmup_requests": len(warm),
+            "kv_cache_memory_gb": args.kv_cache_memory_gb,
             "inprocess_thread": "main" if args.inprocess_main_thread else "worker",
+            "inprocess_process": "this process"
+            if args.inprocess_here
+            else "child process in a new session",
         },
         "services": services,
         "in_process": inproc,
@@ -675,7 +779,10 @@ def main() -> int:
             "detokenizes in the gateway. It steps the engine from a worker thread (settings."
             "inprocess_thread), as the decode service does.",
             "cpu.other_processes_cpu_frac: share of the machine's CPU used by processes outside "
-            "the measured ones during the level (other work on a shared machine).",
+            "the measured ones during the level (other work on a shared machine); "
+            "cpu.measured_cpu_frac: the measured processes' share (services: this client, the "
+            "`tandem up` supervisor and its stages; in-process: the engine's process). "
+            "cpu_ms_per_output_token: their CPU time per output token.",
         ],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from typing import Any
 
 from opentelemetry.trace import Span, SpanKind
@@ -175,14 +176,15 @@ class RequestTrace:
         fin: Finished | None = None
         error: BaseException | None = None
         try:
-            async for ev in events:
-                if isinstance(ev, TextDelta):
-                    if t_first is None:
-                        t_first = time.monotonic()
-                    n_tokens += len(ev.token_ids)
-                else:
-                    fin = ev
-                yield ev
+            async with aclosing(events):  # closing this closes the pipeline run at once
+                async for ev in events:
+                    if isinstance(ev, TextDelta):
+                        if t_first is None:
+                            t_first = time.monotonic()
+                        n_tokens += len(ev.token_ids)
+                    else:
+                        fin = ev
+                    yield ev
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except BaseException as e:

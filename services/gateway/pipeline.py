@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ class Pipeline:
         self.max_inflight = max_inflight
         self.waiting = 0  # admitted, no first token yet
         self.inflight = 0  # admitted, not finished
+        self._background: set[asyncio.Task] = set()
 
     def admit(self) -> None:
         """Refuse at once (rather than queue without bound) when a limit is reached."""
@@ -100,8 +103,9 @@ class Pipeline:
         self.waiting += 1
         state = {"waiting": True}
         try:
-            async for ev in self._run(ids, params, request_id, state, trace):
-                yield ev
+            async with aclosing(self._run(ids, params, request_id, state, trace)) as events:
+                async for ev in events:
+                    yield ev
         finally:
             self.inflight -= 1
             if state["waiting"]:
@@ -132,6 +136,38 @@ class Pipeline:
             # speculation (the decode worker resends the whole sequence when the draft lacks it).
             draft.admit(seq_id, ids, trace.metadata() if trace is not None else None)
         prefill.inflight += 1
+        # The prefill worker names the lease after `seq_id`; until a decode worker takes it over,
+        # this request owns it and gives it back on every way out (cancel, stop, error).
+        lease = {"owned": True, "id": seq_id}
+        try:
+            async with aclosing(
+                self._stream(
+                    ids, params, request_id, state, trace, t0, seq_id, detok, prefill, lease
+                )
+            ) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            if lease["owned"]:
+                self._release_lease(prefill, lease["id"])
+
+    def _release_lease(self, prefill, lease_id: str) -> None:
+        async def release() -> None:
+            try:
+                await prefill.stub.Release(
+                    stages_pb2.ReleaseRequest(lease_ids=[lease_id]), timeout=5
+                )
+            except grpc.aio.AioRpcError:
+                pass  # the lease expires on its own
+
+        # A task, not an await: this runs while a cancelled generator is being closed.
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _stream(
+        self, ids, params, request_id, state, trace, t0, seq_id, detok, prefill, lease
+    ) -> AsyncIterator[TextDelta | Finished]:
         try:
             resp = await prefill.stub.Run(
                 stages_pb2.PrefillRequest(
@@ -153,6 +189,7 @@ class Pipeline:
             prefill.inflight -= 1
             self._first_token_seen(state)
         t_first = time.monotonic()
+        lease["id"] = resp.kv.lease_id or seq_id
         first = resp.first_token
         n_out = 1
         reason = self._stop_reason(params, first, n_out, len(ids) + 1)
@@ -169,14 +206,7 @@ class Pipeline:
         }
         transport = "none"
         spec = (0, 0)  # draft tokens proposed and accepted for this sequence
-        if reason is not None:
-            try:
-                await prefill.stub.Release(
-                    stages_pb2.ReleaseRequest(lease_ids=[resp.kv.lease_id]), timeout=5
-                )
-            except grpc.aio.AioRpcError:
-                pass  # the lease expires on its own
-        else:
+        if reason is None:
             decode = self.router.pick_decode()  # raises StageUnavailable when none is up
             admit = stages_pb2.Admit(
                 seq_id=seq_id,
@@ -191,6 +221,7 @@ class Pipeline:
             done = False
             try:
                 q = await decode.open(seq_id, admit)
+                lease["owned"] = False  # the decode worker releases it after its copy
                 while not done:
                     kind, msg = await q.get()
                     if kind == "tokens":

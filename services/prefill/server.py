@@ -172,10 +172,15 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         try:
             res = await fut
         except asyncio.CancelledError:
-            # Client cancelled or its deadline passed: drop the prompt from the queue.
+            # Client cancelled or its deadline passed: drop the prompt from the queue, or give
+            # back the KV if the prefill finished in the same instant (nobody will collect it).
             self.pending.pop(rid, None)
             self.obs.forget(rid)
-            self.engine_loop.submit(lambda e: e.abort(rid))
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                lease_id = fut.result().lease_id
+                self.engine_loop.submit(lambda e: e.leases.release(lease_id))
+            else:
+                self.engine_loop.submit(lambda e: e.abort(rid))
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))

@@ -28,11 +28,18 @@ class LeaseTable:
         self.leases: dict[str, Lease] = {}
         self.num_expired = 0
 
-    def grant(self, blocks: list[int], num_tokens: int, now: float | None = None) -> Lease:
+    def grant(
+        self,
+        blocks: list[int],
+        num_tokens: int,
+        now: float | None = None,
+        name: str | None = None,
+    ) -> Lease:
+        """Lease `blocks`; `name` (the request id) lets a peer release the lease without having
+        seen the grant, e.g. when the response carrying it was lost to a cancellation."""
         now = time.monotonic() if now is None else now
-        lease = Lease(
-            f"{self._prefix}-{next(self._ids)}", list(blocks), num_tokens, now + self.ttl_s
-        )
+        lease_id = name if name and name not in self.leases else f"{self._prefix}-{next(self._ids)}"
+        lease = Lease(lease_id, list(blocks), num_tokens, now + self.ttl_s)
         self.leases[lease.lease_id] = lease
         return lease
 

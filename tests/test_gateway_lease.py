@@ -1,0 +1,92 @@
+"""The gateway gives a prefill lease back on every way out that never reaches a decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from types import SimpleNamespace
+
+from services.gateway.pipeline import Pipeline, TextDelta
+from tandem.engine.sampling_params import SamplingParams
+from tandem.rpc import stages_pb2
+
+
+class FakeTokenizer:
+    def decode(self, ids, **_):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(97 + i % 26) for i in ids]
+
+
+class FakePrefillStub:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def Run(self, request, metadata=None):
+        return stages_pb2.PrefillResponse(
+            first_token=5,
+            kv=stages_pb2.KvRef(
+                pool_id="p", block_ids=[0, 1], num_tokens=3, lease_id=request.request_id
+            ),
+        )
+
+    async def Release(self, request, timeout=None):
+        self.released.extend(request.lease_ids)
+        return stages_pb2.ReleaseResponse(released=len(request.lease_ids))
+
+
+class FakeRouter:
+    def __init__(self) -> None:
+        self.prefill = SimpleNamespace(
+            stub=FakePrefillStub(), inflight=0, address="prefill:0", mark_down=lambda r: None
+        )
+        self.decode_picked = 0
+
+    def pick_prefill(self):
+        return self.prefill
+
+    def pick_draft(self):
+        return None
+
+    def pick_decode(self):
+        self.decode_picked += 1
+        raise AssertionError("the request was closed before it needed a decode worker")
+
+
+def _pipeline() -> tuple[Pipeline, FakeRouter]:
+    router = FakeRouter()
+    return Pipeline(router, FakeTokenizer(), eos_token_ids={2}, max_model_len=64), router
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_closing_after_first_token_releases_the_lease():
+    async def go():
+        pipe, router = _pipeline()
+        params = SamplingParams(max_tokens=8)
+        async with aclosing(pipe.run([1, 2, 3], params)) as events:
+            ev = await anext(events)
+            assert isinstance(ev, TextDelta) and ev.token_ids == [5]
+        await _settle()
+        released = router.prefill.stub.released
+        assert len(released) == 1 and released[0], released
+        assert router.decode_picked == 0
+        assert pipe.inflight == 0 and pipe.waiting == 0
+
+    asyncio.run(go())
+
+
+def test_finishing_at_the_first_token_releases_the_lease():
+    async def go():
+        pipe, router = _pipeline()
+        params = SamplingParams(max_tokens=1)
+        events = [ev async for ev in pipe.run([1, 2, 3], params)]
+        assert events[-1].reason == "length" and events[-1].completion_tokens == 1
+        await _settle()
+        assert len(router.prefill.stub.released) == 1
+
+    asyncio.run(go())

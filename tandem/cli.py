@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--draft",
         default=None,
-        help="speculative decoding with a draft worker: ngram, self:N or a model path",
+        help="speculative decoding with a draft worker: ngram, self:N, self-int4, "
+        "self-int4:DIR or a model path",
     )
     up.add_argument("--draft-port", type=int, default=None, help="default: port+4")
     up.add_argument("--spec-k", type=int, default=None, help="fixed speculation length")

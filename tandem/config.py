@@ -299,11 +299,17 @@ def stage_parser(stage: str) -> Any:
         p.add_argument(
             "--draft",
             default="ngram",
-            help="proposer: ngram (prompt lookup), self:N (the target's first N layers) or a "
-            "path to a smaller model with the target's tokenizer",
+            help="proposer: ngram (prompt lookup), self:N (the target's first N layers), "
+            "self-int4 (the whole target quantized to INT4 g128 at start-up), self-int4:DIR (a "
+            "`tandem quantize` checkpoint of the target) or a path to a smaller model with the "
+            "target's tokenizer",
         )
         p.add_argument(
-            "--draft-blocks", type=int, default=4096, help="KV blocks of a draft model's pool"
+            "--draft-blocks",
+            type=int,
+            default=None,
+            help="KV blocks of a draft model's pool (default: --num-blocks, else sized from "
+            "--kv-cache-memory-gb like a target worker's pool)",
         )
     if stage == "gateway":
         p.add_argument(

@@ -48,7 +48,10 @@ class LLM:
         spec_k: int | None = None,
         **engine_options: Any,
     ) -> None:
-        """`speculative`: None, "ngram" or "self:N" (the first N layers as an in-process draft)."""
+        """`speculative`: None, or an in-process draft: "ngram" (prompt lookup), "self:N" (the
+        first N layers), "self-int4" (the whole model quantized to INT4 g128), "self-int4:DIR" (a
+        `tandem quantize` checkpoint of it) or the path of a smaller model with the same tokenizer.
+        A draft model's KV pool gets as many blocks as the target's."""
         self.config = EngineConfig.from_options(model=model, **engine_options)
         loaded = load_model(self.config.model, self.config.resolved_dtype())
         self.engine = LLMEngine(loaded, self.config)
@@ -58,7 +61,9 @@ class LLM:
             from tandem.engine.proposers import build_proposer
             from tandem.engine.speculator import Speculator, local_backend
 
-            proposer = build_proposer(speculative, loaded, self.config)
+            proposer = build_proposer(
+                speculative, self.config, target=loaded, num_blocks=self.engine.kv.num_blocks
+            )
             self.speculator = Speculator(local_backend(proposer), fixed_k=spec_k)
 
     def _step(self):

@@ -11,63 +11,12 @@ import grpc
 
 from tandem import telemetry
 from tandem.config import EngineConfig
-from tandem.engine.proposers import ModelProposer, NgramProposer, build_proposer
-from tandem.model.llama import LlamaModel
-from tandem.model.loader import load_model, load_model_info
-from tandem.model.tokenizer import Tokenizer
+from tandem.engine.proposers import build_proposer
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.draft")
 SERVICE = "tandem.v1.Draft"
-
-
-def tokenizer_differences(target: Tokenizer, draft: Tokenizer) -> list[str]:
-    """What makes two tokenizers disagree (empty when the draft may propose for the target)."""
-    diffs = []
-    tv, dv = target.hf.get_vocab(), draft.hf.get_vocab()
-    if tv != dv:
-        only_t = len(set(tv) - set(dv))
-        only_d = len(set(dv) - set(tv))
-        moved = sum(1 for k in set(tv) & set(dv) if tv[k] != dv[k])
-        diffs.append(
-            f"vocabularies differ ({len(tv)} vs {len(dv)} tokens; {only_t} only in the target, "
-            f"{only_d} only in the draft, {moved} with different ids)"
-        )
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        a, b = getattr(target.hf, name, None), getattr(draft.hf, name, None)
-        if a != b:
-            diffs.append(f"{name}: {a} in the target, {b} in the draft")
-    ts = dict(zip(target.hf.all_special_tokens, target.hf.all_special_ids, strict=False))
-    ds = dict(zip(draft.hf.all_special_tokens, draft.hf.all_special_ids, strict=False))
-    if ts != ds:
-        diffs.append(
-            f"special tokens differ: target {sorted(ts.items())}, draft {sorted(ds.items())}"
-        )
-    return diffs
-
-
-def make_proposer(spec: str, config: EngineConfig, num_blocks: int):
-    """Build the proposer named by --draft: ngram, self:N, or a path to a smaller model."""
-    if spec == "ngram":
-        return NgramProposer()
-    if spec.startswith("self:"):
-        loaded = load_model(config.model, config.resolved_dtype())
-        return build_proposer(spec, loaded, config, num_blocks)
-    target_cfg, target_tok, _ = load_model_info(config.model)
-    draft = load_model(spec, config.resolved_dtype())
-    diffs = tokenizer_differences(target_tok, draft.tokenizer)
-    if draft.config.vocab_size != target_cfg.vocab_size:
-        diffs.insert(
-            0,
-            f"vocab_size: {target_cfg.vocab_size} in the target, {draft.config.vocab_size} in the draft",
-        )
-    if diffs:
-        raise ValueError(f"draft model {spec!r} cannot propose for the target: " + "; ".join(diffs))
-    model = LlamaModel(
-        draft.config, draft.weights, config.resolved_dtype(), config.resolved_device()
-    )
-    return ModelProposer(model, num_blocks, config.block_size)
 
 
 class DraftService(stages_pb2_grpc.DraftServicer):
@@ -159,11 +108,15 @@ async def serve(
     host: str,
     port: int,
     draft: str = "ngram",
-    num_blocks: int = 4096,
+    num_blocks: int | None = None,
     metrics_port: int | None = None,
 ) -> None:
-    """Run the draft worker until cancelled."""
-    proposer = make_proposer(draft, config, num_blocks)
+    """Run the draft worker until cancelled.
+
+    `draft`: ngram, self:N, self-int4, self-int4:DIR or a model path (tandem.engine.draft_models);
+    a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
+    """
+    proposer = build_proposer(draft, config, num_blocks=num_blocks)
     server = grpc.aio.server()
     service = DraftService(proposer, draft)
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)

@@ -168,26 +168,18 @@ class ModelProposer:
         return len(self.seqs)
 
 
-def build_proposer(spec: str, loaded, config, num_blocks: int | None = None):
-    """A proposer from its command-line name: "ngram", "self:N" (the target's first N layers).
+def build_proposer(
+    spec: str, config, target=None, num_blocks: int | None = None
+) -> NgramProposer | ModelProposer:
+    """A proposer from its command-line name: "ngram", or a draft model ("self:N", "self-int4",
+    "self-int4:DIR", a model path; see `tandem.engine.draft_models`).
 
-    `loaded` is the target's `LoadedModel`; `config` its `EngineConfig`.
+    `config` is the target's `EngineConfig`; `target` its `LoadedModel` when already loaded.
+    A draft model's KV pool has `num_blocks` blocks (default: sized like the target's pool).
     """
-    import dataclasses
+    from tandem.engine.draft_models import draft_num_blocks, load_draft_model
 
     if spec == "ngram":
         return NgramProposer()
-    if spec.startswith("self:"):
-        try:
-            n = int(spec.split(":", 1)[1])
-        except ValueError as e:
-            raise ValueError(f"draft {spec!r}: expected self:N with N a number of layers") from e
-        cfg = loaded.config
-        if not 1 <= n < cfg.num_layers:
-            raise ValueError(
-                f"draft {spec!r}: N must be in [1, {cfg.num_layers - 1}] for this model"
-            )
-        small = dataclasses.replace(cfg, num_layers=n)
-        model = LlamaModel(small, loaded.weights, config.resolved_dtype(), config.resolved_device())
-        return ModelProposer(model, num_blocks or 4096, config.block_size)
-    raise ValueError(f"unknown draft {spec!r}: use ngram, self:N or a model path")
+    model = load_draft_model(spec, config, target)
+    return ModelProposer(model, num_blocks or draft_num_blocks(model, config), config.block_size)

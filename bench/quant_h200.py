@@ -59,8 +59,7 @@ LLAMA3_8B = dict(
     head_dim=128,
 )
 GEMV_SWEEP = [
-    GemvConfig(block_n=bn, block_w=bw, split_k=sk, num_warps=nw, magic=mg)
-    for mg in (0, 1, 2)  # how codes become floats (see tandem.kernels.w4a16._gemv_kernel)
+    GemvConfig(block_n=bn, block_w=bw, split_k=sk, num_warps=nw)
     for bn, bw, sk, nw in [
         (4, 256, 1, 4),
         (8, 128, 1, 4),

@@ -190,20 +190,6 @@ def test_triton_w4a16_matches_f64(m: int, bits: int, group: int, config) -> None
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("magic", [0, 1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gemv_code_decoding_variants_match_f64(magic: int, bits: int) -> None:
-    """Every way the GEMV turns packed codes into floats computes the same product."""
-    g = torch.Generator().manual_seed(10 + magic)
-    qw = quantize_rtn(torch.randn(24, 256, generator=g) * 3, bits, 64)
-    x = torch.randn(1, 256, generator=g)
-    ref = x.double() @ qw.dequantize(torch.float64).T
-    cfg = wk.GemvConfig(block_n=8, block_w=16, magic=magic)
-    torch.testing.assert_close(
-        wk.w4a16_matmul_triton(x, qw, cfg).double(), ref, rtol=1e-4, atol=1e-4
-    )
-
-
 # ---- FP8 / INT8 KV ---------------------------------------------------------------------------
 
 

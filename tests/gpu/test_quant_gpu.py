@@ -91,16 +91,6 @@ def test_w4a16_configs_and_split_k(wk: ModuleType, config, m: int) -> None:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("magic", [0, 1, 2])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gemv_code_decoding_variants(wk: ModuleType, magic: int, bits: int) -> None:
-    qw = _weight(4096, 4096, bits, 128, seed=5 + magic)
-    x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    ref = x.double() @ qw.dequantize(torch.float64).T
-    cfg = wk.GemvConfig(block_n=8, block_w=128, magic=magic)
-    assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < REL_TOL[torch.bfloat16]
-
-
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

@@ -221,6 +221,59 @@ def test_varlen_ref_matches_f64() -> None:
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
 
+# (context_lens, q_lens, Hq, Hkv, head_dim, block_size, block_m, block_n)
+VARLEN_CASES = [
+    # Whole prompts (q_len == context), a chunk after a cached prefix, a sequence without queries,
+    # a verification of k + 1 = 4 positions; GQA 3 (group not a power of 2).
+    pytest.param([7, 40, 20, 33], [7, 5, 0, 4], 6, 2, 64, 16, 4, 16, id="gqa3-mixed"),
+    # GQA 1, tiles of 16 queries, a prompt longer than a tile and an iteration spanning blocks.
+    pytest.param([37, 16], [37, 16], 4, 4, 32, 8, 16, 16, id="gqa1-prefill"),
+    # GQA 4, head_dim 128, block size 32, a long context with a short chunk at its end.
+    pytest.param([100, 3], [9, 3], 8, 2, 128, 32, 4, 32, id="gqa4-d128-chunk"),
+]
+
+
+@pytest.mark.parametrize("lens, q_lens, hq, hkv, d, bs, bm, bn", VARLEN_CASES)
+def test_varlen_triton_matches_f64(
+    lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int, bs: int, bm: int, bn: int
+) -> None:
+    _, kc, vc, table, _ = make_paged(lens, hq, hkv, d, bs, torch.float32, extra_table_cols=1)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(len(lens)))
+    expect = attention_varlen_f64(q, kc, vc, table, starts, lens, d**-0.5)
+    got = pa.paged_attention_varlen_triton(
+        q, kc, vc, table, starts, lens, d**-0.5, block_m=bm, block_n=bn
+    )
+    assert got.shape == q.shape and not got.isnan().any()
+    torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_triton_scaled_cache_matches_f64() -> None:
+    """An INT8-style cache: codes times per-(block, head) scales, dequantized as it is read."""
+    lens, q_lens = [21, 9], [6, 9]
+    _, kc, vc, table, _ = make_paged(lens, 4, 2, 32, 8, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    kq, vq = kc.round().clamp(-8, 8), vc.round().clamp(-8, 8)
+    ks = torch.rand(kc.shape[0], 2, generator=g) + 0.1
+    vs = torch.rand(kc.shape[0], 2, generator=g) + 0.1
+    starts = [0, 6, 15]
+    q = torch.randn(15, 4, 32, generator=g)
+    expect = attention_varlen_f64(
+        q, kq * ks[:, None, :, None], vq * vs[:, None, :, None], table, starts, lens, 0.2
+    )
+    got = pa.paged_attention_varlen_triton(q, kq, vq, table, starts, lens, 0.2, ks, vs, 4, 8)
+    torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_triton_rejects_more_queries_than_context() -> None:
+    _, kc, vc, table, _ = make_paged([4], 4, 2, 32, 8, torch.float32)
+    q = torch.randn(5, 4, 32)
+    with pytest.raises(ValueError, match="more queries than cached tokens"):
+        pa.paged_attention_varlen_triton(q, kc, vc, table, [0, 5], [4], 0.2)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
 

@@ -6,6 +6,7 @@ Plain tensors in, tensors out. Activations are packed: T tokens of many sequence
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from tandem.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_triton,
     paged_attention_varlen_ref,
+    paged_attention_varlen_triton,
 )
 from tandem.kernels.rmsnorm import rmsnorm
 from tandem.kernels.rotary import rope_cache_write
@@ -25,6 +27,14 @@ from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import QuantizedWeight, cat_rows
 from tandem.quant.linear import linear
+
+# Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "sdpa" gathers
+# each sequence's KV and calls torch's SDPA per sequence; "triton" is one launch over the paged
+# cache for the whole batch. bench/prefill_attention.py compares them; "sdpa" stays the default
+# until that comparison has been measured on the GPU (bench/README.md).
+PREFILL_ATTENTION = os.environ.get("TANDEM_PREFILL_ATTENTION", "sdpa")
+if PREFILL_ATTENTION not in ("sdpa", "triton"):
+    raise ValueError(f"TANDEM_PREFILL_ATTENTION must be sdpa or triton, got {PREFILL_ATTENTION!r}")
 
 
 @dataclass
@@ -283,7 +293,12 @@ class LlamaModel:
                     v_scale=v_scale,
                 )
             else:
-                attn = paged_attention_varlen_ref(
+                varlen = (
+                    paged_attention_varlen_triton
+                    if PREFILL_ATTENTION == "triton"
+                    else paged_attention_varlen_ref
+                )
+                attn = varlen(
                     q,
                     k_cache,
                     v_cache,

@@ -110,6 +110,21 @@ def test_bf16_greedy_matches_transformers(hf_pair, kind, mode):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_triton_prefill_attention_matches_transformers(hf_pair, kind, monkeypatch):
+    """The one-launch Triton prefill attention gives greedy outputs within bf16 noise too."""
+    import tandem
+    from tandem.model import llama
+
+    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "triton")
+    hf16, hf32, path = hf_pair(kind)
+    llm = tandem.LLM(path, device="cuda", dtype="bfloat16", num_blocks=128)
+    prompts = _prompts()
+    outs = llm.generate(prompts, _greedy())
+    _check_against_hf(hf16, hf32, prompts, outs)
+    assert llm.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_bf16_single_stream_matches_transformers(hf_pair, kind):
     """Batch 1: the decode graph of one sequence, with the Triton GEMV for every linear."""
     import tandem

@@ -260,3 +260,44 @@ def test_rmsnorm_triton_fp32_matches_f64(rn: ModuleType) -> None:
     expect = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_res.double(), h, atol=1e-6, rtol=1e-6)
+
+
+def attention_varlen_f64(q, k_cache, v_cache, block_tables, starts, context_lens, scale):
+    """Causal attention of packed queries (the last q_len positions of each context), float64."""
+    t, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    kv_of_head = torch.arange(hq, device=q.device) // (hq // hkv)
+    out = torch.zeros(t, hq, d, dtype=torch.float64, device=q.device)
+    for i, n in enumerate(context_lens):
+        s0, e0 = starts[i], starts[i + 1]
+        if e0 == s0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        phys = block_tables[i, pos // block_size].long()
+        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
+        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
+        s = torch.einsum("qhd,nhd->hqn", q[s0:e0].double(), k) * scale
+        qpos = torch.arange(n - (e0 - s0), n, device=q.device)
+        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[s0:e0] = torch.einsum("hqn,nhd->qhd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "hq, hkv, d", [(32, 8, 128), (12, 4, 64), (9, 3, 64)], ids=["gqa4", "gqa3-d64", "gqa3-odd"]
+)
+def test_varlen_triton_matches_f64(pa: ModuleType, dtype: torch.dtype, hq: int, hkv: int, d: int):
+    # whole prompts, chunks after a cached prefix, a verification of 5 positions, no queries
+    lens = [300, 1000, 77, 513, 40]
+    q_lens = [300, 129, 5, 0, 40]
+    _, kc, vc, table, _ = make_paged(lens, hq, hkv, d, 16, dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], hq, d, device=DEV).to(dtype)
+    out = pa.paged_attention_varlen_triton(q, kc, vc, table, starts, lens, d**-0.5)
+    expect = attention_varlen_f64(q, kc, vc, table, starts, lens, d**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[dtype])
+    ref = pa.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, d**-0.5)
+    torch.testing.assert_close(ref.double(), expect, **TOL[dtype])

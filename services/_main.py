@@ -36,6 +36,7 @@ def run_stage(
     elif stage == "decode":
         kwargs = {
             "kv_transport": args.kv_transport,
+            "kv_transfer_timeout_s": args.kv_transfer_timeout,
             "prefill": args.prefill,
             "draft": args.draft,
             "spec": {

@@ -325,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument(
         "--kv-transport",
-        choices=["auto", "shm", "inline"],
+        choices=["auto", "cuda_ipc", "shm", "nixl", "inline"],
         default="auto",
-        help="how KV moves from prefill to decode (auto: shared memory on one host)",
+        help="how KV moves from prefill to decode (auto: CUDA IPC or shared memory on one host, "
+        "NIXL between hosts)",
     )
     up.add_argument(
         "--draft",

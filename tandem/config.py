@@ -223,6 +223,10 @@ def metrics_port_of(args: Any) -> int | None:
     return None if port < 0 else port
 
 
+# How KV moves from prefill to decode (tandem/kv/transport.py::accept_kinds says what auto picks).
+KV_TRANSPORTS = ("auto", "cuda_ipc", "shm", "nixl", "inline")
+
+
 def _addresses(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
@@ -273,9 +277,18 @@ def stage_parser(stage: str) -> Any:
         )
         p.add_argument(
             "--kv-transport",
-            choices=["auto", "shm", "inline"],
-            default="auto",
-            help="how KV reaches this worker: auto (shared memory on one host, else inline)",
+            choices=list(KV_TRANSPORTS),
+            default=os.environ.get("TANDEM_KV_TRANSPORT", "auto"),
+            help="how KV reaches this worker: auto (CUDA IPC or shared memory when prefill is on "
+            "this host, NIXL when it is not, inline gRPC bytes when NIXL is not installed), or "
+            "exactly one of cuda_ipc, shm, nixl, inline",
+        )
+        p.add_argument(
+            "--kv-transfer-timeout",
+            type=float,
+            default=10.0,
+            help="seconds one NIXL read of a request's KV may take before the request fails "
+            "(default 10)",
         )
     if stage == "decode":
         p.add_argument(

@@ -16,7 +16,23 @@ from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
-from tandem.kv.transport import DTYPES, PoolLayout, SharedPool, gather_copy, host_id
+from tandem.kv import cuda_ipc
+from tandem.kv.cache import KVCache
+from tandem.kv.nixl_pool import (
+    NixlEndpoint,
+    NixlPeerPool,
+    NixlPoolInfo,
+    NixlTransferError,
+    nixl_installed,
+)
+from tandem.kv.transport import (
+    DTYPES,
+    PoolLayout,
+    SharedPool,
+    accept_kinds,
+    gather_copy,
+    host_id,
+)
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -43,6 +59,15 @@ class PrefillPeer:
     pool_id: str = ""
     layout: PoolLayout | None = None
     shared: SharedPool | None = None
+    src_kv: KVCache | None = None  # shm, cuda_ipc: the peer's pool, mapped here
+    nixl: NixlPeerPool | None = None
+
+    def close(self) -> None:
+        self.src_kv = None
+        if self.nixl is not None:
+            self.nixl.close()
+        if self.shared is not None:
+            self.shared.close()
 
 
 @dataclass
@@ -158,12 +183,32 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         kv_transport: str = "auto",
         draft: list[str] | None = None,
         spec: dict | None = None,
+        kv_transfer_timeout_s: float = 10.0,
     ) -> None:
+        accept_kinds(kv_transport, "cpu", True)  # an unknown transport fails here, at start-up
+        if kv_transport == "nixl" and not nixl_installed():
+            raise ValueError(
+                "--kv-transport nixl: NIXL is not installed (pip install 'tandem[nixl]')"
+            )
+        if kv_transfer_timeout_s <= 0:
+            raise ValueError(f"--kv-transfer-timeout must be > 0, got {kv_transfer_timeout_s}")
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
         self.engine = LLMEngine(loaded, config)
         self.layout = PoolLayout.of(self.engine.kv)
         self.kv_transport = kv_transport
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.nixl_usable = kv_transport in ("auto", "nixl") and nixl_installed()
+        if kv_transport == "auto" and not self.nixl_usable:
+            log.warning(
+                "NIXL is not installed: KV from a prefill worker on another host will travel "
+                "inline over gRPC (pip install 'tandem[nixl]' for NIXL)"
+            )
+        self.nixl_endpoint: NixlEndpoint | None = None  # created when a peer first uses NIXL
+        self._nixl_lock = asyncio.Lock()
+        # Sequences whose KV is being read through NIXL -> None, or (cancelled) whether to notify.
+        self.importing: dict[str, bool | None] = {}
+        self.transfer_failures = 0
         self.peer_id = f"decode-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.get_running_loop()
         self.peers: dict[str, PrefillPeer] = {}
@@ -193,8 +238,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
     def close(self) -> None:
         self.engine_loop.stop()
         for p in self.peers.values():
-            if p.shared is not None:
-                p.shared.close()
+            p.close()
+        if self.nixl_endpoint is not None:
+            self.nixl_endpoint.close()
 
     # ---- peers --------------------------------------------------------------------------------
     async def peer(self, address: str) -> PrefillPeer:
@@ -216,39 +262,75 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 ],
             )
             stub = stages_pb2_grpc.PrefillStub(ch)
-            kinds = {"auto": ["shm", "inline"], "shm": ["shm"], "inline": ["inline"]}[
-                self.kv_transport
-            ]
-            resp = await stub.Register(
-                stages_pb2.RegisterRequest(
-                    peer_id=self.peer_id,
-                    layout=layout_to_proto(self.layout),
-                    accept_kinds=kinds,
-                    host_id=host_id(),
-                    model=self.model_name,
-                ),
-                timeout=10,
-            )
-            h = resp.handle
-            layout = layout_from_proto(h.layout)
-            self.layout.check_compatible(layout)
-            if h.kind not in kinds:
-                raise RuntimeError(
-                    f"prefill {address} offered transport {h.kind!r}, wanted {kinds}"
-                )
-            p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
-            if h.kind == "shm":
-                p.shared = SharedPool.open(h.shm_name, layout)
+            try:
+                p = await self._register(address, ch, stub)
+            except BaseException:
+                await ch.close()
+                raise
             self.peers[address] = p
             log.info(
-                "registered with prefill %s (pool %s, transport %s)", address, h.pool_id, h.kind
+                "registered with prefill %s (pool %s, transport %s)", address, p.pool_id, p.kind
             )
             return p
 
+    async def _register(self, address: str, ch, stub) -> PrefillPeer:
+        """Register with one prefill worker and open the pool handle it offers."""
+        kinds = accept_kinds(self.kv_transport, self.engine.kv.data.device.type, self.nixl_usable)
+        req = stages_pb2.RegisterRequest(
+            peer_id=self.peer_id,
+            layout=layout_to_proto(self.layout),
+            accept_kinds=kinds,
+            host_id=host_id(),
+            model=self.model_name,
+        )
+        if "cuda_ipc" in kinds:
+            req.device_uuid = cuda_ipc.device_uuid(self.engine.kv.data.device)
+        if self.nixl_endpoint is not None:
+            req.nixl_agent_metadata = self.nixl_endpoint.info.agent_metadata
+        h = (await stub.Register(req, timeout=10)).handle
+        layout = layout_from_proto(h.layout)
+        self.layout.check_compatible(layout)
+        if h.kind not in kinds:
+            raise RuntimeError(f"prefill {address} offered transport {h.kind!r}, wanted {kinds}")
+        p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
+        if h.kind == "shm":
+            p.shared = SharedPool.open(h.shm_name, layout)
+            p.src_kv = p.shared.kv
+        elif h.kind == "cuda_ipc":
+            p.src_kv = cuda_ipc.open_pool(h.cuda_ipc, layout, h.device_uuid)
+        elif h.kind == "nixl":
+            if not req.nixl_agent_metadata:
+                # Our agent exists from now on: register again so that the prefill agent loads
+                # its metadata too (the two agents know each other, whichever side connects).
+                req.nixl_agent_metadata = (await self._nixl()).info.agent_metadata
+                h = (await stub.Register(req, timeout=10)).handle
+                if h.kind != "nixl":
+                    raise RuntimeError(f"prefill {address} changed transport to {h.kind!r}")
+                p.pool_id = h.pool_id
+            info = NixlPoolInfo(
+                agent_metadata=h.nixl.agent_metadata,
+                mem_type=h.nixl.mem_type,
+                device_id=h.nixl.device_id,
+                data_addr=h.nixl.data_addr,
+                scales_addr=h.nixl.scales_addr,
+            )
+            p.nixl = await asyncio.to_thread(self.nixl_endpoint.open_peer, h.pool_id, info, layout)
+        return p
+
+    async def _nixl(self) -> NixlEndpoint:
+        """This worker's NIXL agent with its pool registered (created once, on first use)."""
+        async with self._nixl_lock:
+            if self.nixl_endpoint is None:
+                self.nixl_endpoint = await asyncio.to_thread(
+                    NixlEndpoint, self.peer_id, self.engine.kv
+                )
+                log.info("NIXL agent %s registered the KV pool", self.peer_id)
+            return self.nixl_endpoint
+
     def forget_peer(self, address: str) -> None:
         p = self.peers.pop(address, None)
-        if p is not None and p.shared is not None:
-            p.shared.close()
+        if p is not None:
+            p.close()
 
     # ---- admission ----------------------------------------------------------------------------
     async def admit(self, msg: stages_pb2.Admit, session: Session) -> None:
@@ -261,6 +343,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         )
         t0 = time.monotonic()
         self.obs.begin(msg)
+        failure = ""
         try:
             peer = await self.peer(msg.prefill_address)
             if peer.pool_id != msg.kv.pool_id:
@@ -271,29 +354,56 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                     raise ValueError(
                         f"KV reference names pool {msg.kv.pool_id!r}, unknown at {msg.prefill_address}"
                     )
-            staging = None
-            if peer.kind == "inline":
-                staging = await self._fetch_inline(peer, msg.kv)
+            kv = self.engine.kv
+            staging = None  # inline: the blocks' bytes
+            read_into: list[int] | None = None  # nixl: blocks of our pool the READ filled
+            session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
+            self.importing[sid] = None
+            try:
+                if peer.kind == "inline":
+                    staging = await self._fetch_inline(peer, msg.kv)
+                elif peer.kind == "nixl":
+                    read_into = await self._read_nixl(peer, src_blocks)
+            finally:
+                cancelled = self.importing.pop(sid, None)
+            if cancelled is not None:
+                # Cancelled while its KV was on the way: never admitted, nothing to abort.
+                session.seqs.discard(sid)
+                self.obs.finished(sid, "abort")
+                if read_into:
+                    await self._free(read_into)
+                if cancelled:
+                    session.out.put_nowait(
+                        stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")])
+                    )
+                return
 
-            def copy_in(dst_blocks: list[int]) -> None:
+            def copy_in(dst_blocks: list[int], first: int = 0) -> None:
+                # dst_blocks[j] receives the prompt's block first + j.
                 n = len(dst_blocks)
                 if staging is not None:
-                    idx = torch.tensor(
-                        dst_blocks, dtype=torch.long, device=self.engine.kv.data.device
-                    )
-                    self.engine.kv.data.index_copy_(
-                        2, idx, staging[:, :, :n].to(self.engine.kv.data.device)
-                    )
+                    idx = torch.tensor(dst_blocks, dtype=torch.long, device=kv.data.device)
+                    kv.data.index_copy_(2, idx, staging[:, :, first : first + n].to(kv.data.device))
+                elif read_into is not None:
+                    # NIXL read the blocks into our pool already: move them into the sequence's.
+                    gather_copy(kv, dst_blocks, kv, read_into[first : first + n])
                 else:
-                    gather_copy(self.engine.kv, dst_blocks, peer.shared.kv, src_blocks[:n])
+                    gather_copy(kv, dst_blocks, peer.src_kv, src_blocks[first : first + n])
+                    if kv.data.is_cuda:
+                        # The prefill worker may reuse its blocks once we release the lease.
+                        torch.cuda.current_stream(kv.data.device).synchronize()
 
             session.seqs.add(sid)
             self.owner[sid] = session
-            _, imported = await asyncio.wrap_future(
-                self.engine_loop.submit(
-                    lambda e: e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
+            try:
+                _, imported = await asyncio.wrap_future(
+                    self.engine_loop.submit(
+                        lambda e: e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
+                    )
                 )
-            )
+            finally:
+                if read_into:
+                    await self._free(read_into)
             self.transfer[sid] = (
                 (time.monotonic() - t0) * 1e3,
                 peer.kind if imported else "recompute",
@@ -307,6 +417,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
             log.warning("admit %s failed: %s", sid, e)
+            failure = str(e) or type(e).__name__
+            if isinstance(e, NixlTransferError):
+                self.transfer_failures += 1
             self.obs.admit_failed(sid, t0, e)
             session.seqs.discard(sid)
             self.owner.pop(sid, None)
@@ -320,8 +433,48 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 )
             )
         finally:
-            # The blocks were copied (or will be recomputed): the prefill side may reuse them.
-            asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id))
+            # The blocks were copied (or will be recomputed, or never will be: then `failure`
+            # tells the prefill side so): it may reuse them.
+            asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+
+    async def _read_nixl(self, peer: PrefillPeer, src_blocks: list[int]) -> list[int]:
+        """One NIXL READ of the prompt's blocks into free blocks of our pool, waited for off the
+        engine thread (other sequences keep decoding meanwhile). Waits up to the transfer
+        timeout for that many free blocks."""
+        n = len(src_blocks)
+        deadline = time.monotonic() + self.kv_transfer_timeout_s
+        while True:
+            blocks = await asyncio.wrap_future(
+                self.engine_loop.submit(
+                    lambda e: e.pool.allocate(n) if e.pool.can_allocate(n) else None
+                )
+            )
+            if blocks is not None:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no room in this decode worker's KV pool for the {n} blocks of incoming KV "
+                    f"within {self.kv_transfer_timeout_s:.0f} s (pool of "
+                    f"{self.engine.pool.num_blocks} blocks; raise --num-blocks)"
+                )
+            await asyncio.sleep(0.02)
+        try:
+            await asyncio.to_thread(peer.nixl.read, src_blocks, blocks, self.kv_transfer_timeout_s)
+        except NixlTransferError as e:
+            if getattr(e, "blocks_safe", True):
+                await self._free(blocks)
+            else:
+                # NIXL could not cancel the READ: it may still write into these blocks, so they
+                # stay out of circulation rather than corrupt another sequence.
+                log.error("NIXL READ could not be cancelled; %d KV blocks are withheld", n)
+            raise
+        except BaseException:
+            await self._free(blocks)
+            raise
+        return blocks
+
+    async def _free(self, blocks: list[int]) -> None:
+        await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.pool.free(blocks)))
 
     async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
         lay = peer.layout
@@ -335,12 +488,14 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             staging[:, :, chunk.index] = t.view(staging[:, :, chunk.index].shape)
         return staging
 
-    async def _release(self, address: str, lease_id: str) -> None:
+    async def _release(self, address: str, lease_id: str, failure: str = "") -> None:
         p = self.peers.get(address)
         if p is None or not lease_id:
             return
         try:
-            await p.stub.Release(stages_pb2.ReleaseRequest(lease_ids=[lease_id]), timeout=5)
+            await p.stub.Release(
+                stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure), timeout=5
+            )
         except grpc.aio.AioRpcError as e:
             # The lease expires by itself on the prefill side.
             log.warning("release of %s at %s failed: %s", lease_id, address, e.details())
@@ -447,6 +602,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 await self._cancel(sid, session, notify=False)
 
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
+        if sid in self.importing and self.owner.get(sid) is None:
+            # Its KV is still on the way (a READ may be writing into our blocks): `admit` drops
+            # it when the transfer ends.
+            self.importing[sid] = notify
+            return
         if self.owner.get(sid) is not session:
             return
         aborted = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
@@ -467,6 +627,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 registered_peers=len(self.peers),
                 kv_imports=sum(self.imports_by_transport.values()),
                 imports_by_transport=self.imports_by_transport,
+                kv_transfer_failures=self.transfer_failures,
+                kv_transfers_in_flight=len(self.importing),
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
@@ -481,13 +643,14 @@ async def serve(
     metrics_port: int | None = None,
     draft: list[str] | None = None,
     spec: dict | None = None,
+    kv_transfer_timeout_s: float = 10.0,
 ) -> None:
     """Run the decode worker until cancelled; registers eagerly with the given prefill workers.
 
     Prometheus text is served on `metrics_port` (None: no metrics endpoint).
     """
     server = grpc.aio.server()
-    service = DecodeService(config, kv_transport, draft, spec)
+    service = DecodeService(config, kv_transport, draft, spec, kv_transfer_timeout_s)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
     health = add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

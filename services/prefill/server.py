@@ -14,12 +14,15 @@ from services.prefill.observe import PrefillTelemetry
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.kv import cuda_ipc
+from tandem.kv.nixl_pool import NixlEndpoint, nixl_missing_reason
 from tandem.kv.transport import (
     LayoutMismatch,
     PoolLayout,
     SharedPool,
     block_to_bytes,
     host_id,
+    pick_kind,
 )
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
@@ -70,12 +73,17 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
         self.inline_bytes_sent = 0
+        self.nixl: NixlEndpoint | None = None  # created by the first peer that asks for NIXL
+        self._nixl_lock = asyncio.Lock()
+        self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
         self.engine_loop.start()
 
     def close(self) -> None:
         self.engine_loop.stop()
+        if self.nixl is not None:
+            self.nixl.close()
         if self.shared is not None:
             self.shared.close()
 
@@ -134,14 +142,25 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 f"model mismatch: prefill serves {self.model_name!r}, peer serves {request.model!r}",
             )
         kinds = list(request.accept_kinds) or ["inline"]
-        kind = "inline"
-        for k in kinds:
-            if k == "shm" and self.shared is not None and request.host_id == host_id():
-                kind = "shm"
-                break
-            if k == "inline":
-                break
-        self.peers.add(request.peer_id)
+        same_host = request.host_id == host_id()
+        kind, reasons = pick_kind(
+            kinds,
+            same_host=same_host,
+            pool_device_type=self.engine.kv.data.device.type,
+            has_shared_pool=self.shared is not None,
+            nixl_missing=nixl_missing_reason,
+        )
+        if kind is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no KV transport both workers can use (" + "; ".join(reasons) + ")",
+            )
+        if kind == "inline" and "nixl" in kinds:
+            log.warning(
+                "decode peer %s gets the inline KV transport: %s",
+                request.peer_id,
+                nixl_missing_reason(),
+            )
         handle = stages_pb2.PoolHandle(
             kind=kind,
             pool_id=self.pool_id,
@@ -149,8 +168,42 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             shm_name=self.shared.name if kind == "shm" else "",
             host_id=host_id(),
         )
+        try:
+            if kind == "nixl":
+                handle.nixl.CopyFrom(await self._nixl_pool(request))
+            elif kind == "cuda_ipc":
+                handle.cuda_ipc = cuda_ipc.export_pool(self.engine.kv)
+                handle.device_uuid = cuda_ipc.device_uuid(self.engine.kv.data.device)
+        except Exception as e:  # noqa: BLE001 - reported to the peer
+            log.exception("exporting the KV pool for %s failed", kind)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{kind} KV transport unavailable: {e}"
+            )
+        self.peers.add(request.peer_id)
         log.info("registered decode peer %s (transport %s)", request.peer_id, kind)
         return stages_pb2.RegisterResponse(handle=handle, model=self.model_name)
+
+    async def _nixl_pool(self, request) -> stages_pb2.NixlPool:
+        """This worker's pool as a NIXL peer sees it (the agent is created on first use) and the
+        decode agent's metadata loaded, so the two agents know each other."""
+        async with self._nixl_lock:
+            if self.nixl is None:
+                self.nixl = await asyncio.to_thread(NixlEndpoint, self.pool_id, self.engine.kv)
+                log.info(
+                    "NIXL agent %s registered the KV pool (%s)", self.pool_id, self.nixl.mem_type
+                )
+            if request.nixl_agent_metadata:
+                await asyncio.to_thread(
+                    self.nixl.add_peer, request.peer_id, request.nixl_agent_metadata
+                )
+        info = self.nixl.info
+        return stages_pb2.NixlPool(
+            agent_metadata=info.agent_metadata,
+            mem_type=info.mem_type,
+            device_id=info.device_id,
+            data_addr=info.data_addr,
+            scales_addr=info.scales_addr,
+        )
 
     async def Run(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -203,6 +256,12 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     async def Release(self, request, context):
         ids = list(request.lease_ids)
+        if request.transfer_error:
+            # The decode worker's negative acknowledgement: the blocks did not reach it.
+            self.transfer_failures += 1
+            log.warning(
+                "KV handover of %s failed at the decode worker: %s", ids, request.transfer_error
+            )
         n = await asyncio.wrap_future(
             self.engine_loop.submit(lambda e: sum(e.leases.release(i) for i in ids))
         )
@@ -232,6 +291,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 leased_blocks=e.leases.num_blocks,
                 inline_bytes_sent=self.inline_bytes_sent,
                 registered_peers=len(self.peers),
+                kv_transfer_failures=self.transfer_failures,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))

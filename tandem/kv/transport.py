@@ -1,7 +1,9 @@
-"""Moving KV blocks between workers: pool handles (shared memory, CUDA IPC) and the gather copy.
+"""Moving KV blocks between workers: pool handles, the choice among them, and the gather copy.
 
 A worker's pool is exported once as a handle; a peer opens it once and afterwards copies blocks
-by id. Between hosts (or when nothing can be shared) blocks travel inline as bytes.
+by id. Kinds: `cuda_ipc` (GPU pools, one host: tandem/kv/cuda_ipc.py), `shm` (CPU pools, one
+host: named shared memory, below), `nixl` (between hosts: one NIXL READ per request,
+tandem/kv/nixl_pool.py) and `inline` (block bytes streamed over gRPC, the portable fallback).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -97,6 +100,68 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{os.environ.get('TANDEM_HOST_ID') or socket.gethostname()}/{boot}"
+
+
+TRANSPORTS = ("auto", "cuda_ipc", "shm", "nixl", "inline")
+
+
+def accept_kinds(requested: str, device_type: str, nixl_usable: bool) -> list[str]:
+    """The pool-handle kinds a decode worker asks for at registration, preferred first.
+
+    `auto`: CUDA IPC (GPU pool) or shared memory when the prefill worker turns out to share this
+    host, NIXL otherwise, and inline only when NIXL cannot be used here. Any other value asks
+    for exactly that kind (registration fails, saying why, when the prefill cannot serve it).
+    """
+    if requested not in TRANSPORTS:
+        raise ValueError(
+            f"unknown KV transport {requested!r} (choose from {', '.join(TRANSPORTS)})"
+        )
+    if requested != "auto":
+        return [requested]
+    kinds = (["cuda_ipc"] if device_type == "cuda" else []) + ["shm"]
+    return kinds + (["nixl"] if nixl_usable else []) + ["inline"]
+
+
+def pick_kind(
+    accept: list[str],
+    *,
+    same_host: bool,
+    pool_device_type: str,
+    has_shared_pool: bool,
+    nixl_missing: Callable[[], str | None],
+) -> tuple[str | None, list[str]]:
+    """The first kind of `accept` a prefill worker can serve: (kind, []) or (None, reasons).
+
+    `nixl_missing` says why NIXL cannot be used here (None: it can); it is only asked when NIXL
+    is the best remaining choice, so a host that never needs NIXL never loads it.
+    """
+    reasons = []
+    for kind in accept:
+        if kind == "cuda_ipc":
+            if not same_host:
+                reasons.append("cuda_ipc: prefill and decode are on different hosts")
+            elif pool_device_type != "cuda":
+                reasons.append("cuda_ipc: the prefill KV pool is not on a GPU")
+            else:
+                return kind, []
+        elif kind == "shm":
+            if not same_host:
+                reasons.append("shm: prefill and decode are on different hosts")
+            elif not has_shared_pool:
+                reasons.append("shm: the prefill KV pool is not in shared memory (it is on a GPU)")
+            else:
+                return kind, []
+        elif kind == "nixl":
+            missing = nixl_missing()
+            if missing is not None:
+                reasons.append(f"nixl: not usable on the prefill worker: {missing}")
+            else:
+                return kind, []
+        elif kind == "inline":
+            return kind, []
+        else:
+            reasons.append(f"{kind}: unknown transport")
+    return None, reasons
 
 
 _CREATED_HERE: set[str] = set()

@@ -26,7 +26,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "pool_id", "layout", "shm_name", "cuda_ipc", "device_uuid", "host_id")
+    __slots__ = ("kind", "pool_id", "layout", "shm_name", "cuda_ipc", "device_uuid", "host_id", "nixl")
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class PoolHandle(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     kind: str
     pool_id: str
     layout: PoolLayout
@@ -41,7 +42,22 @@ class PoolHandle(_message.Message):
     cuda_ipc: bytes
     device_uuid: str
     host_id: str
-    def __init__(self, kind: _Optional[str] = ..., pool_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    nixl: NixlPool
+    def __init__(self, kind: _Optional[str] = ..., pool_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ...) -> None: ...
+
+class NixlPool(_message.Message):
+    __slots__ = ("agent_metadata", "mem_type", "device_id", "data_addr", "scales_addr")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SCALES_ADDR_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    mem_type: str
+    device_id: int
+    data_addr: int
+    scales_addr: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., data_addr: _Optional[int] = ..., scales_addr: _Optional[int] = ...) -> None: ...
 
 class KvRef(_message.Message):
     __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id")
@@ -56,18 +72,22 @@ class KvRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model")
+    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_KINDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     layout: PoolLayout
     accept_kinds: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     model: str
-    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    nixl_agent_metadata: bytes
+    device_uuid: str
+    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("handle", "model")
@@ -106,10 +126,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_ids",)
+    __slots__ = ("lease_ids", "transfer_error")
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ERROR_FIELD_NUMBER: _ClassVar[int]
     lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    transfer_error: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., transfer_error: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -136,7 +158,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight")
     class ImportsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +175,8 @@ class WorkerStats(_message.Message):
     REGISTERED_PEERS_FIELD_NUMBER: _ClassVar[int]
     KV_IMPORTS_FIELD_NUMBER: _ClassVar[int]
     IMPORTS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     used_blocks: int
@@ -162,7 +186,9 @@ class WorkerStats(_message.Message):
     registered_peers: int
     kv_imports: int
     imports_by_transport: _containers.ScalarMap[str, int]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    kv_transfer_failures: int
+    kv_transfers_in_flight: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context")

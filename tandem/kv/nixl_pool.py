@@ -1,0 +1,357 @@
+"""KV handover between hosts through NIXL: one READ per request, straight into the pool.
+
+Each worker process has one NIXL agent (UCX backend) with its KV pool registered once (DRAM on a
+CPU host, VRAM on a GPU host). At peer registration the agents' metadata travel over the gRPC
+`Prefill.Register`; afterwards the decode worker reads any set of prefill blocks into its own
+blocks with a single NIXL READ (UCX picks RDMA, shared memory or TCP) and waits for it with a
+timeout. NIXL is an optional dependency (`pip install 'tandem[nixl]'`).
+
+A pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` is described to NIXL as one
+descriptor per (layer, k|v, block), the contiguous `block_size * kv_heads * head_dim` elements of
+that block; a quantized pool adds one descriptor per (layer, k|v, block) of its float32 scales.
+Descriptor lists are prepared once per pool, and a request only names indices into them (NIXL
+merges adjacent descriptors into larger transfers).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from tandem.kv.cache import KVCache
+from tandem.kv.transport import PoolLayout
+
+log = logging.getLogger("tandem.kv.nixl")
+
+# The wheels install their Python API under these names (CUDA 13, CUDA 12, then the meta package).
+_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_missing: str | None = None
+
+
+class NixlUnavailable(RuntimeError):
+    """The NIXL Python package is not installed (or does not load)."""
+
+
+class NixlTransferError(RuntimeError):
+    """A NIXL READ failed, timed out, or the peer is gone."""
+
+
+def _plugin_dir(name: str) -> Path | None:
+    """Where the wheel `name` keeps its backend plugins (the UCX one among them).
+
+    The wheels put the plugins beside the libnixl their bindings load
+    (`site-packages/.<name>.mesonpy.libs/plugins`); found from the package's location without
+    importing it, since NIXL reads NIXL_PLUGIN_DIR when it loads.
+    """
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None
+    site = Path(spec.origin).resolve().parent.parent
+    for d in (site / f".{name}.mesonpy.libs" / "plugins", site / f"{name}.libs" / "nixl"):
+        if (d / "libplugin_UCX.so").exists():
+            return d
+    return None
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL module, with NIXL_PLUGIN_DIR pointing into the installed package.
+
+    Raises `NixlUnavailable` (with the reason) when it is not installed.
+    """
+    global _module, _missing
+    with _lock:
+        if _module is not None:
+            return _module
+        if _missing is not None:
+            raise NixlUnavailable(_missing)
+        errors = []
+        for name in _MODULES:
+            try:
+                if importlib.util.find_spec(name) is None:
+                    continue
+            except (ImportError, ValueError):
+                continue
+            plugins = _plugin_dir(name)
+            if plugins is not None:
+                # The plugins must be the ones built with the libnixl this wheel loads: a
+                # NIXL_PLUGIN_DIR left over from another NIXL install would not fit it.
+                if os.environ.get("NIXL_PLUGIN_DIR") not in (None, str(plugins)):
+                    log.info("NIXL_PLUGIN_DIR set to the installed %s plugins at %s", name, plugins)
+                os.environ["NIXL_PLUGIN_DIR"] = str(plugins)
+            try:
+                mod = importlib.import_module(name)
+                mod.nixl_agent  # noqa: B018 - the API we use
+            except Exception as e:  # noqa: BLE001 - a broken install is reported, not raised
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                continue
+            _module = mod
+            return mod
+        _missing = "NIXL is not installed (pip install 'tandem[nixl]')" + (
+            f"; {'; '.join(errors)}" if errors else ""
+        )
+        raise NixlUnavailable(_missing)
+
+
+def nixl_installed() -> bool:
+    """Whether a NIXL package is installed (without loading it)."""
+    for name in _MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def nixl_missing_reason() -> str | None:
+    """None when NIXL can be used here, else why not."""
+    try:
+        load_nixl()
+    except NixlUnavailable as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class NixlPoolInfo:
+    """What a peer needs to READ from a pool: the owner's agent and where the pool lives."""
+
+    agent_metadata: bytes
+    mem_type: str  # DRAM | VRAM
+    device_id: int
+    data_addr: int
+    scales_addr: int = 0
+
+
+def _descs(addr: int, n: int, nbytes: int, device_id: int) -> np.ndarray:
+    """n descriptors (address, length, device) of `nbytes` each, back to back from `addr`."""
+    out = np.empty((n, 3), dtype=np.uint64)
+    out[:, 0] = np.uint64(addr) + np.arange(n, dtype=np.uint64) * np.uint64(nbytes)
+    out[:, 1] = nbytes
+    out[:, 2] = device_id
+    return out
+
+
+def _pool_descs(layout: PoolLayout, data_addr: int, scales_addr: int, device_id: int) -> np.ndarray:
+    """Descriptors of every (layer, k|v, block) of a pool, then of its scales (quantized)."""
+    import torch
+
+    from tandem.kv.transport import DTYPES
+
+    elt = torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+    rows = layout.num_layers * 2 * layout.num_blocks
+    block = layout.block_size * layout.kv_heads * layout.head_dim * elt
+    parts = [_descs(data_addr, rows, block, device_id)]
+    if layout.quantized:
+        parts.append(_descs(scales_addr, rows, layout.kv_heads * 4, device_id))
+    return np.concatenate(parts)
+
+
+def _block_indices(layout: PoolLayout, blocks: list[int]) -> np.ndarray:
+    """Indices into `_pool_descs` of `blocks` in every layer, k and v (and their scales)."""
+    rows = layout.num_layers * 2
+    b = np.asarray(blocks, dtype=np.int64)
+    idx = (np.arange(rows, dtype=np.int64)[:, None] * layout.num_blocks + b[None, :]).ravel()
+    if layout.quantized:
+        idx = np.concatenate([idx, idx + rows * layout.num_blocks])
+    return idx.astype(np.int32)
+
+
+class NixlEndpoint:
+    """This process's NIXL agent, with its KV pool registered once."""
+
+    def __init__(self, name: str, kv: KVCache) -> None:
+        nixl = load_nixl()
+        conf = nixl.nixl_agent_config(
+            backends=["UCX"],
+            # Registration (event loop) and transfers (worker threads) may overlap.
+            sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.name = name
+        self.agent = nixl.nixl_agent(name, conf)
+        if "UCX" not in self.agent.backends:
+            raise NixlUnavailable(
+                f"the NIXL UCX backend did not load (plugins: {self.agent.get_plugin_list()}; "
+                f"NIXL_PLUGIN_DIR={os.environ.get('NIXL_PLUGIN_DIR')})"
+            )
+        self.kv = kv
+        self.layout = PoolLayout.of(kv)
+        data = kv.data
+        if not data.is_contiguous() or (kv.scales is not None and not kv.scales.is_contiguous()):
+            raise ValueError("a KV pool registered with NIXL must be contiguous")
+        self.mem_type = "DRAM" if data.device.type == "cpu" else "VRAM"
+        self.device_id = max(data.get_device(), 0)
+        tensors = [data] + ([kv.scales] if kv.scales is not None else [])
+        self._registered = self.agent.register_memory(tensors)
+        self.info = NixlPoolInfo(
+            agent_metadata=self.agent.get_agent_metadata(),
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+            data_addr=data.data_ptr(),
+            scales_addr=kv.scales.data_ptr() if kv.scales is not None else 0,
+        )
+        local = _pool_descs(self.layout, self.info.data_addr, self.info.scales_addr, self.device_id)
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.mem_type)
+        self.peers: dict[str, str] = {}  # peer id -> NIXL agent name
+
+    def add_peer(self, peer_id: str, metadata: bytes) -> str:
+        """Load a peer agent's metadata (a peer that re-registers replaces its old entry)."""
+        old = self.peers.pop(peer_id, None)
+        if old is not None:
+            self._forget(old)
+        name = self.agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        self.peers[peer_id] = name
+        return name
+
+    def _forget(self, agent_name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(agent_name)
+        except Exception as e:  # noqa: BLE001 - the peer is gone either way
+            log.debug("removing NIXL agent %s: %s", agent_name, e)
+
+    def open_peer(self, peer_id: str, info: NixlPoolInfo, layout: PoolLayout) -> NixlPeerPool:
+        """A peer's pool opened for READs into this endpoint's pool."""
+        self.layout.check_compatible(layout)
+        name = self.add_peer(peer_id, info.agent_metadata)
+        remote = _pool_descs(layout, info.data_addr, info.scales_addr, info.device_id)
+        handle = self.agent.prep_xfer_dlist(name, remote, info.mem_type)
+        return NixlPeerPool(self, peer_id, name, layout, handle)
+
+    def close(self) -> None:
+        for name in list(self.peers.values()):
+            self._forget(name)
+        self.peers.clear()
+        try:
+            self._local.release()
+            self.agent.deregister_memory(self._registered)
+        except Exception as e:  # noqa: BLE001 - process exit frees it anyway
+            log.debug("NIXL endpoint close: %s", e)
+
+
+class NixlRead:
+    """One posted READ: `wait` for it, `cancel` it (False while NIXL cannot yet)."""
+
+    def __init__(self, endpoint: NixlEndpoint, handle, peer: str, nbytes: int) -> None:
+        self.endpoint = endpoint
+        self.handle = handle
+        self.peer = peer
+        self.nbytes = nbytes
+        self.released = False
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the READ is done; raises `NixlTransferError` on failure or timeout."""
+        agent = self.endpoint.agent
+        deadline = time.monotonic() + timeout_s
+        pause = 0.00005
+        while True:
+            try:
+                state = agent.check_xfer_state(self.handle)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+                raise NixlTransferError(f"NIXL READ from {self.peer} failed: {e}") from e
+            if state == "DONE":
+                self.cancel()
+                return
+            if state == "ERR":
+                raise NixlTransferError(f"NIXL READ from {self.peer} failed")
+            if time.monotonic() > deadline:
+                raise NixlTransferError(
+                    f"NIXL READ of {self.nbytes} bytes from {self.peer} timed out after "
+                    f"{timeout_s:.1f} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+
+    def cancel(self) -> bool:
+        """Release the request (NIXL cancels it if still active). False: still in flight, the
+        destination blocks must not be reused yet."""
+        if self.released:
+            return True
+        try:
+            self.endpoint.agent.release_xfer_handle(self.handle)
+        except Exception as e:  # noqa: BLE001
+            log.debug("NIXL READ from %s not released yet: %s", self.peer, e)
+            return False
+        self.released = True
+        return True
+
+    def settle(self, timeout_s: float) -> bool:
+        """After a failure: wait until the request is released, so its blocks can be reused."""
+        deadline = time.monotonic() + timeout_s
+        while not self.cancel():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+class NixlPeerPool:
+    """A peer's KV pool, prepared once; `read` copies blocks of it into ours with one READ."""
+
+    def __init__(
+        self, endpoint: NixlEndpoint, peer_id: str, agent_name: str, layout: PoolLayout, handle
+    ) -> None:
+        self.endpoint = endpoint
+        self.peer_id = peer_id
+        self.agent_name = agent_name
+        self.layout = layout
+        self._remote = handle
+
+    def start_read(self, src_blocks: list[int], dst_blocks: list[int]) -> NixlRead:
+        """Post one READ of `src_blocks` (peer) into `dst_blocks` (ours), every layer, k and v."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"reading {len(src_blocks)} blocks into {len(dst_blocks)}")
+        for b in src_blocks:
+            if not 0 <= b < self.layout.num_blocks:
+                raise ValueError(
+                    f"block {b} is outside the peer pool ({self.layout.num_blocks} blocks)"
+                )
+        ep = self.endpoint
+        agent = ep.agent
+        remote_idx = _block_indices(self.layout, src_blocks)
+        local_idx = _block_indices(ep.layout, dst_blocks)
+        try:
+            handle = agent.make_prepped_xfer("READ", ep._local, local_idx, self._remote, remote_idx)
+        except Exception as e:  # noqa: BLE001
+            raise NixlTransferError(f"NIXL READ from {self.peer_id} failed: {e}") from e
+        read = NixlRead(ep, handle, self.peer_id, len(src_blocks) * self.layout.block_bytes)
+        try:
+            state = agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001
+            read.cancel()
+            raise NixlTransferError(f"NIXL READ from {self.peer_id} failed: {e}") from e
+        if state == "ERR":
+            read.cancel()
+            raise NixlTransferError(f"NIXL READ from {self.peer_id} failed to start")
+        return read
+
+    def read(self, src_blocks: list[int], dst_blocks: list[int], timeout_s: float) -> None:
+        """`start_read` and wait for it. On failure the exception's `blocks_safe` says whether
+        NIXL released the request (the destination blocks may be reused) within `timeout_s`."""
+        r = self.start_read(src_blocks, dst_blocks)
+        try:
+            r.wait(timeout_s)
+        except NixlTransferError as e:
+            e.blocks_safe = r.settle(timeout_s)  # type: ignore[attr-defined]
+            raise
+
+    def close(self) -> None:
+        try:
+            self._remote.release()
+        except Exception as e:  # noqa: BLE001
+            log.debug("NIXL peer %s close: %s", self.peer_id, e)
+        name = self.endpoint.peers.pop(self.peer_id, None)
+        if name is not None:
+            self.endpoint._forget(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -51,13 +52,14 @@ def _stack(tmp, model_args, draft_spec, decode_extra=()):
 
 
 def _generate(gateway: Stage, req: api_pb2.GenerateRequest) -> tuple[list[int], api_pb2.Finish]:
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
     ids, fin = [], None
-    for r in stub.Generate(req, timeout=300):
-        if r.HasField("chunk"):
-            ids.extend(r.chunk.token_ids)
-        else:
-            fin = r.finish
+    # Closed on return: no channel threads are left running when a later test forks a stage.
+    with grpc.insecure_channel(gateway.address) as channel:
+        for r in api_pb2_grpc.GatewayStub(channel).Generate(req, timeout=300):
+            if r.HasField("chunk"):
+                ids.extend(r.chunk.token_ids)
+            else:
+                fin = r.finish
     return ids, fin
 
 
@@ -107,7 +109,28 @@ def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):
     assert fin.usage.accepted_draft_tokens > 0  # speculation resumed
 
 
-@pytest.mark.parametrize("draft_kind", ["self:2", "path"])
+def test_self_int4_draft_on_smollm2_greedy_equals_plain_for_concurrent_requests(tmp_path):
+    """SmolLM2 quantized to INT4 g128 as its own draft: same tokens, most drafts accepted."""
+    stages = _stack(str(tmp_path), [], "self-int4", ["--draft-timeout-ms", "10000"])
+    try:
+        for s in stages:
+            s.start()
+        llm = tandem.LLM()
+        sp = tandem.SamplingParams(max_tokens=32, temperature=0)
+        texts = [REWRITE, "What is the capital of France?"]
+        exp = llm.generate([llm.chat_prompt([{"role": "user", "content": t}]) for t in texts], sp)
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(lambda t: _generate(stages[3], _chat(t, 32)), texts))
+        for (ids, fin), e in zip(got, exp, strict=True):
+            assert ids == e.token_ids
+            # INT4 agrees with the float target on most tokens: more than a third accepted.
+            assert fin.usage.accepted_draft_tokens > len(ids) // 3
+    finally:
+        for s in reversed(stages):
+            s.stop()
+
+
+@pytest.mark.parametrize("draft_kind", ["self:2", "self-int4", "path"])
 def test_model_drafts_through_services(tmp_path, model_factory, draft_kind):
     from tests.conftest import build_random_model
 
@@ -169,4 +192,6 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path, model_factory):
         timeout=120,
     )
     assert r.returncode != 0
-    assert "cannot propose for the target" in r.stderr and "vocab" in r.stderr
+    assert "cannot propose for the target" in r.stderr
+    assert "vocabulary size: 512 tokens in the target, 600 in the draft" in r.stderr
+    assert "tokens only in the draft (88): 'w512' (id 512)" in r.stderr

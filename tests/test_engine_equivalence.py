@@ -78,3 +78,38 @@ def test_greedy_matches_under_preemption(model_factory, kind):
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == _hf_greedy(hf, p, NEW_TOKENS)
     assert llm.engine.pool.num_used == 0
+
+
+def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory, monkeypatch):
+    """The engine's multi-token attention through the Triton varlen kernel (interpreted here; the
+    CUDA forward uses it for prompt batches, chunks and verification) gives the same tokens."""
+    from tandem.kernels import paged_attention as pa
+    from tandem.model import llama
+
+    calls = []
+
+    def triton_varlen(*args, **kwargs):
+        calls.append(len(args[4]) - 1)
+        return pa.paged_attention_varlen_triton(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "paged_attention_varlen_ref", triton_varlen)
+    hf, path = model_factory("llama3")
+    llm = tandem.LLM(path, num_blocks=128)
+    prompts = _prompts(seed=4)[:4]
+    sp = tandem.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, sp)
+    assert calls, "the prefill did not go through the varlen kernel"
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.token_ids == _hf_greedy(hf, p, 6)
+
+
+def test_auto_prefill_attention_choice(monkeypatch):
+    from tandem.model import llama
+
+    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "auto")
+    assert llama.varlen_attention_kind([0, 4096], [4096]) == "sdpa"  # one long whole prompt
+    assert llama.varlen_attention_kind([0, 512, 1024], [512, 512]) == "triton"  # short prompts
+    assert llama.varlen_attention_kind([0, 2048], [4096]) == "triton"  # chunk after a prefix
+    assert llama.varlen_attention_kind([0, 5, 10], [1024, 900]) == "triton"  # verification
+    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "sdpa")
+    assert llama.varlen_attention_kind([0, 5], [900]) == "sdpa"

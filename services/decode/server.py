@@ -356,22 +356,23 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                     )
             kv = self.engine.kv
             staging = None  # inline: the blocks' bytes
-            read_into: list[int] | None = None  # nixl: blocks of our pool the READ filled
+            read = False  # nixl: the READ filled the sequence's blocks, reserved in the engine
             session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
+            self.owner[sid] = session
             self.importing[sid] = None
             try:
                 if peer.kind == "inline":
                     staging = await self._fetch_inline(peer, msg.kv)
                 elif peer.kind == "nixl":
-                    read_into = await self._read_nixl(peer, src_blocks)
+                    read = await self._read_nixl(peer, msg, ids, params, rng, t0)
             finally:
                 cancelled = self.importing.pop(sid, None)
             if cancelled is not None:
-                # Cancelled while its KV was on the way: never admitted, nothing to abort.
+                # Cancelled while its KV was on the way: drop it (and the blocks it reserved).
+                await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
                 session.seqs.discard(sid)
+                self.owner.pop(sid, None)
                 self.obs.finished(sid, "abort")
-                if read_into:
-                    await self._free(read_into)
                 if cancelled:
                     session.out.put_nowait(
                         stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")])
@@ -384,30 +385,26 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 if staging is not None:
                     idx = torch.tensor(dst_blocks, dtype=torch.long, device=kv.data.device)
                     kv.data.index_copy_(2, idx, staging[:, :, first : first + n].to(kv.data.device))
-                elif read_into is not None:
-                    # NIXL read the blocks into our pool already: move them into the sequence's.
-                    gather_copy(kv, dst_blocks, kv, read_into[first : first + n])
                 else:
                     gather_copy(kv, dst_blocks, peer.src_kv, src_blocks[first : first + n])
                     if kv.data.is_cuda:
                         # The prefill worker may reuse its blocks once we release the lease.
                         torch.cuda.current_stream(kv.data.device).synchronize()
 
-            session.seqs.add(sid)
-            self.owner[sid] = session
-            try:
-                _, imported = await asyncio.wrap_future(
-                    self.engine_loop.submit(
-                        lambda e: e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
-                    )
+            def join(e: LLMEngine) -> bool:
+                if peer.kind == "nixl":
+                    imported = read and e.start_prefilled(sid)
+                else:
+                    _, imported = e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
+                # Noted on the engine thread, before a step can finish the sequence and report
+                # its transfer (a short sequence can finish before this coroutine resumes).
+                self.transfer[sid] = (
+                    (time.monotonic() - t0) * 1e3,
+                    peer.kind if imported else "recompute",
                 )
-            finally:
-                if read_into:
-                    await self._free(read_into)
-            self.transfer[sid] = (
-                (time.monotonic() - t0) * 1e3,
-                peer.kind if imported else "recompute",
-            )
+                return imported
+
+            imported = await asyncio.wrap_future(self.engine_loop.submit(join))
             self.obs.admitted(
                 sid, t0, peer.kind if imported else "recompute", len(src_blocks) if imported else 0
             )
@@ -437,44 +434,44 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             # tells the prefill side so): it may reuse them.
             asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
 
-    async def _read_nixl(self, peer: PrefillPeer, src_blocks: list[int]) -> list[int]:
-        """One NIXL READ of the prompt's blocks into free blocks of our pool, waited for off the
-        engine thread (other sequences keep decoding meanwhile). Waits up to the transfer
-        timeout for that many free blocks."""
-        n = len(src_blocks)
-        deadline = time.monotonic() + self.kv_transfer_timeout_s
-        while True:
-            blocks = await asyncio.wrap_future(
-                self.engine_loop.submit(
-                    lambda e: e.pool.allocate(n) if e.pool.can_allocate(n) else None
-                )
-            )
-            if blocks is not None:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"no room in this decode worker's KV pool for the {n} blocks of incoming KV "
-                    f"within {self.kv_transfer_timeout_s:.0f} s (pool of "
-                    f"{self.engine.pool.num_blocks} blocks; raise --num-blocks)"
-                )
-            await asyncio.sleep(0.02)
+    async def _read_nixl(
+        self,
+        peer: PrefillPeer,
+        msg: stages_pb2.Admit,
+        ids: list[int],
+        params,
+        rng: torch.Tensor | None,
+        t0: float,
+    ) -> bool:
+        """Reserve the sequence's blocks, then fill them with one NIXL READ waited for off the
+        engine thread (the running sequences keep decoding). False when this pool has no room:
+        the sequence is then queued and recomputed here, nothing is read."""
+        sid = msg.seq_id
+
+        def reserve(e: LLMEngine) -> list[int] | None:
+            blocks = e.reserve_prefilled(ids, msg.first_token, params, sid, rng)
+            if blocks is None:
+                self.transfer[sid] = ((time.monotonic() - t0) * 1e3, "recompute")
+            return blocks
+
+        blocks = await asyncio.wrap_future(self.engine_loop.submit(reserve))
+        if blocks is None:
+            return False
+        src = list(msg.kv.block_ids)[: len(blocks)]
         try:
-            await asyncio.to_thread(peer.nixl.read, src_blocks, blocks, self.kv_transfer_timeout_s)
-        except NixlTransferError as e:
+            await asyncio.to_thread(peer.nixl.read, src, blocks, self.kv_transfer_timeout_s)
+        except BaseException as e:
             if getattr(e, "blocks_safe", True):
-                await self._free(blocks)
+                await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.abort(sid)))
             else:
                 # NIXL could not cancel the READ: it may still write into these blocks, so they
-                # stay out of circulation rather than corrupt another sequence.
-                log.error("NIXL READ could not be cancelled; %d KV blocks are withheld", n)
+                # stay out of circulation rather than corrupt another sequence's KV.
+                log.error(
+                    "NIXL READ could not be cancelled; %d KV blocks are withheld", len(blocks)
+                )
+                await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.seqs.pop(sid)))
             raise
-        except BaseException:
-            await self._free(blocks)
-            raise
-        return blocks
-
-    async def _free(self, blocks: list[int]) -> None:
-        await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.pool.free(blocks)))
+        return True
 
     async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
         lay = peer.layout
@@ -602,8 +599,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 await self._cancel(sid, session, notify=False)
 
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
-        if sid in self.importing and self.owner.get(sid) is None:
-            # Its KV is still on the way (a READ may be writing into our blocks): `admit` drops
+        if sid in self.importing:
+            # Its KV is still on the way (a READ may be writing into its blocks): `admit` drops
             # it when the transfer ends.
             self.importing[sid] = notify
             return

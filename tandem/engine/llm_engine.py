@@ -239,6 +239,61 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---- KV imports that complete outside the engine thread (a network read) ----------------
+    def reserve_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        rng_state: torch.Tensor | None = None,
+    ) -> list[int] | None:
+        """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
+        for its prompt, not yet scheduled. Returns the blocks to fill (prompt block i into
+        blocks[i]), or None when this pool has no room: the sequence then waits and is
+        recomputed here. Follow with `start_prefilled` once the blocks hold the KV, or `abort`
+        (which frees them)."""
+        self.validate_request(prompt_token_ids, params)
+        self._check_queue()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        gen = None
+        if not params.greedy:
+            gen = make_generator(params.seed, self.device)
+            if rng_state is not None:
+                gen.set_state(rng_state)
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.config.block_size),
+            generator=gen,
+            output_token_ids=[first_token],
+            output_logprobs=[None],
+        )
+        n = len(prompt_token_ids)
+        self.seqs[request_id] = seq
+        if not self.pool.can_allocate(seq.block_table.blocks_needed(n + 1)):
+            self.scheduler.add(seq)
+            return None
+        # Neither queued nor running (status WAITING, in no queue) until `start_prefilled`;
+        # `abort` meanwhile frees the blocks, and no step sees the sequence.
+        seq.block_table.ensure(self.pool, n)
+        return list(seq.block_table.blocks)
+
+    def start_prefilled(self, request_id: str) -> bool:
+        """Second half: the reserved sequence's blocks hold its prompt's KV; it joins the batch
+        (or waits for room, holding its KV). False when it was aborted meanwhile."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.num_computed or seq.status is not SequenceStatus.WAITING:
+            return False
+        seq.num_computed = len(seq.prompt_token_ids)
+        if len(self.scheduler.running) < self.scheduler.max_num_seqs:
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add(seq)
+        return True
+
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one batched forward for every scheduled sequence and return the new tokens.

@@ -28,13 +28,29 @@ from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import QuantizedWeight, cat_rows
 from tandem.quant.linear import linear
 
-# Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "sdpa" gathers
-# each sequence's KV and calls torch's SDPA per sequence; "triton" is one launch over the paged
-# cache for the whole batch. bench/prefill_attention.py compares them; "sdpa" stays the default
-# until that comparison has been measured on the GPU (bench/README.md).
-PREFILL_ATTENTION = os.environ.get("TANDEM_PREFILL_ATTENTION", "sdpa")
-if PREFILL_ATTENTION not in ("sdpa", "triton"):
-    raise ValueError(f"TANDEM_PREFILL_ATTENTION must be sdpa or triton, got {PREFILL_ATTENTION!r}")
+# Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "triton" is one
+# launch over the paged cache for the whole batch; "sdpa" gathers each sequence's KV and calls
+# torch's SDPA (flash) per sequence. "auto" picks by the H200 measurement in
+# bench/results/h200_prefill_attention.json: Triton for batches of prompts (16 x 512: 7.7x faster),
+# chunks after a cached prefix (2.9x) and verification (64 x 5 positions: 70x); SDPA's flash kernel
+# for long whole prompts alone (1 x 2048: Triton 0.83x, 1 x 8192: 0.48x).
+PREFILL_ATTENTION = os.environ.get("TANDEM_PREFILL_ATTENTION", "auto")
+if PREFILL_ATTENTION not in ("auto", "sdpa", "triton"):
+    raise ValueError(
+        f"TANDEM_PREFILL_ATTENTION must be auto, sdpa or triton, got {PREFILL_ATTENTION!r}"
+    )
+SDPA_MIN_PROMPT = 1024  # "auto": whole prompts at least this long go to SDPA
+
+
+def varlen_attention_kind(query_start_loc: list[int], context_lens: list[int]) -> str:
+    """ "sdpa" or "triton" for one multi-token attention call (see PREFILL_ATTENTION)."""
+    if PREFILL_ATTENTION != "auto":
+        return PREFILL_ATTENTION
+    for i, ctx in enumerate(context_lens):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        if q_len != ctx or q_len < SDPA_MIN_PROMPT:
+            return "triton"
+    return "sdpa"
 
 
 @dataclass
@@ -293,9 +309,10 @@ class LlamaModel:
                     v_scale=v_scale,
                 )
             else:
+                kind = varlen_attention_kind(meta.query_start_loc, meta.context_lens_list)
                 varlen = (
                     paged_attention_varlen_triton
-                    if PREFILL_ATTENTION == "triton"
+                    if kind == "triton"
                     else paged_attention_varlen_ref
                 )
                 attn = varlen(

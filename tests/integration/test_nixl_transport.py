@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
 import threading
 import time
@@ -109,6 +110,15 @@ def _wait_idle(decode: Stage, timeout: float = 20.0) -> stages_pb2.WorkerStats:
         if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
             return st
         time.sleep(0.1)
+
+
+_rng = random.Random(12)
+
+
+def _fresh(n: int) -> list[int]:
+    """A prompt no worker has seen (gateway requests need a prefill worker: no prefix cached,
+    and longer than a gateway would prefill on the decode worker itself)."""
+    return [_rng.randrange(3, 500) for _ in range(n)]
 
 
 def _sampling(max_tokens: int) -> api_pb2.SamplingParams:
@@ -295,7 +305,7 @@ def test_killed_prefill_during_transfer_fails_only_that_request(stack):
         list(
             stub.Generate(
                 api_pb2.GenerateRequest(
-                    prompt_token_ids=api_pb2.TokenIds(ids=[9, 10, 11]), sampling=_sampling(4)
+                    prompt_token_ids=api_pb2.TokenIds(ids=_fresh(300)), sampling=_sampling(4)
                 ),
                 timeout=60,
             )
@@ -306,7 +316,7 @@ def test_killed_prefill_during_transfer_fails_only_that_request(stack):
     out = list(
         stub.Generate(
             api_pb2.GenerateRequest(
-                prompt_token_ids=api_pb2.TokenIds(ids=list(range(3, 203))), sampling=_sampling(6)
+                prompt_token_ids=api_pb2.TokenIds(ids=_fresh(200)), sampling=_sampling(6)
             ),
             timeout=120,
         )
@@ -323,7 +333,7 @@ def test_gateway_requests_racing_a_prefill_kill_fail_only_with_unavailable(stack
 
     def one(n: int) -> None:
         req = api_pb2.GenerateRequest(
-            prompt_token_ids=api_pb2.TokenIds(ids=[(i * 13 + n) % 500 + 3 for i in range(n)]),
+            prompt_token_ids=api_pb2.TokenIds(ids=_fresh(n)),
             sampling=_sampling(8),
         )
         try:
@@ -332,7 +342,7 @@ def test_gateway_requests_racing_a_prefill_kill_fail_only_with_unavailable(stack
         except grpc.RpcError as e:
             results.append(e.code())
 
-    threads = [threading.Thread(target=one, args=(n,)) for n in (2000, 1500, 1000, 500, 50)]
+    threads = [threading.Thread(target=one, args=(n,)) for n in (2000, 1500, 1000, 500, 200)]
     for t in threads:
         t.start()
     _in_transfer(decode)
@@ -348,7 +358,7 @@ def test_gateway_requests_racing_a_prefill_kill_fail_only_with_unavailable(stack
     out = list(
         stub.Generate(
             api_pb2.GenerateRequest(
-                prompt_token_ids=api_pb2.TokenIds(ids=[3, 4, 5]), sampling=_sampling(3)
+                prompt_token_ids=api_pb2.TokenIds(ids=_fresh(150)), sampling=_sampling(3)
             ),
             timeout=120,
         )

@@ -1,0 +1,452 @@
+"""KV handover benchmark: how fast a prompt's KV moves from a prefill worker to a decode worker.
+
+For each --transport a real prefill and a real decode process are started on this machine with
+a random Llama checkpoint whose KV is large (many layers and KV heads: 16 KiB per token in
+float32), and for each --prompt-len this script, acting as the gateway, calls Prefill.Run (its
+latency is the TTFT: the first token comes from the prefill worker) and then Decode.Session/Admit
+with that KV. The decode worker reports the handover time (`kv_transfer_ms`: from admission to
+the KV sitting in its own blocks, engine queueing included), from which
+
+    bandwidth  = KV bytes / handover time
+    TTFT share = handover / (TTFT + handover)   (the handover's share of the time until the
+                                                 decode worker can take the next step)
+
+Transports: shm (shared-memory pool, same host), inline (block bytes over gRPC), nixl (one
+NIXL READ per request; prefill and decode get different TANDEM_HOST_ID values so that shared
+memory is ruled out; UCX chooses its transports, or nixl:UCX_TLS forces them, e.g. nixl:tcp
+through the loopback interface as between two hosts without RDMA), cuda_ipc (--device cuda:
+CUDA IPC of the GPU pool). For reference, the same blocks are also copied within this process:
+tandem's gather copy (`index_select` + `index_copy_`, what the shm and cuda_ipc paths run) and
+a plain slice copy.
+
+On one host UCX does not use the network: it reads the peer process's memory directly (CMA)
+or goes through loopback TCP (nixl:tcp). Between two machines the figures depend on the
+fabric: measure there.
+
+    .venv/bin/python bench/transfer.py                       # nixl, nixl:tcp, shm, inline on CPU
+    .venv/bin/python bench/transfer.py --transport nixl:tcp --prompt-lens 8192
+    .venv/bin/python bench/transfer.py --device cuda --transport cuda_ipc nixl \
+        --out bench/results/h200_transfer.json
+
+Results go to --out (default bench/results/transfer_cpu.json) with the exact command, the git
+revision and the host; a table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import queue
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc  # noqa: E402
+
+# A small Llama with a large KV: 8 layers x 8 KV heads x 32 dims x (k, v) x fp32 = 16 KiB/token.
+MODEL = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=16384,
+)
+BLOCK_SIZE = 16
+
+
+def build_model(path: str) -> None:
+    """Write the random checkpoint (weights and a word-level tokenizer) to `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, **MODEL)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(MODEL["vocab_size"])}, "w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w1", bos_token="w2").save_pretrained(
+        path
+    )
+
+
+def kv_bytes_per_token(dtype_bytes: int) -> int:
+    head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+    return MODEL["num_hidden_layers"] * 2 * MODEL["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+# ---- stage processes ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stage:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: str) -> None:
+        self.name = name
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"{name}-{self.port}.log")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}", "--port", str(self.port), *args],
+            cwd=ROOT,
+            stdout=open(self.log_path, "w"),  # noqa: SIM115 - owned by the child
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                with open(self.log_path) as f:
+                    raise RuntimeError(f"{self.name} exited:\n{f.read()[-3000:]}")
+            ch = grpc.insecure_channel(self.address)
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            finally:
+                ch.close()
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name} did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class DecodeSession:
+    """One Decode.Session stream, driven by hand (this script plays the gateway)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.send: queue.Queue = queue.Queue()
+        self.out: queue.Queue = queue.Queue()
+
+        def requests():
+            while (m := self.send.get()) is not None:
+                yield m
+
+        self.call = stages_pb2_grpc.DecodeStub(self.channel).Session(requests())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self.call:
+                self.out.put(msg)
+        except grpc.RpcError:
+            pass
+
+    def run(self, admit: stages_pb2.Admit, timeout: float = 300.0) -> stages_pb2.SeqFinished:
+        self.send.put(stages_pb2.DecodeIn(admit=admit))
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            for f in msg.finished:
+                if f.seq_id == admit.seq_id:
+                    return f
+
+    def close(self) -> None:
+        self.send.put(None)
+        self.channel.close()
+
+
+# ---- measurement -------------------------------------------------------------------------------
+def measure_transport(
+    spec: str, model: str, lens: list[int], reps: int, args, log_dir: str
+) -> list[dict[str, Any]]:
+    """`spec`: a transport, or nixl:UCX_TLS (e.g. nixl:tcp) to choose UCX's transports."""
+    transport, _, ucx_tls = spec.partition(":")
+    blocks = max(lens) // BLOCK_SIZE + 2
+    engine = ["--model", model, "--device", args.device, "--dtype", "float32"]
+    # NIXL and inline are for peers on other hosts: make the decode worker look like one.
+    prefill_env = {"TANDEM_HOST_ID": "bench-prefill"}
+    other_host = transport in ("nixl", "inline")
+    decode_env = {"TANDEM_HOST_ID": "bench-decode" if other_host else "bench-prefill"}
+    if ucx_tls:
+        prefill_env["UCX_TLS"] = decode_env["UCX_TLS"] = ucx_tls
+    prefill = Stage("prefill", [*engine, "--num-blocks", str(blocks + 8)], prefill_env, log_dir)
+    prefill.wait_healthy()
+    # The decode pool holds the sequence and, for NIXL, the blocks the READ lands in.
+    decode = Stage(
+        "decode",
+        [
+            *engine,
+            "--num-blocks",
+            str(2 * blocks + 8),
+            "--prefill",
+            prefill.address,
+            "--kv-transport",
+            transport,
+            "--kv-transfer-timeout",
+            "120",
+        ],
+        decode_env,
+        log_dir,
+    )
+    rows = []
+    try:
+        decode.wait_healthy()
+        stub = stages_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
+        session = DecodeSession(decode.address)
+        sampling = api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        g = torch.Generator().manual_seed(0)
+        for n in lens:
+            samples = []
+            for rep in range(reps + 1):  # the first run of each length warms up
+                prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                t0 = time.perf_counter()
+                resp = stub.Run(
+                    stages_pb2.PrefillRequest(
+                        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling
+                    ),
+                    timeout=600,
+                )
+                ttft_ms = (time.perf_counter() - t0) * 1e3
+                fin = session.run(
+                    stages_pb2.Admit(
+                        seq_id=uuid.uuid4().hex,
+                        prompt_token_ids=prompt,
+                        first_token=resp.first_token,
+                        sampling=sampling,
+                        kv=resp.kv,
+                        prefill_address=prefill.address,
+                    )
+                )
+                if fin.finish_reason == "error" or fin.kv_transport != transport:
+                    raise RuntimeError(f"{transport} at {n} tokens: {fin}")
+                if rep:
+                    samples.append((ttft_ms, fin.kv_transfer_ms, len(resp.kv.block_ids)))
+            ttft = statistics.median(s[0] for s in samples)
+            xfer = statistics.median(s[1] for s in samples)
+            nbytes = samples[0][2] * BLOCK_SIZE * kv_bytes_per_token(4)
+            rows.append(
+                {
+                    "transport": spec,
+                    "ucx_tls": ucx_tls or None,
+                    "prompt_tokens": n,
+                    "kv_bytes": nbytes,
+                    "ttft_ms": round(ttft, 2),
+                    "handover_ms": round(xfer, 3),
+                    "handover_ms_samples": [round(s[1], 3) for s in samples],
+                    "bandwidth_GBps": round(nbytes / (xfer / 1e3) / 1e9, 3),
+                    "ttft_share": round(xfer / (ttft + xfer), 4),
+                }
+            )
+            print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms", flush=True)
+        session.close()
+    finally:
+        decode.stop()
+        prefill.stop()
+    return rows
+
+
+def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any]]:
+    """Local copies of the same blocks between two pools in this process: `gather` is
+    tandem's gather_copy (index_select + index_copy_, what the shm path runs), `memcpy` one
+    slice copy of consecutive blocks. One CPU thread: the two-core machine is shared, and
+    OpenMP's threads make these copies erratic when it is busy."""
+    from tandem.kv.cache import KVCache
+    from tandem.kv.transport import gather_copy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+    blocks = max(lens) // BLOCK_SIZE + 2
+    layers, heads = MODEL["num_hidden_layers"], MODEL["num_key_value_heads"]
+    src = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, torch.float32, device)
+    dst = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, torch.float32, device)
+    src.data.normal_()
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    rows = []
+    for n in lens:
+        nb = (n + BLOCK_SIZE - 1) // BLOCK_SIZE
+        ids = list(range(nb))
+        nbytes = nb * BLOCK_SIZE * kv_bytes_per_token(4)
+        gather = timed(lambda ids=ids: gather_copy(dst, ids[::-1], src, ids))
+        memcpy = timed(lambda nb=nb: dst.data[:, :, :nb].copy_(src.data[:, :, :nb]))
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "kv_bytes": nbytes,
+                "gather_ms": round(gather * 1e3, 3),
+                "gather_GBps": round(nbytes / gather / 1e9, 3),
+                "memcpy_ms": round(memcpy * 1e3, 3),
+                "memcpy_GBps": round(nbytes / memcpy / 1e9, 3),
+            }
+        )
+    torch.set_num_threads(threads)
+    return rows
+
+
+def git_revision() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + (" (uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def host_info(device: str) -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = next(
+            (f"{n} {version(n)}" for n in ("nixl-cu13", "nixl-cu12", "nixl") if _has(n)), None
+        )
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def _has(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--transport",
+        nargs="+",
+        default=["nixl", "nixl:tcp", "shm", "inline"],
+        help="nixl, nixl:UCX_TLS (e.g. nixl:tcp), shm, inline, cuda_ipc "
+        "(default: nixl nixl:tcp shm inline)",
+    )
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--reps", type=int, default=3, help="measured runs per length (median)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
+    args = p.parse_args()
+    for t in args.transport:
+        if t.partition(":")[0] not in ("nixl", "shm", "inline", "cuda_ipc") or (
+            ":" in t and not t.startswith("nixl:")
+        ):
+            p.error(f"unknown transport {t!r}")
+    if "cuda_ipc" in args.transport and args.device != "cuda":
+        p.error("--transport cuda_ipc needs --device cuda")
+    if "shm" in args.transport and args.device == "cuda":
+        p.error("--transport shm needs --device cpu (a GPU prefill pool is not in shared memory)")
+    started = time.time()
+    log_dir = tempfile.mkdtemp(prefix="tandem-transfer-")
+    model = os.path.join(log_dir, "model")
+    build_model(model)
+    rows = []
+    for t in args.transport:
+        print(f"{t}: prefill + decode on {args.device} (logs in {log_dir})", flush=True)
+        rows += measure_transport(t, model, args.prompt_lens, args.reps, args, log_dir)
+    baseline = copy_baseline(args.prompt_lens, args.device, args.reps)
+    inline = {r["prompt_tokens"]: r for r in rows if r["transport"] == "inline"}
+    for r in rows:
+        if r["prompt_tokens"] in inline:
+            r["speedup_vs_inline"] = round(
+                inline[r["prompt_tokens"]]["handover_ms"] / r["handover_ms"], 2
+            )
+    print()
+    hdr = f"{'transport':10s} {'tokens':>6s} {'KV MB':>7s} {'TTFT ms':>9s} {'handover ms':>12s}"
+    print(hdr + f" {'GB/s':>7s} {'TTFT share':>10s} {'x inline':>9s}")
+    for r in rows:
+        print(
+            f"{r['transport']:10s} {r['prompt_tokens']:6d} {r['kv_bytes'] / 1e6:7.1f} "
+            f"{r['ttft_ms']:9.1f} {r['handover_ms']:12.2f} {r['bandwidth_GBps']:7.3f} "
+            f"{r['ttft_share'] * 100:9.1f}% {r.get('speedup_vs_inline', float('nan')):9.1f}"
+        )
+    for b in baseline:
+        print(
+            f"{'local':10s} {b['prompt_tokens']:6d} {b['kv_bytes'] / 1e6:7.1f} {'':9s} "
+            f"{b['gather_ms']:12.2f} {b['gather_GBps']:7.3f}   gather copy in one process "
+            f"(memcpy {b['memcpy_GBps']:.3f} GB/s)"
+        )
+    result = {
+        "benchmark": "kv_handover",
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "git_revision": git_revision(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "duration_s": round(time.time() - started, 1),
+        "host": host_info(args.device),
+        "device": args.device,
+        "model": {**MODEL, "dtype": "float32", "kv_bytes_per_token": kv_bytes_per_token(4)},
+        "definitions": {
+            "ttft_ms": "Prefill.Run latency seen by the caller (the first token comes from it)",
+            "handover_ms": "decode worker's kv_transfer_ms: admission to KV in its own blocks",
+            "bandwidth_GBps": "kv_bytes / handover_ms",
+            "ttft_share": "handover_ms / (ttft_ms + handover_ms)",
+        },
+        "results": rows,
+        "copy_baseline": baseline,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+        f.write("\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,10 +69,6 @@ GEMV_SWEEP = [
         (32, 64, 1, 8),
         (8, 128, 2, 4),
     ]
-] + [
-    # scales applied once per group (tandem.kernels.w4a16._gemv_grouped_kernel)
-    GemvConfig(block_n=bn, block_w=bw, num_warps=nw, grouped=True)
-    for bn, bw, nw in [(4, 128, 4), (8, 64, 4), (8, 128, 4), (16, 64, 4), (16, 32, 4), (32, 32, 8)]
 ]
 GEMM_SWEEP = {
     8: [GemmConfig(16, 64, 128, 2, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4),

@@ -190,19 +190,6 @@ def test_triton_w4a16_matches_f64(m: int, bits: int, group: int, config) -> None
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits, group, block_w", [(4, 32, 8), (4, 128, 32), (8, 64, 32)])
-def test_grouped_gemv_matches_f64(bits: int, group: int, block_w: int) -> None:
-    """The GEMV that applies scales once per group computes the same product."""
-    g = torch.Generator().manual_seed(bits * group)
-    qw = quantize_rtn(torch.randn(32, 512, generator=g) * 2, bits, group)
-    x = torch.randn(1, 512, generator=g)
-    ref = x.double() @ qw.dequantize(torch.float64).T
-    cfg = wk.GemvConfig(block_n=8, block_w=block_w, grouped=True)
-    torch.testing.assert_close(
-        wk.w4a16_matmul_triton(x, qw, cfg).double(), ref, rtol=1e-4, atol=1e-4
-    )
-
-
 # ---- FP8 / INT8 KV ---------------------------------------------------------------------------
 
 

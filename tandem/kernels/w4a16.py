@@ -107,53 +107,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _gemv_grouped_kernel(
-    x_ptr,  # [K] activations (one row)
-    qw_ptr,  # [N, KW] int32 packed codes
-    s_ptr,  # [N, KW // WPG] fp16 scales
-    mn_ptr,  # [N, KW // WPG] fp16 zero points
-    out_ptr,  # [N]
-    KW,
-    stride_qn,
-    stride_sn,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # quantization groups per row per iteration
-):
-    """`_gemv_kernel` for whole tiles, with the tile shaped [rows, groups, words of a group]:
-    the codes times x are summed within each group first, so a scale and a zero point are read
-    and applied once per group (not once per packed word)."""
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = GROUP // PER  # packed words per group
-    MASK: tl.constexpr = (1 << BITS) - 1
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_i = tl.arange(0, WPG)
-    words = offs_g[:, None] * WPG + offs_i[None, :]  # [BLOCK_G, WPG] word offsets in the tile
-    q_rows = qw_ptr + rows[:, None, None] * stride_qn
-    s_rows = s_ptr + rows[:, None] * stride_sn
-    mn_rows = mn_ptr + rows[:, None] * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
-    for w0 in range(0, KW, BLOCK_G * WPG):
-        q = tl.load(q_rows + (w0 + words)[None, :, :])  # [BLOCK_N, BLOCK_G, WPG]
-        qx = tl.zeros([BLOCK_N, BLOCK_G, WPG], dtype=tl.float32)
-        xs = tl.zeros([BLOCK_G, WPG], dtype=tl.float32)
-        for j in tl.static_range(PER):
-            xj = tl.load(x_ptr + (w0 + words) * PER + j).to(tl.float32)  # [BLOCK_G, WPG]
-            cj = ((q >> (j * BITS)) & MASK).to(tl.float32)
-            qx += cj * xj[None, :, :]
-            xs += xj
-        g = w0 // WPG + offs_g
-        sc = tl.load(s_rows + g[None, :]).to(tl.float32)  # [BLOCK_N, BLOCK_G]
-        mn = tl.load(mn_rows + g[None, :]).to(tl.float32)
-        acc += sc * tl.sum(qx, axis=2) + mn * tl.sum(xs, axis=1)[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K]
     qw_ptr,  # [N, KW] int32
@@ -231,9 +184,6 @@ class GemvConfig:
     block_w: int = 64
     split_k: int = 1
     num_warps: int = 4
-    # Sum within each quantization group before scaling (`_gemv_grouped_kernel`); used when the
-    # shape allows it (whole tiles of block_w words, block_w a multiple of a group's words).
-    grouped: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,29 +260,6 @@ def w4a16_matmul_triton(
         else torch.empty((m, n), dtype=x.dtype, device=x.device)
     )
     common = (w.qweight, w.scales, w.mins, out)
-    if isinstance(config, GemvConfig) and config.grouped and m == 1 and not atomic:
-        wpg = w.group_size // per
-        if (
-            w.group_size % per == 0
-            and block_w % wpg == 0
-            and kw % block_w == 0
-            and n % config.block_n == 0
-            and k == kw * per
-            and w.scales.stride(1) == 1
-        ):
-            _gemv_grouped_kernel[(n // config.block_n,)](
-                x,
-                *common,
-                kw,
-                w.qweight.stride(0),
-                w.scales.stride(0),
-                BITS=w.bits,
-                GROUP=w.group_size,
-                BLOCK_N=config.block_n,
-                BLOCK_G=block_w // wpg,
-                num_warps=config.num_warps,
-            )
-            return out
     if isinstance(config, GemvConfig):
         _gemv_kernel[(triton.cdiv(n, config.block_n), split, m)](
             x,

@@ -91,16 +91,6 @@ def test_w4a16_configs_and_split_k(wk: ModuleType, config, m: int) -> None:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("bits, group", [(4, 128), (4, 32), (8, 128)])
-@pytest.mark.parametrize("block_n, block_w", [(8, 128), (16, 64)])
-def test_grouped_gemv_matches_f64(wk: ModuleType, bits: int, group: int, block_n: int, block_w):
-    qw = _weight(4096, 4096, bits, group, seed=bits + group)
-    x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    ref = x.double() @ qw.dequantize(torch.float64).T
-    cfg = wk.GemvConfig(block_n=block_n, block_w=block_w, grouped=True)
-    assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < REL_TOL[torch.bfloat16]
-
-
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

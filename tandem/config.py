@@ -40,6 +40,16 @@ class EngineConfig:
     # (plain decode batches without logprobs or repetition penalty; others run step by step).
     # Finished sequences are noticed one step late and the extra step's token is dropped.
     async_scheduling: bool = False
+    # Prefix caching: full KV blocks are kept by content after their sequence ends and shared by
+    # later sequences with the same prefix, which compute only the rest; evicted least recently
+    # used when blocks run out.
+    enable_prefix_cache: bool = True
+    # Most prompt tokens one sequence computes per step (chunked prefill: longer prompts take
+    # several steps, mixed with decodes); None: the step budget, max_num_batched_tokens.
+    prefill_chunk: int | None = None
+    # Time-per-output-token target in ms: while sequences decode, a step takes only as many
+    # tokens (prompt chunks, joining sequences) as the measured step time says fit. None: off.
+    tpot_slo_ms: float | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -74,6 +84,14 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.prefill_chunk is not None and (
+            not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
+        ):
+            raise ValueError(
+                f"prefill_chunk must be a positive integer, got {self.prefill_chunk!r}"
+            )
+        if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
+            raise ValueError(f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.resolved_dtype()

@@ -78,6 +78,50 @@ class GatewayMetrics:
         self.in_flight = Gauge(
             "tandem_requests_in_flight", "Requests the gateway is serving now.", registry=r
         )
+        self.prompt_cached_tokens = Counter(
+            "tandem_prompt_cached_tokens",
+            "Prompt tokens of requests served whose KV came from a prefix cache.",
+            registry=r,
+        )
+        self.prefix_cache_hit_ratio = Gauge(
+            "tandem_prefix_cache_hit_ratio",
+            "Prompt tokens served from a prefix cache over prompt tokens, since start.",
+            registry=r,
+        )
+        self.prefills = Counter(
+            "tandem_prefills",
+            "Requests by the worker that prefilled them: prefill, or decode (a short un-cached "
+            "part, conditional disaggregation).",
+            ["worker"],
+            registry=r,
+        )
+        self.requests_within_slo = Counter(
+            "tandem_requests_within_slo",
+            "Finished requests that met every configured target (TTFT, TPOT): the goodput.",
+            registry=r,
+        )
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def observe_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a finished request's prompt tokens and those served from a prefix cache."""
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+        self.prompt_cached_tokens.inc(cached_tokens)
+        if self._prompt_total:
+            self.prefix_cache_hit_ratio.set(self._cached_total / self._prompt_total)
+
+    def watch(self, read: Callable[[], Iterator[Any]]) -> None:
+        """Add metric families produced by `read()` at scrape time (e.g. shed-load counts)."""
+        self.registry.register(_CallbackCollector(read))
+
+
+class _CallbackCollector(Collector):
+    def __init__(self, read: Callable[[], Iterator[Any]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.read()
 
 
 class _EngineCollector(Collector):
@@ -102,7 +146,8 @@ class _EngineCollector(Collector):
         pool = e.pool
         yield GaugeMetricFamily(
             "tandem_kv_cache_usage_ratio",
-            "Fraction of the KV cache blocks in use (leased blocks included).",
+            "Fraction of the KV cache blocks in use (leased blocks included; cached blocks "
+            "nobody holds are free).",
             value=pool.num_used / pool.num_blocks,
         )
         yield GaugeMetricFamily(
@@ -113,6 +158,40 @@ class _EngineCollector(Collector):
             "Sequences preempted for lack of KV blocks (recomputed later).",
             value=e.scheduler.num_preemptions,
         )
+        cache = getattr(e, "prefix_cache", None)
+        if cache is not None:
+            yield GaugeMetricFamily(
+                "tandem_prefix_cache_hit_ratio",
+                "Prompt tokens found in the prefix cache over prompt tokens looked up.",
+                value=cache.hit_ratio,
+            )
+            yield CounterMetricFamily(
+                "tandem_prefix_cache_queries_tokens",
+                "Prompt tokens looked up in the prefix cache when their sequence joined.",
+                value=cache.query_tokens,
+            )
+            yield CounterMetricFamily(
+                "tandem_prefix_cache_hits_tokens",
+                "Prompt tokens whose KV came from the prefix cache.",
+                value=cache.hit_tokens,
+            )
+            yield GaugeMetricFamily(
+                "tandem_kv_cache_cached_free_blocks",
+                "Blocks nobody holds that keep their KV for prefix hits (evicted when needed).",
+                value=pool.num_cached_free,
+            )
+            yield CounterMetricFamily(
+                "tandem_prefix_cache_evictions",
+                "Cached blocks evicted to make room.",
+                value=pool.num_evictions,
+            )
+        step_time = getattr(e.scheduler, "step_time", None)
+        if step_time is not None and step_time.samples:
+            yield GaugeMetricFamily(
+                "tandem_step_time_seconds",
+                "Exponentially weighted mean duration of an engine step.",
+                value=step_time.mean_step_s,
+            )
         if self.extra is not None:
             yield from self.extra()
 
@@ -172,6 +251,11 @@ class DecodeMetrics(WorkerMetrics):
             ["transport"],
             registry=r,
             buckets=BYTES_BUCKETS,
+        )
+        self.local_prefills = Counter(
+            "tandem_local_prefills",
+            "Sequences prefilled by this decode worker itself (conditional disaggregation).",
+            registry=r,
         )
         # Speculative decoding (issue #4): the draft worker's proposals checked by this worker.
         self.spec_proposals = Counter(

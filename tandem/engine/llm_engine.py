@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
 from tandem.kv.cache import KVCache
 from tandem.kv.lease import LeaseTable
+from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.quant.weights import prepare_weights
@@ -84,6 +86,9 @@ class LLMEngine:
             )
         self.kv = kv
         self.pool = BlockPool(kv.num_blocks)
+        self.prefix_cache = (
+            PrefixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
+        )
         self.leases = LeaseTable(self.pool, lease_ttl_s)
         self.runner = ModelRunner(
             self.model,
@@ -92,7 +97,14 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            prefill_chunk=config.prefill_chunk,
+            prefix_cache=self.prefix_cache,
+            tpot_slo_s=config.tpot_slo_ms / 1e3 if config.tpot_slo_ms else None,
+        )
         self.device = device
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -105,6 +117,7 @@ class LLMEngine:
             for _ in range(2)
         ]
         self._ring_next = 0
+        self._last_tokens = 0  # tokens computed by the step being timed
 
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
@@ -175,13 +188,17 @@ class LLMEngine:
         first_token: int,
         params: SamplingParams,
         request_id: str,
-        copy_in: Callable[[list[int]], None],
+        copy_in: Callable[[list[int], int], None],
         rng_state: torch.Tensor | None = None,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
 
-        Returns (sequence, imported). When this pool has no room for the prompt's blocks, the KV
-        is not imported: the sequence waits and is recomputed here (`imported` is False).
+        With a prefix cache, the prompt's longest cached prefix is shared from this pool and
+        `copy_in(dst_blocks, first)` fills only the rest: `dst_blocks[j]` receives the prompt's
+        block `first + j`. Returns (sequence, imported). When this pool has no room for the
+        prompt's blocks, the KV is not imported: the sequence waits and is recomputed here
+        (`imported` is False). With room for the KV but not (yet) in the running batch (the
+        sequence limit or the TPOT target), it waits holding its KV.
         """
         self.validate_request(prompt_token_ids, params)
         self._check_queue()
@@ -202,23 +219,36 @@ class LLMEngine:
             output_logprobs=[None],
         )
         n = len(prompt_token_ids)
-        need = seq.block_table.blocks_needed(n + 1)
+        table = seq.block_table
+        hit: list[int] = []
+        names: list[bytes] = []
+        if self.prefix_cache is not None:
+            hit, names = self.prefix_cache.match(prompt_token_ids, n)
+        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
+        need = table.blocks_needed(n + 1) - len(hit) + revived
         self.seqs[request_id] = seq
-        if (
-            not self.pool.can_allocate(need)
-            or len(self.scheduler.running) >= self.scheduler.max_num_seqs
-        ):
+        if not self.pool.can_allocate(need):
             self.scheduler.add(seq)
             return seq, False
-        seq.block_table.ensure(self.pool, n)
+        if hit:
+            table.adopt_cached(self.pool, hit, names)
+        table.ensure(self.pool, n)
         try:
-            copy_in(list(seq.block_table.blocks))
+            if len(table.blocks) > len(hit):  # a prompt of whole cached blocks copies nothing
+                copy_in(list(table.blocks[len(hit) :]), len(hit))
         except BaseException:
             self.seqs.pop(request_id, None)
-            seq.block_table.release(self.pool)
+            table.release(self.pool)
             raise
         seq.num_computed = n
-        self.scheduler.admit_running(seq)
+        seq.num_cached_tokens = len(hit) * table.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(n, seq.num_cached_tokens)
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add(seq)  # joins when the batch has room; its KV stays here
         return seq, True
 
     def _check_queue(self) -> None:
@@ -288,7 +318,11 @@ class LLMEngine:
         if seq is None or seq.num_computed or seq.status is not SequenceStatus.WAITING:
             return False
         seq.num_computed = len(seq.prompt_token_ids)
-        if len(self.scheduler.running) < self.scheduler.max_num_seqs:
+        if self.prefix_cache is not None:
+            # Every prompt block was read (no prefix shared): name the full ones for later hits.
+            self.prefix_cache.count(seq.num_computed, 0)
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
             self.scheduler.admit_running(seq)
         else:
             self.scheduler.add(seq)
@@ -301,12 +335,18 @@ class LLMEngine:
         Under `async_scheduling` a plain decode step returns the tokens of the step before it
         (launched by the previous call), so the GPU already has the next step when Python waits.
         """
+        t0 = time.perf_counter()
         if self.config.async_scheduling or self._inflight is not None:
-            return self._step_async()
-        batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        return self._run_batch(batch.items)
+            outs = self._step_async()
+        else:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            self._last_tokens = batch.num_tokens
+            outs = self._run_batch(batch.items)
+        self.scheduler.step_time.observe(self._last_tokens, time.perf_counter() - t0)
+        self._last_tokens = 0
+        return outs
 
     def _run_batch(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
         """Execute, sample and update one scheduled batch, step by step (no overlap)."""
@@ -314,8 +354,20 @@ class LLMEngine:
         if any(s.spec_tokens for s in seqs):
             return self._step_speculative(items)
         logits = self.runner.execute(items)
-        # A sequence finishing its prompt (or a decode step) samples; all rows here do, because
-        # prompts are computed whole.
+        # A sequence finishing its prompt (or a decode step) samples; one that computed only a
+        # chunk of its prompt does not (nor does it draw from its generator).
+        done = [(i, (s, n)) for i, (s, n) in enumerate(items) if s.num_computed + n >= s.num_tokens]
+        if len(done) < len(items):
+            for seq, n in items:
+                if seq.num_computed + n < seq.num_tokens:
+                    seq.num_computed += n
+            if not done:
+                return []
+            logits = logits[
+                torch.tensor([i for i, _ in done], dtype=torch.long, device=logits.device)
+            ]
+            items = [it for _, it in done]
+            seqs = [s for s, _ in items]
         token_ids, logprobs = sample(
             logits,
             [s.params for s in seqs],
@@ -354,9 +406,11 @@ class LLMEngine:
         items = [(s, n) for s, n in batch.items if not (s.num_pending and self._ends_by_length(s))]
         if items and self._can_run_ahead(items):
             self._inflight = self._launch(items, prev)
+            self._last_tokens = len(items)
             return self._collect(prev) if prev is not None else []
         if prev is not None:
             return self._collect(prev)
+        self._last_tokens = batch.num_tokens
         return self._run_batch(batch.items) if batch else []
 
     def _ends_by_length(self, seq: Sequence) -> bool:
@@ -430,10 +484,13 @@ class LLMEngine:
         logits = self.runner.execute(items, counts)
         outs: list[StepOutput] = []
         row = 0
-        plain = [(i, s) for i, (s, _) in enumerate(items) if not s.spec_tokens]
+        # Rows sampled plainly: decodes without drafts and prompts completed by this step (a prompt
+        # chunk that leaves more of its prompt for later steps samples nothing).
+        partial = {i for i, (s, n) in enumerate(items) if s.num_computed + n < s.num_tokens}
+        plain = [(i, s) for i, (s, _) in enumerate(items) if not s.spec_tokens and i not in partial]
         plain_rows = []
-        for (seq, _), c in zip(items, counts, strict=True):
-            if not seq.spec_tokens:
+        for i, ((seq, _), c) in enumerate(zip(items, counts, strict=True)):
+            if not seq.spec_tokens and i not in partial:
                 plain_rows.append(row)
             row += c
         sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
@@ -448,6 +505,10 @@ class LLMEngine:
         row = 0
         for i, ((seq, n), c) in enumerate(zip(items, counts, strict=True)):
             draft = seq.spec_tokens
+            if i in partial:
+                seq.num_computed += n
+                row += c
+                continue
             if draft:
                 new, new_lps = accept_draft_tokens(
                     logits[row : row + c], draft, seq.params, seq.generator, seq.all_token_ids

@@ -1,9 +1,18 @@
 """Continuous batching: decides which sequences run this step and with how many tokens.
 
-Every step, running sequences each get one decode token; waiting sequences join (their whole
-uncomputed prompt) while the token budget, the sequence limit and the KV pool allow. When the
-pool cannot hold the next token of a running sequence, the newest running sequence is preempted:
-its blocks are freed and it waits at the head of the queue to be recomputed.
+Every step, in this order, within a token budget:
+1. each running sequence in decode gets its next token (plus draft tokens to verify); when the
+   pool cannot hold them, the newest running sequence is preempted: its blocks are freed and it
+   waits at the head of the queue to be recomputed;
+2. running sequences still in their prompt get their next chunk (chunked prefill: a long prompt
+   is computed over several steps, mixed with the decodes, never all at once);
+3. waiting sequences join in arrival order while the budget, the sequence limit and the pool
+   allow. With a prefix cache, a joining sequence first takes the cached blocks of its longest
+   cached prefix and computes only the rest.
+
+With a time-per-output-token target (`tpot_slo_s`), the budget of a step that carries decodes
+and the number of running sequences follow from the measured step time (`StepTimeModel`), so
+prefill chunks and new sequences never push a decode step past the target.
 """
 
 from __future__ import annotations
@@ -13,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.step_time import StepTimeModel
 from tandem.kv.block_pool import BlockPool
+from tandem.kv.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -34,10 +45,26 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set; allocates and frees their KV blocks."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    # A step with decodes still carries at least this many prompt tokens (when a prompt waits),
+    # so prompts progress however tight the time-per-output-token target is.
+    MIN_PREFILL_TOKENS = 16
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_chunk: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        tpot_slo_s: float | None = None,
+    ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk or max_num_batched_tokens
+        self.prefix_cache = prefix_cache
+        self.tpot_slo_s = tpot_slo_s
+        self.step_time = StepTimeModel()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -48,12 +75,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def in_prompt(seq: Sequence) -> bool:
+        """True while more than one token lacks KV (the sequence is still prefilling)."""
+        return seq.num_tokens - seq.num_computed > 1 and not seq.spec_tokens
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        # 1. One decode token for every running sequence, oldest first; preempt the newest on OOM.
+        for seq in self.running:
+            self.cache_blocks(seq)  # name the blocks the previous step completed
+        # 1. One decode token (plus drafts) for every running sequence, oldest first; preempt
+        # the newest on OOM.
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if self.in_prompt(seq):
+                i += 1
+                continue
             if seq.spec_tokens and not self.pool.can_allocate(
                 seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
             ):
@@ -71,29 +109,101 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
-        # 2. Admit waiting sequences in arrival order.
-        budget = self.max_num_batched_tokens - batch.num_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed
-            if n > budget and batch.items:
+        budget = self._token_limit(batch.num_tokens) - batch.num_tokens
+        # 2. The next chunk of every running sequence still in its prompt (blocks are held).
+        for seq in self.running:
+            if budget <= 0:
                 break
-            # Room for the prompt plus the first decode token, so admission never thrashes.
-            need = seq.block_table.blocks_needed(seq.num_tokens + 1)
-            if not self.pool.can_allocate(need):
+            if self.in_prompt(seq):
+                n = min(seq.num_tokens - seq.num_computed, budget, self.prefill_chunk)
+                batch.items.append((seq, n))
+                budget -= n
+        # 3. Admit waiting sequences in arrival order.
+        while self.waiting and budget > 0 and len(self.running) < self._seq_limit():
+            seq = self.waiting[0]
+            if not self._allocate_for(seq):
+                if not self.running and self._drop_waiting_kv():
+                    continue  # blocks held by queued sequences were freed: try again
                 break
             self.waiting.popleft()
-            seq.block_table.ensure(self.pool, seq.num_tokens)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget, self.prefill_chunk)
             batch.items.append((seq, n))
             budget -= n
         return batch
 
+    def _allocate_for(self, seq: Sequence) -> bool:
+        """Give a joining sequence its blocks (cached prefix first); False when they do not fit.
+
+        Room is checked for the whole sequence plus its first decode token, so admission never
+        thrashes; a prompt's blocks are all taken now, its chunks then only compute.
+        """
+        table = seq.block_table
+        hit: list[int] = []
+        names: list[bytes] = []
+        # A sequence queued with its KV (imported while the batch was full) has its blocks.
+        cache = self.prefix_cache if not table.blocks else None
+        if cache is not None:
+            # At least the last token is computed (its logits give the next token), so a fully
+            # cached sequence still leaves its last block to be written privately.
+            hit, names = cache.match(seq.all_token_ids, seq.num_tokens - 1)
+        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
+        need = table.blocks_needed(seq.num_tokens + 1) - len(hit) + revived
+        if not self.pool.can_allocate(need):
+            return False
+        if hit:
+            table.adopt_cached(self.pool, hit, names)
+            seq.num_computed = len(hit) * table.block_size
+        if cache is not None and seq.first_scheduled_time is None:
+            cache.count(seq.num_tokens, len(hit) * table.block_size)
+            seq.num_cached_tokens = len(hit) * table.block_size
+        table.ensure(self.pool, seq.num_tokens)
+        return True
+
+    def _drop_waiting_kv(self) -> bool:
+        """Free the KV of queued sequences that hold some (admitted with imported KV), newest
+        first, so the head of the queue can run when nothing else would ever free blocks."""
+        dropped = False
+        for seq in reversed(self.waiting):
+            if seq.block_table.blocks:
+                self.cache_blocks(seq)
+                seq.block_table.release(self.pool)
+                seq.num_computed = 0
+                dropped = True
+        return dropped
+
+    def _seq_limit(self) -> int:
+        limit = self.max_num_seqs
+        if self.tpot_slo_s is not None:
+            fit = self.step_time.max_tokens(self.tpot_slo_s)
+            if fit is not None:
+                limit = min(limit, max(1, fit))
+        return limit
+
+    def _token_limit(self, decode_tokens: int) -> int:
+        limit = self.max_num_batched_tokens
+        if self.tpot_slo_s is not None and decode_tokens:
+            fit = self.step_time.max_tokens(self.tpot_slo_s)
+            if fit is not None:
+                limit = min(limit, max(fit, decode_tokens + self.MIN_PREFILL_TOKENS))
+        return limit
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Name (prefix cache) the sequence's full blocks whose KV is computed and final."""
+        if self.prefix_cache is None:
+            return
+        table = seq.block_table
+        # Tokens sampled on the device but not read yet (async scheduling) are not final here.
+        done = min(seq.num_computed, len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        if done // table.block_size > len(table.hashes):
+            self.prefix_cache.register(table, seq.all_token_ids, done)
+
     def _preempt(self, seq: Sequence) -> Sequence:
         seq.spec_tokens = []
+        self.cache_blocks(seq)  # its computed blocks stay cached: recomputing may find them
         seq.block_table.release(self.pool)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
@@ -107,8 +217,15 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def has_room(self) -> bool:
+        """Another sequence may join the running set now (sequence limit, TPOT target)."""
+        return len(self.running) < self._seq_limit()
+
     def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> list[int]:
-        """Take a sequence out of the queues; free its blocks unless `keep_blocks` (returned)."""
+        """Take a sequence out of the queues; free its blocks unless `keep_blocks` (returned).
+
+        Its computed full blocks stay in the prefix cache either way.
+        """
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -116,9 +233,11 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self.cache_blocks(seq)
         blocks = seq.block_table.blocks
         if keep_blocks:
             seq.block_table.blocks = []
+            seq.block_table.hashes = []
         else:
             seq.block_table.release(self.pool)
         seq.status = SequenceStatus.FINISHED

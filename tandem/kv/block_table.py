@@ -6,11 +6,16 @@ from tandem.kv.block_pool import BlockPool
 
 
 class BlockTable:
-    """Logical block i of one sequence lives in pool block `blocks[i]`."""
+    """Logical block i of one sequence lives in pool block `blocks[i]`.
+
+    `hashes[i]` is the prefix-cache name of block i, for the leading blocks that are full and
+    computed (see `tandem.kv.prefix_cache`); the rest of the table has none yet.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.blocks: list[int] = []
+        self.hashes: list[bytes] = []
 
     @property
     def capacity(self) -> int:
@@ -27,9 +32,20 @@ class BlockTable:
         if n:
             self.blocks.extend(pool.allocate(n))
 
+    def adopt_cached(self, pool: BlockPool, blocks: list[int], hashes: list[bytes]) -> None:
+        """Start an empty table with cached blocks (a prefix-cache hit), one reference each."""
+        if self.blocks:
+            raise ValueError("adopt_cached needs an empty block table")
+        for b in blocks:
+            pool.acquire(b)
+        self.blocks = list(blocks)
+        self.hashes = list(hashes)
+
     def release(self, pool: BlockPool) -> None:
-        pool.free(self.blocks)
+        # Last block first: a cached prefix is evicted from its tail (see BlockPool.free).
+        pool.free(reversed(self.blocks))
         self.blocks = []
+        self.hashes = []
 
     def slot(self, position: int) -> int:
         """Flat slot index (block * block_size + offset) of a token position."""

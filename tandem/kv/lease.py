@@ -48,7 +48,7 @@ class LeaseTable:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
-        self.pool.free(lease.blocks)
+        self.pool.free(reversed(lease.blocks))  # last first: a cached prefix evicts tail-first
         return True
 
     def expire(self, now: float | None = None) -> int:

@@ -1,0 +1,85 @@
+"""Prefix caching: full KV blocks named by a hash chained over their tokens and their parent's.
+
+Block i of a sequence is named by hash(name of block i-1, the block_size tokens of block i), so a
+name stands for the whole prefix up to the end of its block: two sequences share a block only
+when everything before it is equal too. Only full blocks whose KV is computed are named; they are
+never written again (a sequence appends into blocks of its own), so sharing them needs no copy.
+
+The names are 128-bit BLAKE2b digests, the same in every process: the gateway computes them to
+guess which worker holds a prompt's prefix (`services/gateway/prefix_index.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from tandem.kv.block_pool import BlockPool
+from tandem.kv.block_table import BlockTable
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The name of a block holding `tokens` after the block named `parent` (None: the first)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array(_U32, tokens).tobytes())
+    return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Names of every full block of `token_ids`, in order."""
+    out: list[bytes] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """Finds a sequence's longest cached prefix and names its newly completed blocks."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        # Hit ratio: prompt tokens looked up at admission, and of those found cached.
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
+        """(blocks, names) of the longest cached prefix of whole blocks within `max_tokens`."""
+        bs = self.block_size
+        blocks: list[int] = []
+        names: list[bytes] = []
+        parent = None
+        for i in range(min(len(token_ids), max_tokens) // bs):
+            name = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            b = self.pool.lookup(name)
+            if b is None:
+                break
+            blocks.append(b)
+            names.append(name)
+            parent = name
+        return blocks, names
+
+    def count(self, queried: int, hit: int) -> None:
+        self.query_tokens += queried
+        self.hit_tokens += hit
+
+    def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Name (and cache) every full block among a sequence's first `num_tokens` tokens, which
+        must have their KV computed and be final (`token_ids` holds at least that many)."""
+        bs = self.block_size
+        full = min(num_tokens, len(token_ids)) // bs
+        names = table.hashes
+        while len(names) < full:
+            i = len(names)
+            name = hash_block(names[-1] if names else None, token_ids[i * bs : (i + 1) * bs])
+            names.append(name)
+            self.pool.cache(table.blocks[i], name)

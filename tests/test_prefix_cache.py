@@ -1,0 +1,387 @@
+"""Prefix caching, chunked prefill and the TPOT-target budget in the engine.
+
+Outputs with the cache on equal the cache-off engine's (and transformers'), for shared prefixes
+that end mid-block, whole-block prompts, repeated prompts and a pool small enough to evict and
+preempt; reference counts and leases leak nothing (cached blocks nobody holds are free, not used).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tandem
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence
+from tandem.engine.step_time import StepTimeModel
+from tandem.kv.block_pool import BlockPool, OutOfBlocks
+from tandem.kv.block_table import BlockTable
+from tandem.kv.prefix_cache import PrefixCache, block_hashes, hash_block
+from tandem.kv.transport import gather_copy
+
+GREEDY = tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _rand(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def _shared_prefix_prompts() -> list[list[int]]:
+    base = _rand(40, 1)  # 2.5 blocks of 16
+    return [
+        base + _rand(3, 2),  # shares 2 full blocks, then diverges mid-block
+        base + _rand(25, 3),
+        base,
+        base[:20],  # the shared part ends inside block 1
+        base[:32],  # exactly two blocks: the last one must still be computed privately
+        _rand(35, 4),  # nothing in common
+    ]
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# ---- the pool and the names ------------------------------------------------------------------
+def test_pool_keeps_cached_blocks_free_and_evicts_least_recently_freed():
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    assert pool.cache(a, b"A") and pool.cache(b, b"B")
+    assert not pool.cache(c, b"A"), "a name already cached stays with its first block"
+    pool.free([c, b, a])  # last-first, as a block table releases
+    # Nobody holds anything: nothing is used, two blocks keep their content.
+    assert pool.num_used == 0 and pool.num_free == 4 and pool.num_cached_free == 2
+    assert pool.lookup(b"A") == a and pool.lookup(b"B") == b
+    pool.acquire(a)  # a hit takes the block back
+    assert pool.num_used == 1 and pool.refcount(a) == 1 and pool.num_cached_free == 1
+    got = pool.allocate(3)  # two plain free blocks, then the evictable one (b)
+    assert b in got and pool.lookup(b"B") is None and pool.num_evictions == 1
+    assert pool.lookup(b"A") == a, "a held cached block is never evicted"
+    with pytest.raises(OutOfBlocks):
+        pool.allocate(1)
+    pool.free(got)
+    pool.free([a])
+    assert pool.num_used == 0 and pool.num_cached_free == 1
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([a])
+    with pytest.raises(ValueError, match="not cached"):
+        pool.acquire(got[0])
+
+
+def test_block_names_chain_over_the_whole_prefix():
+    toks = _rand(50, 7)
+    names = block_hashes(toks, 16)
+    assert len(names) == 3  # full blocks only
+    assert names == block_hashes(toks[:48], 16)
+    assert names[0] == hash_block(None, toks[:16])
+    assert names[1] == hash_block(names[0], toks[16:32])
+    other = [toks[0] + 1, *toks[1:]]
+    # A change in block 0 renames every later block, even with equal tokens there.
+    assert all(x != y for x, y in zip(block_hashes(other, 16), names, strict=True))
+    assert block_hashes(toks, 8)[:2] != names[:2]
+
+
+# ---- outputs with the cache on equal the cache off ---------------------------------------------
+@pytest.fixture(scope="module")
+def llama(model_factory):
+    return model_factory("llama")
+
+
+def test_cache_on_equals_off_and_transformers(llama):
+    hf, path = llama
+    prompts = _shared_prefix_prompts()
+    off = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False)
+    on = tandem.LLM(path, num_blocks=128)
+    want = off.generate(prompts, GREEDY)
+    for p, w in zip(prompts[:3], want, strict=False):
+        assert w.token_ids == _hf_greedy(hf, p, GREEDY.max_tokens)
+    first = on.generate(prompts, GREEDY)
+    # One at a time: each prompt finds the blocks the earlier ones (and their outputs) left.
+    one_by_one = [on.generate([p], GREEDY)[0] for p in prompts]
+    again = on.generate(prompts, GREEDY)
+    for w, a, b, c in zip(want, first, one_by_one, again, strict=True):
+        assert a.token_ids == w.token_ids
+        assert b.token_ids == w.token_ids
+        assert c.token_ids == w.token_ids
+    eng = on.engine
+    assert eng.prefix_cache.hit_tokens > 0
+    assert eng.pool.num_used == 0, "cached blocks nobody holds are not used"
+    assert eng.pool.num_cached_free > 0
+    assert off.engine.pool.num_cached == 0
+
+
+def test_second_request_computes_only_the_uncached_part(llama):
+    _, path = llama
+    llm = tandem.LLM(path, num_blocks=64)
+    base = _rand(40, 1)
+    llm.generate([base], GREEDY)
+    seq = llm.engine.add_request(base + _rand(5, 9), GREEDY)
+    batch = llm.engine.scheduler.schedule()
+    # Two full blocks (32 tokens) of the 45 are cached; only 13 are computed.
+    assert seq.num_cached_tokens == 32 and batch.items == [(seq, 13)]
+    llm.engine.abort(seq.seq_id)
+    # A prompt that is all cached still computes its last block (never writes a shared block).
+    seq = llm.engine.add_request(base[:32], GREEDY)
+    batch = llm.engine.scheduler.schedule()
+    assert seq.num_cached_tokens == 16 and batch.items == [(seq, 16)]
+    llm.engine.abort(seq.seq_id)
+    assert llm.engine.pool.num_used == 0
+
+
+def test_eviction_and_preemption_under_pressure_keep_outputs(llama):
+    _, path = llama
+    prompts = _shared_prefix_prompts()
+    want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
+    # 12 blocks of 16 tokens cannot hold every sequence at once: blocks are evicted and
+    # sequences preempted, recomputing from whatever the cache still holds.
+    tiny = tandem.LLM(path, num_blocks=12)
+    for _ in range(2):
+        got = tiny.generate(prompts, GREEDY)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+    eng = tiny.engine
+    assert eng.pool.num_evictions > 0 and eng.scheduler.num_preemptions > 0
+    assert eng.pool.num_used == 0
+
+
+def test_seeded_sampling_is_unchanged_by_the_cache(llama):
+    _, path = llama
+    prompts = _shared_prefix_prompts()
+    sps = [
+        tandem.SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, sps)
+    on = tandem.LLM(path, num_blocks=128)
+    on.generate(prompts, sps)  # fill the cache
+    for w, g in zip(want, on.generate(prompts, sps), strict=True):
+        assert g.token_ids == w.token_ids
+
+
+def test_speculation_and_async_scheduling_with_the_cache(llama):
+    _, path = llama
+    prompts = [([7, 8, 9, 10] * 10)[:n] for n in (24, 37)] + _shared_prefix_prompts()[:3]
+    want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
+    spec = tandem.LLM(path, num_blocks=128, speculative="ngram")
+    run_ahead = tandem.LLM(path, num_blocks=128, async_scheduling=True)
+    for llm in (spec, run_ahead):
+        for _ in range(2):  # the second round hits blocks named during speculation / run-ahead
+            for w, g in zip(want, llm.generate(prompts, GREEDY), strict=True):
+                assert g.token_ids == w.token_ids
+        assert llm.engine.prefix_cache.hit_tokens > 0
+        assert llm.engine.pool.num_used == 0
+    assert spec.speculator.stats.accepted > 0, "rejections and acceptances both exercised"
+
+
+# ---- chunked prefill ---------------------------------------------------------------------------
+def test_chunked_prefill_equals_unchunked(llama):
+    hf, path = llama
+    prompts = [_rand(n, 20 + n) for n in (70, 5, 33, 100)]
+    sps = [GREEDY] * 3 + [tandem.SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
+    whole = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False)
+    want = whole.generate(prompts, sps)
+    assert want[0].token_ids == _hf_greedy(hf, prompts[0], GREEDY.max_tokens)
+    for opts in ({"prefill_chunk": 7}, {"max_num_batched_tokens": 24}, {"prefill_chunk": 16}):
+        chunked = tandem.LLM(path, num_blocks=128, **opts)
+        got = chunked.generate(prompts, sps)
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids, opts
+        assert chunked.engine.pool.num_used == 0
+
+
+def test_long_prompt_is_chunked_beside_running_decodes(llama):
+    _, path = llama
+    llm = tandem.LLM(path, num_blocks=64, prefill_chunk=10, enable_prefix_cache=False)
+    eng = llm.engine
+    short = eng.add_request(_rand(4, 1), GREEDY)
+    eng.step()  # the short prompt is prefilled and decodes from now on
+    long = eng.add_request(_rand(35, 2), GREEDY)
+    sizes = []
+    while long.num_computed < 35:
+        batch = eng.scheduler.schedule()
+        sizes.append(dict((s.seq_id, n) for s, n in batch.items))
+        eng._run_batch(batch.items)
+    # Every step carried the decode and at most one 10-token chunk of the long prompt.
+    assert all(s[short.seq_id] == 1 for s in sizes)
+    assert [s[long.seq_id] for s in sizes] == [10, 10, 10, 5]
+    assert len(long.output_token_ids) == 1  # sampled only when the prompt was complete
+    eng.abort(short.seq_id)
+    eng.abort(long.seq_id)
+    assert eng.pool.num_used == 0
+
+
+# ---- leases and imported KV --------------------------------------------------------------------
+def test_leased_shared_blocks_survive_pressure_and_release_to_zero(llama):
+    _, path = llama
+    base = _rand(40, 1)
+    pre = tandem.LLM(path, num_blocks=16)
+    eng = pre.engine
+    eng.add_request(base + [5], GREEDY, "r1", prefill_only=True)
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request(base + [6, 7], GREEDY, "r2", prefill_only=True)
+    while eng.has_unfinished():
+        eng.step()
+    l1, l2 = eng.leases.leases["r1"], eng.leases.leases["r2"]
+    assert l1.blocks[:2] == l2.blocks[:2], "the second prompt shares the first's cached blocks"
+    assert eng.prefix_cache.hit_tokens == 32
+    shared = l1.blocks[:2]
+    before = eng.kv.data[:, :, shared].clone()
+    eng.leases.release("r1")
+    # Fill the pool: every free and evictable block goes, but leased ones stay untouched.
+    assert eng.pool.num_used == len(l2.blocks)
+    grabbed = eng.pool.allocate(eng.pool.num_free)
+    assert not set(grabbed) & set(l2.blocks)
+    assert torch.equal(eng.kv.data[:, :, shared], before)
+    eng.pool.free(grabbed)
+    eng.leases.release("r2")
+    assert eng.pool.num_used == 0 and eng.leases.num_blocks == 0
+
+
+def test_admit_prefilled_copies_only_the_uncached_blocks(llama):
+    _, path = llama
+    base = _rand(40, 1)
+    prompts = [base + _rand(10, 2), base + _rand(20, 3)]
+    want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64).engine
+    copies = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        pre.add_request(p, GREEDY, rid, prefill_only=True)
+        outs = []
+        while pre.has_unfinished():
+            outs += pre.step()
+        lease = pre.leases.leases[rid]
+
+        def copy_in(dst: list[int], first: int, src=lease.blocks) -> None:
+            copies.append((first, len(dst)))
+            gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
+
+        seq, imported = dec.admit_prefilled(p, outs[0].new_token_ids[0], GREEDY, rid, copy_in)
+        pre.leases.release(rid)
+        assert imported
+        while dec.has_unfinished():
+            dec.step()
+        assert seq.output_token_ids == want[i].token_ids
+    # The second prompt found the first's two full blocks in the decode pool: only the rest moved.
+    assert copies == [(0, 4), (2, 2)]
+    assert pre.pool.num_used == 0 and dec.pool.num_used == 0
+
+
+def test_imported_sequences_wait_with_their_kv_when_the_batch_is_full(llama):
+    _, path = llama
+    prompts = [_rand(20, 30), _rand(37, 31), _rand(9, 32)]
+    want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64, max_num_seqs=1).engine
+    seqs = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        pre.add_request(p, GREEDY, rid, prefill_only=True)
+        outs = []
+        while pre.has_unfinished():
+            outs += pre.step()
+        src = pre.leases.leases[rid].blocks
+
+        def copy_in(dst: list[int], first: int, src=src) -> None:
+            gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
+
+        seq, imported = dec.admit_prefilled(p, outs[0].new_token_ids[0], GREEDY, rid, copy_in)
+        pre.leases.release(rid)
+        assert imported
+        seqs.append(seq)
+    # One runs; the others queue holding their imported KV (nothing is recomputed).
+    assert dec.num_running == 1 and dec.num_waiting == 2 and dec.pool.num_used == 2 + 3 + 1
+    while dec.has_unfinished():
+        dec.step()
+    for seq, w in zip(seqs, want, strict=True):
+        assert seq.output_token_ids == w.token_ids
+    assert dec.pool.num_used == 0 and pre.pool.num_used == 0
+
+
+def test_queued_kv_is_given_up_when_nothing_else_can_free_blocks():
+    pool = BlockPool(4)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=4096)
+    held = _seq("held", 40, 40)  # imported, queued with 3 blocks
+    held.block_table.ensure(pool, 41)
+    head = _seq("head", 40, 0)  # needs 3 blocks: only 1 is free and nothing runs
+    sched.add(head)
+    sched.add(held)
+    batch = sched.schedule()
+    assert [s.seq_id for s, _ in batch.items] == ["head"]
+    assert held.num_computed == 0 and not held.block_table.blocks
+    assert pool.num_used == 3
+
+
+# ---- TPOT target ---------------------------------------------------------------------------------
+def test_step_time_model_learns_fixed_and_per_token_cost():
+    m = StepTimeModel(alpha=0.1, min_samples=4)
+    assert m.max_tokens(0.05) is None
+    for i in range(60):
+        tokens = 1 + (i * 7) % 64
+        m.observe(tokens, 0.010 + 0.001 * tokens)  # 10 ms + 1 ms per token
+    fixed, per = m.coefficients()
+    assert fixed == pytest.approx(0.010, rel=1e-3) and per == pytest.approx(0.001, rel=1e-3)
+    assert m.max_tokens(0.050) == 40
+    flat = StepTimeModel(min_samples=2)
+    for _ in range(5):
+        flat.observe(4, 0.02)  # no spread: time taken as proportional (safe side)
+    assert flat.max_tokens(0.05) == 10
+
+
+def _seq(sid: str, n: int, computed: int, bs: int = 16) -> Sequence:
+    s = Sequence(sid, list(range(3, 3 + n)), tandem.SamplingParams(), BlockTable(bs))
+    s.num_computed = computed
+    return s
+
+
+def test_tpot_target_bounds_prefill_chunks_and_batch_size():
+    pool = BlockPool(256)
+    sched = Scheduler(pool, max_num_seqs=64, max_num_batched_tokens=4096, tpot_slo_s=0.030)
+    for i in range(40):
+        sched.step_time.observe(1 + i % 30, 0.010 + 0.001 * (1 + i % 30))
+    # 10 ms + 1 ms per token: a 30 ms step holds 20 tokens, so at most 20 sequences run.
+    assert sched._seq_limit() == 20
+    # Two sequences decoding and a long prompt waiting: the prompt gets an 18-token chunk (not
+    # the 4096-token budget).
+    for i in range(2):
+        s = _seq(f"d{i}", 8, 7)
+        s.block_table.ensure(pool, 8)
+        sched.admit_running(s)
+    sched.add(_seq("long", 500, 0))
+    batch = sched.schedule()
+    sizes = {s.seq_id: n for s, n in batch.items}
+    assert sizes == {"d0": 1, "d1": 1, "long": 18}
+    # However tight the target, a step with decodes still moves a running prompt on (and no
+    # further sequence joins: the batch is already larger than the target allows).
+    tight = Scheduler(BlockPool(256), 64, 4096, tpot_slo_s=0.001)
+    tight.step_time = sched.step_time
+    tight.admit_running(_seq("d", 8, 7))
+    tight.admit_running(_seq("p", 100, 0))
+    tight.add(_seq("w", 4, 0))
+    assert {s.seq_id: n for s, n in tight.schedule().items} == {"d": 1, "p": 16}
+    # Without decodes the whole budget goes to prompts.
+    idle = Scheduler(BlockPool(256), 64, 4096, tpot_slo_s=0.030)
+    idle.step_time = sched.step_time
+    idle.add(_seq("p", 500, 0))
+    assert idle.schedule().num_tokens == 500
+
+
+def test_prefix_cache_counts_hits():
+    pool = BlockPool(8)
+    cache = PrefixCache(pool, 4)
+    t = BlockTable(4)
+    t.ensure(pool, 10)
+    toks = list(range(10))
+    cache.register(t, toks, 10)
+    assert len(t.hashes) == 2 and pool.num_cached == 2
+    blocks, names = cache.match(toks + [99], 11)
+    assert blocks == t.blocks[:2] and names == t.hashes
+    assert cache.match(toks, 7)[0] == t.blocks[:1]
+    t.release(pool)
+    assert pool.num_used == 0 and pool.num_cached_free == 2

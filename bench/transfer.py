@@ -1,10 +1,11 @@
 """KV handover benchmark: how fast a prompt's KV moves from a prefill worker to a decode worker.
 
-For each --transport a real prefill and a real decode process are started on this machine with
-a random Llama checkpoint whose KV is large (many layers and KV heads: 16 KiB per token in
-float32), and for each --prompt-len this script, acting as the gateway, calls Prefill.Run (its
+A real prefill process and one real decode process per --transport are started on this machine
+with a random Llama checkpoint whose KV is large (many layers and KV heads: 16 KiB per token in
+float32). For each --prompt-len this script, acting as the gateway, calls Prefill.Run (its
 latency is the TTFT: the first token comes from the prefill worker) and then Decode.Session/Admit
-with that KV. The decode worker reports the handover time (`kv_transfer_ms`: from admission to
+with that KV on each transport's decode worker in turn (so load from elsewhere on the machine
+falls on all of them alike); medians of --reps rounds after one warm-up round. The decode worker reports the handover time (`kv_transfer_ms`: from admission to
 the KV sitting in its own blocks, engine queueing included), from which
 
     bandwidth  = KV bytes / handover time
@@ -179,93 +180,106 @@ class DecodeSession:
 
 
 # ---- measurement -------------------------------------------------------------------------------
-def measure_transport(
-    spec: str, model: str, lens: list[int], reps: int, args, log_dir: str
+def measure(
+    specs: list[str], model: str, lens: list[int], reps: int, args, log_dir: str
 ) -> list[dict[str, Any]]:
-    """`spec`: a transport, or nixl:UCX_TLS (e.g. nixl:tcp) to choose UCX's transports."""
-    transport, _, ucx_tls = spec.partition(":")
+    """One prefill worker and one decode worker per transport spec (a transport, or
+    nixl:UCX_TLS, e.g. nixl:tcp, to choose UCX's transports on the decode side). The transports
+    take turns on every repetition, so a machine whose load changes affects them alike."""
     blocks = max(lens) // BLOCK_SIZE + 2
     engine = ["--model", model, "--device", args.device, "--dtype", "float32"]
-    # NIXL and inline are for peers on other hosts: make the decode worker look like one.
-    prefill_env = {"TANDEM_HOST_ID": "bench-prefill"}
-    other_host = transport in ("nixl", "inline")
-    decode_env = {"TANDEM_HOST_ID": "bench-decode" if other_host else "bench-prefill"}
-    if ucx_tls:
-        prefill_env["UCX_TLS"] = decode_env["UCX_TLS"] = ucx_tls
-    prefill = Stage("prefill", [*engine, "--num-blocks", str(blocks + 8)], prefill_env, log_dir)
-    prefill.wait_healthy()
-    # The decode pool holds the sequence and, for NIXL, the blocks the READ lands in.
-    decode = Stage(
-        "decode",
-        [
-            *engine,
-            "--num-blocks",
-            str(2 * blocks + 8),
-            "--prefill",
-            prefill.address,
-            "--kv-transport",
-            transport,
-            "--kv-transfer-timeout",
-            "120",
-        ],
-        decode_env,
+    prefill = Stage(
+        "prefill",
+        [*engine, "--num-blocks", str(blocks + 8)],
+        {"TANDEM_HOST_ID": "bench-prefill"},
         log_dir,
     )
-    rows = []
+    decodes: dict[str, Stage] = {}
     try:
-        decode.wait_healthy()
+        prefill.wait_healthy()
+        for spec in specs:
+            transport, _, ucx_tls = spec.partition(":")
+            # NIXL and inline are for peers on other hosts: such a decode worker looks like one.
+            other_host = transport in ("nixl", "inline")
+            env = {"TANDEM_HOST_ID": "bench-decode" if other_host else "bench-prefill"}
+            if ucx_tls:
+                env["UCX_TLS"] = ucx_tls
+            decodes[spec] = Stage(
+                "decode",
+                [
+                    *engine,
+                    "--num-blocks",
+                    str(blocks + 8),
+                    "--prefill",
+                    prefill.address,
+                    "--kv-transport",
+                    transport,
+                    "--kv-transfer-timeout",
+                    "120",
+                ],
+                env,
+                log_dir,
+            )
+        for d in decodes.values():
+            d.wait_healthy()
         stub = stages_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
-        session = DecodeSession(decode.address)
+        sessions = {spec: DecodeSession(d.address) for spec, d in decodes.items()}
         sampling = api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
+        rows = []
         for n in lens:
-            samples = []
-            for rep in range(reps + 1):  # the first run of each length warms up
-                prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
-                t0 = time.perf_counter()
-                resp = stub.Run(
-                    stages_pb2.PrefillRequest(
-                        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling
-                    ),
-                    timeout=600,
-                )
-                ttft_ms = (time.perf_counter() - t0) * 1e3
-                fin = session.run(
-                    stages_pb2.Admit(
-                        seq_id=uuid.uuid4().hex,
-                        prompt_token_ids=prompt,
-                        first_token=resp.first_token,
-                        sampling=sampling,
-                        kv=resp.kv,
-                        prefill_address=prefill.address,
+            samples: dict[str, list[tuple[float, float, int]]] = {spec: [] for spec in specs}
+            for rep in range(reps + 1):  # the first round of each length warms up
+                for spec in specs:
+                    prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                    t0 = time.perf_counter()
+                    resp = stub.Run(
+                        stages_pb2.PrefillRequest(
+                            request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling
+                        ),
+                        timeout=600,
                     )
+                    ttft_ms = (time.perf_counter() - t0) * 1e3
+                    fin = sessions[spec].run(
+                        stages_pb2.Admit(
+                            seq_id=uuid.uuid4().hex,
+                            prompt_token_ids=prompt,
+                            first_token=resp.first_token,
+                            sampling=sampling,
+                            kv=resp.kv,
+                            prefill_address=prefill.address,
+                        )
+                    )
+                    if fin.finish_reason == "error" or fin.kv_transport != spec.partition(":")[0]:
+                        raise RuntimeError(f"{spec} at {n} tokens: {fin}")
+                    if rep:
+                        samples[spec].append((ttft_ms, fin.kv_transfer_ms, len(resp.kv.block_ids)))
+            for spec in specs:
+                ss = samples[spec]
+                ttft = statistics.median(x[0] for x in ss)
+                xfer = statistics.median(x[1] for x in ss)
+                nbytes = ss[0][2] * BLOCK_SIZE * kv_bytes_per_token(4)
+                rows.append(
+                    {
+                        "transport": spec,
+                        "ucx_tls": spec.partition(":")[2] or None,
+                        "prompt_tokens": n,
+                        "kv_bytes": nbytes,
+                        "ttft_ms": round(ttft, 2),
+                        "handover_ms": round(xfer, 3),
+                        "handover_ms_samples": [round(x[1], 3) for x in ss],
+                        "bandwidth_GBps": round(nbytes / (xfer / 1e3) / 1e9, 3),
+                        "ttft_share": round(xfer / (ttft + xfer), 4),
+                    }
                 )
-                if fin.finish_reason == "error" or fin.kv_transport != transport:
-                    raise RuntimeError(f"{transport} at {n} tokens: {fin}")
-                if rep:
-                    samples.append((ttft_ms, fin.kv_transfer_ms, len(resp.kv.block_ids)))
-            ttft = statistics.median(s[0] for s in samples)
-            xfer = statistics.median(s[1] for s in samples)
-            nbytes = samples[0][2] * BLOCK_SIZE * kv_bytes_per_token(4)
-            rows.append(
-                {
-                    "transport": spec,
-                    "ucx_tls": ucx_tls or None,
-                    "prompt_tokens": n,
-                    "kv_bytes": nbytes,
-                    "ttft_ms": round(ttft, 2),
-                    "handover_ms": round(xfer, 3),
-                    "handover_ms_samples": [round(s[1], 3) for s in samples],
-                    "bandwidth_GBps": round(nbytes / (xfer / 1e3) / 1e9, 3),
-                    "ttft_share": round(xfer / (ttft + xfer), 4),
-                }
-            )
-            print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms", flush=True)
-        session.close()
+                print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms", flush=True)
+        for sess in sessions.values():
+            sess.close()
+        return rows
     finally:
-        decode.stop()
+        for d in decodes.values():
+            d.stop()
         prefill.stop()
-    return rows
 
 
 def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any]]:
@@ -396,10 +410,8 @@ def main() -> int:
     log_dir = tempfile.mkdtemp(prefix="tandem-transfer-")
     model = os.path.join(log_dir, "model")
     build_model(model)
-    rows = []
-    for t in args.transport:
-        print(f"{t}: prefill + decode on {args.device} (logs in {log_dir})", flush=True)
-        rows += measure_transport(t, model, args.prompt_lens, args.reps, args, log_dir)
+    print(f"prefill + {len(args.transport)} decode workers on {args.device} (logs in {log_dir})")
+    rows = measure(args.transport, model, args.prompt_lens, args.reps, args, log_dir)
     baseline = copy_baseline(args.prompt_lens, args.device, args.reps)
     inline = {r["prompt_tokens"]: r for r in rows if r["transport"] == "inline"}
     for r in rows:

@@ -70,6 +70,15 @@ class PrefillPeer:
             self.shared.close()
 
 
+class _HandleUnusable(Exception):
+    """The pool handle a prefill worker offered cannot be opened here."""
+
+    def __init__(self, kind: str, cause: Exception) -> None:
+        super().__init__(f"{kind}: {cause}")
+        self.kind = kind
+        self.cause = cause
+
+
 @dataclass
 class Session:
     """One gateway's stream: its outgoing queue and the sequences it admitted."""
@@ -274,8 +283,25 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             return p
 
     async def _register(self, address: str, ch, stub) -> PrefillPeer:
-        """Register with one prefill worker and open the pool handle it offers."""
+        """Register with one prefill worker and open the pool handle it offers. Under `auto`, a
+        handle that cannot be opened here (a GPU this process cannot see, NIXL that does not
+        load) is dropped from the kinds asked for, with a warning, and registration retried."""
         kinds = accept_kinds(self.kv_transport, self.engine.kv.data.device.type, self.nixl_usable)
+        while True:
+            try:
+                return await self._register_once(address, ch, stub, kinds)
+            except _HandleUnusable as e:
+                if self.kv_transport != "auto" or e.kind == "inline":
+                    raise e.cause from None
+                log.warning(
+                    "cannot use the %s KV transport with prefill %s (%s); trying the next one",
+                    e.kind,
+                    address,
+                    e.cause,
+                )
+                kinds = [k for k in kinds if k != e.kind]
+
+    async def _register_once(self, address: str, ch, stub, kinds: list[str]) -> PrefillPeer:
         req = stages_pb2.RegisterRequest(
             peer_id=self.peer_id,
             layout=layout_to_proto(self.layout),
@@ -293,6 +319,15 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         if h.kind not in kinds:
             raise RuntimeError(f"prefill {address} offered transport {h.kind!r}, wanted {kinds}")
         p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
+        try:
+            await self._open_handle(p, h, req, stub, address)
+        except Exception as e:  # noqa: BLE001 - the caller decides: fall back or fail
+            p.close()
+            raise _HandleUnusable(h.kind, e) from e
+        return p
+
+    async def _open_handle(self, p: PrefillPeer, h, req, stub, address: str) -> None:
+        layout = p.layout
         if h.kind == "shm":
             p.shared = SharedPool.open(h.shm_name, layout)
             p.src_kv = p.shared.kv
@@ -315,7 +350,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 scales_addr=h.nixl.scales_addr,
             )
             p.nixl = await asyncio.to_thread(self.nixl_endpoint.open_peer, h.pool_id, info, layout)
-        return p
 
     async def _nixl(self) -> NixlEndpoint:
         """This worker's NIXL agent with its pool registered (created once, on first use)."""

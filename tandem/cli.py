@@ -107,7 +107,26 @@ def _stage_env(stage: str) -> dict[str, str]:
     return env
 
 
+def _gateway_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split `tandem up`'s pass-through flags: the gateway's own settings (`GatewayConfig`, e.g.
+    --disagg-threshold, --ttft-slo-ms, --shed-load) go to the gateway only, the rest to all."""
+    from dataclasses import fields
+
+    from tandem.config import GatewayConfig, add_gateway_args
+
+    gp = argparse.ArgumentParser(add_help=False)
+    add_gateway_args(gp)
+    ns, rest = gp.parse_known_args(argv)
+    gateway = []
+    for f in fields(GatewayConfig):
+        v = getattr(ns, f.name)
+        if v is not None:
+            gateway += ["--" + f.name.replace("_", "-"), str(v)]
+    return gateway, rest
+
+
 def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
+    gateway_argv, engine_argv = _gateway_argv(engine_argv)
     host = args.host
     port = args.port
     http_port = args.http_port
@@ -159,6 +178,7 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
                 prefill_addr,
                 "--decode",
                 decode_addr,
+                *gateway_argv,
             ],
         ),
     ]

@@ -148,12 +148,30 @@ class GatewayConfig:
     api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
+    # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
+    # than this many tokens is prefilled there (no KV transfer); longer ones go to a prefill
+    # worker. 0: always a prefill worker. Default measured on CPU (bench/results/
+    # goodput_cpu.json, "threshold"); re-measure on a GPU host.
+    disagg_threshold: int = 128
+    # Time-to-first-token target in ms: requests are estimated against it at arrival (queued
+    # prompt tokens ahead of them, measured prefill speed); with shed_load those that cannot meet
+    # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
+    ttft_slo_ms: float | None = None
+    shed_load: bool = False
 
     def validate(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "disagg_threshold":
+                if not isinstance(v, int) or v < 0:
+                    raise ValueError(f"disagg_threshold must be an integer >= 0, got {v!r}")
+                continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")
+        if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
+            raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
+        if self.shed_load and self.ttft_slo_ms is None:
+            raise ValueError("shed_load needs a time-to-first-token target: set ttft_slo_ms")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         for name in ("tls_cert", "tls_key"):
@@ -211,6 +229,11 @@ def gateway_config_from_args(args: Any) -> GatewayConfig:
 def add_engine_args(parser: Any) -> None:
     """Add a `--flag` for every `EngineConfig` field to an argparse parser (default: unset)."""
     _add_dataclass_args(parser, EngineConfig, "engine")
+
+
+def add_gateway_args(parser: Any) -> None:
+    """Add a `--flag` for every `GatewayConfig` field to an argparse parser (default: unset)."""
+    _add_dataclass_args(parser, GatewayConfig, "gateway")
 
 
 def engine_config_from_args(args: Any) -> EngineConfig:

@@ -75,6 +75,13 @@ class DecodeTelemetry:
         else:
             st.ready = now
 
+    def prefill_here(self, seq_id: str, started: float) -> None:
+        """A sequence joined to be prefilled by this worker (no KV handover)."""
+        self.metrics.local_prefills.inc()
+        st = self.seqs.get(seq_id) if self.tracing else None
+        if st is not None and st.first is None:
+            st.ready = started
+
     def admit_failed(self, seq_id: str, started: float, error: BaseException) -> None:
         self.metrics.requests.labels("error").inc()
         st = self.seqs.pop(seq_id, None) if self.tracing else None

@@ -225,6 +225,10 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
         self.imports_by_transport: dict[str, int] = {}
+        # Per sequence, noted at its first step here: (prompt tokens found in the prefix cache,
+        # queue ms, prefill ms); the last two only mean something for prefill_here sequences.
+        self.prefill_info: dict[str, tuple[int, float, float]] = {}
+        self.local_prefills = 0  # sequences admitted with prefill_here
         self.obs = DecodeTelemetry(self.engine, self.loop, self.layout.block_bytes)
         self.draft = None
         self.speculator = None
@@ -377,6 +381,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         )
         t0 = time.monotonic()
         self.obs.begin(msg)
+        if msg.prefill_here:
+            await self._prefill_here(msg, session, params, t0)
+            return
         failure = ""
         try:
             peer = await self.peer(msg.prefill_address)
@@ -468,6 +475,38 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             # tells the prefill side so): it may reuse them.
             asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
 
+    async def _prefill_here(
+        self, msg: stages_pb2.Admit, session: Session, params, t0: float
+    ) -> None:
+        """Conditional disaggregation: this worker prefills the prompt itself (no KV transfer),
+        computing only what its prefix cache lacks, in chunks mixed with its decodes."""
+        sid = msg.seq_id
+        ids = list(msg.prompt_token_ids)
+        session.seqs.add(sid)
+        self.owner[sid] = session
+        try:
+            await asyncio.wrap_future(
+                self.engine_loop.submit(lambda e: e.add_request(ids, params, sid))
+            )
+        except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
+            log.warning("admit %s (prefill here) failed: %s", sid, e)
+            self.obs.admit_failed(sid, t0, e)
+            session.seqs.discard(sid)
+            self.owner.pop(sid, None)
+            session.out.put_nowait(
+                stages_pb2.DecodeOut(
+                    finished=[
+                        stages_pb2.SeqFinished(
+                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
+                        )
+                    ]
+                )
+            )
+            return
+        self.local_prefills += 1
+        self.transfer[sid] = (0.0, "none")
+        self.obs.prefill_here(sid, t0)
+
     async def _read_nixl(
         self,
         peer: PrefillPeer,
@@ -534,6 +573,16 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
         self.obs.on_step(outs, self.engine_loop.last_step)
+        now = time.monotonic()
+        for o in outs:
+            seq = o.seq
+            if seq.seq_id not in self.prefill_info:  # its first step here
+                started = seq.first_scheduled_time
+                self.prefill_info[seq.seq_id] = (
+                    seq.num_cached_tokens,
+                    (started - seq.arrival_time) * 1e3 if started else 0.0,
+                    (now - started) * 1e3 if started else 0.0,
+                )
         items = [
             (
                 o.seq.seq_id,
@@ -570,6 +619,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         for sid, toks, lps, reason in items:
             sess = self.owner.get(sid)
             if sess is None:
+                if reason is not None:
+                    self.prefill_info.pop(sid, None)
                 continue
             _, msg = per_session.setdefault(id(sess), (sess, stages_pb2.DecodeOut()))
             if toks:
@@ -591,6 +642,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
     def _finished(self, sid: str, reason: str) -> stages_pb2.SeqFinished:
         ms, kind = self.transfer.pop(sid, (0.0, ""))
         proposed, accepted = self.spec_totals.pop(sid, (0, 0))
+        cached, queue_ms, prefill_ms = self.prefill_info.pop(sid, (0, 0.0, 0.0))
         err = ""
         if reason.startswith("error:"):
             reason, err = "error", reason[len("error:") :]
@@ -602,6 +654,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             kv_transport=kind,
             proposed_draft_tokens=proposed,
             accepted_draft_tokens=accepted,
+            cached_prompt_tokens=cached,
+            queue_ms=queue_ms,
+            prefill_ms=prefill_ms,
         )
 
     # ---- RPCs ---------------------------------------------------------------------------------
@@ -647,6 +702,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.owner.pop(sid, None)
         if aborted and notify:
             session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
+        else:
+            self.prefill_info.pop(sid, None)
 
     async def Stats(self, request, context):
         def snap(e: LLMEngine):
@@ -660,6 +717,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 imports_by_transport=self.imports_by_transport,
                 kv_transfer_failures=self.transfer_failures,
                 kv_transfers_in_flight=len(self.importing),
+                cached_free_blocks=e.pool.num_cached_free,
+                prefix_query_tokens=e.prefix_cache.query_tokens if e.prefix_cache else 0,
+                prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
+                block_size=e.config.block_size,
+                local_prefills=self.local_prefills,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))

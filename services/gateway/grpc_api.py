@@ -15,7 +15,7 @@ from services.gateway.observe import (
     grpc_carrier,
     operation_of,
 )
-from services.gateway.pipeline import Finished, Pipeline, TextDelta
+from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams
@@ -116,6 +116,7 @@ def finish_to_proto(f: Finished, trace_id: str = "") -> api_pb2.Finish:
             prompt_tokens=f.prompt_tokens,
             completion_tokens=f.completion_tokens,
             accepted_draft_tokens=f.accepted_draft_tokens,
+            cached_prompt_tokens=f.cached_prompt_tokens,
         ),
         timings=api_pb2.Timings(
             queue_ms=t.get("queue_ms", 0.0),
@@ -129,6 +130,7 @@ def finish_to_proto(f: Finished, trace_id: str = "") -> api_pb2.Finish:
         trace_id=trace_id,
         stop_string=f.stop_string or "",
         kv_transport=f.kv_transport,
+        prefill_worker=f.prefill_worker,
     )
 
 
@@ -199,6 +201,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         out: asyncio.Queue = asyncio.Queue()
         history: list[dict[str, str]] = []
         state: dict = {"task": None, "turn": 0}
+        session = Session()  # later turns go where the earlier ones' KV is
 
         carrier = grpc_carrier(context)  # each turn is a request span under the client's
 
@@ -207,7 +210,9 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         ) -> None:
             text: list[str] = []
             try:
-                async for ev in rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt)):
+                async for ev in rt.watch(
+                    self.fe.pipeline.run(ids, params, rid, trace=rt, session=session)
+                ):
                     if isinstance(ev, TextDelta):
                         text.append(ev.text)
                         out.put_nowait(api_pb2.ChatResponse(turn=turn_no, chunk=chunk_to_proto(ev)))

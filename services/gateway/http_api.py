@@ -243,7 +243,7 @@ class OpenAIServer:
         if not isinstance(stream, bool):
             return error_response("stream must be a boolean", 400, "stream")
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
-        self.fe.pipeline.admit()
+        self.fe.pipeline.admit(ids)
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             return error_response("stream_options must be an object", 400, "stream_options")
@@ -390,6 +390,7 @@ def _usage(f: Finished | None) -> dict:
         "prompt_tokens": f.prompt_tokens,
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_prompt_tokens},
     }
 
 

@@ -26,9 +26,18 @@ from tandem.metrics import GatewayMetrics
 class GatewayTelemetry:
     """Metrics registry and served model name shared by every request of the gateway."""
 
-    def __init__(self, metrics: GatewayMetrics | None = None, model_name: str = "") -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics | None = None,
+        model_name: str = "",
+        ttft_slo_s: float | None = None,
+        tpot_slo_s: float | None = None,
+    ) -> None:
         self.metrics = metrics
         self.model_name = model_name
+        # Targets a request must meet to count in `tandem_requests_within_slo` (goodput).
+        self.ttft_slo_s = ttft_slo_s
+        self.tpot_slo_s = tpot_slo_s
 
     def begin(self, operation: str, carrier: Any = None) -> RequestTrace:
         """Start observing a request; `carrier` holds the client's W3C headers (or metadata)."""
@@ -216,8 +225,18 @@ class RequestTrace:
             m.generation_tokens.inc(n_tokens)
             if fin is not None:
                 m.e2e.observe(t_end - self.t0)
+                tpot = None
                 if n_tokens > 1 and t_first is not None:
-                    m.tpot.observe((t_end - t_first) / (n_tokens - 1))
+                    tpot = (t_end - t_first) / (n_tokens - 1)
+                    m.tpot.observe(tpot)
+                m.observe_cache(fin.prompt_tokens, fin.cached_prompt_tokens)
+                m.prefills.labels(fin.prefill_worker).inc()
+                ttft_ok = self.tel.ttft_slo_s is None or (
+                    t_first is not None and t_first - self.t0 <= self.tel.ttft_slo_s
+                )
+                tpot_ok = self.tel.tpot_slo_s is None or tpot is None or tpot <= self.tel.tpot_slo_s
+                if ttft_ok and tpot_ok and fin.reason in ("stop", "length"):
+                    m.requests_within_slo.inc()
         span = self.span
         if span is None or not span.is_recording():
             return
@@ -238,6 +257,8 @@ class RequestTrace:
         if fin is not None:
             attrs[tel.USAGE_INPUT_TOKENS] = fin.prompt_tokens
             attrs[tel.KV_TRANSPORT] = fin.kv_transport
+            attrs["tandem.usage.cached_prompt_tokens"] = fin.cached_prompt_tokens
+            attrs["tandem.prefill_worker"] = fin.prefill_worker
             if fin.request_id:
                 attrs[tel.RESPONSE_ID] = fin.request_id
             if t_first is not None:

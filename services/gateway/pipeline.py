@@ -1,4 +1,11 @@
-"""One request through the stages: prefill -> KV handover -> decode, detokenized as it streams."""
+"""One request through the stages: prefill -> KV handover -> decode, detokenized as it streams.
+
+Where the prompt is prefilled (conditional disaggregation): the decode worker is chosen first
+(a Chat session's own, else nearly least loaded with the longest cached prefix); when the part
+of the prompt it probably lacks is shorter than `disagg_threshold` tokens, it prefills the prompt
+itself (`Admit.prefill_here`, no KV transfer). Otherwise a prefill worker computes it and the
+decode worker imports the KV, copying only the blocks it does not hold already.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.gateway.router import Overloaded, Router, StageUnavailable
+from services.gateway.admission import SloUnreachable, Ticket, TtftAdmission
+from services.gateway.router import (
+    DecodeClient,
+    Overloaded,
+    PrefillClient,
+    Router,
+    StageUnavailable,
+)
+from tandem.config import GatewayConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -42,6 +57,25 @@ class Finished:
     request_id: str = ""
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+    prefill_worker: str = "prefill"  # prefill | decode (where the prompt was prefilled)
+
+
+@dataclass
+class Session:
+    """What a Chat stream's turns share: the decode worker holding the conversation's KV."""
+
+    decode: str | None = None
+
+
+@dataclass
+class Route:
+    """Where a request goes: its decode worker, and its prefill worker (None: prefill there)."""
+
+    names: list[bytes]  # prefix-cache names of the prompt's full blocks
+    decode: DecodeClient
+    prefill: PrefillClient | None
+    uncached: int  # prompt tokens the prefilling worker probably lacks
 
 
 class Pipeline:
@@ -55,6 +89,8 @@ class Pipeline:
         max_model_len: int,
         max_waiting: int = 256,
         max_inflight: int = 1024,
+        disagg_threshold: int = GatewayConfig.disagg_threshold,
+        admission: TtftAdmission | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -62,12 +98,17 @@ class Pipeline:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.max_inflight = max_inflight
+        self.disagg_threshold = disagg_threshold
+        self.admission = admission or TtftAdmission()
         self.waiting = 0  # admitted, no first token yet
         self.inflight = 0  # admitted, not finished
+        self.prefills = {"prefill": 0, "decode": 0}  # requests by where they were prefilled
         self._background: set[asyncio.Task] = set()
 
-    def admit(self) -> None:
-        """Refuse at once (rather than queue without bound) when a limit is reached."""
+    def admit(self, ids: list[int] | None = None, session: Session | None = None) -> Route | None:
+        """Refuse at once (rather than queue without bound) when a limit is reached, or (with
+        `ids`, when shedding load) when the prompt's time-to-first-token target is out of reach.
+        Returns the route the prompt would take now."""
         if self.inflight >= self.max_inflight:
             raise Overloaded(
                 f"gateway is at its limit of {self.max_inflight} requests in progress; retry later"
@@ -77,6 +118,29 @@ class Pipeline:
                 f"gateway is at its limit of {self.max_waiting} requests waiting for a first "
                 "token; retry later"
             )
+        if ids is None:
+            return None
+        route = self.route(ids, session)
+        worker = route.prefill or route.decode
+        try:
+            self.admission.check(worker.address, route.uncached)
+        except SloUnreachable as e:
+            raise Overloaded(str(e)) from e
+        return route
+
+    def route(self, ids: list[int], session: Session | None = None) -> Route:
+        """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down)."""
+        index = self.router.index
+        names = index.names(ids)
+        decode = self.router.pick_decode(names, session.decode if session else None)
+        # The worker computes at least the last token, however much it holds.
+        uncached = max(1, len(ids) - index.matched_tokens(decode.address, names))
+        if uncached < self.disagg_threshold:
+            return Route(names, decode, None, uncached)
+        prefill = self.router.pick_prefill(names)
+        return Route(
+            names, decode, prefill, max(1, len(ids) - index.matched_tokens(prefill.address, names))
+        )
 
     def _stop_reason(
         self, params: SamplingParams, tok: int, n_out: int, n_total: int
@@ -93,17 +157,21 @@ class Pipeline:
         params: SamplingParams,
         request_id: str = "",
         trace: RequestTrace | None = None,
+        session: Session | None = None,
     ) -> AsyncIterator[TextDelta | Finished]:
         """Stream text deltas, then one `Finished`. Closing the iterator early cancels the request.
 
-        Raises `Overloaded` before doing anything when a gateway limit is reached.
+        Raises `Overloaded` before doing anything when a gateway limit is reached or the request
+        cannot meet its time-to-first-token target (with load shedding).
         """
-        self.admit()
+        route = self.admit(ids, session)
         self.inflight += 1
         self.waiting += 1
         state = {"waiting": True}
         try:
-            async with aclosing(self._run(ids, params, request_id, state, trace)) as events:
+            async with aclosing(
+                self._run(ids, params, request_id, state, route, trace, session)
+            ) as events:
                 async for ev in events:
                     yield ev
         finally:
@@ -122,34 +190,42 @@ class Pipeline:
         params: SamplingParams,
         request_id: str,
         state: dict,
+        route: Route,
         trace: RequestTrace | None = None,
+        session: Session | None = None,
     ) -> AsyncIterator[TextDelta | Finished]:
         t0 = time.monotonic()
         seq_id = uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         if trace is not None:  # spans of this request: parent context, timed detokenizer
             detok = trace.detokenizer(detok)
-        prefill = self.router.pick_prefill()  # raises StageUnavailable when none is up
         draft = self.router.pick_draft()
         if draft is not None:
             # The draft prefills its own state while the target prefills; failures only cost
             # speculation (the decode worker resends the whole sequence when the draft lacks it).
             draft.admit(seq_id, ids, trace.metadata() if trace is not None else None)
-        prefill.inflight += 1
+        prefill = route.prefill
+        ticket = self.admission.sent((prefill or route.decode).address, route.uncached)
+        self.prefills["decode" if prefill is None else "prefill"] += 1
+        if prefill is not None:
+            prefill.inflight += 1
         # The prefill worker names the lease after `seq_id`; until a decode worker takes it over,
         # this request owns it and gives it back on every way out (cancel, stop, error).
-        lease = {"owned": True, "id": seq_id}
+        lease = {"owned": prefill is not None, "id": seq_id}
         try:
             async with aclosing(
                 self._stream(
-                    ids, params, request_id, state, trace, t0, seq_id, detok, prefill, lease
+                    ids, params, request_id, state, trace, t0, seq_id, detok, route, lease, ticket
                 )
             ) as events:
                 async for ev in events:
                     yield ev
         finally:
+            self.admission.done(ticket)
             if lease["owned"]:
                 self._release_lease(prefill, lease["id"])
+            if session is not None:
+                session.decode = route.decode.address
 
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
@@ -165,11 +241,9 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _stream(
-        self, ids, params, request_id, state, trace, t0, seq_id, detok, prefill, lease
-    ) -> AsyncIterator[TextDelta | Finished]:
+    async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state):
         try:
-            resp = await prefill.stub.Run(
+            return await prefill.stub.Run(
                 stages_pb2.PrefillRequest(
                     request_id=seq_id, prompt_token_ids=ids, sampling=sampling_to_proto(params)
                 ),
@@ -188,26 +262,46 @@ class Pipeline:
         finally:
             prefill.inflight -= 1
             self._first_token_seen(state)
-        t_first = time.monotonic()
-        lease["id"] = resp.kv.lease_id or seq_id
-        first = resp.first_token
-        n_out = 1
-        reason = self._stop_reason(params, first, n_out, len(ids) + 1)
-        text = detok.add([first])
-        if detok.stopped_by is not None:
-            reason = "stop"
-        lps = [logprob_from_proto(resp.first_logprob)] if resp.has_logprob else []
-        yield TextDelta(text, [first], lps)
-        timings = {
-            "queue_ms": resp.queue_ms,
-            "prefill_ms": resp.prefill_ms,
-            "ttft_ms": (t_first - t0) * 1e3,
-            "kv_transfer_ms": 0.0,
-        }
-        transport = "none"
-        spec = (0, 0)  # draft tokens proposed and accepted for this sequence
-        if reason is None:
-            decode = self.router.pick_decode()  # raises StageUnavailable when none is up
+
+    async def _stream(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        state: dict,
+        trace: RequestTrace | None,
+        t0: float,
+        seq_id: str,
+        detok,
+        route: Route,
+        lease: dict,
+        ticket: Ticket,
+    ) -> AsyncIterator[TextDelta | Finished]:
+        prefill = route.prefill
+        timings = {"queue_ms": 0.0, "prefill_ms": 0.0, "ttft_ms": 0.0, "kv_transfer_ms": 0.0}
+        out_ids: list[int] = []
+        reason = None
+        cached = 0
+        t_first = None
+        carrier = trace.carrier() if trace is not None else {}
+        if prefill is not None:
+            resp = await self._prefill(prefill, ids, params, seq_id, trace, state)
+            t_first = time.monotonic()
+            self.admission.first_token(ticket)
+            self.router.index.record(prefill.address, route.names)
+            lease["id"] = resp.kv.lease_id or seq_id
+            first = resp.first_token
+            out_ids.append(first)
+            cached = resp.cached_tokens
+            reason = self._stop_reason(params, first, 1, len(ids) + 1)
+            text = detok.add([first])
+            if detok.stopped_by is not None:
+                reason = "stop"
+            lps = [logprob_from_proto(resp.first_logprob)] if resp.has_logprob else []
+            yield TextDelta(text, [first], lps)
+            timings.update(
+                queue_ms=resp.queue_ms, prefill_ms=resp.prefill_ms, ttft_ms=(t_first - t0) * 1e3
+            )
             admit = stages_pb2.Admit(
                 seq_id=seq_id,
                 prompt_token_ids=ids,
@@ -216,8 +310,22 @@ class Pipeline:
                 kv=resp.kv,
                 prefill_address=prefill.address,
                 rng_state=resp.rng_state,
-                trace_context=trace.carrier() if trace is not None else {},
+                trace_context=carrier,
             )
+        else:
+            admit = stages_pb2.Admit(
+                seq_id=seq_id,
+                prompt_token_ids=ids,
+                sampling=sampling_to_proto(params),
+                trace_context=carrier,
+                prefill_here=True,
+            )
+        transport = "none"
+        spec = (0, 0)  # draft tokens proposed and accepted for this sequence
+        decode = route.decode
+        if reason is None:
+            if not decode.healthy and prefill is not None:
+                decode = route.decode = self.router.pick_decode(route.names)
             done = False
             try:
                 q = await decode.open(seq_id, admit)
@@ -226,7 +334,12 @@ class Pipeline:
                     kind, msg = await q.get()
                     if kind == "tokens":
                         toks = list(msg.token_ids)
-                        n_out += len(toks)
+                        if t_first is None and toks:  # prefilled here: the first token
+                            t_first = time.monotonic()
+                            timings["ttft_ms"] = (t_first - t0) * 1e3
+                            self._first_token_seen(state)
+                            self.admission.first_token(ticket)
+                        out_ids.extend(toks)
                         text = detok.add(toks)
                         lps = [logprob_from_proto(m) for m in msg.logprobs]
                         if detok.stopped_by is not None:
@@ -243,6 +356,10 @@ class Pipeline:
                         timings["kv_transfer_ms"] = msg.kv_transfer_ms
                         transport = msg.kv_transport or transport
                         spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
+                        if prefill is None:
+                            cached = msg.cached_prompt_tokens
+                            timings["queue_ms"] = msg.queue_ms
+                            timings["prefill_ms"] = msg.prefill_ms
                     else:  # the stream to the decode worker broke
                         done = True
                         raise StageUnavailable(msg)
@@ -250,10 +367,17 @@ class Pipeline:
                 if not done or reason == "stop" and detok.stopped_by is not None:
                     decode.cancel(seq_id)
                 decode.close_seq(seq_id)
+                # It holds the prompt and the output but the last token (whose KV is never
+                # computed), named block by block as they filled.
+                self.router.index.record(
+                    decode.address, self.router.index.names(ids + out_ids[:-1])
+                )
         tail = detok.finish()
         if tail:
             yield TextDelta(tail, [])
         t_end = time.monotonic()
+        n_out = len(out_ids)
+        t_first = t_first if t_first is not None else t_end
         timings["total_ms"] = (t_end - t0) * 1e3
         timings["mean_tpot_ms"] = (t_end - t_first) * 1e3 / (n_out - 1) if n_out > 1 else 0.0
         proposed, accepted = spec
@@ -267,4 +391,6 @@ class Pipeline:
             stop_string=detok.stopped_by,
             kv_transport=transport,
             request_id=request_id,
+            cached_prompt_tokens=cached,
+            prefill_worker="decode" if prefill is None else "prefill",
         )

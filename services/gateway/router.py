@@ -1,12 +1,21 @@
-"""Clients of the prefill and decode workers, and the least-loaded choice between them."""
+"""Clients of the prefill and decode workers, and the choice between them.
+
+A worker is chosen among the healthy ones that are nearly the least loaded (within
+`LOAD_SLACK` requests of it), preferring the one that probably holds the longest prefix of the
+prompt in its prefix cache (`PrefixIndex`); a Chat session's later turns go to the decode worker
+that served its earlier ones, which holds the whole conversation.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
+from services.gateway.prefix_index import PrefixIndex
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -21,6 +30,9 @@ class Overloaded(RuntimeError):
 
 
 PROBE_INTERVAL_S = 0.5
+# Prefix affinity never sends a request to a worker busier than the least loaded by more than
+# this many requests: a cache hit is not worth an unbounded queue.
+LOAD_SLACK = 2
 # Each worker channel owns its subchannels (a replaced channel must not inherit the old one's
 # reconnect backoff), and reconnects quickly once a restarted worker listens again.
 CHANNEL_OPTIONS = [
@@ -40,12 +52,15 @@ class Worker:
         self.address = address
         self.healthy = True
         self._probe: asyncio.Task | None = None
+        self.index: PrefixIndex | None = None  # set by the router
 
     def mark_down(self, reason: str) -> None:
         """Stop routing here and probe `grpc.health.v1` until the worker answers SERVING again."""
         if self.healthy:
             log.warning("%s worker %s is down: %s", self.stage, self.address, reason)
         self.healthy = False
+        if self.index is not None:
+            self.index.forget(self.address)  # it comes back with an empty cache
         if self._probe is None or self._probe.done():
             self._probe = asyncio.ensure_future(self._probe_until_up())
 
@@ -202,34 +217,56 @@ class DraftAdmitter:
         await self.channel.close()
 
 
+W = TypeVar("W", bound=Worker)
+
+
 class Router:
-    """Chooses the least-loaded worker of each stage."""
+    """Chooses a worker of each stage: nearly least loaded, then longest cached prefix."""
 
     def __init__(
-        self, prefill: list[str], decode: list[str], draft: list[str] | None = None
+        self,
+        prefill: list[str],
+        decode: list[str],
+        draft: list[str] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
         self.prefill = [PrefillClient(a) for a in prefill]
         self.decode = [DecodeClient(a) for a in decode]
         self.draft = [DraftAdmitter(a) for a in draft or []]
+        self.index = index or PrefixIndex(16)
+        for w in [*self.prefill, *self.decode]:
+            w.index = self.index
 
     def pick_draft(self) -> DraftAdmitter | None:
         return self.draft[0] if self.draft else None
 
-    def pick_prefill(self) -> PrefillClient:
-        up = [c for c in self.prefill if c.healthy]
+    def _pick(
+        self, workers: list[W], load: Callable[[W], int], names: Sequence[bytes], stage: str
+    ) -> W:
+        up = [c for c in workers if c.healthy]
         if not up:
-            names = ", ".join(c.address for c in self.prefill)
-            raise StageUnavailable(f"no prefill worker is available (tried {names}); retry later")
-        return min(up, key=lambda c: c.inflight)
+            tried = ", ".join(c.address for c in workers)
+            raise StageUnavailable(f"no {stage} worker is available (tried {tried}); retry later")
+        least = min(load(c) for c in up)
+        near = [c for c in up if load(c) <= least + LOAD_SLACK]
+        if not names or len(near) == 1:
+            return min(near, key=load)
+        return max(
+            near, key=lambda c: (self.index.matched_tokens(c.address, list(names)), -load(c))
+        )
 
-    def pick_decode(self) -> DecodeClient:
-        up = [c for c in self.decode if c.healthy]
-        if not up:
-            names = ", ".join(c.address for c in self.decode)
-            raise StageUnavailable(f"no decode worker is available (tried {names}); retry later")
-        return min(up, key=lambda c: c.load)
+    def pick_prefill(self, names: Sequence[bytes] = ()) -> PrefillClient:
+        return self._pick(self.prefill, lambda c: c.inflight, names, "prefill")
+
+    def pick_decode(self, names: Sequence[bytes] = (), affinity: str | None = None) -> DecodeClient:
+        """`affinity`: the decode worker of a Chat session's earlier turns, kept while healthy."""
+        if affinity is not None:
+            for c in self.decode:
+                if c.address == affinity and c.healthy:
+                    return c
+        return self._pick(self.decode, lambda c: c.load, names, "decode")
 
     @property
     def serving(self) -> bool:

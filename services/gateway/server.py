@@ -10,6 +10,7 @@ import grpc
 from aiohttp import web
 from grpc_reflection.v1alpha import reflection
 
+from services.gateway.admission import TtftAdmission
 from services.gateway.grpc_api import (
     ApiKeyInterceptor,
     Frontend,
@@ -19,6 +20,7 @@ from services.gateway.grpc_api import (
 from services.gateway.http_api import OpenAIServer
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
+from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import Router
 from tandem.config import EngineConfig, GatewayConfig
 from tandem.metrics import GatewayMetrics, serve_metrics
@@ -45,12 +47,29 @@ async def serve(
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    router = Router(prefill, decode, draft)
+    # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
+    router = Router(prefill, decode, draft, index=PrefixIndex(config.block_size))
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
-    pipeline = Pipeline(router, tokenizer, eos, max_len, gc.max_waiting, gc.max_inflight)
+    ttft_slo_s = gc.ttft_slo_ms / 1e3 if gc.ttft_slo_ms else None
+    pipeline = Pipeline(
+        router,
+        tokenizer,
+        eos,
+        max_len,
+        gc.max_waiting,
+        gc.max_inflight,
+        disagg_threshold=gc.disagg_threshold,
+        admission=TtftAdmission(ttft_slo_s, gc.shed_load),
+    )
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
     gateway_metrics = GatewayMetrics()
-    frontend.telemetry = GatewayTelemetry(gateway_metrics, mc.name)
+    frontend.telemetry = GatewayTelemetry(
+        gateway_metrics,
+        mc.name,
+        ttft_slo_s=ttft_slo_s,
+        tpot_slo_s=config.tpot_slo_ms / 1e3 if config.tpot_slo_ms else None,
+    )
+    gateway_metrics.watch(lambda: _admission_metrics(pipeline))
     metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway")
 
     interceptors = [ApiKeyInterceptor(gc.api_key)] if gc.api_key else []
@@ -102,6 +121,16 @@ async def serve(
         await router.close()
         if metrics is not None:
             metrics.close()
+
+
+def _admission_metrics(pipeline: Pipeline):
+    from prometheus_client.core import CounterMetricFamily
+
+    yield CounterMetricFamily(
+        "tandem_requests_shed",
+        "Requests refused at arrival because they could not meet the TTFT target (shed_load).",
+        value=pipeline.admission.num_shed,
+    )
 
 
 async def _follow_router(router: Router, health) -> None:

@@ -50,6 +50,7 @@ class PrefillResult:
     rng_state: bytes
     queue_ms: float
     prefill_ms: float
+    cached_tokens: int = 0  # prompt tokens found in this worker's prefix cache
 
 
 class PrefillService(stages_pb2_grpc.PrefillServicer):
@@ -108,6 +109,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 rng_state=state,
                 queue_ms=((seq.first_scheduled_time or now) - seq.arrival_time) * 1e3,
                 prefill_ms=(now - (seq.first_scheduled_time or now)) * 1e3,
+                cached_tokens=seq.num_cached_tokens,
             )
             self.loop.call_soon_threadsafe(self._resolve, seq.seq_id, res)
 
@@ -248,6 +250,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             rng_state=res.rng_state,
             queue_ms=res.queue_ms,
             prefill_ms=res.prefill_ms,
+            cached_tokens=res.cached_tokens,
         )
         if res.logprob is not None:
             out.first_logprob.CopyFrom(logprob_to_proto(res.logprob))
@@ -292,6 +295,10 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 inline_bytes_sent=self.inline_bytes_sent,
                 registered_peers=len(self.peers),
                 kv_transfer_failures=self.transfer_failures,
+                cached_free_blocks=e.pool.num_cached_free,
+                prefix_query_tokens=e.prefix_cache.query_tokens if e.prefix_cache else 0,
+                prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
+                block_size=e.config.block_size,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))

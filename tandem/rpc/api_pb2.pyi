@@ -125,7 +125,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., mean_tpot_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "request_id", "trace_id", "stop_string", "kv_transport")
+    __slots__ = ("finish_reason", "usage", "timings", "request_id", "trace_id", "stop_string", "kv_transport", "prefill_worker")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class Finish(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     timings: Timings
@@ -140,7 +141,8 @@ class Finish(_message.Message):
     trace_id: str
     stop_string: str
     kv_transport: str
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., stop_string: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    prefill_worker: str
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., request_id: _Optional[str] = ..., trace_id: _Optional[str] = ..., stop_string: _Optional[str] = ..., kv_transport: _Optional[str] = ..., prefill_worker: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "finish")

@@ -108,7 +108,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms")
+    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class PrefillResponse(_message.Message):
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: _api_pb2.TokenLogprob
     has_logprob: bool
@@ -123,7 +124,8 @@ class PrefillResponse(_message.Message):
     rng_state: bytes
     queue_ms: float
     prefill_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "transfer_error")
@@ -158,7 +160,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills")
     class ImportsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +179,11 @@ class WorkerStats(_message.Message):
     IMPORTS_BY_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     used_blocks: int
@@ -188,10 +195,15 @@ class WorkerStats(_message.Message):
     imports_by_transport: _containers.ScalarMap[str, int]
     kv_transfer_failures: int
     kv_transfers_in_flight: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ...) -> None: ...
+    cached_free_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    block_size: int
+    local_prefills: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context")
+    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +219,7 @@ class Admit(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -215,7 +228,8 @@ class Admit(_message.Message):
     prefill_address: str
     rng_state: bytes
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class CancelSeq(_message.Message):
     __slots__ = ("seq_id",)
@@ -242,7 +256,7 @@ class SeqTokens(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SeqFinished(_message.Message):
-    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens", "cached_prompt_tokens", "prefill_ms")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +265,8 @@ class SeqFinished(_message.Message):
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     finish_reason: str
     error: str
@@ -259,7 +275,9 @@ class SeqFinished(_message.Message):
     kv_transport: str
     proposed_draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    prefill_ms: float
+    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
     __slots__ = ("tokens", "finished")

@@ -33,6 +33,7 @@ def test_draft_spans_join_the_request_trace(model_factory):
         spans = collector.wait_for(
             lambda s: (
                 any(x.trace_id == trace_id and x.name == "draft.admit" for x in s)
+                and any(x.trace_id == trace_id and x.name == "gateway.request" for x in s)
                 and any(x.name == "draft.propose" for x in s)
             )
         )

@@ -13,7 +13,9 @@ from tests.integration.cluster import start_cluster
 @pytest.fixture(scope="module")
 def setup(model_factory):
     _, path = model_factory("qwen2")
-    c = start_cluster(["--model", path, "--kv-transport", "inline", "--num-blocks", "64"])
+    # Every prompt through the prefill worker and an inline KV handover.
+    args = ["--kv-transport", "inline", "--num-blocks", "64", "--disagg-threshold", "0"]
+    c = start_cluster(["--model", path, *args])
     yield c, path
     c.stop()
 

@@ -22,7 +22,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("reliability")
-    prefill, decode, gateway = pipeline_stages(str(d), [], prefill_args=["--lease-ttl", "2"])
+    # Every prompt through the prefill worker (no conditional disaggregation): the tests below
+    # kill it and expect new work to fail.
+    prefill, decode, gateway = pipeline_stages(
+        str(d), [], gateway_args=["--disagg-threshold", "0"], prefill_args=["--lease-ttl", "2"]
+    )
     prefill.start()
     decode.start()
     gateway.start()

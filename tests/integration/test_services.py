@@ -24,7 +24,8 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster()
+    # Every prompt through the prefill worker and a KV handover (no conditional disaggregation).
+    c = start_cluster(["--disagg-threshold", "0"])
     yield c
     c.stop()
 

@@ -52,7 +52,8 @@ def cluster(collector):
         "OTEL_TRACES_SAMPLER": None,
         "OTEL_TRACES_SAMPLER_ARG": None,
     }
-    c = start_cluster(env=env)
+    # Every prompt through the prefill worker, so each trace holds the prefill and KV spans.
+    c = start_cluster(["--disagg-threshold", "0"], env=env)
     yield c
     c.stop()
 

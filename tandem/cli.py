@@ -190,6 +190,12 @@ def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
                 extra += ["--draft", draft_addr]
             if stage == "decode" and args.spec_k is not None:
                 extra += ["--spec-k", str(args.spec_k)]
+    # Per-stage devices (prefill and decode on separate GPUs): the last --device on a command
+    # line wins, so these follow the shared flags.
+    for stage, _, extra in plan:
+        dev = getattr(args, f"{stage}_device", None)
+        if dev:
+            extra += ["--device", dev]
     children: list[Child] = []
 
     def on_signal(signum, frame):
@@ -329,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"OpenAI HTTP port (default {DEFAULT_HTTP_PORT} with the default --port, else port+3)",
     )
+    for st in ("prefill", "decode", "draft"):
+        up.add_argument(
+            f"--{st}-device",
+            default=None,
+            help=f"the {st} worker's device, e.g. cuda:1 (default: --device, for every stage)",
+        )
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
     up.add_argument(

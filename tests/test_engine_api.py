@@ -102,3 +102,9 @@ def test_logprobs_reported(llm):
         assert lp.token_id == tok
         assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy picks the most likely
         assert lp.logprob == pytest.approx(lp.top[0][1])
+
+
+def test_missing_cuda_device_is_a_clear_error():
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"device cuda:{n + 2} .*(not available|does not exist)"):
+        tandem.LLM(device=f"cuda:{n + 2}")

@@ -336,7 +336,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             p.shared = SharedPool.open(h.shm_name, layout)
             p.src_kv = p.shared.kv
         elif h.kind == "cuda_ipc":
-            p.src_kv = cuda_ipc.open_pool(h.cuda_ipc, layout, h.device_uuid)
+            p.src_kv = cuda_ipc.open_pool(
+                h.cuda_ipc, layout, h.device_uuid, self.engine.kv.data.device
+            )
         elif h.kind == "nixl":
             if not req.nixl_agent_metadata:
                 # Our agent exists from now on: register again so that the prefill agent loads

@@ -70,6 +70,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         eng = self.engine
+        if eng.device.type == "cuda":  # the current device is per thread
+            from tandem.engine.llm_engine import use_cuda_device
+
+            use_cuda_device(eng.device)
         while True:
             with self._cond:
                 if not self._cmds and not eng.has_unfinished() and not self._stop:

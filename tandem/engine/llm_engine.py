@@ -52,6 +52,20 @@ class QueueFull(RuntimeError):
     """The engine's waiting queue is at its bound; the request is refused, not queued."""
 
 
+def use_cuda_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (Triton launches and CUDA graphs go to the
+    current device, not the tensors'); a clear error when it does not exist."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but CUDA is not available here")
+    n = torch.cuda.device_count()
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if not 0 <= idx < n:
+        raise ValueError(f"device {device} does not exist: {n} CUDA device(s) are visible")
+    torch.cuda.set_device(idx)
+
+
 class LLMEngine:
     """Model, KV pool, scheduler and sampler of one worker."""
 
@@ -66,6 +80,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         device = config.resolved_device()
+        use_cuda_device(device)
         dtype = config.resolved_dtype()
         mc = loaded.config
         self.max_model_len = min(

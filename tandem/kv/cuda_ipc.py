@@ -113,8 +113,22 @@ def export_pool(kv: KVCache) -> bytes:
     return json.dumps(out).encode()
 
 
-def open_pool(handle: bytes, layout: PoolLayout, uuid: str) -> KVCache:
-    """Map a peer's pool exported by `export_pool` (once per peer); `uuid` names its GPU."""
+def check_peer_access(local: int, peer: int) -> None:
+    """Blocks of a pool on GPU `peer` are copied by a kernel of GPU `local`: that needs peer
+    access (NVLink or PCIe P2P). Without it the copy would be staged through host memory."""
+    if local != peer and not torch.cuda.can_device_access_peer(local, peer):
+        raise CudaIpcUnavailable(
+            f"GPU {local} cannot access GPU {peer} peer-to-peer (no NVLink/PCIe P2P between "
+            "them), so CUDA IPC cannot hand KV over directly; put prefill and decode on GPUs "
+            "with peer access, or use --kv-transport nixl"
+        )
+
+
+def open_pool(
+    handle: bytes, layout: PoolLayout, uuid: str, local_device: torch.device | None = None
+) -> KVCache:
+    """Map a peer's pool exported by `export_pool` (once per peer); `uuid` names its GPU and
+    `local_device` is where this process's own pool lives (checked for peer access)."""
     if not torch.cuda.is_available():
         raise CudaIpcUnavailable("CUDA IPC needs CUDA in this process; use --kv-transport shm")
     try:
@@ -124,6 +138,11 @@ def open_pool(handle: bytes, layout: PoolLayout, uuid: str) -> KVCache:
     if d.get("format") != FORMAT:
         raise CudaIpcUnavailable(f"CUDA IPC handle format {d.get('format')!r}, expected {FORMAT}")
     device = _device_by_uuid(uuid)
+    if local_device is not None and local_device.type == "cuda":
+        local = (
+            local_device.index if local_device.index is not None else torch.cuda.current_device()
+        )
+        check_peer_access(local, device)
     try:
         data = _open_tensor(d["data"], device)
         scales = _open_tensor(d["scales"], device) if "scales" in d else None

@@ -23,6 +23,15 @@ Overhead = TPOT p50 (services) / TPOT p50 (in-process), printed for every closed
     .venv/bin/python bench/serve.py --launch
     .venv/bin/python bench/serve.py --address 127.0.0.1:50051      # a gateway already running
     .venv/bin/python bench/serve.py --launch --quick
+
+Goodput workloads (bench/goodput.py; each launches `tandem up` itself, once per configuration):
+`--workload chat` (multi-turn conversations, goodput with prefix cache + conditional
+disaggregation on vs both off), `--workload burst` (P99 TPOT with and without a burst of long
+prompts), `--workload threshold` (the measurement behind --disagg-threshold), `--workload all`.
+
+    .venv/bin/python bench/serve.py --workload all --quick           # CPU, SmolLM2
+    .venv/bin/python bench/serve.py --workload all --device cuda --random-llama /tmp/llama8b \
+        --random-shape llama3-8b --out bench/results/h200_goodput.json ...   # see bench/README
 """
 
 from __future__ import annotations
@@ -610,12 +619,79 @@ def _progress(path: str, s: dict[str, Any]) -> None:
     )
 
 
+# ---- goodput workloads (bench/goodput.py) ------------------------------------------------------
+def add_goodput_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("goodput workloads (--workload chat | burst | threshold | all)")
+    g.add_argument(
+        "--workload", choices=["levels", "chat", "burst", "threshold", "all"], default="levels"
+    )
+    g.add_argument("--model", default=None, help="model path for the launched stages")
+    g.add_argument("--device", default=None, help="engine device of the stages (cpu, cuda)")
+    g.add_argument(
+        "--random-llama", default=None, help="write (once) and serve random weights here"
+    )
+    g.add_argument("--random-shape", choices=["llama3-8b", "smoke"], default="llama3-8b")
+    g.add_argument("--sessions", type=int, default=8, help="chat: conversations")
+    g.add_argument("--turns", type=int, default=3, help="chat: turns per conversation")
+    g.add_argument("--session-rate", type=float, default=0.5, help="chat: sessions/s (Poisson)")
+    g.add_argument("--think-s", type=float, default=0.5, help="chat: pause between turns")
+    g.add_argument("--system-len", type=int, default=256, help="chat: shared system prompt")
+    g.add_argument("--user-len", type=parse_range, default=(24, 48), help="chat: MIN,MAX tokens")
+    g.add_argument("--chat-output-len", type=int, default=16, help="chat: tokens per reply")
+    g.add_argument("--ttft-slo-ms", type=float, default=1500.0, help="chat: goodput TTFT target")
+    g.add_argument("--tpot-slo-ms", type=float, default=300.0, help="chat: goodput TPOT target")
+    g.add_argument(
+        "--disagg-threshold",
+        type=int,
+        default=None,
+        help="the 'on' mode's threshold (default: the one --workload all just measured, else "
+        "the gateway's default)",
+    )
+    g.add_argument("--streams", type=int, default=3, help="burst/threshold: decoding streams")
+    g.add_argument("--burst", type=int, default=2, help="burst: long prompts in the burst")
+    g.add_argument("--burst-len", type=int, default=1024, help="burst: tokens per long prompt")
+    g.add_argument("--burst-delay-s", type=float, default=1.0, help="burst: start after this")
+    g.add_argument(
+        "--probe-lengths", default="32,128,512,1024", help="threshold: prompt lengths (comma list)"
+    )
+    g.add_argument("--probe-repeats", type=int, default=1, help="threshold: runs per length")
+
+
+def goodput_main(args: argparse.Namespace) -> int:
+    import goodput
+
+    if args.quick:  # a short run: fewer sessions and streams, shorter prompts
+        args.sessions = min(args.sessions, 6)
+        args.system_len = min(args.system_len, 192)
+        args.burst_len = min(args.burst_len, 512)
+    args.probe_lengths = [int(x) for x in args.probe_lengths.split(",") if x]
+    if args.out == os.path.join(ROOT, "bench", "results", "serve_cpu.json"):
+        args.out = os.path.join(ROOT, "bench", "results", "goodput_cpu.json")
+    meta = run_metadata()
+    t0 = time.monotonic()
+    result = goodput.run(args)
+    meta["loadavg_at_end"] = list(os.getloadavg())
+    meta["wall_s"] = time.monotonic() - t0
+    settings = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("address", "launch", "out", "concurrency", "rate", "requests")
+    }
+    data = {"benchmark": "goodput", "meta": meta, "settings": settings, **result}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {os.path.relpath(args.out)}")
+    return 0
+
+
 # ---- main -----------------------------------------------------------------------------------
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--_inprocess-child":
         return _inprocess_child(sys.argv[2], sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    where = ap.add_mutually_exclusive_group(required=True)
+    where = ap.add_mutually_exclusive_group()
     where.add_argument("--address", help="host:port of a running gateway")
     where.add_argument("--launch", action="store_true", help="start `tandem up` for the run")
     ap.add_argument("--concurrency", default="1,8", help="closed-loop client counts (comma list)")
@@ -649,7 +725,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer, shorter requests (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve_cpu.json"))
     ap.add_argument("up_args", nargs="*", help="after --: extra flags for `tandem up`")
+    add_goodput_args(ap)
     args = ap.parse_args()
+    if args.workload != "levels":
+        return goodput_main(args)
+    if not (args.launch or args.address):
+        ap.error("one of the arguments --address --launch is required")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rate = [float(r) for r in args.rate.split(",") if r]
     if args.quick:

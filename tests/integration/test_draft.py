@@ -119,14 +119,18 @@ def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):
 
 def test_self_int4_draft_on_smollm2_greedy_equals_plain_for_concurrent_requests(tmp_path):
     """SmolLM2 quantized to INT4 g128 as its own draft: same tokens, most drafts accepted."""
-    stages = _stack(str(tmp_path), [], "self-int4", ["--draft-timeout-ms", "10000"])
+    # Small KV pools, and the reference computed before the stages start: five SmolLM2 copies
+    # with 1 GiB pools each got a stage OOM-killed on a busy 16-24 GiB machine.
+    small_kv = ["--kv-cache-memory-gb", "0.25"]
+    llm = tandem.LLM(kv_cache_memory_gb=0.25)
+    sp = tandem.SamplingParams(max_tokens=32, temperature=0)
+    texts = [REWRITE, "What is the capital of France?"]
+    exp = llm.generate([llm.chat_prompt([{"role": "user", "content": t}]) for t in texts], sp)
+    del llm
+    stages = _stack(str(tmp_path), small_kv, "self-int4", ["--draft-timeout-ms", "10000"])
     try:
         for s in stages:
             s.start()
-        llm = tandem.LLM()
-        sp = tandem.SamplingParams(max_tokens=32, temperature=0)
-        texts = [REWRITE, "What is the capital of France?"]
-        exp = llm.generate([llm.chat_prompt([{"role": "user", "content": t}]) for t in texts], sp)
         with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
             got = list(pool.map(lambda t: _generate(stages[3], _chat(t, 32)), texts))
         for (ids, fin), e in zip(got, exp, strict=True):

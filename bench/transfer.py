@@ -4,9 +4,11 @@ A real prefill process and one real decode process per --transport are started o
 with a random Llama checkpoint whose KV is large (many layers and KV heads: 16 KiB per token in
 float32). For each --prompt-len this script, acting as the gateway, calls Prefill.Run (its
 latency is the TTFT: the first token comes from the prefill worker) and then Decode.Session/Admit
-with that KV on each transport's decode worker in turn (so load from elsewhere on the machine
-falls on all of them alike); medians of --reps rounds after one warm-up round. The decode worker reports the handover time (`kv_transfer_ms`: from admission to
-the KV sitting in its own blocks, engine queueing included), from which
+with that KV on each transport's decode worker in turn (one prefill per round, whose KV every
+decode worker imports, so load from elsewhere on the machine falls on all of them alike);
+medians of --reps rounds after one warm-up round. The decode worker reports the handover time
+(`kv_transfer_ms`: from admission to the KV sitting in its own blocks, engine queueing
+included), from which
 
     bandwidth  = KV bytes / handover time
     TTFT share = handover / (TTFT + handover)   (the handover's share of the time until the
@@ -187,7 +189,17 @@ def measure(
     nixl:UCX_TLS, e.g. nixl:tcp, to choose UCX's transports on the decode side). The transports
     take turns on every repetition, so a machine whose load changes affects them alike."""
     blocks = max(lens) // BLOCK_SIZE + 2
-    engine = ["--model", model, "--device", args.device, "--dtype", "float32"]
+    # No /metrics endpoints: their default ports (gRPC port + 1000) could collide here.
+    engine = [
+        "--model",
+        model,
+        "--device",
+        args.device,
+        "--dtype",
+        "float32",
+        "--metrics-port",
+        "-1",
+    ]
     prefill = Stage(
         "prefill",
         [*engine, "--num-blocks", str(blocks + 8)],
@@ -230,16 +242,19 @@ def measure(
         for n in lens:
             samples: dict[str, list[tuple[float, float, int]]] = {spec: [] for spec in specs}
             for rep in range(reps + 1):  # the first round of each length warms up
-                for spec in specs:
-                    prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
-                    t0 = time.perf_counter()
-                    resp = stub.Run(
-                        stages_pb2.PrefillRequest(
-                            request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling
-                        ),
-                        timeout=600,
-                    )
-                    ttft_ms = (time.perf_counter() - t0) * 1e3
+                # One prefill per round, its KV handed to every decode worker in turn: inline
+                # first, as it reads through the lease, which the first import releases; the
+                # others read the prefill pool's memory, which nothing writes in between.
+                prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                t0 = time.perf_counter()
+                resp = stub.Run(
+                    stages_pb2.PrefillRequest(
+                        request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=sampling
+                    ),
+                    timeout=600,
+                )
+                ttft_ms = (time.perf_counter() - t0) * 1e3
+                for spec in sorted(specs, key=lambda x: x != "inline"):
                     fin = sessions[spec].run(
                         stages_pb2.Admit(
                             seq_id=uuid.uuid4().hex,
@@ -393,7 +408,7 @@ def main() -> int:
         "(default: nixl nixl:tcp shm inline)",
     )
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
-    p.add_argument("--reps", type=int, default=3, help="measured runs per length (median)")
+    p.add_argument("--reps", type=int, default=5, help="measured rounds per length (median)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
     args = p.parse_args()

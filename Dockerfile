@@ -43,7 +43,9 @@ import importlib.metadata as md
 import re
 import tomllib
 
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# The nixl extra too: KV handover between hosts (docs/deploy.md, "Two hosts with NIXL").
+deps = project["dependencies"] + project["optional-dependencies"]["nixl"]
 keep = [d for d in deps if re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() != "torch"]
 open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")
 pins = []

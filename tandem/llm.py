@@ -132,7 +132,7 @@ class LLM:
                     break
                 for out in self._step():
                     d = detoks[by_id[out.seq.seq_id]]
-                    d.add(out.new_token_ids)
+                    d.add_until_stop(out.new_token_ids)
                     if d.stopped_by is not None and not out.finished:
                         self.engine.abort(out.seq.seq_id)
                         out.seq.finish_reason = "stop"
@@ -148,6 +148,10 @@ class LLM:
             lps = seq.output_logprobs if seq.params.logprobs is not None else None
             if d.stopped_by is not None:
                 seq.finish_reason = "stop"
+                # A step that emits several ids (an accepted draft run) may run past the stop
+                # string: keep the ids up to the one that completed it, as one-id steps would.
+                ids = ids[: len(d.output_ids)]
+                lps = None if lps is None else lps[: len(d.output_ids)]
             results.append(
                 Completion(
                     prompt_token_ids=seq.prompt_token_ids,
@@ -176,7 +180,8 @@ class LLM:
                         return
                     continue
                 out = outs[0]
-                text = d.add(out.new_token_ids)
+                text, n = d.add_until_stop(out.new_token_ids)
+                new_ids, new_lps = out.new_token_ids[:n], out.new_logprobs[:n]
                 finished = out.finished
                 if d.stopped_by is not None and not finished:
                     self.engine.abort(seq.seq_id)
@@ -184,9 +189,9 @@ class LLM:
                 if finished:
                     text += d.finish()
                     reason = "stop" if d.stopped_by is not None else (seq.finish_reason or "stop")
-                    yield CompletionChunk(out.new_token_ids, text, reason, out.new_logprobs)
+                    yield CompletionChunk(new_ids, text, reason, new_lps)
                     return
-                yield CompletionChunk(out.new_token_ids, text, None, out.new_logprobs)
+                yield CompletionChunk(new_ids, text, None, new_lps)
         finally:
             if not seq.is_finished:
                 self.engine.abort(seq.seq_id)

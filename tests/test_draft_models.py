@@ -49,12 +49,27 @@ def test_greedy_speculation_with_model_drafts_equals_plain(model_factory, small_
     spec_name = small_draft(kind) if draft == "path" else draft
     plain = tandem.LLM(path, num_blocks=128)
     spec = tandem.LLM(path, num_blocks=128, speculative=spec_name)
-    prompts = _prompts()
-    sps = [_greedy(24), _greedy(5), _greedy(30)]  # one run ends inside an accepted run
+    prompts = _prompts((6, 33, 17, 12, 25))
+    sps = [_greedy(24), _greedy(5), _greedy(30), _greedy(30), _greedy(30)]
     base = plain.generate(prompts, sps)
+    # Runs that end inside an accepted run: max_tokens (5), a stop token and a stop string the
+    # plain run meets after several tokens.
+    sps[3] = tandem.SamplingParams(
+        max_tokens=30, temperature=0, stop_token_ids=[base[3].token_ids[9]]
+    )
+    sps[4] = tandem.SamplingParams(
+        max_tokens=30,
+        temperature=0,
+        ignore_eos=True,
+        stop=[plain.tokenizer.decode(base[4].token_ids[6:8])],
+    )
+    base = plain.generate(prompts, sps)
+    assert base[3].finish_reason == "stop" and len(base[3].token_ids) < 30
+    assert base[4].stop_string is not None
     out = spec.generate(prompts, sps)
     for b, o in zip(base, out, strict=True):
         assert o.token_ids == b.token_ids
+        assert o.text == b.text
         assert o.finish_reason == b.finish_reason
     assert spec.speculator.stats.proposed > 0
     assert spec.engine.pool.num_used == 0

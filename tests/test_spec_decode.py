@@ -94,7 +94,31 @@ def test_greedy_speculation_stop_string(model_factory):
     )[0]
     stop = base.text.split()[4]
     sp = tandem.SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
-    assert spec.generate([prompt], sp)[0].text == plain.generate([prompt], sp)[0].text
+    exp = plain.generate([prompt], sp)[0]
+    got = spec.generate([prompt], sp)[0]
+    assert got.text == exp.text and got.stop_string == exp.stop_string == stop
+    # The accepted run that crossed the stop string is cut at the id completing it.
+    assert got.token_ids == exp.token_ids == base.token_ids[:5]
+    chunks = list(spec.stream(prompt, sp))
+    assert [t for c in chunks for t in c.token_ids] == exp.token_ids
+    assert "".join(c.text for c in chunks) == exp.text
+
+
+def test_detokenizer_add_until_stop_finds_the_id_that_completes_the_stop_string(model_factory):
+    from tandem.engine.detokenizer import IncrementalDetokenizer
+
+    _, path = model_factory("llama")
+    tok = tandem.LLM(path, num_blocks=16).tokenizer
+    ids = [20, 21, 22, 23, 24, 25]  # " w20 w21 w22 w23 w24 w25"
+    d = IncrementalDetokenizer(tok, [5], stop=["w22 w2"])
+    text, n = d.add_until_stop(ids[:2])
+    assert n == 2 and d.stopped_by is None
+    text2, n = d.add_until_stop(ids[2:])
+    # "w22 w2" is complete once w23 is added: the 2nd of the four ids; w24, w25 are not output.
+    assert (n, d.stopped_by, d.output_ids) == (2, "w22 w2", ids[:4])
+    assert text + text2 + d.finish() == " w20 w21 "  # the text is cut where the stop begins
+    d = IncrementalDetokenizer(tok, [5], stop=["w99"])
+    assert d.add_until_stop(ids)[1] == len(ids) and d.stopped_by is None
 
 
 # ---- losslessness ------------------------------------------------------------------------------

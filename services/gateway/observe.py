@@ -72,7 +72,7 @@ class TimedDetokenizer:
     def stopped_by(self) -> str | None:
         return self.inner.stopped_by
 
-    def _timed(self, fn: Any, *args: Any) -> str:
+    def _timed(self, fn: Any, *args: Any) -> Any:
         t = time.monotonic()
         if self.first is None:
             self.first = t
@@ -85,6 +85,9 @@ class TimedDetokenizer:
 
     def add(self, token_ids: Iterable[int], final: bool = False) -> str:
         return self._timed(self.inner.add, token_ids, final)
+
+    def add_until_stop(self, token_ids: list[int]) -> tuple[str, int]:
+        return self._timed(self.inner.add_until_stop, token_ids)
 
     def finish(self) -> str:
         return self._timed(self.inner.finish)

@@ -339,9 +339,12 @@ class Pipeline:
                             timings["ttft_ms"] = (t_first - t0) * 1e3
                             self._first_token_seen(state)
                             self.admission.first_token(ticket)
+                        # Several ids in one message (an accepted draft run) may run past a
+                        # stop string: only those up to the one completing it are output.
+                        text, n = detok.add_until_stop(toks)
+                        toks = toks[:n]
                         out_ids.extend(toks)
-                        text = detok.add(toks)
-                        lps = [logprob_from_proto(m) for m in msg.logprobs]
+                        lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
                         if detok.stopped_by is not None:
                             reason, done = "stop", True
                         if text or toks:

@@ -68,6 +68,25 @@ class IncrementalDetokenizer:
         self.text = self.text + delta
         return delta
 
+    def add_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """`add` for several ids at once (an accepted speculative run, a batched message) that
+        stops at the id completing a stop string, as one-id steps would: returns the new text
+        and how many of `token_ids` belong to the output (all unless a stop string ended it)."""
+        n0, text0 = len(self.output_ids), self.text
+        delta = self.add(token_ids)
+        if self.stopped_by is None or len(token_ids) <= 1:
+            return delta, len(token_ids)
+        # Replay one id at a time to find the one that completed the stop string; this happens
+        # once per sequence, so the extra decoding costs nothing that matters.
+        del self.output_ids[n0:]
+        self.text, self.stopped_by = text0, None
+        delta = ""
+        for i, t in enumerate(token_ids):
+            delta += self.add([t])
+            if self.stopped_by is not None:
+                return delta, i + 1
+        return delta, len(token_ids)
+
     def finish(self) -> str:
         """Release the held-back text at the end of generation."""
         return self.add([], final=True)

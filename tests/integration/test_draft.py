@@ -93,6 +93,17 @@ def test_ngram_draft_greedy_equals_plain_and_accepts(ngram_stack):
         assert ids == exp.token_ids
         if text == REWRITE:
             assert fin.usage.accepted_draft_tokens > 0
+    # A stop string met inside an accepted run: the ids stop at the one that completes it.
+    exp = llm.generate([llm.chat_prompt([{"role": "user", "content": REWRITE}])], sp)[0]
+    stop = exp.text.split()[8]
+    sp_stop = tandem.SamplingParams(max_tokens=40, temperature=0, stop=[stop])
+    exp = llm.generate([llm.chat_prompt([{"role": "user", "content": REWRITE}])], sp_stop)[0]
+    req = _chat(REWRITE, 40)
+    req.sampling.stop.append(stop)
+    ids, fin = _generate(gateway, req)
+    assert exp.stop_string == stop and fin.stop_string == stop
+    assert ids == exp.token_ids
+    assert fin.usage.completion_tokens == len(exp.token_ids)
 
 
 def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):

@@ -46,7 +46,8 @@ class PrefillTelemetry:
         n_prompt = 0
         for o in outs:
             seq = o.seq
-            n_prompt += len(seq.prompt_token_ids)
+            # Computed here: the prompt less what came from the prefix cache.
+            n_prompt += len(seq.prompt_token_ids) - seq.num_cached_tokens
             m.queue_time.observe(max(0.0, (seq.first_scheduled_time or t0) - seq.arrival_time))
             m.prefill_time.observe(t1 - t0)
             m.requests.labels(seq.finish_reason or "prefilled").inc()

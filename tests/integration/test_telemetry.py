@@ -289,12 +289,13 @@ def test_metrics_count_what_was_served(cluster):
     before = _scrape_all(cluster)
     stub = cluster.gateway()
     lengths = [5, 9, 14]
-    streamed, prompts = 0, []
+    streamed, prompts, cached = 0, [], []
     for i, n in enumerate(lengths):
         got, fin = _collect(stub.Generate(_request(f"Tell me fact number {i} about bees.", n)))
         assert got == n
         streamed += got
         prompts.append(fin.usage.prompt_tokens)
+        cached.append(fin.usage.cached_prompt_tokens)
 
     def delta(after, stage, name, **labels):
         return _get(after[stage], name, **labels) - _get(before[stage], name, **labels)
@@ -326,7 +327,9 @@ def test_metrics_count_what_was_served(cluster):
     assert _get(after[g], "tandem_requests_in_flight") == 0
 
     p = "prefill"
-    assert delta(after, p, "tandem_prompt_tokens_total") == sum(prompts)
+    # Prompt tokens the prefill worker computed: what its prefix cache did not hold.
+    assert delta(after, p, "tandem_prompt_tokens_total") == sum(prompts) - sum(cached)
+    assert sum(cached) > 0, "the chat template's system prompt is shared: a prefix-cache hit"
     assert delta(after, p, "tandem_generation_tokens_total") == 3  # each request's first token
     assert delta(after, p, "tandem_request_queue_time_seconds_count") == 3
     assert delta(after, p, "tandem_request_prefill_time_seconds_count") == 3

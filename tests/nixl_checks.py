@@ -77,7 +77,16 @@ def read_copies_exactly_the_listed_blocks(dtype_name: str) -> None:
         if dst.scales is not None:
             assert torch.equal(dst.scales[:, :, [0, 5, 6]], src.scales[:, :, [9, 2, 3]])
             assert not dst.scales[:, :, [1, 2, 3, 4]].any()
-        for bad, message in (([10], [0]), ([1, 2], [0])):
+        # Runs adjacent in both pools, listed out of order (one descriptor per row and run),
+        # beside pairs that only one side has adjacent.
+        _raw(dst.data).zero_()
+        src_ids, dst_ids = [6, 5, 4, 0, 1, 8, 9], [3, 2, 1, 5, 6, 0, 4]
+        peer.read(src_ids, dst_ids, timeout_s=10)
+        assert torch.equal(_raw(dst.data[:, :, dst_ids]), _raw(src.data[:, :, src_ids]))
+        if dst.scales is not None:
+            assert torch.equal(dst.scales[:, :, dst_ids], src.scales[:, :, src_ids])
+        peer.read([], [], timeout_s=10)  # a prompt found whole in the prefix cache
+        for bad, message in (([10], [0]), ([1, 2], [0]), ([1], [7])):
             try:
                 peer.read(bad, message, timeout_s=10)
             except ValueError:

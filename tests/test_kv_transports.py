@@ -114,3 +114,16 @@ def test_cuda_ipc_refuses_cpu_pools_clearly():
         with pytest.raises(cuda_ipc.CudaIpcUnavailable, match="needs CUDA"):
             cuda_ipc.open_pool(b"{}", PoolLayout.of(kv), "GPU-0")
         assert cuda_ipc.device_uuid() == ""
+
+
+def test_block_runs_merge_blocks_adjacent_in_both_pools_in_any_order():
+    # Imported here without loading NIXL itself (tests/nixl_checks.py says why that matters).
+    from tandem.kv.nixl_pool import block_runs
+
+    src, dst, n = block_runs([12, 11, 10, 3, 4, 7, 8], [2, 1, 0, 5, 6, 9, 20])
+    # 10-12 -> 0-2 (listed backwards), 3-4 -> 5-6, then 7 -> 9 and 8 -> 20 do not line up.
+    assert src.tolist() == [3, 7, 8, 10] and dst.tolist() == [5, 9, 20, 0]
+    assert n.tolist() == [2, 1, 1, 3]
+    src, dst, n = block_runs(list(range(512))[::-1], list(range(100, 612))[::-1])
+    assert (src.tolist(), dst.tolist(), n.tolist()) == ([0], [100], [512])
+    assert block_runs([], [])[2].size == 0

@@ -6,11 +6,13 @@ CPU host, VRAM on a GPU host). At peer registration the agents' metadata travel 
 blocks with a single NIXL READ (UCX picks RDMA, shared memory or TCP) and waits for it with a
 timeout. NIXL is an optional dependency (`pip install 'tandem[nixl]'`).
 
-A pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` is described to NIXL as one
-descriptor per (layer, k|v, block), the contiguous `block_size * kv_heads * head_dim` elements of
-that block; a quantized pool adds one descriptor per (layer, k|v, block) of its float32 scales.
-Descriptor lists are prepared once per pool, and a request only names indices into them (NIXL
-merges adjacent descriptors into larger transfers).
+In a pool `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` a block of one (layer, k|v)
+row is `block_size * kv_heads * head_dim` contiguous elements, and blocks b and b + 1 of a row are
+adjacent. A READ is described per request as one descriptor per (row, run): a run is a stretch of
+blocks adjacent in both pools (the pairs are sorted by peer block first, so the order of the
+block lists does not matter), copied in one piece; a quantized pool adds the same runs of its
+float32 scales. Per-block descriptors would cost UCX one operation per 16 KiB block and row, which
+on one host is 2-3x slower than reading the same bytes in long runs (bench/README.md).
 """
 
 from __future__ import annotations
@@ -134,38 +136,73 @@ class NixlPoolInfo:
     scales_addr: int = 0
 
 
-def _descs(addr: int, n: int, nbytes: int, device_id: int) -> np.ndarray:
-    """n descriptors (address, length, device) of `nbytes` each, back to back from `addr`."""
-    out = np.empty((n, 3), dtype=np.uint64)
-    out[:, 0] = np.uint64(addr) + np.arange(n, dtype=np.uint64) * np.uint64(nbytes)
-    out[:, 1] = nbytes
+def block_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copying block src[i] into dst[i] for every i, as runs: (src starts, dst starts, lengths),
+    each run a stretch of blocks adjacent in both pools, ordered by source block."""
+    s = np.asarray(src, dtype=np.int64)
+    d = np.asarray(dst, dtype=np.int64)
+    if s.size == 0:
+        return s, d, s
+    order = np.argsort(s, kind="stable")
+    s, d = s[order], d[order]
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [s.size])))
+    return s[starts], d[starts], lengths
+
+
+def _run_descs(
+    addr: int,
+    row_stride: int,
+    rows: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    unit: int,
+    device_id: int,
+) -> np.ndarray:
+    """Descriptors (address, length, device) of the runs `starts`/`lengths` (in units of
+    `unit` bytes) in each of `rows` rows `row_stride` bytes apart, row by row."""
+    r = np.arange(rows, dtype=np.uint64)[:, None] * np.uint64(row_stride)
+    out = np.empty((rows * starts.size, 3), dtype=np.uint64)
+    out[:, 0] = (np.uint64(addr) + r + starts.astype(np.uint64)[None, :] * np.uint64(unit)).ravel()
+    out[:, 1] = np.broadcast_to(
+        lengths.astype(np.uint64) * np.uint64(unit), (rows, starts.size)
+    ).ravel()
     out[:, 2] = device_id
     return out
 
 
-def _pool_descs(layout: PoolLayout, data_addr: int, scales_addr: int, device_id: int) -> np.ndarray:
-    """Descriptors of every (layer, k|v, block) of a pool, then of its scales (quantized)."""
+def _elt(layout: PoolLayout) -> int:
     import torch
 
     from tandem.kv.transport import DTYPES
 
-    elt = torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
-    rows = layout.num_layers * 2 * layout.num_blocks
-    block = layout.block_size * layout.kv_heads * layout.head_dim * elt
-    parts = [_descs(data_addr, rows, block, device_id)]
-    if layout.quantized:
-        parts.append(_descs(scales_addr, rows, layout.kv_heads * 4, device_id))
-    return np.concatenate(parts)
+    return torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
 
 
-def _block_indices(layout: PoolLayout, blocks: list[int]) -> np.ndarray:
-    """Indices into `_pool_descs` of `blocks` in every layer, k and v (and their scales)."""
+def read_descs(
+    layout: PoolLayout,
+    data_addr: int,
+    scales_addr: int,
+    device_id: int,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+) -> np.ndarray:
+    """One side's descriptors of a READ: runs of blocks in every (layer, k|v) row of a pool,
+    then (quantized) the same runs of its scales. Both sides list them in the same order."""
     rows = layout.num_layers * 2
-    b = np.asarray(blocks, dtype=np.int64)
-    idx = (np.arange(rows, dtype=np.int64)[:, None] * layout.num_blocks + b[None, :]).ravel()
+    block = layout.block_size * layout.kv_heads * layout.head_dim * _elt(layout)
+    parts = [
+        _run_descs(data_addr, layout.num_blocks * block, rows, starts, lengths, block, device_id)
+    ]
     if layout.quantized:
-        idx = np.concatenate([idx, idx + rows * layout.num_blocks])
-    return idx.astype(np.int32)
+        scale = layout.kv_heads * 4
+        parts.append(
+            _run_descs(
+                scales_addr, layout.num_blocks * scale, rows, starts, lengths, scale, device_id
+            )
+        )
+    return np.concatenate(parts)
 
 
 class NixlEndpoint:
@@ -201,8 +238,6 @@ class NixlEndpoint:
             data_addr=data.data_ptr(),
             scales_addr=kv.scales.data_ptr() if kv.scales is not None else 0,
         )
-        local = _pool_descs(self.layout, self.info.data_addr, self.info.scales_addr, self.device_id)
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.mem_type)
         self.peers: dict[str, str] = {}  # peer id -> NIXL agent name
 
     def add_peer(self, peer_id: str, metadata: bytes) -> str:
@@ -226,16 +261,13 @@ class NixlEndpoint:
         """A peer's pool opened for READs into this endpoint's pool."""
         self.layout.check_compatible(layout)
         name = self.add_peer(peer_id, info.agent_metadata)
-        remote = _pool_descs(layout, info.data_addr, info.scales_addr, info.device_id)
-        handle = self.agent.prep_xfer_dlist(name, remote, info.mem_type)
-        return NixlPeerPool(self, peer_id, name, layout, handle)
+        return NixlPeerPool(self, peer_id, name, layout, info)
 
     def close(self) -> None:
         for name in list(self.peers.values()):
             self._forget(name)
         self.peers.clear()
         try:
-            self._local.release()
             self.agent.deregister_memory(self._registered)
         except Exception as e:  # noqa: BLE001 - process exit frees it anyway
             log.debug("NIXL endpoint close: %s", e)
@@ -298,19 +330,25 @@ class NixlRead:
 
 
 class NixlPeerPool:
-    """A peer's KV pool, prepared once; `read` copies blocks of it into ours with one READ."""
+    """A peer's KV pool; `read` copies blocks of it into ours with one READ."""
 
     def __init__(
-        self, endpoint: NixlEndpoint, peer_id: str, agent_name: str, layout: PoolLayout, handle
+        self,
+        endpoint: NixlEndpoint,
+        peer_id: str,
+        agent_name: str,
+        layout: PoolLayout,
+        info: NixlPoolInfo,
     ) -> None:
         self.endpoint = endpoint
         self.peer_id = peer_id
         self.agent_name = agent_name
         self.layout = layout
-        self._remote = handle
+        self.info = info
 
     def start_read(self, src_blocks: list[int], dst_blocks: list[int]) -> NixlRead:
-        """Post one READ of `src_blocks` (peer) into `dst_blocks` (ours), every layer, k and v."""
+        """Post one READ of `src_blocks` (peer) into `dst_blocks` (ours), every layer, k and v:
+        one descriptor per (layer, k|v) and run of blocks adjacent in both pools."""
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"reading {len(src_blocks)} blocks into {len(dst_blocks)}")
         for b in src_blocks:
@@ -319,11 +357,25 @@ class NixlPeerPool:
                     f"block {b} is outside the peer pool ({self.layout.num_blocks} blocks)"
                 )
         ep = self.endpoint
+        for b in dst_blocks:
+            if not 0 <= b < ep.layout.num_blocks:
+                raise ValueError(f"block {b} is outside this pool ({ep.layout.num_blocks} blocks)")
         agent = ep.agent
-        remote_idx = _block_indices(self.layout, src_blocks)
-        local_idx = _block_indices(ep.layout, dst_blocks)
+        src_starts, dst_starts, lengths = block_runs(src_blocks, dst_blocks)
+        info, mine = self.info, ep.info
+        remote = read_descs(
+            self.layout, info.data_addr, info.scales_addr, info.device_id, src_starts, lengths
+        )
+        local = read_descs(
+            ep.layout, mine.data_addr, mine.scales_addr, mine.device_id, dst_starts, lengths
+        )
         try:
-            handle = agent.make_prepped_xfer("READ", ep._local, local_idx, self._remote, remote_idx)
+            handle = agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs(local, ep.mem_type),
+                agent.get_xfer_descs(remote, info.mem_type),
+                self.agent_name,
+            )
         except Exception as e:  # noqa: BLE001
             raise NixlTransferError(f"NIXL READ from {self.peer_id} failed: {e}") from e
         read = NixlRead(ep, handle, self.peer_id, len(src_blocks) * self.layout.block_bytes)
@@ -340,6 +392,8 @@ class NixlPeerPool:
     def read(self, src_blocks: list[int], dst_blocks: list[int], timeout_s: float) -> None:
         """`start_read` and wait for it. On failure the exception's `blocks_safe` says whether
         NIXL released the request (the destination blocks may be reused) within `timeout_s`."""
+        if not src_blocks and not dst_blocks:
+            return  # every block was already here (prefix cache)
         r = self.start_read(src_blocks, dst_blocks)
         try:
             r.wait(timeout_s)
@@ -348,10 +402,6 @@ class NixlPeerPool:
             raise
 
     def close(self) -> None:
-        try:
-            self._remote.release()
-        except Exception as e:  # noqa: BLE001
-            log.debug("NIXL peer %s close: %s", self.peer_id, e)
         name = self.endpoint.peers.pop(self.peer_id, None)
         if name is not None:
             self.endpoint._forget(name)

@@ -518,21 +518,24 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         rng: torch.Tensor | None,
         t0: float,
     ) -> bool:
-        """Reserve the sequence's blocks, then fill them with one NIXL READ waited for off the
-        engine thread (the running sequences keep decoding). False when this pool has no room:
-        the sequence is then queued and recomputed here, nothing is read."""
+        """Reserve the sequence's blocks, then fill those its prefix cache lacks with one NIXL
+        READ waited for off the engine thread (the running sequences keep decoding). False when
+        this pool has no room: the sequence is then queued and recomputed here, nothing is
+        read."""
         sid = msg.seq_id
+        peer_blocks = list(msg.kv.block_ids)
 
-        def reserve(e: LLMEngine) -> list[int] | None:
-            blocks = e.reserve_prefilled(ids, msg.first_token, params, sid, rng)
-            if blocks is None:
+        def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
+            got = e.reserve_prefilled(ids, msg.first_token, params, sid, rng, peer_blocks)
+            if got is None:
                 self.transfer[sid] = ((time.monotonic() - t0) * 1e3, "recompute")
-            return blocks
+            return got
 
-        blocks = await asyncio.wrap_future(self.engine_loop.submit(reserve))
-        if blocks is None:
+        got = await asyncio.wrap_future(self.engine_loop.submit(reserve))
+        if got is None:
             return False
-        src = list(msg.kv.block_ids)[: len(blocks)]
+        first, blocks = got
+        src = peer_blocks[first : first + len(blocks)]
         try:
             await asyncio.to_thread(peer.nixl.read, src, blocks, self.kv_transfer_timeout_s)
         except BaseException as e:

@@ -292,12 +292,19 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         rng_state: torch.Tensor | None = None,
-    ) -> list[int] | None:
+        peer_blocks: list[int] | None = None,
+    ) -> tuple[int, list[int]] | None:
         """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
-        for its prompt, not yet scheduled. Returns the blocks to fill (prompt block i into
-        blocks[i]), or None when this pool has no room: the sequence then waits and is
-        recomputed here. Follow with `start_prefilled` once the blocks hold the KV, or `abort`
-        (which frees them)."""
+        for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
+        cached in this pool is shared (blocks before `first`), and `blocks[j]` is to receive the
+        prompt's block `first + j`. None when this pool has no room: the sequence then waits and
+        is recomputed here. Follow with `start_prefilled` once the blocks hold the KV, or `abort`
+        (which frees them).
+
+        `peer_blocks` (the prompt's blocks in the pool the KV comes from) orders the new blocks
+        like those: runs of adjacent blocks there land in adjacent blocks here when this pool
+        has them, so a network read moves them in long pieces rather than block by block.
+        """
         self.validate_request(prompt_token_ids, params)
         self._check_queue()
         if request_id in self.seqs:
@@ -317,14 +324,32 @@ class LLMEngine:
             output_logprobs=[None],
         )
         n = len(prompt_token_ids)
+        table = seq.block_table
+        hit: list[int] = []
+        names: list[bytes] = []
+        if self.prefix_cache is not None:
+            hit, names = self.prefix_cache.match(prompt_token_ids, n)
+        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         self.seqs[request_id] = seq
-        if not self.pool.can_allocate(seq.block_table.blocks_needed(n + 1)):
+        if not self.pool.can_allocate(table.blocks_needed(n + 1) - len(hit) + revived):
             self.scheduler.add(seq)
             return None
         # Neither queued nor running (status WAITING, in no queue) until `start_prefilled`;
         # `abort` meanwhile frees the blocks, and no step sees the sequence.
-        seq.block_table.ensure(self.pool, n)
-        return list(seq.block_table.blocks)
+        if hit:
+            table.adopt_cached(self.pool, hit, names)
+        table.ensure(self.pool, n)
+        first = len(hit)
+        fresh = table.blocks[first:]
+        if peer_blocks is not None and len(peer_blocks) >= len(table.blocks) and fresh:
+            # The new blocks, ascending, handed out in the order of the peer's blocks.
+            order = sorted(range(len(fresh)), key=lambda j: peer_blocks[first + j])
+            arranged = [0] * len(fresh)
+            for b, j in zip(sorted(fresh), order, strict=True):
+                arranged[j] = b
+            table.blocks[first:] = arranged
+        seq.num_cached_tokens = first * table.block_size
+        return first, list(table.blocks[first:])
 
     def start_prefilled(self, request_id: str) -> bool:
         """Second half: the reserved sequence's blocks hold its prompt's KV; it joins the batch
@@ -334,8 +359,8 @@ class LLMEngine:
             return False
         seq.num_computed = len(seq.prompt_token_ids)
         if self.prefix_cache is not None:
-            # Every prompt block was read (no prefix shared): name the full ones for later hits.
-            self.prefix_cache.count(seq.num_computed, 0)
+            # Name the full blocks read for later hits (the shared prefix already has names).
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens)
             self.scheduler.cache_blocks(seq)
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)

@@ -216,6 +216,27 @@ def test_nixl_output_equals_shared_memory_and_in_process(stack):
     assert _stats(prefill).leased_blocks == 0
 
 
+def test_nixl_reads_only_the_blocks_missing_from_the_decode_prefix_cache(stack):
+    """A prompt whose first blocks the decode worker already holds (an earlier prompt had
+    them): the READ skips them, as the shared-memory import does, and the tokens are unchanged."""
+    import tandem
+
+    prefill, decode, _, _, model = stack
+    base = _fresh(48)  # three whole blocks of 16
+    prompts = [base + _fresh(10), base + _fresh(25)]
+    sp = tandem.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = tandem.LLM(model, num_blocks=128, enable_prefix_cache=False)
+    expected = [o.token_ids for o in llm.generate(prompts, sp)]
+    hits = []
+    for prompt, exp in zip(prompts, expected, strict=True):
+        before = _stats(decode).prefix_hit_tokens
+        got, fin = _generate(prefill, decode, prompt, 8)
+        assert fin.kv_transport == "nixl" and got == exp, fin
+        hits.append(_stats(decode).prefix_hit_tokens - before)
+    assert hits == [0, 48]
+    assert _wait_idle(decode).used_blocks == 0
+
+
 def _in_transfer(decode: Stage, timeout: float = 60.0) -> None:
     """Wait until the decode worker is reading some sequence's KV."""
     deadline = time.monotonic() + timeout

@@ -362,6 +362,9 @@ class NixlPeerPool:
                 raise ValueError(f"block {b} is outside this pool ({ep.layout.num_blocks} blocks)")
         agent = ep.agent
         src_starts, dst_starts, lengths = block_runs(src_blocks, dst_blocks)
+        log.debug(
+            "NIXL READ of %d blocks from %s in %d runs", len(src_blocks), self.peer_id, lengths.size
+        )
         info, mine = self.info, ep.info
         remote = read_descs(
             self.layout, info.data_addr, info.scales_addr, info.device_id, src_starts, lengths

@@ -240,6 +240,7 @@ def measure(
         g = torch.Generator().manual_seed(0)
         rows = []
         for n in lens:
+            load = os.getloadavg()[0]
             samples: dict[str, list[tuple[float, float, int]]] = {spec: [] for spec in specs}
             for rep in range(reps + 1):  # the first round of each length warms up
                 # One prefill per round, its KV handed to every decode worker in turn: inline
@@ -285,6 +286,7 @@ def measure(
                         "handover_ms_samples": [round(x[1], 3) for x in ss],
                         "bandwidth_GBps": round(nbytes / (xfer / 1e3) / 1e9, 3),
                         "ttft_share": round(xfer / (ttft + xfer), 4),
+                        "loadavg_1min_before": round(load, 2),
                     }
                 )
                 print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms", flush=True)
@@ -358,7 +360,7 @@ def git_revision() -> str:
         return "unknown"
 
 
-def host_info(device: str) -> dict[str, Any]:
+def host_info(device: str, loadavg_at_start: list[float]) -> dict[str, Any]:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -371,7 +373,7 @@ def host_info(device: str) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
-        "loadavg_at_start": list(os.getloadavg()),
+        "loadavg_at_start": loadavg_at_start,
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -422,6 +424,7 @@ def main() -> int:
     if "shm" in args.transport and args.device == "cuda":
         p.error("--transport shm needs --device cpu (a GPU prefill pool is not in shared memory)")
     started = time.time()
+    load_start = list(os.getloadavg())
     log_dir = tempfile.mkdtemp(prefix="tandem-transfer-")
     model = os.path.join(log_dir, "model")
     build_model(model)
@@ -466,7 +469,7 @@ def main() -> int:
         "git_revision": git_revision(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "duration_s": round(time.time() - started, 1),
-        "host": host_info(args.device),
+        "host": host_info(args.device, load_start),
         "device": args.device,
         "model": {**MODEL, "dtype": "float32", "kv_bytes_per_token": kv_bytes_per_token(4)},
         "definitions": {

@@ -43,7 +43,9 @@ if ROOT not in sys.path:
 from tandem.kernels.w4a16 import (  # noqa: E402
     GemmConfig,
     GemvConfig,
+    GemvNConfig,
     default_config,
+    n_major,
     w4a16_matmul_triton,
 )
 from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
@@ -69,6 +71,12 @@ GEMV_SWEEP = [
         (32, 64, 1, 8),
         (8, 128, 2, 4),
     ]
+]
+# The N-major INT4 GEMV (`_gemv_nmajor_kernel`): tile widths, groups per step, warps, K splits.
+GEMVN_SWEEP = [
+    GemvNConfig(block_n=bn, split_k=sk, num_warps=nw, num_stages=1)
+    for bn, nw in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 2))
+    for sk in (1, 2, 4, 8, 16, 32)
 ]
 GEMM_SWEEP = {
     8: [GemmConfig(16, 64, 128, 2, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4),
@@ -140,58 +148,75 @@ def int4pack(w_codes: torch.Tensor, qw: QuantizedWeight):
 
 
 def gemm_section(dev: str, smoke: bool, copy_bw: float, results: dict, save=None) -> None:
-    shapes = [(256, 512), (512, 256)] if smoke else [(14336, 4096), (4096, 14336)]
-    ms = [1, 8] if smoke else [1, 8, 32, 128]
+    """The issue's two shapes at every M, then the decode model's other INT4 shapes (fused
+    q/k/v, o, fused gate/up) at M = 1. Row-major and N-major code storage side by side."""
+    if smoke:
+        plan = [(256, 512, [1, 8]), (512, 256, [1, 8])]
+    else:
+        plan = [(14336, 4096, [1, 8, 32, 128]), (4096, 14336, [1, 8, 32, 128]),
+                (6144, 4096, [1]), (4096, 4096, [1]), (28672, 4096, [1])]  # fmt: skip
+    for n, k, ms in plan:
+        _gemm_shape(dev, smoke, copy_bw, results, save, n, k, ms)
+
+
+def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int]) -> None:
     group = 128
     dtype = torch.bfloat16
     out = results.setdefault("gemm", [])
-    for n, k in shapes:
-        w_float = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
-        qw0 = quantize_rtn(w_float, 4, group)
-        q_bytes = qw0.nbytes
-        copies = 1 if smoke else max(2, int(8 * L2_BYTES / q_bytes) + 1)
-        qws = [qw0] + [
-            QuantizedWeight(qw0.qweight.clone(), qw0.scales.clone(), qw0.mins.clone(), 4, group, k)
-            for _ in range(copies - 1)
-        ]
-        bf_copies = 1 if smoke else max(2, int(8 * L2_BYTES / (n * k * 2)) + 1)
-        wbf = [w_float] + [w_float.clone() for _ in range(bf_copies - 1)]
-        tiny = None
-        tinys = []
-        if dev == "cuda":
-            try:
-                codes = qw0.codes()[:, :k]
-                tiny = int4pack(codes, qw0)
-                tinys = [tiny] + [(tiny[0].clone(), tiny[1].clone()) for _ in range(copies - 1)]
-            except Exception as e:  # noqa: BLE001 - reported, not fatal
-                tiny = None
-                results.setdefault("errors", []).append(f"int4pack setup {n}x{k}: {e!r}")
-        for m in ms:
-            x = torch.randn(m, k, device=dev, dtype=dtype)
-            ref = x.double() @ qw0.dequantize(torch.float64).T
-            row = {"N": n, "K": k, "M": m, "group_size": group, "int4_weight_bytes": q_bytes,
-                   "bf16_weight_bytes": n * k * 2, "copies": copies}  # fmt: skip
+    w_float = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+    qw0 = quantize_rtn(w_float, 4, group)
+    q_bytes = qw0.nbytes
+    copies = 1 if smoke else max(2, int(8 * L2_BYTES / q_bytes) + 1)
+    qws = [qw0] + [
+        QuantizedWeight(qw0.qweight.clone(), qw0.scales.clone(), qw0.mins.clone(), 4, group, k)
+        for _ in range(copies - 1)
+    ]
+    qwn = [n_major(q) for q in qws]  # the layout the GPU model stores
+    bf_copies = 1 if smoke else max(2, int(8 * L2_BYTES / (n * k * 2)) + 1)
+    wbf = [w_float] + [w_float.clone() for _ in range(bf_copies - 1)]
+    tiny = None
+    tinys = []
+    if dev == "cuda":
+        try:
+            codes = qw0.codes()[:, :k]
+            tiny = int4pack(codes, qw0)
+            tinys = [tiny] + [(tiny[0].clone(), tiny[1].clone()) for _ in range(copies - 1)]
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            tiny = None
+            results.setdefault("errors", []).append(f"int4pack setup {n}x{k}: {e!r}")
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        ref = x.double() @ qw0.dequantize(torch.float64).T
+        row = {"N": n, "K": k, "M": m, "group_size": group, "int4_weight_bytes": q_bytes,
+               "bf16_weight_bytes": n * k * 2, "copies": copies}  # fmt: skip
 
-            def rec(name: str, t: float, nbytes: int, y: torch.Tensor | None = None, **extra):
-                e = {"us": t * 1e6, "weight_GBps": nbytes / t / 1e9,
-                     "frac_of_copy_bw": nbytes / t / copy_bw, "TFLOPs": 2 * m * n * k / t / 1e12}  # fmt: skip
-                if y is not None:
-                    e["rel_err_vs_f64"] = ((y.double() - ref).norm() / ref.norm()).item()
-                e.update(extra)
-                row[name] = e
+        def rec(name: str, t: float, nbytes: int, y: torch.Tensor | None = None, **extra):
+            e = {"us": t * 1e6, "weight_GBps": nbytes / t / 1e9,
+                 "frac_of_copy_bw": nbytes / t / copy_bw, "TFLOPs": 2 * m * n * k / t / 1e12}  # fmt: skip
+            if y is not None:
+                e["rel_err_vs_f64"] = ((y.double() - ref).norm() / ref.norm()).item()
+            e.update(extra)
+            row[name] = e
 
-            cfg = default_config(m, n, k, torch.device(dev))
-            y = w4a16_matmul_triton(x, qw0, cfg)
-            t = timed(lambda i, cfg=cfg: w4a16_matmul_triton(x, qws[i % copies], cfg), copies)
-            rec("tandem_w4a16_default", t, q_bytes, y, config=repr(cfg))
-            sweep = GEMV_SWEEP if m == 1 else GEMM_SWEEP.get(m, [])
+        for tag, ws in (("", qws), ("_nmajor", qwn)):
+            cfg = default_config(m, n, k, torch.device(dev), ws[0])
+            y = w4a16_matmul_triton(x, ws[0], cfg)
+            t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg),
+                      copies)  # fmt: skip
+            rec(f"tandem_w4a16{tag}_default", t, q_bytes, y, config=repr(cfg))
+            if m == 1:
+                sweep = GEMVN_SWEEP if tag else GEMV_SWEEP
+            else:
+                sweep = GEMM_SWEEP.get(m, [])
             if smoke:
                 sweep = sweep[:2]
             best = None
             tried = []
             for c in sweep:
                 try:
-                    tc = timed(lambda i, c=c: w4a16_matmul_triton(x, qws[i % copies], c), copies)
+                    tc = timed(
+                        lambda i, c=c, ws=ws: w4a16_matmul_triton(x, ws[i % copies], c), copies
+                    )
                 except Exception as e:  # noqa: BLE001
                     tried.append({"config": repr(c), "error": repr(e)[:200]})
                     continue
@@ -199,40 +224,43 @@ def gemm_section(dev: str, smoke: bool, copy_bw: float, results: dict, save=None
                 if best is None or tc < best[0]:
                     best = (tc, c)
             if best is not None:
-                yb = w4a16_matmul_triton(x, qw0, best[1])
-                rec("tandem_w4a16_best", best[0], q_bytes, yb, config=repr(best[1]))
-            row["sweep"] = tried
-            if tiny is not None:
-                try:
-                    yt = torch.ops.aten._weight_int4pack_mm(x, tiny[0], group, tiny[1])
-                    t = timed(
-                        lambda i: torch.ops.aten._weight_int4pack_mm(
-                            x, tinys[i % copies][0], group, tinys[i % copies][1]
-                        ),
-                        copies,
-                    )
-                    rec("torch_int4pack_mm", t, q_bytes, yt)
-                except Exception as e:  # noqa: BLE001
-                    row["torch_int4pack_mm"] = {"error": repr(e)[:300]}
-            yb = x @ w_float.T
-            t = timed(lambda i: x @ wbf[i % bf_copies].T, bf_copies)
-            rec("bf16_cublas", t, n * k * 2, None,
-                rel_err_vs_f64_of_bf16_weight=((yb.double() - x.double() @ w_float.double().T).norm()
-                                               / (x.double() @ w_float.double().T).norm()).item())  # fmt: skip
-            out.append(row)
-            if save is not None:
-                save()  # partial results survive a time limit
-            d = row.get("tandem_w4a16_best", row["tandem_w4a16_default"])
-            print(
-                f"gemm N={n} K={k} M={m}: w4a16 {row['tandem_w4a16_default']['us']:.1f} us "
-                f"(best {d['us']:.1f} us, {d['frac_of_copy_bw']:.2f} of copy bw), "
-                f"int4pack {row.get('torch_int4pack_mm', {}).get('us', float('nan')):.1f} us, "
-                f"bf16 {row['bf16_cublas']['us']:.1f} us",
-                flush=True,
-            )
-        qws, wbf, tinys = [], [], []  # free this shape's copies before the next
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+                yb = w4a16_matmul_triton(x, ws[0], best[1])
+                rec(f"tandem_w4a16{tag}_best", best[0], q_bytes, yb, config=repr(best[1]))
+            row[f"sweep{tag}"] = tried
+        if tiny is not None:
+            try:
+                yt = torch.ops.aten._weight_int4pack_mm(x, tiny[0], group, tiny[1])
+                t = timed(
+                    lambda i: torch.ops.aten._weight_int4pack_mm(
+                        x, tinys[i % copies][0], group, tinys[i % copies][1]
+                    ),
+                    copies,
+                )
+                rec("torch_int4pack_mm", t, q_bytes, yt)
+            except Exception as e:  # noqa: BLE001
+                row["torch_int4pack_mm"] = {"error": repr(e)[:300]}
+        yb = x @ w_float.T
+        t = timed(lambda i: x @ wbf[i % bf_copies].T, bf_copies)
+        rec("bf16_cublas", t, n * k * 2, None,
+            rel_err_vs_f64_of_bf16_weight=((yb.double() - x.double() @ w_float.double().T).norm()
+                                           / (x.double() @ w_float.double().T).norm()).item())  # fmt: skip
+        out.append(row)
+        if save is not None:
+            save()  # partial results survive a time limit
+        d = row.get("tandem_w4a16_best", row["tandem_w4a16_default"])
+        dn = row.get("tandem_w4a16_nmajor_best", row["tandem_w4a16_nmajor_default"])
+        print(
+            f"gemm N={n} K={k} M={m}: w4a16 {row['tandem_w4a16_default']['us']:.1f} us "
+            f"(best {d['us']:.1f} us, {d['frac_of_copy_bw']:.2f} of copy bw), "
+            f"n-major {row['tandem_w4a16_nmajor_default']['us']:.1f} us "
+            f"(best {dn['us']:.1f} us {dn['frac_of_copy_bw']:.2f} {dn['config']}), "
+            f"int4pack {row.get('torch_int4pack_mm', {}).get('us', float('nan')):.1f} us, "
+            f"bf16 {row['bf16_cublas']['us']:.1f} us",
+            flush=True,
+        )
+    qws, qwn, wbf, tinys = [], [], [], []  # free this shape's copies before the next
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
 
 def llama_config(smoke: bool):

@@ -15,6 +15,7 @@ with float32 atomics into a zeroed buffer that is cast to the activation dtype a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,9 @@ def _gemv_kernel(
     KW,  # packed words per row
     stride_xm,
     stride_qn,
+    stride_qw,
     stride_sn,
+    stride_sg,
     stride_om,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -74,15 +77,15 @@ def _gemv_kernel(
         wi = w0 + offs_w  # [BLOCK_W] word index
         g = (wi * PER) // GROUP
         if EVEN:
-            q = tl.load(q_row + wi[None, :])  # [BLOCK_N, BLOCK_W] int32
-            s = tl.load(s_row + g[None, :]).to(tl.float32)
-            mn = tl.load(mn_row + g[None, :]).to(tl.float32)
+            q = tl.load(q_row + wi[None, :] * stride_qw)  # [BLOCK_N, BLOCK_W] int32
+            s = tl.load(s_row + g[None, :] * stride_sg).to(tl.float32)
+            mn = tl.load(mn_row + g[None, :] * stride_sg).to(tl.float32)
         else:
             w_mask = wi < w_end
             mask = n_mask[:, None] & w_mask[None, :]
-            q = tl.load(q_row + wi[None, :], mask=mask, other=0)
-            s = tl.load(s_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
-            mn = tl.load(mn_row + g[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(q_row + wi[None, :] * stride_qw, mask=mask, other=0)
+            s = tl.load(s_row + g[None, :] * stride_sg, mask=mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_row + g[None, :] * stride_sg, mask=mask, other=0.0).to(tl.float32)
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(PER):
@@ -107,6 +110,163 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _code_lo(t, ASM: tl.constexpr):
+    """256 + (bits 15..18 of t), as float32."""
+    if ASM:
+        # The OR constant in a register and the mask as the immediate: ptxas left to itself
+        # re-materializes the mask before every LOP3.
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x78000, $2, 0xEA;",
+            "=r,r,r",
+            [t, tl.full(t.shape, 0x43800000, tl.int32)],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    return ((t & 0x78000) | 0x43800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_hi(t, ASM: tl.constexpr):
+    """16 + (bits 19..22 of t), as float32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x780000, $2, 0xEA;",
+            "=r,r,r",
+            [t, tl.full(t.shape, 0x41800000, tl.int32)],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    return ((t & 0x780000) | 0x41800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_nmajor_kernel(
+    x_ptr,  # [M, K] activations
+    qw_ptr,  # packed codes, word w of row n at qw_ptr + w * stride_qw + n (N-major storage)
+    s_ptr,  # fp16 scales, group g of row n at s_ptr + g * stride_sg + n
+    mn_ptr,  # fp16 zero points (value of code 0), same layout as the scales
+    out_ptr,  # [M, N]
+    ws_ptr,  # float32 [SPLIT, M, N] partial sums (REDUCE)
+    cnt_ptr,  # int32 [M * cdiv(N, BLOCK_N)] arrival counters, zero between calls (REDUCE)
+    M,
+    N,
+    K,
+    G,  # groups per row (Kp // GROUP)
+    groups_per_split,
+    SPLIT,  # programs along K
+    stride_xm,
+    stride_qw,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REDUCE: tl.constexpr,  # SPLIT > 1: the last program of a column block adds the partials
+    EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K == Kp: no masks
+    ASM: tl.constexpr,  # PTX lop3 for the code -> float step (compiled CUDA, not the interpreter)
+):
+    """INT4 GEMV over N-major packed codes: the weight is read as 16-byte vectors across output
+    rows, x as broadcasts, and codes become floats without an int->float convert.
+
+    Codes j and j+1 of a word (bits 4j..4j+7) are moved by one shift to bits 15..22; each is
+    then masked and OR-ed under a float exponent in one LOP3: code j (bits 15..18) under 256.0
+    gives v = 256 + c, code j+1 (bits 19..22) under 16.0 gives v = 16 + c, both exact. So
+    v * x = offset * x + c * x and sum_k v x = X' + sum_k c x, X' = sum_k offset_k x_k per
+    group. About 1.5 integer and 1.5 float instructions per code, against a quarter-rate convert.
+
+    The next group's codes are loaded before this group's are used (two loads in flight per
+    program). K is split over SPLIT programs; each writes its partial sums, and the last to
+    arrive at its column block (an acq_rel counter) adds them and writes the output, then
+    resets the counter: no zero-fill and no cast kernel around the GEMV.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    WPG: tl.constexpr = GROUP // 8  # words per group
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    offs_k = tl.arange(0, GROUP)
+    # The codes ride on 256 (j even) or 16 (j odd): sum_k v x = X' + sum_k c x with
+    # X' = sum_k offset_k x_k.
+    k_offset = tl.where(offs_k % 2 == 0, 256.0, 16.0)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    q_cols = qw_ptr + offs_n[None, :]
+
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    wi = g_start * WPG + offs_w
+    w_end = g_end * WPG
+    q_next = tl.load(
+        q_cols + wi[:, None].to(tl.int64) * stride_qw,
+        mask=(wi < w_end)[:, None] & n_mask[None, :],
+        other=0,
+    )
+    for g in range(g_start, g_end):
+        q = q_next
+        wi = g * WPG + offs_w  # [WPG] word index
+        wn = wi + WPG
+        q_next = tl.load(
+            q_cols + wn[:, None].to(tl.int64) * stride_qw,
+            mask=(wn < w_end)[:, None] & n_mask[None, :],
+            other=0,
+        )
+        s_off = g * stride_sg + offs_n  # scales hold < 2**31 entries
+        kx = g * GROUP + offs_k
+        if EVEN:
+            s = tl.load(s_ptr + s_off).to(tl.float32)
+            mn = tl.load(mn_ptr + s_off).to(tl.float32)
+            xg = tl.load(x_row + kx).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+            xg = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
+        x_sum = tl.sum(xg, axis=0)
+        xp_sum = tl.sum(xg * k_offset, axis=0)
+        part = tl.zeros([WPG, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(0, 8, 2):
+            if EVEN:
+                xa = tl.load(x_row + wi * 8 + j).to(tl.float32)
+                xb = tl.load(x_row + wi * 8 + j + 1).to(tl.float32)
+            else:
+                ka = wi * 8 + j
+                xa = tl.load(x_row + ka, mask=ka < K, other=0.0).to(tl.float32)
+                xb = tl.load(x_row + ka + 1, mask=ka + 1 < K, other=0.0).to(tl.float32)
+            if j == 0:
+                t = q << 15
+            elif j == 2:
+                t = q << 7
+            elif j == 4:
+                t = q >> 1
+            else:
+                t = q >> 9
+            part += _code_lo(t, ASM) * xa[:, None]  # two separate FFMAs
+            part += _code_hi(t, ASM) * xb[:, None]
+        acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
+    out = out_ptr + m.to(tl.int64) * stride_om + offs_n
+    if REDUCE:
+        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+        tl.store(ws, acc, mask=n_mask)
+        tl.debug_barrier()  # every thread's partials are written before the counter moves
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for sk in range(0, SPLIT):
+                part_ptr = ws_ptr + (sk * M + m).to(tl.int64) * N + offs_n
+                total += tl.load(part_ptr, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    elif EVEN:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K]
     qw_ptr,  # [N, KW] int32
@@ -120,7 +280,9 @@ def _gemm_kernel(
     KW,
     stride_xm,
     stride_qn,
+    stride_qw,
     stride_sn,
+    stride_sg,
     stride_om,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -153,10 +315,13 @@ def _gemm_kernel(
     for w0 in range(w_start, w_end, BLOCK_W):
         wi = w0 + offs_w
         mask = (wi < w_end)[:, None] & n_mask[None, :]
-        q = tl.load(qw_ptr + rows[None, :] * stride_qn + wi[:, None], mask=mask, other=0)
+        q = tl.load(
+            qw_ptr + rows[None, :] * stride_qn + wi[:, None] * stride_qw, mask=mask, other=0
+        )
         g = (wi * PER) // GROUP
-        s = tl.load(s_ptr + rows[None, :] * stride_sn + g[:, None], mask=mask, other=0.0)
-        mn = tl.load(mn_ptr + rows[None, :] * stride_sn + g[:, None], mask=mask, other=0.0)
+        s_off = rows[None, :] * stride_sn + g[:, None] * stride_sg
+        s = tl.load(s_ptr + s_off, mask=mask, other=0.0)
+        mn = tl.load(mn_ptr + s_off, mask=mask, other=0.0)
         codes = (q[:, None, :] >> (offs_j * BITS)[None, :, None]) & MASK  # [BLOCK_W, PER, BLOCK_N]
         w = codes.to(tl.float32) * s.to(tl.float32)[:, None, :] + mn.to(tl.float32)[:, None, :]
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))  # row kw * PER + j: input feature order
@@ -187,6 +352,16 @@ class GemvConfig:
 
 
 @dataclass(frozen=True)
+class GemvNConfig:
+    """`_gemv_nmajor_kernel`: INT4, M = 1, N-major codes (`n_major`)."""
+
+    block_n: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 16
     block_n: int = 64
@@ -208,9 +383,37 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig | GemmConfig:
+def is_n_major(w: QuantizedWeight) -> bool:
+    """Codes, scales and zero points stored N-major (column n contiguous along the rows)."""
+    return w.qweight.stride(0) == 1 and w.scales.stride(0) == 1 and w.mins.stride(0) == 1
+
+
+def n_major(w: QuantizedWeight) -> QuantizedWeight:
+    """The same weight with N-major storage: `qweight` is still an [N, KW] tensor (every
+    QuantizedWeight operation works on it unchanged), but a view of a contiguous [KW, N] one, so
+    that a program of the M = 1 kernel reads 16-byte vectors across output rows and x as
+    broadcasts. The M > 1 kernel reads either layout. The GPU model stores its INT4 weights so."""
+    if is_n_major(w):
+        return w
+
+    def t(a: torch.Tensor) -> torch.Tensor:
+        return a.t().contiguous().t()
+
+    return QuantizedWeight(
+        t(w.qweight), t(w.scales), t(w.mins), w.bits, w.group_size, w.in_features, w.zero_point
+    )
+
+
+def default_config(
+    m: int, n: int, k: int, device: torch.device, w: QuantizedWeight | None = None
+) -> GemvConfig | GemvNConfig | GemmConfig:
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
+    if m == 1 and w is not None and w.bits == 4 and is_n_major(w):
+        groups = -(-k // w.group_size)
+        return GemvNConfig(
+            block_n=32 if n < 16384 else 64, split_k=max(1, min(16, groups // 2)), num_warps=1
+        )
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
         return GemvConfig(block_n=8, block_w=256 if n >= 8192 else 128, split_k=1, num_warps=4)
@@ -230,7 +433,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig |
 def w4a16_matmul_triton(
     x: torch.Tensor,  # [M, K]
     w: QuantizedWeight,
-    config: GemvConfig | GemmConfig | None = None,
+    config: GemvConfig | GemvNConfig | GemmConfig | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
@@ -242,9 +445,11 @@ def w4a16_matmul_triton(
     per = 32 // w.bits
     kw = w.qweight.shape[1]
     if config is None:
-        config = default_config(m, n, k, x.device)
+        config = default_config(m, n, k, x.device, w)
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
+    if isinstance(config, GemvNConfig):
+        return _gemv_nmajor(x, w, config)
     if isinstance(config, GemvConfig):
         block_w = config.block_w
         words = triton.cdiv(triton.cdiv(kw, config.split_k), block_w) * block_w
@@ -270,7 +475,9 @@ def w4a16_matmul_triton(
             kw,
             x.stride(0),
             w.qweight.stride(0),
+            w.qweight.stride(1),
             w.scales.stride(0),
+            w.scales.stride(1),
             out.stride(0),
             BITS=w.bits,
             GROUP=w.group_size,
@@ -293,7 +500,9 @@ def w4a16_matmul_triton(
             kw,
             x.stride(0),
             w.qweight.stride(0),
+            w.qweight.stride(1),
             w.scales.stride(0),
+            w.scales.stride(1),
             out.stride(0),
             BITS=w.bits,
             GROUP=w.group_size,
@@ -306,6 +515,74 @@ def w4a16_matmul_triton(
             num_stages=config.num_stages,
         )
     return out.to(x.dtype) if atomic else out
+
+
+def _compiled_cuda(x: torch.Tensor) -> bool:
+    """Triton compiles for the GPU (inline PTX allowed), rather than interpreting on the CPU."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K GEMV, one set per (device, stream): the
+    kernel leaves them at zero again, so a set is allocated (and zeroed) once, and launches on
+    one stream, in order, share it."""
+    key: tuple = (str(device), 0)
+    if device.type == "cuda":
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig) -> torch.Tensor:
+    if w.bits != 4 or not is_n_major(w):
+        raise ValueError("GemvNConfig needs INT4 codes stored N-major (see n_major)")
+    if w.mins.stride(1) != w.scales.stride(1):
+        raise ValueError("scales and zero points must share one layout")
+    m, k = x.shape
+    n = w.out_features
+    groups = w.scales.shape[1]
+    per_split = triton.cdiv(groups, config.split_k)
+    split = triton.cdiv(groups, per_split)
+    blocks = triton.cdiv(n, config.block_n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device, m * blocks)
+    else:
+        ws = counters = out  # not read
+    _gemv_nmajor_kernel[(blocks, split, m)](
+        x,
+        w.qweight,
+        w.scales,
+        w.mins,
+        out,
+        ws,
+        counters,
+        m,
+        n,
+        k,
+        groups,
+        per_split,
+        split,
+        x.stride(0),
+        w.qweight.stride(1),
+        w.scales.stride(1),
+        out.stride(0),
+        GROUP=w.group_size,
+        BLOCK_N=config.block_n,
+        REDUCE=split > 1,
+        EVEN=n % config.block_n == 0 and k == groups * w.group_size,
+        ASM=_compiled_cuda(x),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
 
 
 def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -91,6 +91,31 @@ def test_w4a16_configs_and_split_k(wk: ModuleType, config, m: int) -> None:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < REL_TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("m, n, k, group, dtype", W4A16_CASES)
+def test_w4a16_n_major_matches_f64(wk, m: int, n: int, k: int, group: int, dtype) -> None:
+    """The layout the GPU model stores: the N-major GEMV at M = 1, the tl.dot kernel above."""
+    qw = wk.n_major(_weight(n, k, 4, group, seed=m + n + k + 1))
+    x = torch.randn(m, k, device=DEV).to(dtype)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    out = wk.w4a16_matmul_triton(x, qw)
+    assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
+    assert _rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "block_n, split, warps",
+    [(32, 1, 1), (64, 3, 1), (128, 8, 1), (256, 2, 2), (128, 1, 4), (64, 5, 2)],
+)
+def test_w4a16_n_major_configs(wk, block_n: int, split: int, warps: int) -> None:
+    """Ragged N and K (masked tiles), K splits that leave a partial step, float32 and bf16 x."""
+    qw = wk.n_major(_weight(3000, 4096 + 128 + 64, 4, 64, seed=block_n + split))
+    cfg = wk.GemvNConfig(block_n=block_n, split_k=split, num_warps=warps)
+    for dtype, tol in ((torch.bfloat16, REL_TOL[torch.bfloat16]), (torch.float32, 1e-4)):
+        x = torch.randn(1, qw.in_features, device=DEV, dtype=dtype) * 4
+        ref = x.double() @ qw.dequantize(torch.float64).T
+        assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < tol
+
+
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

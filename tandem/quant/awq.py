@@ -8,8 +8,9 @@ scale is folded into the operation that produces X, so the float model is unchan
 - o: the v_proj rows are divided by s (under grouped-query attention one scale per kv channel,
   shared by the query heads of the group);
 - down: the up_proj rows are divided by s (the MLP input is silu(gate) * up).
-Layers run one after another on the calibration batch, each fed the output of the previous
-(scaled, still float) layer. Quantization itself happens afterwards (`quantize_weights`).
+Layers run one after another on the calibration batch (`tandem.quant.walk`), each fed the output
+of the previous (scaled, still float) layer. Quantization itself happens afterwards
+(`quantize_weights`, or `tandem.quant.gptq` on the scaled weights).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model.config import ModelConfig
-from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import quantize_rtn
 from tandem.quant.recipe import LayerSpec
+from tandem.quant.walk import LayerGroup, walk_groups
 
 
 @dataclass
@@ -60,10 +61,6 @@ def _clip_search(x: torch.Tensor, w: torch.Tensor, spec: LayerSpec) -> torch.Ten
         best = torch.where(better, err, best)
         ratio = torch.where(better, r, ratio)
     return ratio
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _fake_quant(w: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
@@ -118,86 +115,27 @@ def awq_scale(
     """
     w = {k: v.float().clone() for k, v in weights.items()}
     report = AwqReport()
-    s_count, length = calib.shape
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    group = hq // hkv
-    eps = cfg.rms_norm_eps
-    cs = cos_sin_table(cfg, length, "cpu")
-    cos = cs[:, None, : d // 2].repeat(s_count, 1, 1)  # [S*L, 1, D/2]
-    sin = cs[:, None, d // 2 :].repeat(s_count, 1, 1)
-    h = F.embedding(calib, w["model.embed_tokens.weight"]).reshape(s_count * length, -1)
     # The scale search uses a fixed subset of tokens (all of them for a small calibration set).
     gen = torch.Generator().manual_seed(0)
-    n_tok = h.shape[0]
+    n_tok = calib.numel()
     pick = torch.randperm(n_tok, generator=gen)[: min(max_search_tokens, n_tok)]
     pick_clip = pick[:max_clip_tokens]
 
-    def scale_group(
-        name: str, x: torch.Tensor, members: list[str], tie=None
-    ) -> torch.Tensor | None:
-        spec = specs[members[0]]
+    def visit(group: LayerGroup, x: torch.Tensor) -> torch.Tensor | None:
+        spec = specs[group.members[0]]
         if not spec.quantized:
             return None
-        ws = [w[m + ".weight"] for m in members]
-        s, alpha, base, err = _search(x[pick], ws, spec, grid, tie)
-        for m in members:
+        ws = [w[m + ".weight"] for m in group.members]
+        s, alpha, base, err = _search(x[pick], ws, spec, grid, group.tie)
+        for m in group.members:
             w[m + ".weight"] = w[m + ".weight"] * s
             if clip:
                 report.clips[m] = _clip_search((x / s)[pick_clip], w[m + ".weight"], spec)
-        report.alphas[name] = alpha
-        report.errors[name] = (base, err)
+        report.alphas[group.name] = alpha
+        report.errors[group.name] = (base, err)
         if log is not None:
-            log(f"  {name}: alpha {alpha:.2f}, output MSE {base:.3e} -> {err:.3e}")
+            log(f"  {group.name}: alpha {alpha:.2f}, output MSE {base:.3e} -> {err:.3e}")
         return s
 
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        # -- attention: q/k/v read the input norm's output
-        x = _rms_norm(h, w[p + "input_layernorm.weight"], eps)
-        qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
-        s = scale_group(p + "self_attn.qkv", x, qkv)
-        if s is not None:
-            w[p + "input_layernorm.weight"] = w[p + "input_layernorm.weight"] / s
-            x = x / s
-        q = x @ w[p + "self_attn.q_proj.weight"].T
-        k = x @ w[p + "self_attn.k_proj.weight"].T
-        v = x @ w[p + "self_attn.v_proj.weight"].T
-        if cfg.attention_bias and p + "self_attn.q_proj.bias" in w:
-            q = q + w[p + "self_attn.q_proj.bias"]
-            k = k + w[p + "self_attn.k_proj.bias"]
-            v = v + w[p + "self_attn.v_proj.bias"]
-        q = apply_rotary(q.view(-1, hq, d), cos, sin)
-        k = apply_rotary(k.view(-1, hkv, d), cos, sin)
-        v = v.view(-1, hkv, d)
-
-        def attend(q=q, k=k, v=v) -> torch.Tensor:
-            qs = q.view(s_count, length, hq, d).transpose(1, 2)
-            ks = k.view(s_count, length, hkv, d).transpose(1, 2)
-            vs = v.view(s_count, length, hkv, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            return o.transpose(1, 2).reshape(s_count * length, hq * d)
-
-        a = attend()
-        # -- o_proj reads the attention output; its scale folds into v_proj's rows
-        s = scale_group(p + "self_attn.o_proj", a, [p + "self_attn.o_proj"], tie=(hkv, group, d))
-        if s is not None:
-            s_kv = s.view(hkv, group, d)[:, 0, :].reshape(-1)
-            w[p + "self_attn.v_proj.weight"] = w[p + "self_attn.v_proj.weight"] / s_kv[:, None]
-            if p + "self_attn.v_proj.bias" in w:
-                w[p + "self_attn.v_proj.bias"] = w[p + "self_attn.v_proj.bias"] / s_kv
-            a = a / s
-        h = h + a @ w[p + "self_attn.o_proj.weight"].T
-        # -- MLP: gate/up read the post-attention norm's output
-        x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-        s = scale_group(p + "mlp.gate_up", x, [p + "mlp.gate_proj", p + "mlp.up_proj"])
-        if s is not None:
-            w[p + "post_attention_layernorm.weight"] = w[p + "post_attention_layernorm.weight"] / s
-            x = x / s
-        act = F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T)
-        # -- down_proj reads silu(gate) * up; its scale folds into up_proj's rows
-        s = scale_group(p + "mlp.down_proj", act, [p + "mlp.down_proj"])
-        if s is not None:
-            w[p + "mlp.up_proj.weight"] = w[p + "mlp.up_proj.weight"] / s[:, None]
-            act = act / s
-        h = h + act @ w[p + "mlp.down_proj.weight"].T
+    walk_groups(w, cfg, calib, visit)
     return w, report

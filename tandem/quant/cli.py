@@ -1,7 +1,11 @@
-"""`tandem quantize MODEL`: profile weights, or write an INT4/INT8 checkpoint (AWQ or RTN).
+"""`tandem quantize MODEL`: profile weights, or write an INT4/INT8 checkpoint.
 
     tandem quantize MODEL --profile                       per-layer statistics + a suggested recipe
-    tandem quantize MODEL --recipe R --calib FILE --out DIR
+    tandem quantize MODEL --recipe R --calib FILE --out DIR [--method M]
+
+Methods (`--method`): `rtn` rounds to nearest; `awq` searches activation-aware scales
+(`tandem.quant.awq`) and per-group clipping, then rounds; `gptq` quantizes with second-order
+error compensation (`tandem.quant.gptq`); `awq-gptq` runs GPTQ on the AWQ-scaled weights.
 
 The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
 documentation (README, design contract, conventions); evaluate on different text.
@@ -18,6 +22,7 @@ import time
 from importlib import resources
 
 CALIBRATION_FILE = "calibration.txt"
+METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 
 
 def default_calibration_path() -> str:
@@ -41,9 +46,10 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--method",
-        choices=["awq", "rtn"],
+        choices=METHODS,
         default="awq",
-        help="awq: activation-aware scales from the calibration text; rtn: round to nearest",
+        help="rtn: round to nearest; awq: activation-aware scales + clipping from the calibration "
+        "text; gptq: second-order error compensation on the calibration text; awq-gptq: both",
     )
     p.add_argument("--out", default=None, help="output directory of the quantized checkpoint")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
@@ -52,7 +58,15 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--awq-grid", type=int, default=20, help="alpha grid points in [0, 1]")
     p.add_argument(
-        "--no-clip", action="store_true", help="AWQ without the per-group clipping search"
+        "--no-clip",
+        action="store_true",
+        help="AWQ/GPTQ without the per-group clipping search",
+    )
+    p.add_argument(
+        "--gptq-damp",
+        type=float,
+        default=0.01,
+        help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean",
     )
     p.add_argument(
         "--float-dtype",
@@ -93,38 +107,72 @@ def quantize_model(
     grid: int = 20,
     log=print,
     clip: bool = True,
+    damp: float = 0.01,
 ):
-    """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json)."""
+    """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
+
+    `method`: one of METHODS (see the module docstring); `clip`: search per-group clipping
+    ratios (AWQ, GPTQ); `damp`: GPTQ's Hessian dampening.
+    """
     import torch
 
-    from tandem.quant.awq import awq_scale
     from tandem.quant.recipe import resolve_specs
     from tandem.quant.weights import dequantize_weights, quantize_weights
 
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     cfg = loaded.config
     specs = resolve_specs(recipe, cfg.num_layers)
     weights = dequantize_weights(loaded.weights, torch.float32)
     info: dict = {"method": method, "recipe": recipe.to_dict(), "source": str(loaded.path)}
+    if method == "rtn":
+        return quantize_weights(weights, specs), info
+    calib_path = calib_path or default_calibration_path()
+    calib, text = calibration_batch(loaded.tokenizer, calib_path, seq_len, max_tokens)
+    log(f"{method}: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
+    info["calibration"] = {
+        "file": os.path.basename(calib_path),
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "tokens": int(calib.numel()),
+        "seq_len": seq_len,
+        "clip_search": clip,
+    }
     clips = None
-    if method == "awq":
-        calib_path = calib_path or default_calibration_path()
-        calib, text = calibration_batch(loaded.tokenizer, calib_path, seq_len, max_tokens)
-        log(f"AWQ: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
+    if method in ("awq", "awq-gptq"):
+        from tandem.quant.awq import awq_scale
+
         t0 = time.monotonic()
-        weights, report = awq_scale(weights, cfg, specs, calib, grid=grid, log=log, clip=clip)
+        # Before GPTQ the clipping is GPTQ's own (searched on the error-compensated columns).
+        weights, report = awq_scale(
+            weights, cfg, specs, calib, grid=grid, log=log, clip=clip and method == "awq"
+        )
         clips = report.clips
         log(f"AWQ scales searched in {time.monotonic() - t0:.1f}s")
-        info["calibration"] = {
-            "file": os.path.basename(calib_path),
-            "sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "tokens": int(calib.numel()),
-            "seq_len": seq_len,
-            "grid": grid,
-            "alphas": report.alphas,
-            "clip_search": clip,
-        }
-    elif method != "rtn":
-        raise ValueError(f"method must be awq or rtn, got {method!r}")
+        info["calibration"].update({"grid": grid, "alphas": report.alphas})
+    if method in ("gptq", "awq-gptq"):
+        from tandem.quant.gptq import CLIP_RATIOS, gptq_quantize
+
+        t0 = time.monotonic()
+        out, report = gptq_quantize(
+            weights,
+            cfg,
+            specs,
+            calib,
+            damp=damp,
+            clip_ratios=CLIP_RATIOS if clip else (1.0,),
+            log=log,
+        )
+        log(f"GPTQ done in {time.monotonic() - t0:.1f}s")
+        info["calibration"].update(
+            {
+                "gptq_damp": damp,
+                "gptq_act_order": "per group",
+                "gptq_relative_output_error": {
+                    m: {"rtn": e[0], "gptq": e[1]} for m, e in report.errors.items()
+                },
+            }
+        )
+        return out, info
     return quantize_weights(weights, specs, clips), info
 
 
@@ -162,6 +210,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             args.calib_max_tokens,
             args.awq_grid,
             clip=not args.no_clip,
+            damp=args.gptq_damp,
         )
         save_quantized(
             args.out,

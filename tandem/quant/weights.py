@@ -33,7 +33,11 @@ def quantize_weights(
         if spec.quantized and isinstance(w, torch.Tensor):
             c = clips.get(name)
             out[key] = quantize_rtn(
-                w, spec.bits, spec.group_size, spec.zero_point, None if c is None else c.to(w.device)
+                w,
+                spec.bits,
+                spec.group_size,
+                spec.zero_point,
+                None if c is None else c.to(w.device),
             )
     return out
 

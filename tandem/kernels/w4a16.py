@@ -410,10 +410,14 @@ def default_config(
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
     if m == 1 and w is not None and w.bits == 4 and is_n_major(w):
+        # From the sweeps in bench/results/h200_quant.json (H200, Llama-3-8B shapes): one warp
+        # per 64 columns, and K split until ~2048 programs run (at most 16 ways, >= 2 groups each).
         groups = -(-k // w.group_size)
-        return GemvNConfig(
-            block_n=32 if n < 16384 else 64, split_k=max(1, min(16, groups // 2)), num_warps=1
-        )
+        blocks = triton.cdiv(n, 64)
+        split = 1
+        while split < 16 and blocks * split < 2048 and groups // (split * 2) >= 2:
+            split *= 2
+        return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
         return GemvConfig(block_n=8, block_w=256 if n >= 8192 else 128, split_k=1, num_warps=4)
@@ -540,6 +544,11 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig) -> torch.Tensor:
+    return launch_gemv_nmajor(x, w, config)[0]
+
+
+def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig):
+    """(output, the compiled kernel launched): the latter for benchmarks that read its code."""
     if w.bits != 4 or not is_n_major(w):
         raise ValueError("GemvNConfig needs INT4 codes stored N-major (see n_major)")
     if w.mins.stride(1) != w.scales.stride(1):
@@ -556,7 +565,7 @@ def _gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig) -> to
         counters = _split_counters(x.device, m * blocks)
     else:
         ws = counters = out  # not read
-    _gemv_nmajor_kernel[(blocks, split, m)](
+    kernel = _gemv_nmajor_kernel[(blocks, split, m)](
         x,
         w.qweight,
         w.scales,
@@ -582,7 +591,7 @@ def _gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig) -> to
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return out
+    return out, kernel
 
 
 def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

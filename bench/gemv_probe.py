@@ -1,0 +1,88 @@
+"""W4A16 GEMV variants on one shape: times side by side, and the compiled code for reading.
+
+Builds an INT4 g128 weight stored N-major (as the GPU model stores it) and a bf16 x, and for
+each `--config` (block_n,num_warps,split_k) prints the median time of one call over 16 rotating
+weight copies (CUDA graph replay) and the error against float64. `--dump`
+writes each variant's cubin (read it with nvdisasm where there is no GPU) and register counts.
+`--iters` plain launches of the first config come first, for `ncu`.
+
+    python bench/gemv_probe.py --shape 14336 4096 --config 32,1,8 64,1,16
+    ncu --clock-control none -k regex:gemv_nmajor -c 1 python bench/gemv_probe.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tandem.kernels import w4a16 as wk  # noqa: E402
+from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
+
+COPIES = 16
+
+
+def timed(fn) -> float:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(COPIES):
+            fn(i)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / COPIES)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", type=int, nargs=2, default=[14336, 4096], metavar=("N", "K"))
+    ap.add_argument("--config", nargs="+", default=["32,1,8"])
+    ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--dump", default=None, help="folder for cubins")
+    args = ap.parse_args()
+    n, k = args.shape
+    dev = "cuda"
+    w = wk.n_major(quantize_rtn(torch.randn(n, k, device=dev) * 0.02, 4, 128))
+    ws = [w] + [
+        wk.n_major(QuantizedWeight(w.qweight.clone(), w.scales.clone(), w.mins.clone(), 4, 128, k))
+        for _ in range(COPIES - 1)
+    ]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    ref = x.double() @ w.dequantize(torch.float64).T
+    rows = []
+    for spec in args.config:
+        bn, nw, sk = (int(v) for v in spec.split(","))
+        cfg = wk.GemvNConfig(bn, sk, nw, 1)
+        y, kern = wk.launch_gemv_nmajor(x, w, cfg)
+        for i in range(args.iters if not rows else 0):
+            wk.launch_gemv_nmajor(x, ws[i % COPIES], cfg)
+        torch.cuda.synchronize()
+        us = timed(lambda i, cfg=cfg: wk.launch_gemv_nmajor(x, ws[i], cfg))
+        row = {"N": n, "K": k, "variant": spec, "us": us, "bytes": w.nbytes,
+               "GBps": w.nbytes / us / 1e3, "n_regs": kern.n_regs, "n_spills": kern.n_spills,
+               "rel_err": ((y.double() - ref).norm() / ref.norm()).item()}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            tag = f"{n}x{k}_" + spec.replace(",", "_")
+            with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:
+                f.write(kern.asm["cubin"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,8 +11,9 @@ row is `block_size * kv_heads * head_dim` contiguous elements, and blocks b and 
 adjacent. A READ is described per request as one descriptor per (row, run): a run is a stretch of
 blocks adjacent in both pools (the pairs are sorted by peer block first, so the order of the
 block lists does not matter), copied in one piece; a quantized pool adds the same runs of its
-float32 scales. Per-block descriptors would cost UCX one operation per 16 KiB block and row, which
-on one host is 2-3x slower than reading the same bytes in long runs (bench/README.md).
+float32 scales. Per-block descriptors would cost UCX one operation per block and row (16 KiB in
+bench/transfer.py's model), which on one host is 2-3x slower than reading the same bytes in
+long runs (bench/nixl_read.py, bench/results/nixl_read_cpu.json).
 """
 
 from __future__ import annotations

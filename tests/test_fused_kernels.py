@@ -96,3 +96,54 @@ def test_gemv_kernel_matches_f64(n, k, block_n, block_k, bias):
     )
     want = x.double() @ w.double().T + (b.double() if bias else 0)
     assert ((y.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # bf16: tests/gpu
+def test_rope_cache_write_scaled_matches_eager(kv_dtype, dtype):
+    """Decode steps into FP8/INT8 caches: blocks that start afresh (stale codes and scales of a
+    previous owner), blocks whose scale grows (held codes re-quantized) or does not, a padding
+    row (slot -1); codes, scales and q equal the eager rotary + write_kv_block_scaled path."""
+    hq, hkv, d, bs, nb = 4, 2, 16, 4, 8
+    g = torch.Generator().manual_seed(7)
+    cos_sin = cos_sin_table(_cfg(hq, hkv, d), 64, "cpu")
+    kc = (torch.randn(nb, bs, hkv, d, generator=g) * 20).to(kv_dtype)  # stale junk
+    vc = (torch.randn(nb, bs, hkv, d, generator=g) * 20).to(kv_dtype)
+    ks = torch.rand(nb, hkv, generator=g) * 3
+    vs = torch.rand(nb, hkv, generator=g) * 3
+    caches = [kc, vc, ks, vs]
+    ref_caches = [c.clone() for c in caches]
+    width = (hq + 2 * hkv) * d
+    # Blocks 1, 2, 5 hold sequences; each step appends one token to each (slots advance).
+    lens = {1: 0, 2: 2, 5: 3}
+    for step in range(5):
+        slots, pos, scale = [], [], []
+        for b, n in lens.items():
+            slots.append(b * bs + (n + step) % bs)
+            pos.append(n + step)
+            scale.append(8.0 if (step, b) in ((1, 2), (3, 5)) else 1.0)  # a few scales grow
+        slots.append(-1)  # a padding row
+        pos.append(0)
+        scale.append(1.0)
+        t = len(slots)
+        qkv = (torch.randn(t, width, generator=g) * torch.tensor(scale)[:, None]).to(dtype)
+        positions = torch.tensor(pos)
+        slot_mapping = torch.tensor(slots)
+        q = rot.rope_cache_write_scaled(qkv, positions, cos_sin, slot_mapping, *caches, hq, hkv)
+        q_ref = rot.rope_cache_write_scaled_ref(
+            qkv, positions, cos_sin, slot_mapping, *ref_caches, hq, hkv
+        )
+        torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+        for name, c, r in zip("kc vc ks vs".split(), caches, ref_caches, strict=True):
+            if c.dtype == torch.float8_e4m3fn:
+                # The interpreter's float -> fp8 conversion is not exact (it flushes subnormals,
+                # and once in a few thousand values misses a carry into the exponent); the GPU
+                # test compares bit for bit. Here: all but a few codes equal (a logic error
+                # spoils whole blocks: 1 in 8 of these codes).
+                same = (c.view(torch.uint8) == r.view(torch.uint8)).float().mean().item()
+                assert same > 0.98, f"step {step} {name}: only {same:.3%} of codes equal"
+                continue
+            if c.dtype == kv_dtype:
+                c, r = c.view(torch.uint8), r.view(torch.uint8)
+            bad = (c != r).nonzero()
+            assert not len(bad), f"step {step} {name}: {len(bad)} differ, first {bad[:4].tolist()}"

@@ -14,6 +14,8 @@ captured decode batch use slot -1.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -203,3 +205,224 @@ def rope_cache_write(
     """Rotary q/k plus the KV-cache write: the Triton kernel on CUDA, the eager ops elsewhere."""
     fn = rope_cache_write_triton if qkv.is_cuda else rope_cache_write_ref
     return fn(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, num_q_heads, num_kv_heads)
+
+
+# ---- FP8 / INT8 caches: rotary + quantize-on-write, for decode steps ---------------------------
+
+
+@triton.jit
+def _to_codes(x, IS_INT8: tl.constexpr, RINT: tl.constexpr):
+    """Values already divided by their scale -> saturated codes (`quantize_codes`)."""
+    if IS_INT8:
+        if RINT:  # round half to even, as torch.round
+            r = tl.extra.cuda.libdevice.rint(x)
+        else:  # the interpreter has no libdevice; ties (x.5 exactly) round away from zero
+            r = tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
+        return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+    return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _write_row_scaled(
+    cache_ptr,  # [num_blocks, block_size, Hkv, D] fp8/int8
+    scale_ptr,  # [num_blocks, Hkv] float32
+    blk,
+    off,
+    ok,  # [BLOCK_KV] heads to write (real heads of a real slot)
+    lo,  # [BLOCK_KV, HALF] float32: dims [0, HALF) of the new row
+    hi,  # [BLOCK_KV, HALF]: dims [HALF, D)
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_sb,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    TARGET: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    RINT: tl.constexpr,
+):
+    """One token's row into its block with `write_kv_block_scaled`'s arithmetic: the block's
+    scale grows to cover the row (a block whose first slot this is starts from 0), the codes it
+    already holds are re-quantized by old / new when it grew, then the row is quantized."""
+    hk = tl.arange(0, BLOCK_KV)
+    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    sp = scale_ptr + blk * stride_sb + hk
+    s_old = tl.load(sp, mask=ok, other=0.0)
+    s_old = tl.where(hk * 0 + off == 0, 0.0, s_old)
+    s_new = tl.maximum(s_old, amax / TARGET)
+    ratio = tl.where(s_new > 0, s_old / s_new, 1.0)
+    grow = tl.max(tl.where(ok & (ratio != 1.0), 1, 0), axis=0)
+    if (off == 0) | (grow > 0):
+        rows = tl.arange(0, BLOCK_SIZE)
+        dims = tl.arange(0, 2 * HALF)
+        ptr = (
+            cache_ptr
+            + blk * stride_b
+            + rows[:, None, None] * stride_t
+            + hk[None, :, None] * stride_h
+            + dims[None, None, :]
+        )
+        m = (rows != off)[:, None, None] & ok[None, :, None] & (dims < 2 * HALF)[None, None, :]
+        held = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * ratio[None, :, None]
+        tl.store(ptr, _to_codes(held, IS_INT8, RINT), mask=m)
+    inv = tl.where(s_new > 0, 1.0 / s_new, 0.0)[:, None]
+    offs = tl.arange(0, HALF)
+    dst = cache_ptr + blk * stride_b + off * stride_t + hk[:, None] * stride_h + offs[None, :]
+    tl.store(dst, _to_codes(lo * inv, IS_INT8, RINT), mask=ok[:, None])
+    tl.store(dst + HALF, _to_codes(hi * inv, IS_INT8, RINT), mask=ok[:, None])
+    tl.store(sp, s_new, mask=ok)
+
+
+@triton.jit
+def _rope_cache_scaled_kernel(
+    qkv_ptr,  # [T, (Hq + 2 Hkv) * D]
+    positions_ptr,  # [T]
+    cos_sin_ptr,  # [P, D] f32
+    slot_ptr,  # [T]; every real token in a different block; < 0 writes nothing
+    q_out_ptr,  # [T, Hq, D]
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,  # [num_blocks, Hkv] float32
+    v_scale_ptr,
+    stride_qkv,
+    stride_qo_t,
+    stride_qo_h,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ksb,
+    stride_vsb,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # Hq padded to a power of 2
+    BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
+    TARGET: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    RINT: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    dt = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    slot_raw = tl.load(slot_ptr + tok).to(tl.int64)
+    slot = tl.maximum(slot_raw, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
+    row = qkv_ptr + tok * stride_qkv
+
+    # q: rotate and store.
+    qh = tl.arange(0, BLOCK_Q)
+    is_q = qh < NUM_Q_HEADS
+    src = row + qh[:, None] * (2 * HALF) + offs[None, :]
+    x1 = tl.load(src, mask=is_q[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=is_q[:, None], other=0.0).to(tl.float32)
+    lo = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    hi = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    q_dst = q_out_ptr + tok * stride_qo_t + qh[:, None] * stride_qo_h + offs[None, :]
+    tl.store(q_dst, lo, mask=is_q[:, None])
+    tl.store(q_dst + HALF, hi, mask=is_q[:, None])
+
+    # k: rotate in the activation dtype, then quantize into the cache.
+    hk = tl.arange(0, BLOCK_KV)
+    ok = (hk < NUM_KV_HEADS) & ((hk * 0 + slot_raw) >= 0)
+    src = row + (NUM_Q_HEADS + hk[:, None]) * (2 * HALF) + offs[None, :]
+    x1 = tl.load(src, mask=ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+    k_lo = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    k_hi = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    _write_row_scaled(
+        k_cache_ptr, k_scale_ptr, blk, off, ok, k_lo.to(tl.float32), k_hi.to(tl.float32),
+        stride_kb, stride_kt, stride_kh, stride_ksb,
+        HALF, BLOCK_SIZE, BLOCK_KV, TARGET, IS_INT8, RINT,
+    )  # fmt: skip
+
+    # v: as it is.
+    src = row + (NUM_Q_HEADS + NUM_KV_HEADS + hk[:, None]) * (2 * HALF) + offs[None, :]
+    v_lo = tl.load(src, mask=ok[:, None], other=0.0).to(tl.float32)
+    v_hi = tl.load(src + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
+    _write_row_scaled(
+        v_cache_ptr, v_scale_ptr, blk, off, ok, v_lo, v_hi,
+        stride_vb, stride_vt, stride_vh, stride_vsb,
+        HALF, BLOCK_SIZE, BLOCK_KV, TARGET, IS_INT8, RINT,
+    )  # fmt: skip
+
+
+def rope_cache_write_scaled_ref(
+    qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, k_scale, v_scale, hq, hkv
+) -> torch.Tensor:
+    """The eager path the kernel replaces (decode: every token in its own block)."""
+    from tandem.quant.kv import write_kv_block_scaled
+
+    t, d = _check(qkv, k_cache, hq, hkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    cs = cos_sin.index_select(0, positions).to(qkv.dtype)
+    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
+    q = apply_rotary(q.reshape(t, hq, d), cos, sin)
+    k = apply_rotary(k.reshape(t, hkv, d), cos, sin)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    write_kv_block_scaled(k_cache, k_scale, slots, k[keep], unique_blocks=True)
+    write_kv_block_scaled(v_cache, v_scale, slots, v.reshape(t, hkv, d)[keep], unique_blocks=True)
+    return q
+
+
+def rope_cache_write_scaled(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]: each real token in a different block (a decode step)
+    k_cache: torch.Tensor,  # fp8 / int8 [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,  # [num_blocks, Hkv] float32
+    v_scale: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Rotary q/k and the quantized KV write of a decode step in one Triton launch; returns q.
+
+    Replaces apply_rotary twice plus `write_kv_block_scaled` twice (about 80 small launches per
+    layer). Codes and scales equal the eager path's (`rope_cache_write_scaled_ref`)."""
+    from tandem.quant.kv import SCALE_TARGET
+
+    t, d = _check(qkv, k_cache, num_q_heads, num_kv_heads)
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of 2, got {d}")
+    if k_cache.dtype not in (torch.float8_e4m3fn, torch.int8) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"rope_cache_write_scaled needs fp8/int8 caches, got {k_cache.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1 or c.stride(2) != d:
+            raise ValueError(f"{name} needs contiguous [.., Hkv, D] rows")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s.dtype != torch.float32 or s.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 with contiguous heads")
+    q = torch.empty((t, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    compiled = qkv.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    _rope_cache_scaled_kernel[(t,)](
+        qkv, positions, cos_sin, slot_mapping, q, k_cache, v_cache, k_scale, v_scale,
+        qkv.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scale.stride(0), v_scale.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=d // 2,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=triton.next_power_of_2(num_q_heads),
+        BLOCK_KV=triton.next_power_of_2(num_kv_heads),
+        TARGET=SCALE_TARGET[k_cache.dtype],
+        IS_INT8=k_cache.dtype == torch.int8,
+        RINT=compiled,
+        num_warps=4,
+        enable_fp_fusion=False,  # products rounded one by one, as the eager ops do
+    )  # fmt: skip
+    return q

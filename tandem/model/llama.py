@@ -21,7 +21,7 @@ from tandem.kernels.paged_attention import (
     paged_attention_varlen_triton,
 )
 from tandem.kernels.rmsnorm import rmsnorm
-from tandem.kernels.rotary import rope_cache_write
+from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
 from tandem.kernels.w4a16 import n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
@@ -333,6 +333,19 @@ class LlamaModel:
             if k_scale is None:
                 q = rope_cache_write(
                     qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
+                )
+            elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one fused launch
+                q = rope_cache_write_scaled(
+                    qkv,
+                    positions,
+                    self.cos_sin,
+                    meta.slot_mapping,
+                    k_cache,
+                    v_cache,
+                    k_scale,
+                    v_scale,
+                    hq,
+                    hkv,
                 )
             else:  # FP8 / INT8 cache: quantize on write, per-block scales
                 if cos is None:

@@ -86,6 +86,39 @@ def test_rope_cache_write(rot: ModuleType, t, hq, hkv, d, dtype) -> None:
     assert rel < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("t,dtype", [(1, torch.bfloat16), (64, torch.bfloat16), (9, torch.float16)])
+def test_rope_cache_write_scaled(rot: ModuleType, kv_dtype, t, dtype) -> None:
+    """Decode steps into an FP8/INT8 cache (one token per block, fresh blocks with stale codes,
+    growing scales, a padding row): codes, scales and q equal the eager path bit for bit."""
+    hq, hkv, d, bs = 32, 8, 128, 16
+    g = torch.Generator(device=DEV).manual_seed(t)
+    cos_sin = _table(d, 4096)
+    nb = 2 * t + 3
+    blocks = torch.randperm(nb, generator=g, device=DEV)[:t]
+    start = torch.randint(0, bs, (t,), generator=g, device=DEV)
+    caches = [
+        (torch.randn(nb, bs, hkv, d, generator=g, device=DEV) * 30).to(kv_dtype),
+        (torch.randn(nb, bs, hkv, d, generator=g, device=DEV) * 30).to(kv_dtype),
+        torch.rand(nb, hkv, generator=g, device=DEV),
+        torch.rand(nb, hkv, generator=g, device=DEV),
+    ]
+    ref = [c.clone() for c in caches]
+    for step in range(bs + 2):
+        slots = blocks * bs + (start + step) % bs
+        slots[0] = -1 if t > 1 else slots[0]
+        grow = 1 + 7 * (torch.rand(t, 1, generator=g, device=DEV) < 0.2)
+        qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g, device=DEV) * grow).to(dtype)
+        pos = torch.randint(0, 4096, (t,), generator=g, device=DEV)
+        q = rot.rope_cache_write_scaled(qkv, pos, cos_sin, slots, *caches, hq, hkv)
+        q_r = rot.rope_cache_write_scaled_ref(qkv, pos, cos_sin, slots, *ref, hq, hkv)
+        assert torch.equal(q, q_r)
+        for c, r in zip(caches, ref, strict=True):
+            if c.dtype == kv_dtype:
+                c, r = c.view(torch.uint8), r.view(torch.uint8)
+            assert torch.equal(c, r), f"step {step}: {(c != r).sum().item()} values differ"
+
+
 @pytest.mark.parametrize(
     "rows,inter,dtype",
     [(1, 14336, torch.bfloat16), (64, 14336, torch.bfloat16), (5, 1000, torch.float32)],

@@ -218,8 +218,10 @@ def _to_codes(x, IS_INT8: tl.constexpr, RINT: tl.constexpr):
             r = tl.extra.cuda.libdevice.rint(x)
         else:  # the interpreter has no libdevice; ties (x.5 exactly) round away from zero
             r = tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
-        return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
-    return tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+        codes = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+    else:
+        codes = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+    return codes
 
 
 @triton.jit
@@ -238,7 +240,7 @@ def _write_row_scaled(
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_KV: tl.constexpr,
-    TARGET: tl.constexpr,
+    INV_TARGET: tl.constexpr,  # 1 / SCALE_TARGET
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
 ):
@@ -250,8 +252,9 @@ def _write_row_scaled(
     sp = scale_ptr + blk * stride_sb + hk
     s_old = tl.load(sp, mask=ok, other=0.0)
     s_old = tl.where(hk * 0 + off == 0, 0.0, s_old)
-    s_new = tl.maximum(s_old, amax / TARGET)
-    ratio = tl.where(s_new > 0, s_old / s_new, 1.0)
+    # IEEE divisions (div_rn), as torch divides tensors: Triton's `/` on float32 is approximate.
+    s_new = tl.maximum(s_old, amax * INV_TARGET)
+    ratio = tl.where(s_new > 0, tl.div_rn(s_old, s_new), 1.0)
     grow = tl.max(tl.where(ok & (ratio != 1.0), 1, 0), axis=0)
     if (off == 0) | (grow > 0):
         rows = tl.arange(0, BLOCK_SIZE)
@@ -266,7 +269,7 @@ def _write_row_scaled(
         m = (rows != off)[:, None, None] & ok[None, :, None] & (dims < 2 * HALF)[None, None, :]
         held = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * ratio[None, :, None]
         tl.store(ptr, _to_codes(held, IS_INT8, RINT), mask=m)
-    inv = tl.where(s_new > 0, 1.0 / s_new, 0.0)[:, None]
+    inv = tl.where(s_new > 0, tl.div_rn(tl.full(s_new.shape, 1.0, tl.float32), s_new), 0.0)[:, None]
     offs = tl.arange(0, HALF)
     dst = cache_ptr + blk * stride_b + off * stride_t + hk[:, None] * stride_h + offs[None, :]
     tl.store(dst, _to_codes(lo * inv, IS_INT8, RINT), mask=ok[:, None])
@@ -302,7 +305,7 @@ def _rope_cache_scaled_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # Hq padded to a power of 2
     BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
-    TARGET: tl.constexpr,
+    INV_TARGET: tl.constexpr,  # 1 / SCALE_TARGET
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
 ):
@@ -341,7 +344,7 @@ def _rope_cache_scaled_kernel(
     _write_row_scaled(
         k_cache_ptr, k_scale_ptr, blk, off, ok, k_lo.to(tl.float32), k_hi.to(tl.float32),
         stride_kb, stride_kt, stride_kh, stride_ksb,
-        HALF, BLOCK_SIZE, BLOCK_KV, TARGET, IS_INT8, RINT,
+        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, IS_INT8, RINT,
     )  # fmt: skip
 
     # v: as it is.
@@ -351,7 +354,7 @@ def _rope_cache_scaled_kernel(
     _write_row_scaled(
         v_cache_ptr, v_scale_ptr, blk, off, ok, v_lo, v_hi,
         stride_vb, stride_vt, stride_vh, stride_vsb,
-        HALF, BLOCK_SIZE, BLOCK_KV, TARGET, IS_INT8, RINT,
+        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, IS_INT8, RINT,
     )  # fmt: skip
 
 
@@ -419,7 +422,7 @@ def rope_cache_write_scaled(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=triton.next_power_of_2(num_q_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        TARGET=SCALE_TARGET[k_cache.dtype],
+        INV_TARGET=1.0 / SCALE_TARGET[k_cache.dtype],
         IS_INT8=k_cache.dtype == torch.int8,
         RINT=compiled,
         num_warps=4,

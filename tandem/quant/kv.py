@@ -64,7 +64,10 @@ def write_kv_block_scaled(
     touched = blocks if unique_blocks else torch.unique(blocks)
     old = scales[touched]  # [U, H] (a copy)
     # 2. Grow each block's scale to cover the new values.
-    scales.scatter_reduce_(0, index, xf.abs().amax(-1) / target, "amax")
+    # amax times the float32 reciprocal of the target (not a division): CUDA torch divides by a
+    # Python scalar that way and CPU torch does not; this spelling is one number everywhere, and
+    # the fused decode kernel (tandem.kernels.rotary) computes the same.
+    scales.scatter_reduce_(0, index, xf.abs().amax(-1) * (1.0 / target), "amax")
     new = scales[touched]
     # 3. Re-quantize what the touched blocks already hold. The ratio is exactly 1 where the scale
     #    did not grow (codes unchanged) and 0 for fresh blocks (stale codes cleared).

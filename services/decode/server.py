@@ -594,6 +594,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 list(o.new_token_ids),
                 list(o.new_logprobs),
                 o.seq.finish_reason if o.finished else None,
+                (o.seq.spec_proposed, o.seq.spec_accepted),
             )
             for o in outs
         ]
@@ -616,12 +617,12 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
     def _on_error(self, seq_ids: list[str], message: str) -> None:
-        items = [(sid, [], [], "error:" + message) for sid in seq_ids]
+        items = [(sid, [], [], "error:" + message, (0, 0)) for sid in seq_ids]
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
     def _dispatch(self, items) -> None:
         per_session: dict[int, tuple[Session, stages_pb2.DecodeOut]] = {}
-        for sid, toks, lps, reason in items:
+        for sid, toks, lps, reason, (proposed, accepted) in items:
             sess = self.owner.get(sid)
             if sess is None:
                 if reason is not None:
@@ -634,6 +635,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                         seq_id=sid,
                         token_ids=toks,
                         logprobs=[logprob_to_proto(lp) for lp in lps if lp is not None],
+                        proposed_draft_tokens=proposed,
+                        accepted_draft_tokens=accepted,
                     )
                 )
             if reason is not None:

@@ -345,6 +345,8 @@ class Pipeline:
                         toks = toks[:n]
                         out_ids.extend(toks)
                         lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
+                        if msg.proposed_draft_tokens:  # running totals; SeqFinished has the last
+                            spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
                         if detok.stopped_by is not None:
                             reason, done = "stop", True
                         if text or toks:

@@ -246,14 +246,18 @@ class DecodeIn(_message.Message):
     def __init__(self, admit: _Optional[_Union[Admit, _Mapping]] = ..., cancel: _Optional[_Union[CancelSeq, _Mapping]] = ...) -> None: ...
 
 class SeqTokens(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "logprobs")
+    __slots__ = ("seq_id", "token_ids", "logprobs", "proposed_draft_tokens", "accepted_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    proposed_draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class SeqFinished(_message.Message):
     __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens", "cached_prompt_tokens", "prefill_ms")

@@ -104,6 +104,9 @@ def test_ngram_draft_greedy_equals_plain_and_accepts(ngram_stack):
     assert exp.stop_string == stop and fin.stop_string == stop
     assert ids == exp.token_ids
     assert fin.usage.completion_tokens == len(exp.token_ids)
+    # The gateway ended that request itself (no SeqFinished from decode follows a cancel): the
+    # draft counts come from the running totals decode sends with the tokens.
+    assert fin.usage.accepted_draft_tokens > 0
 
 
 def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):

@@ -24,6 +24,29 @@ from tandem.model.rotary import apply_rotary
 
 
 @triton.jit
+def _token_rope(positions_ptr, slot_ptr, cos_sin_ptr, tok, DT: tl.constexpr, HALF: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """A token's slot (raw, block, offset) and its cos/sin rows rounded to the activation dtype."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    slot_raw = tl.load(slot_ptr + tok).to(tl.int64)
+    slot = tl.maximum(slot_raw, 0)
+    offs = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs).to(DT).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs).to(DT).to(tl.float32)[None, :]
+    return slot_raw, slot // BLOCK_SIZE, slot % BLOCK_SIZE, cos, sin
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) with every product and the result rounded to DT."""
+    a = (x1 * cos).to(DT).to(tl.float32)
+    b = (x2 * sin).to(DT).to(tl.float32)
+    c = (x2 * cos).to(DT).to(tl.float32)
+    d = (x1 * sin).to(DT).to(tl.float32)
+    return (a - b).to(DT), (c + d).to(DT)
+
+
+@triton.jit
 def _rope_cache_kernel(
     qkv_ptr,  # [T, (Hq + 2 Hkv) * D]
     positions_ptr,  # [T]
@@ -50,15 +73,10 @@ def _rope_cache_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    slot_raw = tl.load(slot_ptr + tok).to(tl.int64)
-    slot = tl.maximum(slot_raw, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-
+    slot_raw, blk, off, cos, sin = _token_rope(
+        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+    )
     offs = tl.arange(0, HALF)
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
 
     # q heads then k heads: they sit next to each other in the qkv row.
     heads = tl.arange(0, BLOCK_HEADS)
@@ -67,12 +85,7 @@ def _rope_cache_kernel(
     src = row + heads[:, None] * (2 * HALF) + offs[None, :]
     x1 = tl.load(src, mask=valid[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-    a = (x1 * cos).to(dt).to(tl.float32)
-    b = (x2 * sin).to(dt).to(tl.float32)
-    c = (x2 * cos).to(dt).to(tl.float32)
-    d = (x1 * sin).to(dt).to(tl.float32)
-    lo = (a - b).to(dt)
-    hi = (c + d).to(dt)
+    lo, hi = _rotate(x1, x2, cos, sin, dt)
 
     is_q = heads < NUM_Q_HEADS
     q_dst = q_out_ptr + tok * stride_qo_t + heads[:, None] * stride_qo_h + offs[None, :]
@@ -311,14 +324,10 @@ def _rope_cache_scaled_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    slot_raw = tl.load(slot_ptr + tok).to(tl.int64)
-    slot = tl.maximum(slot_raw, 0)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
+    slot_raw, blk, off, cos, sin = _token_rope(
+        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+    )
     offs = tl.arange(0, HALF)
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs).to(dt).to(tl.float32)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs).to(dt).to(tl.float32)[None, :]
     row = qkv_ptr + tok * stride_qkv
 
     # q: rotate and store.
@@ -327,8 +336,7 @@ def _rope_cache_scaled_kernel(
     src = row + qh[:, None] * (2 * HALF) + offs[None, :]
     x1 = tl.load(src, mask=is_q[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=is_q[:, None], other=0.0).to(tl.float32)
-    lo = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
-    hi = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    lo, hi = _rotate(x1, x2, cos, sin, dt)
     q_dst = q_out_ptr + tok * stride_qo_t + qh[:, None] * stride_qo_h + offs[None, :]
     tl.store(q_dst, lo, mask=is_q[:, None])
     tl.store(q_dst + HALF, hi, mask=is_q[:, None])
@@ -339,8 +347,7 @@ def _rope_cache_scaled_kernel(
     src = row + (NUM_Q_HEADS + hk[:, None]) * (2 * HALF) + offs[None, :]
     x1 = tl.load(src, mask=ok[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-    k_lo = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
-    k_hi = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    k_lo, k_hi = _rotate(x1, x2, cos, sin, dt)
     _write_row_scaled(
         k_cache_ptr, k_scale_ptr, blk, off, ok, k_lo.to(tl.float32), k_hi.to(tl.float32),
         stride_kb, stride_kt, stride_kh, stride_ksb,

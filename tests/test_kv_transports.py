@@ -118,7 +118,7 @@ def test_cuda_ipc_refuses_cpu_pools_clearly():
 
 def test_block_runs_merge_blocks_adjacent_in_both_pools_in_any_order():
     # Imported here without loading NIXL itself (tests/nixl_checks.py says why that matters).
-    from tandem.kv.nixl_pool import block_runs
+    from tandem.kv.transport import block_runs
 
     src, dst, n = block_runs([12, 11, 10, 3, 4, 7, 8], [2, 1, 0, 5, 6, 9, 20])
     # 10-12 -> 0-2 (listed backwards), 3-4 -> 5-6, then 7 -> 9 and 8 -> 20 do not line up.
@@ -127,3 +127,36 @@ def test_block_runs_merge_blocks_adjacent_in_both_pools_in_any_order():
     src, dst, n = block_runs(list(range(512))[::-1], list(range(100, 612))[::-1])
     assert (src.tolist(), dst.tolist(), n.tolist()) == ([0], [100], [512])
     assert block_runs([], [])[2].size == 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["f32", "int8"])
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        (list(range(3, 19)), list(range(20, 36))),  # one run: slice copies, no temporary
+        ([9, 8, 7, 2, 3], [4, 3, 2, 30, 31]),  # two runs listed backwards
+        ([5, 17, 2, 30, 11, 23, 8, 1, 27, 14], [0, 9, 3, 21, 6, 12, 30, 18, 24, 15]),  # scattered
+    ],
+)
+def test_gather_copy_equals_block_by_block(kv_dtype, src, dst):
+    from tandem.kv.transport import gather_copy
+
+    g = torch.Generator().manual_seed(len(src))
+    a = KVCache.allocate(3, 40, 4, 2, 8, kv_dtype, "cpu")
+    b = KVCache.allocate(3, 40, 4, 2, 8, kv_dtype, "cpu")
+    for kv in (a, b):
+        kv.data.view(torch.uint8).copy_(
+            torch.randint(0, 120, kv.data.view(torch.uint8).shape, generator=g)
+        )
+        if kv.scales is not None:
+            kv.scales.copy_(torch.rand(kv.scales.shape, generator=g))
+    expect = b.data.clone()
+    expect_scales = None if b.scales is None else b.scales.clone()
+    for s, d in zip(src, dst, strict=True):
+        expect[:, :, d] = a.data[:, :, s]
+        if expect_scales is not None:
+            expect_scales[:, :, d] = a.scales[:, :, s]
+    gather_copy(b, dst, a, src)
+    assert torch.equal(b.data.view(torch.uint8), expect.view(torch.uint8))
+    if expect_scales is not None:
+        assert torch.equal(b.scales, expect_scales)

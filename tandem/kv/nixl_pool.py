@@ -31,7 +31,7 @@ from types import ModuleType
 import numpy as np
 
 from tandem.kv.cache import KVCache
-from tandem.kv.transport import PoolLayout
+from tandem.kv.transport import PoolLayout, block_runs
 
 log = logging.getLogger("tandem.kv.nixl")
 
@@ -135,21 +135,6 @@ class NixlPoolInfo:
     device_id: int
     data_addr: int
     scales_addr: int = 0
-
-
-def block_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copying block src[i] into dst[i] for every i, as runs: (src starts, dst starts, lengths),
-    each run a stretch of blocks adjacent in both pools, ordered by source block."""
-    s = np.asarray(src, dtype=np.int64)
-    d = np.asarray(dst, dtype=np.int64)
-    if s.size == 0:
-        return s, d, s
-    order = np.argsort(s, kind="stable")
-    s, d = s[order], d[order]
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [s.size])))
-    return s[starts], d[starts], lengths
 
 
 def _run_descs(

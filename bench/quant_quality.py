@@ -7,10 +7,16 @@ Rows (all through Tandem's LlamaModel and paged KV cache):
   q4_1_native      the same Q4_1 tensors loaded directly as INT4 g32 (no re-quantization):
                    must equal the reference.
   int4_g128_rtn    INT4 group 128 with zero point, round-to-nearest (no calibration).
-  int4_g128_awq    the same after activation-aware scaling calibrated on the shipped calibration
-                   text (this project's own docs, tandem/quant/data/calibration.txt).
+  int4_g128_awq, int4_g128_gptq, int4_g128_awq_gptq
+                   the same after calibration on the shipped calibration text (this project's own
+                   docs, tandem/quant/data/calibration.txt): AWQ-style scales + clipping, GPTQ
+                   (act order within groups, clipping), GPTQ on AWQ-scaled weights. Every linear
+                   layer is 4-bit g128.
+  mixed_*          the calibrated method with the profiler's suggested recipe (`tandem quantize
+                   --profile`: layers whose weight statistics stand out kept at 8 bits); its
+                   memory is in quantized_bytes / bytes_vs_int4. Not a pure INT4 result.
   kv_fp8, kv_int8  reference weights, KV cache in FP8 e4m3 / INT8 with per-block scales.
-  int4_g128_awq_kv_fp8  both.
+  <calibrated>_kv_fp8  both.
 The quantized checkpoints are written with `tandem quantize`'s code path and loaded back from disk.
 
 Held-out text: the Python language reference shipped with the interpreter (pydoc_data.topics,
@@ -19,6 +25,12 @@ non-overlapping windows (--window tokens, one prefill each). A second, shorter "
 the last --decode-tokens of each window one token at a time, so the FP8/INT8 cache is written as
 in serving (per-block scales growing token by token).
 
+Which calibrated method the 1.05x check applies to is chosen without the eval text:
+`--select` quantizes with each method on the calibration text less its last --select-seqs
+sequences and measures perplexity on those (the calibration file's own held-out tail); the
+result goes into the JSON's "method_selection" (kept by later runs) and the check follows it.
+
+    .venv/bin/python bench/quant_quality.py --select   # method selection only (~10 min)
     .venv/bin/python bench/quant_quality.py            # writes bench/results/quant_quality.json
 """
 
@@ -45,13 +57,44 @@ from tandem.model.gguf_loader import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
 from tandem.quant.checkpoint import save_quantized  # noqa: E402
-from tandem.quant.cli import default_calibration_path, quantize_model  # noqa: E402
+from tandem.quant.cli import (  # noqa: E402
+    calibration_batch,
+    default_calibration_path,
+    quantize_model,
+)
 from tandem.quant.eval import perplexity  # noqa: E402
 from tandem.quant.format import QuantizedWeight  # noqa: E402
+from tandem.quant.profile import profile_weights, suggest_recipe  # noqa: E402
 from tandem.quant.recipe import LayerSpec, Recipe  # noqa: E402
 from tandem.quant.weights import dequantize_weights, load_gguf_q4_1  # noqa: E402
 
-TARGETS = {"int4_g128_awq": 1.05, "kv_fp8": 1.01}
+CALIBRATED = ("awq", "gptq", "awq-gptq")
+INT4_TARGET, KV_FP8_TARGET = 1.05, 1.01
+
+
+def row_name(method: str) -> str:
+    return "int4_g128_" + method.replace("-", "_")
+
+
+def select_method(loaded, recipe: Recipe, seqs: int, seq_len: int = 256) -> dict:
+    """Perplexity on the calibration file's last `seqs` sequences of each calibrated method,
+    calibrated on the sequences before them; the lowest wins. The eval text is not read."""
+    cfg, tok = loaded.config, loaded.tokenizer
+    calib, _ = calibration_batch(tok, default_calibration_path(), seq_len, 8192)
+    n = calib.shape[0] - seqs
+    held = calib[n:].reshape(-1).tolist()
+    out: dict = {
+        "held_out": f"the last {seqs} of the calibration file's {calib.shape[0]} sequences of "
+        f"{seq_len} tokens ({len(held)} tokens); methods calibrated on the first {n}",
+        "ppl": {},
+    }
+    for method in ("rtn",) + CALIBRATED:
+        w, _ = quantize_model(loaded, recipe, method, max_tokens=n * seq_len, log=lambda s: None)
+        m = LlamaModel(cfg, dequantize_weights(w, torch.float32), torch.float32, "cpu", seq_len)
+        out["ppl"][method] = perplexity(m, held, seq_len)["ppl"]
+        print(f"select: {method:10s} held-out calibration ppl {out['ppl'][method]:.4f}", flush=True)
+    out["chosen"] = min(CALIBRATED, key=lambda m: out["ppl"][m])
+    return out
 
 
 def eval_text() -> tuple[str, str]:
@@ -77,11 +120,13 @@ def git_rev() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=8, help="prefill windows evaluated")
-    ap.add_argument("--decode-windows", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=16, help="prefill windows evaluated")
+    ap.add_argument("--decode-windows", type=int, default=8)
     ap.add_argument("--decode-window", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--select", action="store_true", help="only choose the calibrated method")
+    ap.add_argument("--select-seqs", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quant_quality.json"))
     args = ap.parse_args()
     if args.threads:
@@ -90,6 +135,26 @@ def main() -> int:
     path = default_model_path()
     loaded = load_model(path, torch.float32)
     cfg, tok = loaded.config, loaded.tokenizer
+    recipe = Recipe(LayerSpec(bits=4, group_size=128, zero_point=True))
+    previous = {}
+    if os.path.isfile(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+    if args.select:
+        sel = select_method(loaded, recipe, args.select_seqs)
+        sel["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+        sel["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        sel["git"] = git_rev()
+        previous["method_selection"] = sel
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(previous, f, indent=2)
+        print(f"chosen: {sel['chosen']}; wrote method_selection into {args.out}")
+        return 0
+    selection = previous.get("method_selection")
+    if selection is None:
+        raise SystemExit("no method_selection in the results file: run with --select first")
+    chosen = selection["chosen"]
     text, text_src = eval_text()
     ids = tok.encode(text, add_special_tokens=False)
     n_pre = args.window * args.windows
@@ -138,37 +203,55 @@ def main() -> int:
     rows.append(evaluate("q4_1_native", native, note="Q4_1 loaded directly as INT4 g32"))
     del native
 
-    recipe = Recipe(LayerSpec(bits=4, group_size=128, zero_point=True))
     tmp = tempfile.mkdtemp(prefix="tandem-quant-")
     quantized = {}
-    for method in ("rtn", "awq"):
+    infos = {}
+    mixed = suggest_recipe(profile_weights(loaded.weights, cfg.num_layers, 128), 128)
+    jobs = [(m, m, recipe) for m in ("rtn",) + CALIBRATED] + [("mixed", chosen, mixed)]
+    for key, method, rec in jobs:
         t0 = time.monotonic()
-        weights, info = quantize_model(loaded, recipe, method, log=lambda s: print(s, flush=True))
-        out = os.path.join(tmp, method)
+        weights, info = quantize_model(loaded, rec, method, log=lambda s: print(s, flush=True))
+        out = os.path.join(tmp, key)
         save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
         back = load_model(out, torch.float32)
-        quantized[method] = (back.weights, round(time.monotonic() - t0, 1))
-        print(f"quantized ({method}) in {quantized[method][1]}s -> {out}", flush=True)
-    rows.append(
-        evaluate("int4_g128_rtn", quantized["rtn"][0], note="INT4 g128 RTN, no calibration")
-    )
+        quantized[key] = (back.weights, round(time.monotonic() - t0, 1))
+        infos[key] = info
+        print(f"quantized ({key}: {method}) in {quantized[key][1]}s -> {out}", flush=True)
+    notes = {
+        "rtn": "INT4 g128 RTN, no calibration",
+        "awq": "INT4 g128 after AWQ-style scaling + clipping search on the calibration text",
+        "gptq": "INT4 g128 GPTQ (act order within groups, clipping search) on the calibration text",
+        "awq-gptq": "INT4 g128 GPTQ on AWQ-scaled weights, calibration text",
+    }
+    for m in ("rtn",) + CALIBRATED:
+        rows.append(evaluate(row_name(m), quantized[m][0], note=notes[m]))
+    n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
+    mixed_name = "mixed_" + chosen.replace("-", "_") + "_profiler_recipe"
     rows.append(
         evaluate(
-            "int4_g128_awq",
-            quantized["awq"][0],
-            note="INT4 g128 after AWQ-style scaling on the shipped calibration text",
+            mixed_name,
+            quantized["mixed"][0],
+            note=f"NOT pure INT4: {chosen} with the profiler's suggested recipe (INT4 g128, "
+            f"{n8} layers INT8 g128, chosen from weight statistics alone)",
         )
     )
+    rows[-1]["recipe"] = mixed.to_dict()
     rows.append(evaluate("kv_fp8", ref_w, torch.float8_e4m3fn, note="reference weights, FP8 KV"))
     rows.append(evaluate("kv_int8", ref_w, torch.int8, note="reference weights, INT8 KV"))
     rows.append(
-        evaluate("int4_g128_awq_kv_fp8", quantized["awq"][0], torch.float8_e4m3fn, note="both")
+        evaluate(
+            row_name(chosen) + "_kv_fp8", quantized[chosen][0], torch.float8_e4m3fn, note="both"
+        )
     )
 
     ref = rows[0]
+    int4_bytes = next(r["quantized_bytes"] for r in rows if r["name"] == "int4_g128_rtn")
     for r in rows:
         r["ppl_ratio"] = r["ppl"] / ref["ppl"]
         r["decode_pass_ppl_ratio"] = r["decode_pass_ppl"] / ref["decode_pass_ppl"]
+        if r["name"] != "q4_1_native" and r["quantized_bytes"]:
+            r["bytes_vs_int4_g128"] = r["quantized_bytes"] / int4_bytes
+    targets = {row_name(chosen): INT4_TARGET, "kv_fp8": KV_FP8_TARGET}
     checks = {
         name: {
             "target_ratio_max": t,
@@ -177,13 +260,14 @@ def main() -> int:
                 r["decode_pass_ppl_ratio"] for r in rows if r["name"] == name
             ),
         }
-        for name, t in TARGETS.items()
+        for name, t in targets.items()
     }
     for c in checks.values():
         c["pass"] = c["ppl_ratio"] <= c["target_ratio_max"] and (
             c["decode_pass_ppl_ratio"] <= c["target_ratio_max"]
         )
     calib = default_calibration_path()
+    checks[row_name(chosen)]["method_chosen_by"] = "method_selection (held-out calibration text)"
     result = {
         "benchmark": "quant_quality",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
@@ -222,12 +306,13 @@ def main() -> int:
             "tokens_used": quantized and 0,
         },
         "quantize_seconds": {m: quantized[m][1] for m in quantized},
+        "method_selection": selection,
         "rows": rows,
         "checks": checks,
         "seconds": round(time.monotonic() - t_start, 1),
     }
     # The calibration token count as the quantizer used it.
-    with open(os.path.join(tmp, "awq", "quantization.json")) as f:
+    with open(os.path.join(tmp, chosen, "quantization.json")) as f:
         result["calibration_text"]["tokens_used"] = json.load(f)["calibration"]["tokens"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -42,6 +42,8 @@ import dataclasses
 import datetime as dt
 import json
 import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import random
 import shlex

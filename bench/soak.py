@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import json
 import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import random
 import subprocess

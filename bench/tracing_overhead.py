@@ -21,6 +21,8 @@ import asyncio
 import datetime as dt
 import json
 import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import signal
 import socket

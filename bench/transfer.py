@@ -41,6 +41,8 @@ import argparse
 import datetime as dt
 import json
 import os
+
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import queue
 import shlex

@@ -11,7 +11,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
+# This process forks children (fork + exec) while gRPC is in use: gRPC's fork handlers can
+# hang fork() itself (seen in Popen under load); with no fork in the children before exec they
+# are not needed. Set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT  # noqa: E402
 
 STAGES = ("prefill", "decode", "gateway", "draft")
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# This process forks children (fork + exec) while gRPC is in use: gRPC's fork handlers can
+# hang fork() itself (seen in Popen under load); with no fork in the children before exec they
+# are not needed. Set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without CUDA, Triton kernels run under the interpreter; it must be chosen before triton loads.
 if not torch.cuda.is_available():

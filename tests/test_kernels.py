@@ -252,7 +252,7 @@ def test_varlen_triton_matches_f64(
 
 def test_varlen_triton_scaled_cache_matches_f64() -> None:
     """An INT8-style cache: codes times per-(block, head) scales, dequantized as it is read."""
-    lens, q_lens = [21, 9], [6, 9]
+    lens = [21, 9]
     _, kc, vc, table, _ = make_paged(lens, 4, 2, 32, 8, torch.float32)
     g = torch.Generator().manual_seed(3)
     kq, vq = kc.round().clamp(-8, 8), vc.round().clamp(-8, 8)

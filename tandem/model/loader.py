@@ -106,7 +106,9 @@ def load_model_info(path: str | None = None) -> tuple[ModelConfig, Tokenizer, st
         return cfg, gguf_loader._tokenizer(path, meta, cfg.eos_token_ids), path
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path!r} has no config.json; is it a Hugging Face model directory?")
+        raise FileNotFoundError(
+            f"{path!r} has no config.json; is it a Hugging Face model directory?"
+        )
     with open(cfg_path) as f:
         cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
     return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), path

@@ -21,8 +21,15 @@ def generate(out_dir: Path = OUT) -> list[Path]:
     include = str(Path(grpc_tools.__file__).parent / "_proto")
     tmp = out_dir / "_gen"
     tmp.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}", *FILES]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"-I{include}",
+        f"--python_out={tmp}",
+        f"--pyi_out={tmp}",
+        f"--grpc_python_out={tmp}",
+        *FILES,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     written = []

@@ -197,24 +197,18 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def admit_prefilled(
+    def _prefilled_seq(
         self,
         prompt_token_ids: list[int],
         first_token: int,
         params: SamplingParams,
         request_id: str,
-        copy_in: Callable[[list[int], int], None],
-        rng_state: torch.Tensor | None = None,
-    ) -> tuple[Sequence, bool]:
-        """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
-
-        With a prefix cache, the prompt's longest cached prefix is shared from this pool and
-        `copy_in(dst_blocks, first)` fills only the rest: `dst_blocks[j]` receives the prompt's
-        block `first + j`. Returns (sequence, imported). When this pool has no room for the
-        prompt's blocks, the KV is not imported: the sequence waits and is recomputed here
-        (`imported` is False). With room for the KV but not (yet) in the running batch (the
-        sequence limit or the TPOT target), it waits holding its KV.
-        """
+        rng_state: torch.Tensor | None,
+    ) -> tuple[Sequence, int | None]:
+        """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
+        the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
+        after it. `first` is None when the pool has no room: the sequence then waits in the
+        queue and will be recomputed here."""
         self.validate_request(prompt_token_ids, params)
         self._check_queue()
         if request_id in self.seqs:
@@ -240,23 +234,49 @@ class LLMEngine:
         if self.prefix_cache is not None:
             hit, names = self.prefix_cache.match(prompt_token_ids, n)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
-        need = table.blocks_needed(n + 1) - len(hit) + revived
         self.seqs[request_id] = seq
-        if not self.pool.can_allocate(need):
+        if not self.pool.can_allocate(table.blocks_needed(n + 1) - len(hit) + revived):
             self.scheduler.add(seq)
-            return seq, False
+            return seq, None
         if hit:
             table.adopt_cached(self.pool, hit, names)
         table.ensure(self.pool, n)
+        return seq, len(hit)
+
+    def admit_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        copy_in: Callable[[list[int], int], None],
+        rng_state: torch.Tensor | None = None,
+    ) -> tuple[Sequence, bool]:
+        """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
+
+        With a prefix cache, the prompt's longest cached prefix is shared from this pool and
+        `copy_in(dst_blocks, first)` fills only the rest: `dst_blocks[j]` receives the prompt's
+        block `first + j`. Returns (sequence, imported). When this pool has no room for the
+        prompt's blocks, the KV is not imported: the sequence waits and is recomputed here
+        (`imported` is False). With room for the KV but not (yet) in the running batch (the
+        sequence limit or the TPOT target), it waits holding its KV.
+        """
+        seq, first = self._prefilled_seq(
+            prompt_token_ids, first_token, params, request_id, rng_state
+        )
+        if first is None:
+            return seq, False
+        n = len(prompt_token_ids)
+        table = seq.block_table
         try:
-            if len(table.blocks) > len(hit):  # a prompt of whole cached blocks copies nothing
-                copy_in(list(table.blocks[len(hit) :]), len(hit))
+            if len(table.blocks) > first:  # a prompt of whole cached blocks copies nothing
+                copy_in(list(table.blocks[first:]), first)
         except BaseException:
             self.seqs.pop(request_id, None)
             table.release(self.pool)
             raise
         seq.num_computed = n
-        seq.num_cached_tokens = len(hit) * table.block_size
+        seq.num_cached_tokens = first * table.block_size
         if self.prefix_cache is not None:
             self.prefix_cache.count(n, seq.num_cached_tokens)
             self.scheduler.cache_blocks(seq)
@@ -305,41 +325,14 @@ class LLMEngine:
         like those: runs of adjacent blocks there land in adjacent blocks here when this pool
         has them, so a network read moves them in long pieces rather than block by block.
         """
-        self.validate_request(prompt_token_ids, params)
-        self._check_queue()
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already running")
-        gen = None
-        if not params.greedy:
-            gen = make_generator(params.seed, self.device)
-            if rng_state is not None:
-                gen.set_state(rng_state)
-        seq = Sequence(
-            seq_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            block_table=BlockTable(self.config.block_size),
-            generator=gen,
-            output_token_ids=[first_token],
-            output_logprobs=[None],
+        seq, first = self._prefilled_seq(
+            prompt_token_ids, first_token, params, request_id, rng_state
         )
-        n = len(prompt_token_ids)
-        table = seq.block_table
-        hit: list[int] = []
-        names: list[bytes] = []
-        if self.prefix_cache is not None:
-            hit, names = self.prefix_cache.match(prompt_token_ids, n)
-        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
-        self.seqs[request_id] = seq
-        if not self.pool.can_allocate(table.blocks_needed(n + 1) - len(hit) + revived):
-            self.scheduler.add(seq)
+        if first is None:
             return None
         # Neither queued nor running (status WAITING, in no queue) until `start_prefilled`;
         # `abort` meanwhile frees the blocks, and no step sees the sequence.
-        if hit:
-            table.adopt_cached(self.pool, hit, names)
-        table.ensure(self.pool, n)
-        first = len(hit)
+        table = seq.block_table
         fresh = table.blocks[first:]
         if peer_blocks is not None and len(peer_blocks) >= len(table.blocks) and fresh:
             # The new blocks, ascending, handed out in the order of the peer's blocks.

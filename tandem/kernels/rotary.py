@@ -224,16 +224,16 @@ def rope_cache_write(
 
 
 @triton.jit
-def _to_codes(x, IS_INT8: tl.constexpr, RINT: tl.constexpr):
-    """Values already divided by their scale -> saturated codes (`quantize_codes`)."""
+def _to_codes(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr, RINT: tl.constexpr):
+    """Values already divided by their scale -> codes saturated at +-QMAX (`quantize_codes`)."""
     if IS_INT8:
         if RINT:  # round half to even, as torch.round
             r = tl.extra.cuda.libdevice.rint(x)
         else:  # the interpreter has no libdevice; ties (x.5 exactly) round away from zero
             r = tl.where(x >= 0, tl.floor(x + 0.5), -tl.floor(-x + 0.5))
-        codes = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+        codes = tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
     else:
-        codes = tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv)
+        codes = tl.minimum(tl.maximum(x, -QMAX), QMAX).to(tl.float8e4nv)
     return codes
 
 
@@ -254,6 +254,7 @@ def _write_row_scaled(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     INV_TARGET: tl.constexpr,  # 1 / SCALE_TARGET
+    QMAX: tl.constexpr,  # the largest code
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
 ):
@@ -267,7 +268,9 @@ def _write_row_scaled(
     s_old = tl.where(hk * 0 + off == 0, 0.0, s_old)
     # IEEE divisions (div_rn), as torch divides tensors: Triton's `/` on float32 is approximate.
     s_new = tl.maximum(s_old, amax * INV_TARGET)
-    ratio = tl.where(s_new > 0, tl.div_rn(s_old, s_new), 1.0)
+    pos = s_new > 0
+    s_div = tl.where(pos, s_new, 1.0)  # no division by zero in the lanes that are not used
+    ratio = tl.where(pos, tl.div_rn(s_old, s_div), 1.0)
     grow = tl.max(tl.where(ok & (ratio != 1.0), 1, 0), axis=0)
     if (off == 0) | (grow > 0):
         rows = tl.arange(0, BLOCK_SIZE)
@@ -281,12 +284,12 @@ def _write_row_scaled(
         )
         m = (rows != off)[:, None, None] & ok[None, :, None] & (dims < 2 * HALF)[None, None, :]
         held = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * ratio[None, :, None]
-        tl.store(ptr, _to_codes(held, IS_INT8, RINT), mask=m)
-    inv = tl.where(s_new > 0, tl.div_rn(tl.full(s_new.shape, 1.0, tl.float32), s_new), 0.0)[:, None]
+        tl.store(ptr, _to_codes(held, QMAX, IS_INT8, RINT), mask=m)
+    inv = tl.where(pos, tl.div_rn(tl.full(s_new.shape, 1.0, tl.float32), s_div), 0.0)[:, None]
     offs = tl.arange(0, HALF)
     dst = cache_ptr + blk * stride_b + off * stride_t + hk[:, None] * stride_h + offs[None, :]
-    tl.store(dst, _to_codes(lo * inv, IS_INT8, RINT), mask=ok[:, None])
-    tl.store(dst + HALF, _to_codes(hi * inv, IS_INT8, RINT), mask=ok[:, None])
+    tl.store(dst, _to_codes(lo * inv, QMAX, IS_INT8, RINT), mask=ok[:, None])
+    tl.store(dst + HALF, _to_codes(hi * inv, QMAX, IS_INT8, RINT), mask=ok[:, None])
     tl.store(sp, s_new, mask=ok)
 
 
@@ -319,6 +322,7 @@ def _rope_cache_scaled_kernel(
     BLOCK_Q: tl.constexpr,  # Hq padded to a power of 2
     BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
     INV_TARGET: tl.constexpr,  # 1 / SCALE_TARGET
+    QMAX: tl.constexpr,  # the largest code
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
 ):
@@ -351,7 +355,7 @@ def _rope_cache_scaled_kernel(
     _write_row_scaled(
         k_cache_ptr, k_scale_ptr, blk, off, ok, k_lo.to(tl.float32), k_hi.to(tl.float32),
         stride_kb, stride_kt, stride_kh, stride_ksb,
-        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, IS_INT8, RINT,
+        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, QMAX, IS_INT8, RINT,
     )  # fmt: skip
 
     # v: as it is.
@@ -361,7 +365,7 @@ def _rope_cache_scaled_kernel(
     _write_row_scaled(
         v_cache_ptr, v_scale_ptr, blk, off, ok, v_lo, v_hi,
         stride_vb, stride_vt, stride_vh, stride_vsb,
-        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, IS_INT8, RINT,
+        HALF, BLOCK_SIZE, BLOCK_KV, INV_TARGET, QMAX, IS_INT8, RINT,
     )  # fmt: skip
 
 
@@ -400,7 +404,7 @@ def rope_cache_write_scaled(
 
     Replaces apply_rotary twice plus `write_kv_block_scaled` twice (about 80 small launches per
     layer). Codes and scales equal the eager path's (`rope_cache_write_scaled_ref`)."""
-    from tandem.quant.kv import SCALE_TARGET
+    from tandem.quant.kv import QMAX, SCALE_TARGET
 
     t, d = _check(qkv, k_cache, num_q_heads, num_kv_heads)
     if d < 2 or d & (d - 1):
@@ -430,6 +434,7 @@ def rope_cache_write_scaled(
         BLOCK_Q=triton.next_power_of_2(num_q_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         INV_TARGET=1.0 / SCALE_TARGET[k_cache.dtype],
+        QMAX=QMAX[k_cache.dtype],
         IS_INT8=k_cache.dtype == torch.int8,
         RINT=compiled,
         num_warps=4,

@@ -118,6 +118,20 @@ def _padded(k: int, group_size: int) -> int:
     return (k + group_size - 1) // group_size * group_size
 
 
+def fp16_grid(
+    scale: torch.Tensor, lo: torch.Tensor | None, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP16 scale and zero point (value of code 0) stored for float `scale` and, with a zero
+    point, the group's low end `lo` (None: symmetric, code 0 at -2**(bits-1) scales). A zero
+    scale (a constant group) becomes 1, and one that underflows FP16 the smallest normal."""
+    levels = (1 << bits) - 1
+    scale16 = torch.where(scale > 0, scale, 1.0).to(torch.float16)
+    scale16 = torch.where(scale16 > 0, scale16, torch.finfo(torch.float16).tiny)
+    if lo is not None:
+        return scale16, lo.to(torch.float16)
+    return scale16, (-(levels // 2 + 1) * scale16.float()).to(torch.float16)
+
+
 def quantize_rtn(
     w: torch.Tensor,
     bits: int = 4,
@@ -153,20 +167,14 @@ def quantize_rtn(
         if clip is not None:
             lo, hi = lo * clip, hi * clip
         scale = (hi - lo) / levels
-        mins = lo
     else:
         amax = torch.where(real, groups.abs(), 0).amax(-1)
         if clip is not None:
             amax = amax * clip
         scale = amax / (levels // 2)
-        mins = -(levels // 2 + 1) * scale
+        lo = None
     # Codes are chosen against the FP16-rounded scale and zero point the kernels will use.
-    scale16 = torch.where(scale > 0, scale, 1.0).to(torch.float16)
-    scale16 = torch.where(scale16 > 0, scale16, torch.finfo(torch.float16).tiny)
-    if zero_point:
-        mins16 = mins.to(torch.float16)
-    else:
-        mins16 = (-(levels // 2 + 1) * scale16.float()).to(torch.float16)
+    scale16, mins16 = fp16_grid(scale, lo, bits)
     q = torch.round((groups - mins16.float()[..., None]) / scale16.float()[..., None])
     q = q.clamp(0, levels).to(torch.int32)
     q = torch.where(real, q, 0).view(n, kp)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model.config import ModelConfig
-from tandem.quant.format import QuantizedWeight, pack, quantize_rtn
+from tandem.quant.format import QuantizedWeight, fp16_grid, pack, quantize_rtn
 from tandem.quant.recipe import LayerSpec
 from tandem.quant.walk import LayerGroup, walk_groups
 
@@ -71,16 +71,8 @@ def _grid(
     levels = (1 << bits) - 1
     if zero_point:
         lo, hi = wg.amin(-1) * ratio, wg.amax(-1) * ratio
-        scale = (hi - lo) / levels
-    else:
-        scale = wg.abs().amax(-1) * ratio / (levels // 2)
-    scale16 = torch.where(scale > 0, scale, 1.0).to(torch.float16)
-    scale16 = torch.where(scale16 > 0, scale16, torch.finfo(torch.float16).tiny)
-    if zero_point:
-        mins16 = lo.to(torch.float16)
-    else:
-        mins16 = (-(levels // 2 + 1) * scale16.float()).to(torch.float16)
-    return scale16, mins16
+        return fp16_grid((hi - lo) / levels, lo, bits)
+    return fp16_grid(wg.abs().amax(-1) * ratio / (levels // 2), None, bits)
 
 
 def _round(w: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, levels: int):

@@ -46,23 +46,25 @@ class DecodeTelemetry:
         if self.tracing:
             self.seqs[admit.seq_id] = SeqTrace(tel.extract(dict(admit.trace_context)))
 
-    def admitted(self, seq_id: str, started: float, transport: str, blocks: int) -> None:
-        """The KV handover is done (`transport` "recompute": not imported, recomputed here)."""
-        now = time.monotonic()
+    def admitted(
+        self, seq_id: str, started: float, ended: float, transport: str, blocks: int
+    ) -> None:
+        """The KV handover ran from `started` to `ended` (`transport` "recompute": not imported,
+        recomputed here). `ended` is read on the engine thread as the sequence joins, so it
+        precedes its first step even when this call runs after that step: a time read here
+        could follow it, and the queue span would then end after decode.generate began."""
         nbytes = blocks * self.block_bytes
         m = self.metrics
-        m.kv_transfer_time.labels(transport).observe(now - started)
+        m.kv_transfer_time.labels(transport).observe(ended - started)
         m.kv_transfer_bytes.labels(transport).observe(nbytes)
         st = self.seqs.get(seq_id) if self.tracing else None
         if st is None:
             return
-        if st.first is not None:  # the engine stepped it before this coroutine resumed
-            now = min(now, st.first)
         tel.record_span(
             tel.KV_TRANSFER,
             st.parent,
             started,
-            now,
+            ended,
             {
                 tel.SEQ_ID: seq_id,
                 tel.KV_TRANSPORT: transport,
@@ -70,10 +72,10 @@ class DecodeTelemetry:
                 tel.KV_BYTES: nbytes,
             },
         )
-        if st.first is not None:
-            tel.record_span(tel.DECODE_QUEUE, st.parent, now, st.first, {tel.SEQ_ID: seq_id})
+        if st.first is not None:  # the engine stepped it before this call
+            tel.record_span(tel.DECODE_QUEUE, st.parent, ended, st.first, {tel.SEQ_ID: seq_id})
         else:
-            st.ready = now
+            st.ready = ended
 
     def prefill_here(self, seq_id: str, started: float) -> None:
         """A sequence joined to be prefilled by this worker (no KV handover)."""

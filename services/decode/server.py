@@ -440,16 +440,23 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 else:
                     _, imported = e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
                 # Noted on the engine thread, before a step can finish the sequence and report
-                # its transfer (a short sequence can finish before this coroutine resumes).
+                # its transfer (a short sequence can finish before this coroutine resumes), and
+                # before a step can start it (the time its KV handover ended).
+                joined[0] = time.monotonic()
                 self.transfer[sid] = (
-                    (time.monotonic() - t0) * 1e3,
+                    (joined[0] - t0) * 1e3,
                     peer.kind if imported else "recompute",
                 )
                 return imported
 
+            joined = [0.0]
             imported = await asyncio.wrap_future(self.engine_loop.submit(join))
             self.obs.admitted(
-                sid, t0, peer.kind if imported else "recompute", len(src_blocks) if imported else 0
+                sid,
+                t0,
+                joined[0],
+                peer.kind if imported else "recompute",
+                len(src_blocks) if imported else 0,
             )
             if imported:
                 self.imports_by_transport[peer.kind] = (

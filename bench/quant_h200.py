@@ -9,9 +9,11 @@ them:
              Triton kernel (INT4 g128, default config and the best of a small sweep), torch's
              `aten._weight_int4pack_mm` (tinygemm, same grid), and the bf16 cuBLAS matmul
   decode     one decode step (batch 1, 1024 cached tokens) of a Llama-3-8B-shaped LlamaModel
-             captured in a CUDA graph: bf16 weights vs INT4 g128 weights (lm_head and
-             embeddings stay bf16), bf16 KV vs FP8 KV
-  memory     weight bytes, INT4 vs bf16
+             captured in a CUDA graph: bf16 weights vs INT4 g128 decoder linears (LM head and
+             embedding bf16) vs "int4_all" (also the LM head INT4 g128, the embedding INT8
+             g128); bf16 KV vs FP8 KV; programmatic dependent launch on and off. Beside the
+             bf16-KV rows, the step's GPU time by kernel (torch.profiler, eager launches).
+  memory     weight bytes of each, vs bf16
   admission  2k-token sequences the engine's pool sizing admits at one memory budget, FP8 vs bf16
 
     python bench/quant_h200.py            # writes bench/results/h200_quant.json
@@ -311,7 +313,32 @@ def model_bytes(model) -> dict:
     return {"linear": linear, "embed_norms": other, "lm_head": head, "total": linear + other + head}
 
 
+def kernel_profile(step: Callable[[], object], steps: int = 5) -> list[dict]:
+    """GPU time per decode step by kernel name (eager launches under torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(ev.name[:80], [0.0, 0])
+        r[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        r[1] += 1
+    out = [{"kernel": k, "us_per_step": v[0] / steps, "launches_per_step": v[1] / steps}
+           for k, v in rows.items()]  # fmt: skip
+    out.sort(key=lambda r: -r["us_per_step"])
+    return out
+
+
 def decode_section(dev: str, smoke: bool, results: dict) -> None:
+    """Rows: weights (bf16; int4 = every decoder linear INT4 g128, LM head and embedding bf16;
+    int4_all = also the LM head INT4 g128 and the embedding INT8 g128) x KV dtype x PDL on/off.
+    The PDL rows differ only in `tandem.kernels.pdl.ENABLED` (same weights, same run)."""
+    from tandem.kernels import pdl
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
     from tandem.quant.recipe import LayerSpec, linear_layer_names
@@ -324,19 +351,22 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     nb = ctx // bs + 1
     out = results.setdefault("decode", {"batch": 1, "context_tokens": ctx, "rows": []})
     weights = random_weights(cfg, dev, dtype)
-    bf16 = LlamaModel(cfg, weights, dtype, dev, max_positions=ctx + 8)
+    models = {"bf16": LlamaModel(cfg, weights, dtype, dev, max_positions=ctx + 8)}
     specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
-    qweights = quantize_weights(weights, specs)
+    models["int4"] = LlamaModel(cfg, quantize_weights(weights, specs), dtype, dev, ctx + 8)
+    specs["lm_head"] = LayerSpec(4, 128, True)
+    specs["model.embed_tokens"] = LayerSpec(8, 128, True)
+    models["int4_all"] = LlamaModel(cfg, quantize_weights(weights, specs), dtype, dev, ctx + 8)
     del weights
-    int4 = LlamaModel(cfg, qweights, dtype, dev, max_positions=ctx + 8)
-    del qweights
     if dev == "cuda":
         torch.cuda.empty_cache()
-    mem = {"bf16": model_bytes(bf16), "int4": model_bytes(int4)}
+    mem = {name: model_bytes(m) for name, m in models.items()}
     mem["ratio_linear"] = mem["int4"]["linear"] / mem["bf16"]["linear"]
-    mem["ratio_total"] = mem["int4"]["total"] / mem["bf16"]["total"]
+    mem["ratio_total_int4"] = mem["int4"]["total"] / mem["bf16"]["total"]
+    mem["ratio_total_int4_all"] = mem["int4_all"]["total"] / mem["bf16"]["total"]
     results["memory"] = mem
-    print(f"weights: linear int4/bf16 {mem['ratio_linear']:.3f}, total {mem['ratio_total']:.3f}")
+    print(f"weights vs bf16: linear {mem['ratio_linear']:.3f}, int4 total "
+          f"{mem['ratio_total_int4']:.3f}, int4_all total {mem['ratio_total_int4_all']:.3f}")  # fmt: skip
 
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([ctx - 1], device=dev),
@@ -348,32 +378,50 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     )
     ids = torch.tensor([7], device=dev)
     pos = torch.tensor([ctx - 1], device=dev)
-    for name, model in (("bf16", bf16), ("int4", int4)):
+    pdl_modes = (True, False) if dev == "cuda" and pdl.HAVE_PDL else (False,)
+    for name, model in models.items():
         for kvd in (dtype, torch.float8_e4m3fn):
             kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kvd, dev)
             kv.data.view(torch.uint8).random_(0, 64)  # finite codes (fp8 bit patterns < 0x40)
             if kv.scales is not None:
                 kv.scales.fill_(0.01)
 
-            def step(i, model=model, kv=kv):
+            def step(i=0, model=model, kv=kv):
                 return model.logits(model.forward(ids, pos, kv, meta))
 
-            try:
-                with torch.inference_mode():
-                    t = timed(step, 1, reps=5 if smoke else 30)
-                row = {"weights": name, "kv_dtype": str(kvd).removeprefix("torch."),
-                       "step_ms": t * 1e3, "tokens_per_s": 1 / t}  # fmt: skip
-            except Exception as e:  # noqa: BLE001
-                row = {"weights": name, "kv_dtype": str(kvd), "error": repr(e)[:400]}
-                traceback.print_exc()
-            out["rows"].append(row)
-            print(f"decode {row}", flush=True)
+            for use in pdl_modes:
+                pdl.ENABLED = use
+                try:
+                    with torch.inference_mode():
+                        t = timed(step, 1, reps=5 if smoke else 30)
+                    row = {"weights": name, "kv_dtype": str(kvd).removeprefix("torch."),
+                           "pdl": use, "step_ms": t * 1e3, "tokens_per_s": 1 / t}  # fmt: skip
+                    if dev == "cuda" and kvd == dtype and not smoke:
+                        with torch.inference_mode():
+                            row["kernels"] = kernel_profile(step)[:14]
+                except Exception as e:  # noqa: BLE001
+                    row = {
+                        "weights": name,
+                        "kv_dtype": str(kvd),
+                        "pdl": use,
+                        "error": repr(e)[:400],
+                    }
+                    traceback.print_exc()
+                pdl.ENABLED = True
+                out["rows"].append(row)
+                print(f"decode { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
             del kv
-    by = {(r["weights"], r["kv_dtype"]): r.get("tokens_per_s") for r in out["rows"]}
-    if by.get(("bf16", "bfloat16")) and by.get(("int4", "bfloat16")):
-        out["speedup_int4_vs_bf16"] = by[("int4", "bfloat16")] / by[("bf16", "bfloat16")]
-    if by.get(("bf16", "bfloat16")) and by.get(("int4", "float8_e4m3fn")):
-        out["speedup_int4_fp8kv_vs_bf16"] = by[("int4", "float8_e4m3fn")] / by[("bf16", "bfloat16")]
+    tps = {(r["weights"], r["kv_dtype"], r["pdl"]): r.get("tokens_per_s") for r in out["rows"]}
+    speedups = {}
+    for use in pdl_modes:
+        base = tps.get(("bf16", "bfloat16", use))
+        for name in ("int4", "int4_all"):
+            for kvd in ("bfloat16", "float8_e4m3fn"):
+                got = tps.get((name, kvd, use))
+                if base and got:
+                    speedups[f"{name}/{kvd}/pdl={use}"] = got / base
+    out["speedup_vs_bf16_same_pdl"] = speedups
+    print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
 
 
 def admission_section(smoke: bool, results: dict) -> None:

@@ -92,7 +92,7 @@ def test_gemv_kernel_matches_f64(n, k, block_n, block_k, bias):
     y = torch.empty(1, n)
     grid = (-(-n // block_n),)
     gemv._gemv_kernel.fn[grid](
-        x, w, b, y, n, k, w.stride(0), HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k
+        x, w, b, y, n, k, w.stride(0), HAS_BIAS=bias, BLOCK_N=block_n, BLOCK_K=block_k, PDL=False
     )
     want = x.double() @ w.double().T + (b.double() if bias else 0)
     assert ((y.double() - want).norm() / want.norm()).item() < 1e-6

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 
 @triton.jit
 def _silu_mul_kernel(
@@ -20,7 +22,10 @@ def _silu_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,7 +58,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4
+        x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4, **pdl.launch_options(x2)
     )
     return out
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 ENABLED = os.environ.get("TANDEM_TRITON_GEMV", "1") not in ("0", "false", "off")
 
 _CONFIGS = [
@@ -48,12 +50,21 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight tile is read before the wait for the previous kernel (no kernel writes
+    # weights), so with PDL it loads while that kernel finishes.
+    offs_k = tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -82,7 +93,15 @@ def gemv_triton(
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_kernel[grid](
-        x, w, bias if bias is not None else y, y, n, k, w.stride(0), HAS_BIAS=bias is not None
+        x,
+        w,
+        bias if bias is not None else y,
+        y,
+        n,
+        k,
+        w.stride(0),
+        HAS_BIAS=bias is not None,
+        **pdl.launch_options(x),
     )
     return y
 

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -144,7 +146,10 @@ def _decode_partition_kernel(
     DIRECT_OUT: tl.constexpr,  # a single partition: write the normalised output, skip stage 2
     DOT_FP32: tl.constexpr,  # upcast K/V/Q before tl.dot instead of feeding the native dtype
     KV_SCALED: tl.constexpr,  # FP8 / INT8 codes times per-(block, head) scales
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -256,7 +261,10 @@ def _decode_reduce_kernel(
     PARTITION_SIZE: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,  # P, the partition axis of the workspace
     BLOCK_P: tl.constexpr,  # partitions merged per iteration
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
@@ -392,6 +400,7 @@ def paged_attention_decode_triton(
         DOT_FP32=dot_fp32,
         KV_SCALED=scaled,
         num_warps=4,
+        **pdl.launch_options(q),
     )
     if not direct:
         _decode_reduce_kernel[(b, num_q_heads)](
@@ -406,6 +415,7 @@ def paged_attention_decode_triton(
             NUM_PARTITIONS=num_parts,
             BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
             num_warps=4,
+            **pdl.launch_options(q),
         )
     return out
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -30,10 +32,14 @@ def _rmsnorm_kernel(
     stride_nr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # n_cols padded to a power of 2: one program holds a whole row
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel writes it
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
 
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -50,7 +56,6 @@ def _rmsnorm_kernel(
         normed = normed.to(new_residual_ptr.dtype.element_ty)
     else:
         normed = normed.to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = normed.to(tl.float32) * w
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -126,6 +131,7 @@ def rmsnorm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=num_warps,
+        **pdl.launch_options(x2),
     )
     return out, new_residual
 

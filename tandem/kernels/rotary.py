@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
 from tandem.model.rotary import apply_rotary
 
 
@@ -70,7 +71,10 @@ def _rope_cache_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_HEADS: tl.constexpr,  # Hq + Hkv padded to a power of 2
     BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
     slot_raw, blk, off, cos, sin = _token_rope(
@@ -201,6 +205,7 @@ def rope_cache_write_triton(
         # No fused multiply-add: each product is rounded on its own, as the eager ops do
         # (with contraction the compiler merges a product into the sum, one rounding fewer).
         enable_fp_fusion=False,
+        **pdl.launch_options(qkv),
     )
     return q
 
@@ -325,7 +330,10 @@ def _rope_cache_scaled_kernel(
     QMAX: tl.constexpr,  # the largest code
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
     slot_raw, blk, off, cos, sin = _token_rope(
@@ -439,5 +447,6 @@ def rope_cache_write_scaled(
         RINT=compiled,
         num_warps=4,
         enable_fp_fusion=False,  # products rounded one by one, as the eager ops do
+        **pdl.launch_options(qkv),
     )  # fmt: skip
     return q

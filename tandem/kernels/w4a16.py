@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem.kernels import pdl
 from tandem.quant.format import QuantizedWeight
 
 
@@ -168,6 +169,7 @@ def _gemv_nmajor_kernel(
     REDUCE: tl.constexpr,  # SPLIT > 1: the last program of a column block adds the partials
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K == Kp: no masks
     ASM: tl.constexpr,  # PTX lop3 for the code -> float step (compiled CUDA, not the interpreter)
+    PDL: tl.constexpr,  # programmatic dependent launch: the first group's codes load before the wait
 ):
     """INT4 GEMV over N-major packed codes: the weight is read as 16-byte vectors across output
     rows, x as broadcasts, and codes become floats without an int->float convert.
@@ -209,6 +211,9 @@ def _gemv_nmajor_kernel(
         mask=(wi < w_end)[:, None] & n_mask[None, :],
         other=0,
     )
+    # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w  # [WPG] word index
@@ -590,6 +595,7 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         ASM=_compiled_cuda(x),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.launch_options(x),
     )
     return out, kernel
 

@@ -26,7 +26,7 @@ from tandem.kernels.w4a16 import n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
-from tandem.quant.format import QuantizedWeight, cat_rows
+from tandem.quant.format import QuantizedWeight, cat_rows, permute_rows
 from tandem.quant.linear import linear
 
 # Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "triton" is one
@@ -225,6 +225,11 @@ class LlamaModel:
                     wq = getattr(lw, f)
                     if isinstance(wq, QuantizedWeight) and wq.bits == 4:
                         setattr(lw, f, n_major(wq))
+            if isinstance(self.lm_head, QuantizedWeight) and self.lm_head.bits == 4:
+                tied = self.lm_head is self.embed
+                self.lm_head = n_major(self.lm_head)  # the lookup gathers rows of either layout
+                if tied:
+                    self.embed = self.lm_head
         # CPU: linear weights packed for oneDNN (`cpu_linear`), the LM head too (a tied one keeps
         # the plain embedding beside its packed copy, for the lookup).
         self.cpu_lm_head = self.lm_head
@@ -254,7 +259,7 @@ class LlamaModel:
         cs = self.cos_sin.index_select(0, positions)  # [T, D] (cheaper than cos_sin[positions])
         cos = cs[:, None, :half].to(self.dtype)
         sin = cs[:, None, half:].to(self.dtype)
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         cpu_decode = (
             _CpuDecodeAttention(meta, kv.block_size)
             if meta.decode_only and self.device.type == "cpu"
@@ -322,7 +327,7 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = cfg.rms_norm_eps
         t = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None  # the residual stream; h is the pending branch output
         cos = sin = None
         for i, lw in enumerate(self.layers):
@@ -390,8 +395,15 @@ class LlamaModel:
             h = _cuda_linear(silu_and_mul(_cuda_linear(x, lw.gate_up)), lw.down)
         return rmsnorm(h, self.norm, eps, residual)[0]
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, H] in the model dtype; a quantized table (a recipe can quantize
+        `model.embed_tokens`) is gathered row by row and only those rows are dequantized."""
+        if isinstance(self.embed, QuantizedWeight):
+            return permute_rows(self.embed, input_ids).dequantize(self.dtype)
+        return F.embedding(input_ids, self.embed)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, vocab] float32."""
         if hidden.is_cuda:
-            return linear_rows(hidden, self.lm_head).float()
+            return _cuda_linear(hidden, self.lm_head).float()
         return cpu_linear(hidden, self.cpu_lm_head).float()

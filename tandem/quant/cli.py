@@ -97,7 +97,24 @@ def calibration_batch(tokenizer, path: str, seq_len: int, max_tokens: int):
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len), text
 
 
-def quantize_model(
+def quantize_model(loaded, recipe, method: str = "awq", *args, **options):
+    """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
+
+    The decoder's linear layers by `method` (`_quantize_decoder`), then the token embedding and
+    LM head where the recipe names them (`recipe.head_specs`), round-to-nearest.
+    """
+    from tandem.quant.recipe import head_specs
+    from tandem.quant.weights import quantize_weights
+
+    weights, info = _quantize_decoder(loaded, recipe, method, *args, **options)
+    head = head_specs(recipe, loaded.config.tie_word_embeddings)
+    if head:
+        weights = quantize_weights(weights, head)
+        info["head_layers"] = {n: "rtn" for n in sorted(head)}
+    return weights, info
+
+
+def _quantize_decoder(
     loaded,
     recipe,
     method: str = "awq",

@@ -10,6 +10,8 @@ A recipe is a JSON or YAML file:
 Patterns are shell-style globs (`fnmatch`) matched against layer names such as
 `model.layers.3.self_attn.q_proj`; an override inherits from `default` what it does not set.
 Layers fused at load time (q/k/v, gate/up) get one spec: the most precise among their members.
+The token embedding and LM head (`model.embed_tokens`, `lm_head`) stay in floating point unless
+an override names them (`"lm_head": {bits: 4}`); they are quantized round-to-nearest.
 """
 
 from __future__ import annotations
@@ -170,10 +172,36 @@ def linear_layer_names(num_layers: int) -> list[str]:
     ]
 
 
+# The token embedding and the LM head: quantized only where an override names them.
+HEAD_LAYERS = ("model.embed_tokens", "lm_head")
+
+
+def head_specs(recipe: Recipe, tied: bool) -> dict[str, LayerSpec]:
+    """Specs of the token embedding and the LM head, for those the recipe quantizes.
+
+    The default spec does not reach them (they stay in floating point, as the usual toolkits
+    leave them); an override whose pattern matches one does, e.g. `"lm_head": {bits: 4}` or
+    `"model.embed_tokens": {bits: 8}`. A model with tied embeddings has one table, stored as
+    `model.embed_tokens`: it takes the more precise of the two specs.
+    """
+    out: dict[str, LayerSpec] = {}
+    for name in HEAD_LAYERS:
+        for pattern, spec in recipe.overrides:
+            if fnmatch.fnmatchcase(name, pattern):
+                out[name] = spec
+                break
+    if tied and "lm_head" in out:
+        head = out.pop("lm_head")
+        table = out.get("model.embed_tokens", head)
+        out["model.embed_tokens"] = max(head, table, key=LayerSpec.precision_key)
+    return {n: s for n, s in out.items() if s.quantized}
+
+
 def resolve_specs(recipe: Recipe, num_layers: int) -> dict[str, LayerSpec]:
-    """Spec of every quantizable layer, fused groups promoted to their most precise member."""
+    """Spec of every quantizable decoder layer, fused groups promoted to their most precise
+    member (the embedding and LM head: `head_specs`)."""
     names = linear_layer_names(num_layers)
-    recipe.check_patterns(names)
+    recipe.check_patterns(names + list(HEAD_LAYERS))
     out: dict[str, LayerSpec] = {}
     for i in range(num_layers):
         for parts in FUSED_GROUPS.values():

@@ -7,11 +7,13 @@ Rows (all through Tandem's LlamaModel and paged KV cache):
   q4_1_native      the same Q4_1 tensors loaded directly as INT4 g32 (no re-quantization):
                    must equal the reference.
   int4_g128_rtn    INT4 group 128 with zero point, round-to-nearest (no calibration).
-  int4_g128_awq, int4_g128_gptq, int4_g128_awq_gptq
+  int4_g128_awq, int4_g128_gptq, int4_g128_awq_gptq, int4_g128_autoround,
+  int4_g128_awq_autoround
                    the same after calibration on the shipped calibration text (this project's own
                    docs, tandem/quant/data/calibration.txt): AWQ-style scales + clipping, GPTQ
-                   (act order within groups, clipping), GPTQ on AWQ-scaled weights. Every linear
-                   layer is 4-bit g128.
+                   (act order within groups, clipping), GPTQ on AWQ-scaled weights, learned
+                   rounding + group ranges per decoder layer (block output reconstruction), the
+                   same on AWQ-scaled weights. Every linear layer is 4-bit g128.
   mixed_*          the calibrated method with the profiler's suggested recipe (`tandem quantize
                    --profile`: layers whose weight statistics stand out kept at 8 bits); its
                    memory is in quantized_bytes / bytes_vs_int4. Not a pure INT4 result.
@@ -29,6 +31,12 @@ Which calibrated method the 1.05x check applies to is chosen without the eval te
 `--select` quantizes with each method on the calibration text less its last --select-seqs
 sequences and measures perplexity on those (the calibration file's own held-out tail); the
 result goes into the JSON's "method_selection" (kept by later runs) and the check follows it.
+
+Each method takes minutes to hours of CPU, so both modes can re-run only some methods:
+`--select --methods a,b` measures those and keeps the other methods' held-out perplexities from
+the previous selection (listed under "carried", with the revision that measured them);
+`--carry awq,gptq` keeps those methods' rows (and quantize seconds) from the previous results file
+instead of re-quantizing (marked "carried_from" in the row). The reference is always re-measured.
 
     .venv/bin/python bench/quant_quality.py --select   # method selection only (~10 min)
     .venv/bin/python bench/quant_quality.py            # writes bench/results/quant_quality.json
@@ -68,7 +76,7 @@ from tandem.quant.profile import profile_weights, suggest_recipe  # noqa: E402
 from tandem.quant.recipe import LayerSpec, Recipe  # noqa: E402
 from tandem.quant.weights import dequantize_weights, load_gguf_q4_1  # noqa: E402
 
-CALIBRATED = ("awq", "gptq", "awq-gptq")
+CALIBRATED = ("awq", "gptq", "awq-gptq", "autoround", "awq-autoround")
 INT4_TARGET, KV_FP8_TARGET = 1.05, 1.01
 
 
@@ -76,9 +84,17 @@ def row_name(method: str) -> str:
     return "int4_g128_" + method.replace("-", "_")
 
 
-def select_method(loaded, recipe: Recipe, seqs: int, seq_len: int = 256) -> dict:
+def select_method(
+    loaded,
+    recipe: Recipe,
+    seqs: int,
+    seq_len: int = 256,
+    methods: tuple[str, ...] = ("rtn",) + CALIBRATED,
+    previous: dict | None = None,
+) -> dict:
     """Perplexity on the calibration file's last `seqs` sequences of each calibrated method,
-    calibrated on the sequences before them; the lowest wins. The eval text is not read."""
+    calibrated on the sequences before them; the lowest wins. The eval text is not read.
+    Methods not in `methods` keep their perplexity from the `previous` selection."""
     cfg, tok = loaded.config, loaded.tokenizer
     calib, _ = calibration_batch(tok, default_calibration_path(), seq_len, 8192)
     n = calib.shape[0] - seqs
@@ -87,12 +103,38 @@ def select_method(loaded, recipe: Recipe, seqs: int, seq_len: int = 256) -> dict
         "held_out": f"the last {seqs} of the calibration file's {calib.shape[0]} sequences of "
         f"{seq_len} tokens ({len(held)} tokens); methods calibrated on the first {n}",
         "ppl": {},
+        "seconds": {},
     }
+    m = LlamaModel(
+        cfg, dequantize_weights(loaded.weights, torch.float32), torch.float32, "cpu", seq_len
+    )
+    out["reference_ppl"] = perplexity(m, held, seq_len)["ppl"]
+    print(f"select: reference  held-out calibration ppl {out['reference_ppl']:.4f}", flush=True)
+    carried = {}
     for method in ("rtn",) + CALIBRATED:
+        if method not in methods:
+            if previous is None or method not in previous.get("ppl", {}):
+                raise SystemExit(
+                    f"no previous held-out perplexity of {method}: add it to --methods"
+                )
+            out["ppl"][method] = previous["ppl"][method]
+            if method in previous.get("seconds", {}):
+                out["seconds"][method] = previous["seconds"][method]
+            carried[method] = previous.get("carried", {}).get(method, previous.get("git"))
+            print(f"select: {method:10s} carried: {out['ppl'][method]:.4f}", flush=True)
+            continue
+        t0 = time.monotonic()
         w, _ = quantize_model(loaded, recipe, method, max_tokens=n * seq_len, log=lambda s: None)
+        out["seconds"][method] = round(time.monotonic() - t0, 1)
         m = LlamaModel(cfg, dequantize_weights(w, torch.float32), torch.float32, "cpu", seq_len)
         out["ppl"][method] = perplexity(m, held, seq_len)["ppl"]
-        print(f"select: {method:10s} held-out calibration ppl {out['ppl'][method]:.4f}", flush=True)
+        print(
+            f"select: {method:10s} held-out calibration ppl {out['ppl'][method]:.4f} "
+            f"(quantized in {out['seconds'][method]}s)",
+            flush=True,
+        )
+    if carried:
+        out["carried"] = carried  # method -> git revision that measured it
     out["chosen"] = min(CALIBRATED, key=lambda m: out["ppl"][m])
     return out
 
@@ -127,6 +169,18 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--select", action="store_true", help="only choose the calibrated method")
     ap.add_argument("--select-seqs", type=int, default=4)
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="--select: comma-separated methods to measure (default all); the others are "
+        "carried from the previous selection",
+    )
+    ap.add_argument(
+        "--carry",
+        default="",
+        help="comma-separated calibrated methods whose rows are carried from the previous "
+        "results instead of re-run",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quant_quality.json"))
     args = ap.parse_args()
     if args.threads:
@@ -141,7 +195,17 @@ def main() -> int:
         with open(args.out) as f:
             previous = json.load(f)
     if args.select:
-        sel = select_method(loaded, recipe, args.select_seqs)
+        methods = tuple(args.methods.split(",")) if args.methods else ("rtn",) + CALIBRATED
+        for m in methods:
+            if m not in ("rtn",) + CALIBRATED:
+                raise SystemExit(f"unknown method {m!r} in --methods")
+        sel = select_method(
+            loaded,
+            recipe,
+            args.select_seqs,
+            methods=methods,
+            previous=previous.get("method_selection"),
+        )
         sel["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         sel["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         sel["git"] = git_rev()
@@ -155,6 +219,16 @@ def main() -> int:
     if selection is None:
         raise SystemExit("no method_selection in the results file: run with --select first")
     chosen = selection["chosen"]
+    carry = tuple(m for m in args.carry.split(",") if m)
+    for m in carry:
+        if m not in CALIBRATED or m == chosen:
+            raise SystemExit(
+                f"--carry takes calibrated methods other than the chosen one, got {m!r}"
+            )
+    prev_rows = {r["name"]: r for r in previous.get("rows", [])}
+    for m in carry:
+        if row_name(m) not in prev_rows:
+            raise SystemExit(f"no previous row {row_name(m)} to carry")
     text, text_src = eval_text()
     ids = tok.encode(text, add_special_tokens=False)
     n_pre = args.window * args.windows
@@ -207,7 +281,8 @@ def main() -> int:
     quantized = {}
     infos = {}
     mixed = suggest_recipe(profile_weights(loaded.weights, cfg.num_layers, 128), 128)
-    jobs = [(m, m, recipe) for m in ("rtn",) + CALIBRATED] + [("mixed", chosen, mixed)]
+    jobs = [(m, m, recipe) for m in ("rtn",) + CALIBRATED if m not in carry]
+    jobs.append(("mixed", chosen, mixed))
     for key, method, rec in jobs:
         t0 = time.monotonic()
         weights, info = quantize_model(loaded, rec, method, log=lambda s: print(s, flush=True))
@@ -222,9 +297,27 @@ def main() -> int:
         "awq": "INT4 g128 after AWQ-style scaling + clipping search on the calibration text",
         "gptq": "INT4 g128 GPTQ (act order within groups, clipping search) on the calibration text",
         "awq-gptq": "INT4 g128 GPTQ on AWQ-scaled weights, calibration text",
+        "autoround": "INT4 g128 learned rounding + group ranges per decoder layer (block output "
+        "reconstruction) on the calibration text",
+        "awq-autoround": "INT4 g128 learned rounding + group ranges per decoder layer on "
+        "AWQ-scaled weights, calibration text",
     }
+    quantize_seconds = {}
     for m in ("rtn",) + CALIBRATED:
+        if m in carry:
+            row = dict(prev_rows[row_name(m)])
+            row.pop("ppl_ratio", None)
+            row.pop("decode_pass_ppl_ratio", None)
+            row.pop("bytes_vs_int4_g128", None)
+            row.setdefault(
+                "carried_from", {"git": previous.get("git"), "date": previous.get("date")}
+            )
+            rows.append(row)
+            quantize_seconds[m] = previous.get("quantize_seconds", {}).get(m)
+            print(f"{row['name']:24s} carried from {row['carried_from']}", flush=True)
+            continue
         rows.append(evaluate(row_name(m), quantized[m][0], note=notes[m]))
+        quantize_seconds[m] = quantized[m][1]
     n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
     mixed_name = "mixed_" + chosen.replace("-", "_") + "_profiler_recipe"
     rows.append(
@@ -305,7 +398,7 @@ def main() -> int:
             "source": "this project's README.md, DESIGN.md and CONVENTIONS.md",
             "tokens_used": quantized and 0,
         },
-        "quantize_seconds": {m: quantized[m][1] for m in quantized},
+        "quantize_seconds": {**quantize_seconds, "mixed": quantized["mixed"][1]},
         "method_selection": selection,
         "rows": rows,
         "checks": checks,

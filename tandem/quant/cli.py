@@ -5,7 +5,10 @@
 
 Methods (`--method`): `rtn` rounds to nearest; `awq` searches activation-aware scales
 (`tandem.quant.awq`) and per-group clipping, then rounds; `gptq` quantizes with second-order
-error compensation (`tandem.quant.gptq`); `awq-gptq` runs GPTQ on the AWQ-scaled weights.
+error compensation (`tandem.quant.gptq`); `awq-gptq` runs GPTQ on the AWQ-scaled weights;
+`autoround` tunes each decoder layer's rounding offsets and group ranges so the quantized layer's
+output matches the float model's (`tandem.quant.autoround`); `awq-autoround` does it on the
+AWQ-scaled weights.
 
 The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
 documentation (README, design contract, conventions); evaluate on different text.
@@ -22,7 +25,8 @@ import time
 from importlib import resources
 
 CALIBRATION_FILE = "calibration.txt"
-METHODS = ("rtn", "awq", "gptq", "awq-gptq")
+AUTOROUND_ITERS, AUTOROUND_BATCH = 100, 4
+METHODS = ("rtn", "awq", "gptq", "awq-gptq", "autoround", "awq-autoround")
 
 
 def default_calibration_path() -> str:
@@ -49,7 +53,9 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         choices=METHODS,
         default="awq",
         help="rtn: round to nearest; awq: activation-aware scales + clipping from the calibration "
-        "text; gptq: second-order error compensation on the calibration text; awq-gptq: both",
+        "text; gptq: second-order error compensation on the calibration text; awq-gptq: both; "
+        "autoround: learned rounding and group ranges per decoder layer (block output "
+        "reconstruction); awq-autoround: autoround on AWQ-scaled weights",
     )
     p.add_argument("--out", default=None, help="output directory of the quantized checkpoint")
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
@@ -67,6 +73,24 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.01,
         help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean",
+    )
+    p.add_argument(
+        "--autoround-iters",
+        type=int,
+        default=AUTOROUND_ITERS,
+        help="autoround: signed-gradient steps per decoder layer",
+    )
+    p.add_argument(
+        "--autoround-lr",
+        type=float,
+        default=None,
+        help="autoround: first step size (decays linearly to 0; default 1 / iterations)",
+    )
+    p.add_argument(
+        "--autoround-batch",
+        type=int,
+        default=AUTOROUND_BATCH,
+        help="autoround: calibration sequences per step",
     )
     p.add_argument(
         "--float-dtype",
@@ -125,11 +149,15 @@ def _quantize_decoder(
     log=print,
     clip: bool = True,
     damp: float = 0.01,
+    autoround_iters: int = AUTOROUND_ITERS,
+    autoround_lr: float | None = None,
+    autoround_batch: int = AUTOROUND_BATCH,
 ):
     """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
 
     `method`: one of METHODS (see the module docstring); `clip`: search per-group clipping
-    ratios (AWQ, GPTQ); `damp`: GPTQ's Hessian dampening.
+    ratios (AWQ, GPTQ); `damp`: GPTQ's Hessian dampening; `autoround_*`: the autoround
+    methods' steps per layer, first step size (None: 1 / steps) and sequences per step.
     """
     import torch
 
@@ -138,6 +166,10 @@ def _quantize_decoder(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method.endswith("autoround"):
+        from tandem.quant.autoround import check_options
+
+        check_options(autoround_iters, autoround_lr, autoround_batch)
     cfg = loaded.config
     specs = resolve_specs(recipe, cfg.num_layers)
     weights = dequantize_weights(loaded.weights, torch.float32)
@@ -155,11 +187,11 @@ def _quantize_decoder(
         "clip_search": clip,
     }
     clips = None
-    if method in ("awq", "awq-gptq"):
+    if method in ("awq", "awq-gptq", "awq-autoround"):
         from tandem.quant.awq import awq_scale
 
         t0 = time.monotonic()
-        # Before GPTQ the clipping is GPTQ's own (searched on the error-compensated columns).
+        # Before GPTQ (autoround) the clipping is GPTQ's own search (autoround's learned ranges).
         weights, report = awq_scale(
             weights, cfg, specs, calib, grid=grid, log=log, clip=clip and method == "awq"
         )
@@ -186,6 +218,32 @@ def _quantize_decoder(
                 "gptq_act_order": "per group",
                 "gptq_relative_output_error": {
                     m: {"rtn": e[0], "gptq": e[1]} for m, e in report.errors.items()
+                },
+            }
+        )
+        return out, info
+    if method in ("autoround", "awq-autoround"):
+        from tandem.quant.autoround import autoround_quantize
+
+        t0 = time.monotonic()
+        out, report = autoround_quantize(
+            weights,
+            cfg,
+            specs,
+            calib,
+            iters=autoround_iters,
+            lr=autoround_lr,
+            batch=autoround_batch,
+            log=log,
+        )
+        log(f"autoround done in {time.monotonic() - t0:.1f}s")
+        info["calibration"].update(
+            {
+                "autoround_iters": autoround_iters,
+                "autoround_lr": autoround_lr or 1.0 / max(autoround_iters, 1),
+                "autoround_batch": autoround_batch,
+                "autoround_layer_output_mse": {
+                    m: {"start": e[0], "tuned": e[1]} for m, e in report.errors.items()
                 },
             }
         )
@@ -228,6 +286,9 @@ def run_quantize(args: argparse.Namespace) -> int:
             args.awq_grid,
             clip=not args.no_clip,
             damp=args.gptq_damp,
+            autoround_iters=args.autoround_iters,
+            autoround_lr=args.autoround_lr,
+            autoround_batch=args.autoround_batch,
         )
         save_quantized(
             args.out,

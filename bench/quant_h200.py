@@ -206,6 +206,16 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
             t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg),
                       copies)  # fmt: skip
             rec(f"tandem_w4a16{tag}_default", t, q_bytes, y, config=repr(cfg))
+            if tag and m == 1 and dev == "cuda":  # the same launches without PDL, side by side
+                from tandem.kernels import pdl
+
+                pdl.ENABLED = False
+                try:
+                    t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg),
+                              copies)  # fmt: skip
+                finally:
+                    pdl.ENABLED = True
+                rec(f"tandem_w4a16{tag}_default_no_pdl", t, q_bytes, None, config=repr(cfg))
             if m == 1:
                 sweep = GEMVN_SWEEP if tag else GEMV_SWEEP
             else:
@@ -246,6 +256,15 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
         rec("bf16_cublas", t, n * k * 2, None,
             rel_err_vs_f64_of_bf16_weight=((yb.double() - x.double() @ w_float.double().T).norm()
                                            / (x.double() @ w_float.double().T).norm()).item())  # fmt: skip
+        if m == 1 and dev == "cuda" and not smoke:
+            # What cuBLAS reaches reading as many bytes as the INT4 weight (a bf16 [N, K'] weight
+            # of the same size): the fraction of copy bandwidth one call of this size can get.
+            kb = max(64, round(q_bytes / (2 * n) / 64) * 64)
+            same = [torch.randn(n, kb, device=dev, dtype=dtype) for _ in range(copies)]
+            xs = torch.randn(1, kb, device=dev, dtype=dtype)
+            t = timed(lambda i: xs @ same[i % copies].T, copies)
+            rec("bf16_cublas_same_bytes", t, n * kb * 2, None, shape=[n, kb])
+            del same
         out.append(row)
         if save is not None:
             save()  # partial results survive a time limit

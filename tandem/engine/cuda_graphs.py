@@ -89,8 +89,6 @@ class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVCache, max_batch: int, max_model_len: int) -> None:
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need the model on a CUDA device")
-        if kv.scales is not None:
-            raise ValueError("CUDA graphs need an unquantized KV pool (FP8 / INT8 run eagerly)")
         self.model = model
         self.kv = kv
         first_fit = [b for b in BUCKETS if b >= max_batch]

@@ -13,8 +13,9 @@ from tandem.model.llama import AttentionMetadata, LlamaModel
 class ModelRunner:
     """Owns the model and the KV pool tensor of one worker.
 
-    With `cuda_graphs` (CUDA, unquantized KV pool) decode batches of up to `max_num_seqs`
-    sequences replay captured graphs; prefill, mixed and verification batches run eagerly.
+    With `cuda_graphs` (CUDA) decode batches of up to `max_num_seqs` sequences replay captured
+    graphs, for every KV dtype (an FP8 / INT8 pool's decode write is one fused launch with no
+    host synchronisation); prefill, mixed and verification batches run eagerly.
     """
 
     def __init__(
@@ -30,7 +31,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = kv.block_size
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and kv.scales is None:
+        if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(
                 model, kv, max_num_seqs, max_model_len or model.max_positions
             )

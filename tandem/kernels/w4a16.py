@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels.arrival import arrival_counters
 from tandem.quant.format import QuantizedWeight
 
 
@@ -535,23 +536,6 @@ def _compiled_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the split-K GEMV, one set per (device, stream): the
-    kernel leaves them at zero again, so a set is allocated (and zeroed) once, and launches on
-    one stream, in order, share it."""
-    key: tuple = (str(device), 0)
-    if device.type == "cuda":
-        key = (str(device), torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig):
     """(output, the compiled kernel launched): the latter for benchmarks that read its code."""
     if w.bits != 4 or not is_n_major(w):
@@ -567,7 +551,7 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device, m * blocks)
+        counters = arrival_counters(x.device, m * blocks)
     else:
         ws = counters = out  # not read
     kernel = _gemv_nmajor_kernel[(blocks, split, m)](

@@ -1,0 +1,193 @@
+"""Programmatic dependent launch on the decode path, and a quantized LM head and embedding, on CUDA.
+
+A decode step captured in a CUDA graph with PDL (each kernel may start while its predecessor
+finishes) must give the same logits, bit for bit, as the same steps launched eagerly without it:
+every kernel of the step is deterministic, so any ordering race shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+
+
+def _cfg():
+    from tandem.model.config import ModelConfig
+
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_ids=[1],
+    )
+
+
+def _weights(cfg, dtype, dev) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    h, i_ = cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dtype) * 0.05
+
+    w = {
+        "model.embed_tokens.weight": r(cfg.vocab_size, h) * 20,
+        "model.norm.weight": 1 + r(h),
+        "lm_head.weight": r(cfg.vocab_size, h),
+    }
+    for li in range(cfg.num_layers):
+        p = f"model.layers.{li}."
+        w[p + "input_layernorm.weight"] = 1 + r(h)
+        w[p + "post_attention_layernorm.weight"] = 1 + r(h)
+        w[p + "self_attn.q_proj.weight"] = r(qd, h)
+        w[p + "self_attn.k_proj.weight"] = r(kvd, h)
+        w[p + "self_attn.v_proj.weight"] = r(kvd, h)
+        w[p + "self_attn.o_proj.weight"] = r(h, qd)
+        w[p + "mlp.gate_proj.weight"] = r(i_, h)
+        w[p + "mlp.up_proj.weight"] = r(i_, h)
+        w[p + "mlp.down_proj.weight"] = r(h, i_)
+    return w
+
+
+def _quantized(weights, cfg):
+    from tandem.quant.recipe import LayerSpec, linear_layer_names
+    from tandem.quant.weights import quantize_weights
+
+    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
+    specs["lm_head"] = LayerSpec(4, 128, True)
+    specs["model.embed_tokens"] = LayerSpec(8, 128, True)
+    return quantize_weights(weights, specs)
+
+
+@pytest.fixture(scope="module")
+def pdl():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
+    from tandem.kernels import pdl
+
+    if not pdl.use_pdl(torch.zeros(1, device=DEV)):
+        pytest.skip("PDL needs compute capability 9.0 and a Triton with the gdc intrinsics")
+    return pdl
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
+def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype) -> None:
+    from tandem.kv.cache import KVCache
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+
+    cfg = _cfg()
+    w = _weights(cfg, torch.bfloat16, DEV)
+    if weights == "int4":
+        w = _quantized(w, cfg)
+    model = LlamaModel(cfg, w, torch.bfloat16, DEV, max_positions=512)
+    bs, nb, steps = 16, 8, 40  # 40 tokens over 3 blocks: partitions, block edges
+
+    def kv_cache():
+        kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)
+        kv.data.zero_()
+        if kv.scales is not None:
+            kv.scales.zero_()
+        return kv
+
+    ids = torch.randint(0, cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(1))
+    tables = torch.randperm(nb, device=DEV)[None]  # blocks out of order
+
+    def meta(slot, ctx):
+        return AttentionMetadata(
+            slot_mapping=slot,
+            block_tables=tables,
+            context_lens=ctx,
+            context_lens_list=None,
+            query_start_loc=[0, 1],
+            decode_only=True,
+        )
+
+    def slot_of(p: int) -> int:
+        return int(tables[0, p // bs]) * bs + p % bs
+
+    # Eager, no PDL.
+    pdl.ENABLED = False
+    try:
+        kv = kv_cache()
+        want = []
+        with torch.inference_mode():
+            for p in range(steps):
+                m = meta(torch.tensor([slot_of(p)], device=DEV), torch.tensor([p + 1], device=DEV))
+                t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
+                want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
+    finally:
+        pdl.ENABLED = True
+
+    # One captured step with PDL, replayed with new inputs.
+    kv = kv_cache()
+    s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
+    s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
+    m = meta(s_slot, s_ctx)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        s_ctx.fill_(1)
+        with torch.cuda.stream(side):  # warm-up (compiles) on a scratch cache
+            scratch = kv_cache()
+            model.logits(model.forward(s_ids, s_pos, scratch, m))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.logits(model.forward(s_ids, s_pos, kv, m))
+        for p in range(steps):
+            s_ids.fill_(int(ids[p]))
+            s_pos.fill_(p)
+            s_slot.fill_(slot_of(p))
+            s_ctx.fill_(p + 1)
+            graph.replay()
+            assert torch.equal(out, want[p]), f"step {p}: PDL graph differs from eager"
+    assert isinstance(model.lm_head, torch.Tensor) == (weights == "bf16")
+
+
+def test_quantized_head_and_embedding_match_cpu_float() -> None:
+    """INT4 LM head (N-major GEMV) and INT8 embedding on CUDA against a float32 CPU model holding
+    the dequantized weights: the bf16 model's logits within bf16 error."""
+    from tandem.kv.cache import KVCache
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+    from tandem.quant.format import QuantizedWeight
+    from tandem.quant.weights import dequantize_weights
+
+    cfg = _cfg()
+    q = _quantized(_weights(cfg, torch.float32, "cpu"), cfg)
+    gpu = LlamaModel(cfg, q, torch.bfloat16, DEV, max_positions=64)
+    cpu = LlamaModel(cfg, dequantize_weights(q, torch.float32), torch.float32, "cpu", 64)
+    assert isinstance(gpu.lm_head, QuantizedWeight) and isinstance(gpu.embed, QuantizedWeight)
+    logits = {}
+    for name, model, dev, dtype in (("gpu", gpu, DEV, torch.bfloat16), ("cpu", cpu, "cpu", None)):
+        kv = KVCache.allocate(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim,
+                              dtype or torch.float32, dev)  # fmt: skip
+        tok = torch.tensor([3, 999, 17, 256, 5], device=dev)
+        m = AttentionMetadata(
+            slot_mapping=torch.arange(5, device=dev),
+            block_tables=torch.arange(4, device=dev)[None],
+            context_lens=torch.tensor([5], device=dev),
+            context_lens_list=[5],
+            query_start_loc=[0, 5],
+            decode_only=False,
+        )
+        with torch.inference_mode():
+            logits[name] = model.logits(model.forward(tok, torch.arange(5, device=dev), kv, m))
+    got, ref = logits["gpu"].cpu().double(), logits["cpu"].double()
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8

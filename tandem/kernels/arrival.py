@@ -1,5 +1,5 @@
 """Arrival counters for kernels whose last program to finish a piece of work completes it (the
-split-K GEMV adds its partial sums, decode attention merges its partitions).
+split-K GEMV: the last program of a column block adds the partial sums).
 
 A kernel counts arrivals with an acq_rel atomic, and the last program resets its counter to zero,
 so one zeroed set per (device, stream) serves every launch: launches on one stream run one after

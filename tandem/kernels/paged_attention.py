@@ -10,11 +10,9 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    computes all the query heads of its GQA group at once (so each K/V tile is loaded once per
    group) and writes a partial softmax state (running max, sum of exponentials, unnormalised
    output) for its partition;
-2. the last program of a (sequence, kv head) to finish (an arrival counter) merges the
-   partitions of its query heads with a log-sum-exp reduction and writes the output, so both
-   stages are one launch.
-When the whole context fits one partition, stage 1 writes the output directly. Nothing here reads
-a device value on the host, so the call can be captured in a CUDA graph.
+2. one program per (sequence, query head) merges the partitions with a log-sum-exp reduction.
+When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
+skipped. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import triton
 import triton.language as tl
 
 from tandem.kernels import pdl
-from tandem.kernels.arrival import arrival_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -120,7 +117,6 @@ def _decode_partition_kernel(
     m_ptr,  # [B, Hq, P] f32: running max of the scores (base 2) per partition
     l_ptr,  # [B, Hq, P] f32: sum of exp2(score - max) per partition
     acc_ptr,  # [B, Hq, P, D] f32: unnormalised sum of exp2(score - max) * v per partition
-    cnt_ptr,  # [B * Hkv] int32 arrival counters, zero between calls (not DIRECT_OUT)
     ks_ptr,  # [num_blocks, Hkv] f32 block scales of k: read only when KV_SCALED
     vs_ptr,  # [num_blocks, Hkv] f32 block scales of v
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
@@ -245,50 +241,70 @@ def _decode_partition_kernel(
             mask=head_mask[:, None],
         )
     else:
-        row0 = (seq * num_q_heads + heads) * num_parts  # [BLOCK_H] rows of [B, Hq, P]
-        row = row0 + part
+        row = (seq * num_q_heads + heads) * num_parts + part  # [BLOCK_H] index into [B, Hq, P]
         tl.store(m_ptr + row, m_i, mask=head_mask)
         tl.store(l_ptr + row, l_i, mask=head_mask)
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
-        # The last partition to finish merges them all: partials are written before the counter
-        # moves (barrier + release), and read after it (acquire, loads past L1).
-        tl.debug_barrier()
-        num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), num_parts)
-        cnt = cnt_ptr + seq * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_used - 1:
-            m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
-            o_run = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-            for p in range(0, num_used):
-                m_p = tl.load(
-                    m_ptr + row0 + p, mask=head_mask, other=float("-inf"), cache_modifier=".cg"
-                )
-                l_p = tl.load(l_ptr + row0 + p, mask=head_mask, other=0.0, cache_modifier=".cg")
-                o_p = tl.load(
-                    acc_ptr + (row0 + p)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=head_mask[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                m_new = tl.maximum(m_run, m_p)
-                # -inf only before any token (an empty context): 0 keeps exp2 at 0, not NaN.
-                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-                a = tl.exp2(m_run - m_safe)
-                b = tl.exp2(m_p - m_safe)
-                l_run = l_run * a + l_p * b
-                o_run = o_run * a[:, None] + o_p * b[:, None]
-                m_run = m_new
-            out = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
-            tl.store(
-                out_ptr
-                + seq * stride_ob
-                + heads[:, None] * stride_oh
-                + offs_d[None, :] * stride_od,
-                out.to(out_ptr.dtype.element_ty),
-                mask=head_mask[:, None],
-            )
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,  # [B, Hq, D]
+    m_ptr,  # [B, Hq, P] f32
+    l_ptr,  # [B, Hq, P] f32
+    acc_ptr,  # [B, Hq, P, D] f32
+    context_lens_ptr,  # [B]
+    stride_ob,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    NUM_PARTITIONS: tl.constexpr,  # P, the partition axis of the workspace
+    BLOCK_P: tl.constexpr,  # partitions merged per iteration
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    # Only the partitions stage 1 wrote: at least one, so an empty context reads zeros, and never
+    # past the workspace row, even if a caller's max_context_len was too small.
+    num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), NUM_PARTITIONS)
+    row0 = (seq * num_q_heads + head) * NUM_PARTITIONS
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    m_run = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        p_mask = p0 + offs_p < num_used
+        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+        m_run = tl.maximum(m_run, m)
+    # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
+    m_max = tl.max(m_run, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+
+    l_run = tl.zeros([BLOCK_P], dtype=tl.float32)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        p_mask = p0 + offs_p < num_used
+        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+        w = tl.exp2(m - m_max)  # [BLOCK_P], 0 for masked partitions (m = -inf)
+        l_run += w * tl.load(l_ptr + row0 + p0 + offs_p, mask=p_mask, other=0.0)
+        a = tl.load(
+            acc_ptr + (row0 + p0 + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=p_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_P, D]
+        acc += tl.sum(w[:, None] * a, axis=0)
+    l_sum = tl.sum(l_run, axis=0)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+    )
 
 
 def paged_attention_decode_triton(
@@ -354,7 +370,6 @@ def paged_attention_decode_triton(
         acc = torch.empty(
             (b, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
         )
-        counters = arrival_counters(q.device, b * num_kv_heads)
 
     _decode_partition_kernel[(b, num_kv_heads, num_parts)](
         q,
@@ -366,7 +381,6 @@ def paged_attention_decode_triton(
         m,
         l_,
         acc,
-        out if direct else counters,
         k_scale if scaled else out,
         v_scale if scaled else out,
         scale * _LOG2E,
@@ -388,6 +402,21 @@ def paged_attention_decode_triton(
         num_warps=4,
         **pdl.launch_options(q),
     )
+    if not direct:
+        _decode_reduce_kernel[(b, num_q_heads)](
+            out,
+            m,
+            l_,
+            acc,
+            context_lens,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            PARTITION_SIZE=partition_size,
+            NUM_PARTITIONS=num_parts,
+            BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
+            num_warps=4,
+            **pdl.launch_options(q),
+        )
     return out
 
 

@@ -171,6 +171,7 @@ def _gemv_nmajor_kernel(
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K == Kp: no masks
     ASM: tl.constexpr,  # PTX lop3 for the code -> float step (compiled CUDA, not the interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch: the first group's codes load before the wait
+    X_PAIRS: tl.constexpr,  # EVEN, compiled, bf16 x with 4-byte aligned rows: x read in pairs
 ):
     """INT4 GEMV over N-major packed codes: the weight is read as 16-byte vectors across output
     rows, x as broadcasts, and codes become floats without an int->float convert.
@@ -236,9 +237,12 @@ def _gemv_nmajor_kernel(
             xg = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
         x_sum = tl.sum(xg, axis=0)
         xp_sum = tl.sum(xg * k_offset, axis=0)
-        part = tl.zeros([WPG, BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(0, 8, 2):
-            if EVEN:
+            if X_PAIRS:  # bf16 x: one 32-bit load per pair, each half to float32 by a mask/shift
+                xp = tl.load((x_row + wi * 8 + j).to(tl.pointer_type(tl.int32)))
+                xa = (xp << 16).to(tl.float32, bitcast=True)
+                xb = (xp & -65536).to(tl.float32, bitcast=True)
+            elif EVEN:
                 xa = tl.load(x_row + wi * 8 + j).to(tl.float32)
                 xb = tl.load(x_row + wi * 8 + j + 1).to(tl.float32)
             else:
@@ -253,7 +257,10 @@ def _gemv_nmajor_kernel(
                 t = q >> 1
             else:
                 t = q >> 9
-            part += _code_lo(t, ASM) * xa[:, None]  # two separate FFMAs
+            if j == 0:  # the first product starts the sums (no zero-fill)
+                part = _code_lo(t, ASM) * xa[:, None]
+            else:
+                part += _code_lo(t, ASM) * xa[:, None]  # two separate FFMAs
             part += _code_hi(t, ASM) * xb[:, None]
         acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
@@ -554,6 +561,7 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         counters = arrival_counters(x.device, m * blocks)
     else:
         ws = counters = out  # not read
+    even = n % config.block_n == 0 and k == groups * w.group_size
     kernel = _gemv_nmajor_kernel[(blocks, split, m)](
         x,
         w.qweight,
@@ -575,8 +583,13 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=split > 1,
-        EVEN=n % config.block_n == 0 and k == groups * w.group_size,
+        EVEN=even,
         ASM=_compiled_cuda(x),
+        X_PAIRS=even
+        and _compiled_cuda(x)
+        and x.dtype == torch.bfloat16
+        and x.data_ptr() % 4 == 0
+        and x.stride(0) % 2 == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(x),

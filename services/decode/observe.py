@@ -49,8 +49,9 @@ class DecodeTelemetry:
     def admitted(
         self, seq_id: str, started: float, ended: float, transport: str, blocks: int
     ) -> None:
-        """The KV handover ran from `started` to `ended` (`transport` "recompute": not imported,
-        recomputed here). `ended` is read on the engine thread as the sequence joins, so it
+        """The KV handover of `blocks` blocks (those copied in; prompt blocks this worker's
+        prefix cache held are not) ran from `started` to `ended` (`transport` "recompute": not
+        imported, recomputed here). `ended` is read on the engine thread as the sequence joins, so it
         precedes its first step even when this call runs after that step: a time read here
         could follow it, and the queue span would then end after decode.generate began."""
         nbytes = blocks * self.block_bytes

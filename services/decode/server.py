@@ -399,15 +399,18 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                     )
             kv = self.engine.kv
             staging = None  # inline: the blocks' bytes
-            read = False  # nixl: the READ filled the sequence's blocks, reserved in the engine
+            read: int | None = None  # nixl: blocks the READ filled (reserved in the engine)
+            moved = [0]  # blocks whose KV this worker copied in (its prefix cache held the rest)
             session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
             self.owner[sid] = session
             self.importing[sid] = None
             try:
                 if peer.kind == "inline":
                     staging = await self._fetch_inline(peer, msg.kv)
+                    moved[0] = len(src_blocks)  # fetched whole, whatever the cache holds
                 elif peer.kind == "nixl":
                     read = await self._read_nixl(peer, msg, ids, params, rng, t0)
+                    moved[0] = read or 0
             finally:
                 cancelled = self.importing.pop(sid, None)
             if cancelled is not None:
@@ -430,13 +433,14 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                     kv.data.index_copy_(2, idx, staging[:, :, first : first + n].to(kv.data.device))
                 else:
                     gather_copy(kv, dst_blocks, peer.src_kv, src_blocks[first : first + n])
+                    moved[0] += n
                     if kv.data.is_cuda:
                         # The prefill worker may reuse its blocks once we release the lease.
                         torch.cuda.current_stream(kv.data.device).synchronize()
 
             def join(e: LLMEngine) -> bool:
                 if peer.kind == "nixl":
-                    imported = read and e.start_prefilled(sid)
+                    imported = read is not None and e.start_prefilled(sid)
                 else:
                     _, imported = e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
                 # Noted on the engine thread, before a step can finish the sequence and report
@@ -456,7 +460,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 t0,
                 joined[0],
                 peer.kind if imported else "recompute",
-                len(src_blocks) if imported else 0,
+                moved[0] if imported else 0,
             )
             if imported:
                 self.imports_by_transport[peer.kind] = (
@@ -524,11 +528,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         params,
         rng: torch.Tensor | None,
         t0: float,
-    ) -> bool:
+    ) -> int | None:
         """Reserve the sequence's blocks, then fill those its prefix cache lacks with one NIXL
-        READ waited for off the engine thread (the running sequences keep decoding). False when
-        this pool has no room: the sequence is then queued and recomputed here, nothing is
-        read."""
+        READ waited for off the engine thread (the running sequences keep decoding); returns the
+        number of blocks read. None when this pool has no room: the sequence is then queued and
+        recomputed here, nothing is read."""
         sid = msg.seq_id
         peer_blocks = list(msg.kv.block_ids)
 
@@ -540,7 +544,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
 
         got = await asyncio.wrap_future(self.engine_loop.submit(reserve))
         if got is None:
-            return False
+            return None
         first, blocks = got
         src = peer_blocks[first : first + len(blocks)]
         try:
@@ -556,7 +560,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 )
                 await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.seqs.pop(sid)))
             raise
-        return True
+        return len(blocks)
 
     async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
         lay = peer.layout

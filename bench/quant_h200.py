@@ -297,28 +297,9 @@ def llama_config(smoke: bool):
 
 
 def random_weights(cfg, dev: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    h, i_ = cfg.hidden_size, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    from tandem.model.synthetic import random_llama_weights
 
-    def r(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=dtype) * 0.02
-
-    w = {"model.embed_tokens.weight": r(cfg.vocab_size, h),
-         "model.norm.weight": torch.ones(h, device=dev, dtype=dtype),
-         "lm_head.weight": r(cfg.vocab_size, h)}  # fmt: skip
-    for li in range(cfg.num_layers):
-        p = f"model.layers.{li}."
-        w[p + "input_layernorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=dev, dtype=dtype)
-        w[p + "self_attn.q_proj.weight"] = r(qd, h)
-        w[p + "self_attn.k_proj.weight"] = r(kvd, h)
-        w[p + "self_attn.v_proj.weight"] = r(kvd, h)
-        w[p + "self_attn.o_proj.weight"] = r(h, qd)
-        w[p + "mlp.gate_proj.weight"] = r(i_, h)
-        w[p + "mlp.up_proj.weight"] = r(i_, h)
-        w[p + "mlp.down_proj.weight"] = r(h, i_)
-    return w
+    return random_llama_weights(cfg, dev, dtype, std=0.02)
 
 
 def model_bytes(model) -> dict:

@@ -38,30 +38,10 @@ def _cfg():
 
 
 def _weights(cfg, dtype, dev) -> dict[str, torch.Tensor]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    h, i_ = cfg.hidden_size, cfg.intermediate_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    from tandem.model.synthetic import random_llama_weights
 
-    def r(*shape):
-        return torch.randn(*shape, generator=g, device=dev, dtype=dtype) * 0.05
-
-    w = {
-        "model.embed_tokens.weight": r(cfg.vocab_size, h) * 20,
-        "model.norm.weight": 1 + r(h),
-        "lm_head.weight": r(cfg.vocab_size, h),
-    }
-    for li in range(cfg.num_layers):
-        p = f"model.layers.{li}."
-        w[p + "input_layernorm.weight"] = 1 + r(h)
-        w[p + "post_attention_layernorm.weight"] = 1 + r(h)
-        w[p + "self_attn.q_proj.weight"] = r(qd, h)
-        w[p + "self_attn.k_proj.weight"] = r(kvd, h)
-        w[p + "self_attn.v_proj.weight"] = r(kvd, h)
-        w[p + "self_attn.o_proj.weight"] = r(h, qd)
-        w[p + "mlp.gate_proj.weight"] = r(i_, h)
-        w[p + "mlp.up_proj.weight"] = r(i_, h)
-        w[p + "mlp.down_proj.weight"] = r(h, i_)
-    return w
+    # A large embedding and uneven norms, so the step's values are far from trivial.
+    return random_llama_weights(cfg, dev, dtype, std=0.05, embed_std=1.0, norm_std=0.05)
 
 
 def _quantized(weights, cfg):

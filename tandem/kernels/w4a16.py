@@ -168,6 +168,7 @@ def _gemv_nmajor_kernel(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     REDUCE: tl.constexpr,  # SPLIT > 1: the last program of a column block adds the partials
+    SPLIT_P2: tl.constexpr,  # SPLIT rounded up to a power of 2 (the partials' load)
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N and K == Kp: no masks
     ASM: tl.constexpr,  # PTX lop3 for the code -> float step (compiled CUDA, not the interpreter)
     PDL: tl.constexpr,  # programmatic dependent launch: the first group's codes load before the wait
@@ -271,10 +272,15 @@ def _gemv_nmajor_kernel(
         cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for sk in range(0, SPLIT):
-                part_ptr = ws_ptr + (sk * M + m).to(tl.int64) * N + offs_n
-                total += tl.load(part_ptr, mask=n_mask, other=0.0, cache_modifier=".cg")
+            # All partials in one load (a loop would wait out one L2 round trip per split).
+            sk = tl.arange(0, SPLIT_P2)
+            parts = tl.load(
+                ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+                mask=(sk < SPLIT)[:, None] & n_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            total = tl.sum(parts, axis=0)
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_mask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
     elif EVEN:
@@ -428,11 +434,12 @@ def default_config(
     sms = _num_sms(device)
     if m == 1 and w is not None and w.bits == 4 and is_n_major(w):
         # From the sweeps in bench/results/h200_quant.json (H200, Llama-3-8B shapes): one warp
-        # per 64 columns, and K split until ~2048 programs run (at most 16 ways, >= 2 groups each).
+        # per 64 columns; K split until each program has at most 4 groups and at least ~1536
+        # programs run (at most 32 ways, >= 1 group each).
         groups = -(-k // w.group_size)
         blocks = triton.cdiv(n, 64)
         split = 1
-        while split < 16 and blocks * split < 2048 and groups // (split * 2) >= 2:
+        while split < 32 and (groups > 4 * split or blocks * split < 1536) and groups >= 2 * split:
             split *= 2
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
@@ -583,6 +590,7 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=split > 1,
+        SPLIT_P2=triton.next_power_of_2(split),
         EVEN=even,
         ASM=_compiled_cuda(x),
         X_PAIRS=even

@@ -281,17 +281,6 @@ def main() -> int:
     quantized = {}
     infos = {}
     mixed = suggest_recipe(profile_weights(loaded.weights, cfg.num_layers, 128), 128)
-    jobs = [(m, m, recipe) for m in ("rtn",) + CALIBRATED if m not in carry]
-    jobs.append(("mixed", chosen, mixed))
-    for key, method, rec in jobs:
-        t0 = time.monotonic()
-        weights, info = quantize_model(loaded, rec, method, log=lambda s: print(s, flush=True))
-        out = os.path.join(tmp, key)
-        save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
-        back = load_model(out, torch.float32)
-        quantized[key] = (back.weights, round(time.monotonic() - t0, 1))
-        infos[key] = info
-        print(f"quantized ({key}: {method}) in {quantized[key][1]}s -> {out}", flush=True)
     notes = {
         "rtn": "INT4 g128 RTN, no calibration",
         "awq": "INT4 g128 after AWQ-style scaling + clipping search on the calibration text",
@@ -302,6 +291,23 @@ def main() -> int:
         "awq-autoround": "INT4 g128 learned rounding + group ranges per decoder layer on "
         "AWQ-scaled weights, calibration text",
     }
+    # The chosen method first, and each row evaluated as soon as it is quantized, so a run cut
+    # short has the rows that matter most in its log.
+    order = ["rtn", chosen] + [m for m in CALIBRATED if m != chosen]
+    jobs = [(m, m, recipe) for m in order if m not in carry]
+    jobs.append(("mixed", chosen, mixed))
+    evaluated = {}
+    for key, method, rec in jobs:
+        t0 = time.monotonic()
+        weights, info = quantize_model(loaded, rec, method, log=lambda s: print(s, flush=True))
+        out = os.path.join(tmp, key)
+        save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
+        back = load_model(out, torch.float32)
+        quantized[key] = (back.weights, round(time.monotonic() - t0, 1))
+        infos[key] = info
+        print(f"quantized ({key}: {method}) in {quantized[key][1]}s -> {out}", flush=True)
+        if key != "mixed":
+            evaluated[key] = evaluate(row_name(key), back.weights, note=notes[key])
     quantize_seconds = {}
     for m in ("rtn",) + CALIBRATED:
         if m in carry:
@@ -316,7 +322,7 @@ def main() -> int:
             quantize_seconds[m] = previous.get("quantize_seconds", {}).get(m)
             print(f"{row['name']:24s} carried from {row['carried_from']}", flush=True)
             continue
-        rows.append(evaluate(row_name(m), quantized[m][0], note=notes[m]))
+        rows.append(evaluated[m])
         quantize_seconds[m] = quantized[m][1]
     n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
     mixed_name = "mixed_" + chosen.replace("-", "_") + "_profiler_recipe"

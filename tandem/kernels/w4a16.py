@@ -569,6 +569,7 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
     else:
         ws = counters = out  # not read
     even = n % config.block_n == 0 and k == groups * w.group_size
+    compiled = _compiled_cuda(x)
     kernel = _gemv_nmajor_kernel[(blocks, split, m)](
         x,
         w.qweight,
@@ -592,9 +593,9 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         REDUCE=split > 1,
         SPLIT_P2=triton.next_power_of_2(split),
         EVEN=even,
-        ASM=_compiled_cuda(x),
+        ASM=compiled,
         X_PAIRS=even
-        and _compiled_cuda(x)
+        and compiled
         and x.dtype == torch.bfloat16
         and x.data_ptr() % 4 == 0
         and x.stride(0) % 2 == 0,

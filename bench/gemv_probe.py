@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--shape", type=int, nargs=2, default=[14336, 4096], metavar=("N", "K"))
     ap.add_argument("--config", nargs="+", default=["32,1,8"])
     ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--m", type=int, default=1, help="rows of x")
     ap.add_argument("--dump", default=None, help="folder for cubins")
     args = ap.parse_args()
     n, k = args.shape
@@ -60,23 +61,40 @@ def main() -> int:
         wk.n_major(QuantizedWeight(w.qweight.clone(), w.scales.clone(), w.mins.clone(), 4, 128, k))
         for _ in range(COPIES - 1)
     ]
-    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(args.m, k, device=dev, dtype=torch.bfloat16)
     ref = x.double() @ w.dequantize(torch.float64).T
     rows = []
     for spec in args.config:
-        bn, nw, sk = (int(v) for v in spec.split(","))
-        cfg = wk.GemvNConfig(bn, sk, nw, 1)
-        y, kern = wk.launch_gemv_nmajor(x, w, cfg)
-        for i in range(args.iters if not rows else 0):
-            wk.launch_gemv_nmajor(x, ws[i % COPIES], cfg)
-        torch.cuda.synchronize()
-        us = timed(lambda i, cfg=cfg: wk.launch_gemv_nmajor(x, ws[i], cfg))
+        if spec.startswith("tc:"):  # tensor-core kernel: tc:block_n,num_warps,split_k,num_stages
+            bn, nw, sk, st = (int(v) for v in spec[3:].split(","))
+            cfg = wk.GemvTCConfig(bn, sk, nw, st)
+            launch = wk.launch_gemv_tc
+        elif spec.startswith("gemm:"):  # tl.dot kernel: gemm:bm,bn,bk,split_k,num_warps,stages
+            cfg = wk.GemmConfig(*(int(v) for v in spec[5:].split(",")))
+
+            def launch(x, w, cfg):
+                return wk.w4a16_matmul_triton(x, w, cfg), None
+
+        else:
+            bn, nw, sk = (int(v) for v in spec.split(","))
+            cfg = wk.GemvNConfig(bn, sk, nw, 1)
+            launch = wk.launch_gemv_nmajor
+        try:
+            y, kern = launch(x, w, cfg)
+            for i in range(args.iters if not rows else 0):
+                launch(x, ws[i % COPIES], cfg)
+            torch.cuda.synchronize()
+            us = timed(lambda i, cfg=cfg, launch=launch: launch(x, ws[i], cfg))
+        except Exception as e:  # noqa: BLE001 - one failing variant does not end the sweep
+            print(json.dumps({"N": n, "K": k, "variant": spec, "error": repr(e)[:300]}), flush=True)
+            continue
         row = {"N": n, "K": k, "variant": spec, "us": us, "bytes": w.nbytes,
-               "GBps": w.nbytes / us / 1e3, "n_regs": kern.n_regs, "n_spills": kern.n_spills,
+               "GBps": w.nbytes / us / 1e3, "M": args.m,
+               "n_regs": getattr(kern, "n_regs", None), "n_spills": getattr(kern, "n_spills", None),
                "rel_err": ((y.double() - ref).norm() / ref.norm()).item()}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if args.dump:
+        if args.dump and kern is not None:
             os.makedirs(args.dump, exist_ok=True)
             tag = f"{n}x{k}_" + spec.replace(",", "_")
             with open(os.path.join(args.dump, f"{tag}.cubin"), "wb") as f:

@@ -201,7 +201,7 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
             row[name] = e
 
         for tag, ws in (("", qws), ("_nmajor", qwn)):
-            cfg = default_config(m, n, k, torch.device(dev), ws[0])
+            cfg = default_config(m, n, k, torch.device(dev), ws[0], dtype)
             y = w4a16_matmul_triton(x, ws[0], cfg)
             t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg),
                       copies)  # fmt: skip

@@ -429,3 +429,29 @@ def test_triton_n_major_gemv_matches_f64(n: int, k: int, group: int, config) -> 
     xm = torch.randn(3, k, generator=g)
     refm = xm.double() @ qw.dequantize(torch.float64).T
     torch.testing.assert_close(wk.w4a16_matmul_triton(xm, qw).double(), refm, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "n, m, k, group, config",
+    [
+        (96, 1, 256, 128, wk.GemvTCConfig(block_n=64, split_k=1, num_warps=4, num_stages=1)),
+        (200, 3, 384, 128, wk.GemvTCConfig(block_n=64, split_k=2, num_warps=4, num_stages=1)),
+        (64, 17, 320, 64, wk.GemvTCConfig(block_n=32, split_k=4, num_warps=4, num_stages=1)),
+    ],
+)
+def test_triton_tensor_core_gemv_matches_f64(n: int, m: int, k: int, group: int, config) -> None:
+    """The tensor-core INT4 kernel (bf16 code pairs, x read at stride 4, group sums of x for the
+    offset and zero point): ragged N, K not a multiple of the group, M past one 16-row block,
+    uneven K splits. The interpreter decodes the codes one at a time; the GPU tests cover the
+    LOP3 that decodes two."""
+    g = torch.Generator().manual_seed(n + m + k)
+    qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g) * 0.05, 4, group))
+    x = (torch.randn(m, k, generator=g) * 2).to(torch.bfloat16)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    out = wk.w4a16_matmul_triton(x, qw, config)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # Products of bf16 x and exact codes, float32 sums: only the bf16 output rounds (2**-9).
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
+    assert not arrival_counters(x.device, 1).any()
+    with pytest.raises(ValueError, match="bf16 activations"):
+        wk.w4a16_matmul_triton(x.float(), qw, config)

@@ -3,14 +3,16 @@
 y[M, N] = x[M, K] @ W^T with W held as per-group integer codes (see `tandem.quant.format`):
     W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]
 
-Three kernels, all dequantizing in registers (the weight is read from memory once, packed):
+Four kernels, all dequantizing in registers (the weight is read from memory once, packed):
 - `_gemv_nmajor_kernel` for M = 1 with INT4 codes stored N-major (`n_major`; how the GPU model
   stores them): codes become floats by a shift and a LOP3 under a float exponent, and split-K
   partials are added by the last program to arrive (no zero-fill or cast launches).
+- `_gemv_tc_kernel` for 2 <= M <= 16 (bf16 x, INT4 N-major, groups of 64 or more): the same
+  codes become bf16 pairs, one LOP3 per two codes, and the tensor cores multiply them by x.
 - `_gemv_kernel` for M = 1 on row-major codes (and INT8): one program per BLOCK_N output rows
   streams their packed words and keeps a [BLOCK_N, BLOCK_W] float32 accumulator. The zero point
   is folded out of the inner loop: sum_k (q s + m) x = s * sum_k q x + m * sum_k x per group.
-- `_gemm_kernel` for M > 1, either layout: a tiled tl.dot over dequantized [BLOCK_K, BLOCK_N]
+- `_gemm_kernel` for the other M > 1 cases, either layout: a tiled tl.dot over dequantized [BLOCK_K, BLOCK_N]
   weight tiles in the activation dtype, float32 accumulation.
 The last two can split K across programs (SPLIT_K > 1) for small grids; the partial sums are then
 added with float32 atomics into a zeroed buffer that is cast to the activation dtype afterwards.
@@ -290,6 +292,140 @@ def _gemv_nmajor_kernel(
 
 
 @triton.jit
+def _code_pairs(t, shift, ASM: tl.constexpr):
+    """bf16 128 + code for t [n, k'] holding each word twice along k' (k' = 2w + h): bits 0..3
+    of the word for even k', bits 16..19 for odd (`shift`, [k'], is 0 or 16). Compiled, one LOP3
+    makes both values of a 32-bit register (code c under the bf16 exponent of 128 is 128 + c)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
+            "=r,r,r",
+            [t],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+    # The interpreter, one code at a time (through float32: its int -> bf16 cast is a bitcast).
+    return (128 + ((t >> shift[None, :]) & 15)).to(tl.float32).to(tl.bfloat16)
+
+
+@triton.jit
+def _gemv_tc_kernel(
+    x_ptr,  # [M, K] bf16 activations
+    qw_ptr,  # packed codes, N-major (word w of row n at qw_ptr + w * stride_qw + n)
+    s_ptr,  # fp16 scales, group g of row n at s_ptr + g * stride_sg + n
+    mn_ptr,  # fp16 zero points (value of code 0), same layout
+    out_ptr,  # [M, N]
+    ws_ptr,  # float32 [SPLIT, M, N] partial sums (REDUCE)
+    cnt_ptr,  # int32 arrival counters, zero between calls (REDUCE)
+    M,
+    N,
+    K,
+    G,  # groups per row
+    groups_per_split,
+    SPLIT,
+    stride_xm,
+    stride_qw,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 16: rows of x per program (the matrix instruction's smallest)
+    REDUCE: tl.constexpr,
+    ONE_ROW: tl.constexpr,  # M == 1: the group sums of x are scalars
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """INT4 x bf16 on the tensor cores for M <= 16, N-major codes: codes become bf16 pairs in
+    registers and the matrix instruction multiplies them by x, so a code costs about a LOP3 and
+    a third of a shift instead of the FFMA kernel's LOP3, FFMA, shifts and x handling.
+
+    Word w of a group holds codes k = 8w + j at bits 4j. (q >> 4d) under the mask 0x000F000F
+    gives codes d and d + 4 as the two bf16 halves of one register, 128 + c each (exact). The
+    product for slice d runs over k' = 2w + h (h: low or high half), that is input k = 4k' + d,
+    so x is read at stride 4. Per group and column: sum_k x (128 + c) = 128 X + sum_k x c, with
+    X the group's sum of x, and y += s * (that) + (zero - 128 s) * X, all in float32.
+    The weight is the matrix instruction's first operand ([BLOCK_N, k']) and x^T the second,
+    padded to 16 columns (rows of x past M are zeros).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    WPG: tl.constexpr = GROUP // 8
+    KP: tl.constexpr = 2 * WPG  # k' per slice
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    offs_c = tl.arange(0, KP)
+    offs_g = tl.arange(0, GROUP)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
+    q_cols = qw_ptr + offs_n[None, :]
+
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in range(g_start, g_end):
+        q = tl.load(
+            q_cols + (g * WPG + offs_w)[:, None].to(tl.int64) * stride_qw,
+            mask=n_mask[None, :],
+            other=0,
+        )  # [WPG, BLOCK_N]
+        s_off = g * stride_sg + offs_n
+        s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+        kx = g * GROUP + offs_g
+        if ONE_ROW:
+            xs = tl.sum(tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32), axis=0)
+        else:
+            xg = tl.load(
+                x_rows + kx[:, None], mask=(kx < K)[:, None] & m_mask[None, :], other=0.0
+            )
+            xs = tl.sum(xg.to(tl.float32), axis=0)  # [BLOCK_M]
+        part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for d in tl.static_range(4):
+            t = q >> (4 * d)
+            tt = tl.reshape(tl.permute(tl.join(t, t), (1, 0, 2)), (BLOCK_N, KP))  # [n, k']
+            w = _code_pairs(tt, (offs_c % 2) * 16, ASM)
+            k = g * GROUP + 4 * offs_c + d
+            xt = tl.load(
+                x_rows + k[:, None], mask=(k < K)[:, None] & m_mask[None, :], other=0.0
+            )  # [k', BLOCK_M]
+            if ASM:
+                part = tl.dot(w, xt.to(tl.bfloat16), part)
+            else:  # the interpreter's dot: float32 operands (the values are the same)
+                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), part, input_precision="ieee")
+        if ONE_ROW:
+            acc += s[:, None] * part + ((mn - 128.0 * s) * xs)[:, None]
+        else:
+            acc += s[:, None] * part + (mn - 128.0 * s)[:, None] * xs[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    omask = n_mask[:, None] & m_mask[None, :]
+    if REDUCE:
+        ws = ws_ptr + (pid_k * M + offs_m).to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(ws, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partials are written before the counter moves
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sk in range(0, SPLIT):
+                total += tl.load(
+                    ws_ptr + (sk * M + offs_m).to(tl.int64)[None, :] * N + offs_n[:, None],
+                    mask=omask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr,  # [M, K]
     qw_ptr,  # [N, KW] int32
@@ -385,6 +521,16 @@ class GemvNConfig:
 
 
 @dataclass(frozen=True)
+class GemvTCConfig:
+    """`_gemv_tc_kernel`: INT4, M <= 16 per program, N-major codes, tensor cores."""
+
+    block_n: int = 256
+    split_k: int = 4
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
 class GemmConfig:
     block_m: int = 16
     block_n: int = 64
@@ -428,10 +574,35 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
 
 
 def default_config(
-    m: int, n: int, k: int, device: torch.device, w: QuantizedWeight | None = None
-) -> GemvConfig | GemvNConfig | GemmConfig:
+    m: int,
+    n: int,
+    k: int,
+    device: torch.device,
+    w: QuantizedWeight | None = None,
+    x_dtype: torch.dtype | None = None,
+) -> GemvConfig | GemvNConfig | GemvTCConfig | GemmConfig:
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
+    if (
+        2 <= m <= 16
+        and w is not None
+        and w.bits == 4
+        and w.group_size >= 64
+        and is_n_major(w)
+        and x_dtype == torch.bfloat16
+        and device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        and os.environ.get("TANDEM_GEMV_TC", "1") not in ("0", "false", "off")
+    ):
+        # Tensor cores for 2 <= M <= 16 (bench/README, "tensor-core GEMV"): 256 columns per
+        # program, K split until ~1.5 programs per SM run, each keeping >= 2 groups. At M = 1
+        # the FFMA kernel below is faster (14.6 vs 25 us on 14336x4096, H200).
+        groups = -(-k // w.group_size)
+        blocks = triton.cdiv(n, 256)
+        split = 1
+        while 2 * blocks * split < 3 * sms and groups >= 4 * split:
+            split *= 2
+        return GemvTCConfig(block_n=256, split_k=split, num_warps=4, num_stages=3)
     if m == 1 and w is not None and w.bits == 4 and is_n_major(w):
         # From the sweeps in bench/results/h200_quant.json (H200, Llama-3-8B shapes): one warp
         # per 64 columns; K split until each program has at most 4 groups and at least ~1536
@@ -461,7 +632,7 @@ def default_config(
 def w4a16_matmul_triton(
     x: torch.Tensor,  # [M, K]
     w: QuantizedWeight,
-    config: GemvConfig | GemvNConfig | GemmConfig | None = None,
+    config: GemvConfig | GemvNConfig | GemvTCConfig | GemmConfig | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
@@ -473,11 +644,13 @@ def w4a16_matmul_triton(
     per = 32 // w.bits
     kw = w.qweight.shape[1]
     if config is None:
-        config = default_config(m, n, k, x.device, w)
+        config = default_config(m, n, k, x.device, w, x.dtype)
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
+    if isinstance(config, GemvTCConfig):
+        return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
         block_w = config.block_w
         words = triton.cdiv(triton.cdiv(kw, config.split_k), block_w) * block_w
@@ -599,6 +772,58 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         and x.dtype == torch.bfloat16
         and x.data_ptr() % 4 == 0
         and x.stride(0) % 2 == 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl.launch_options(x),
+    )
+    return out, kernel
+
+
+def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
+    """(output, the compiled kernel launched) of `_gemv_tc_kernel`."""
+    if w.bits != 4 or not is_n_major(w):
+        raise ValueError("GemvTCConfig needs INT4 codes stored N-major (see n_major)")
+    if w.mins.stride(1) != w.scales.stride(1):
+        raise ValueError("scales and zero points must share one layout")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"GemvTCConfig needs bf16 activations, got {x.dtype}")
+    m, k = x.shape
+    n = w.out_features
+    groups = w.scales.shape[1]
+    per_split = triton.cdiv(groups, config.split_k)
+    split = triton.cdiv(groups, per_split)
+    blocks = triton.cdiv(n, config.block_n)
+    m_blocks = triton.cdiv(m, 16)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, m_blocks * blocks)
+    else:
+        ws = counters = out  # not read
+    kernel = _gemv_tc_kernel[(blocks, split, m_blocks)](
+        x,
+        w.qweight,
+        w.scales,
+        w.mins,
+        out,
+        ws,
+        counters,
+        m,
+        n,
+        k,
+        groups,
+        per_split,
+        split,
+        x.stride(0),
+        w.qweight.stride(1),
+        w.scales.stride(1),
+        out.stride(0),
+        GROUP=w.group_size,
+        BLOCK_N=config.block_n,
+        BLOCK_M=16,
+        REDUCE=split > 1,
+        ONE_ROW=m == 1,
+        ASM=_compiled_cuda(x),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(x),

@@ -423,6 +423,42 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     out["speedup_vs_bf16_same_pdl"] = speedups
     print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
 
+    # Batched decode: 8 sequences of `ctx` cached tokens, one step, bf16 KV, PDL as default. The
+    # INT4 rows side by side with the tensor-core kernel (default for 2 <= M <= 16) and without
+    # it (TANDEM_GEMV_TC=0: the tl.dot GEMM kernel), same weights, same run.
+    batch = 8
+    bmeta = AttentionMetadata(
+        slot_mapping=torch.arange(batch, device=dev) * nb * bs + ctx - 1,
+        block_tables=torch.arange(batch * nb, device=dev).view(batch, nb),
+        context_lens=torch.full((batch,), ctx, device=dev),
+        context_lens_list=[ctx] * batch,
+        query_start_loc=list(range(batch + 1)),
+        decode_only=True,
+    )
+    bids = torch.arange(batch, device=dev) + 7
+    bpos = torch.full((batch,), ctx - 1, device=dev)
+    kv = KVCache.allocate(
+        cfg.num_layers, batch * nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev
+    )
+    kv.data.view(torch.uint8).random_(0, 64)
+    brows = results.setdefault("decode_batch", {"batch": batch, "context_tokens": ctx, "rows": []})
+    for name, tc in (("bf16", True), ("int4_all", True), ("int4_all", False)):
+        model = models[name]
+        os.environ["TANDEM_GEMV_TC"] = "1" if tc else "0"
+        try:
+            with torch.inference_mode():
+                t = timed(lambda i, model=model, kv=kv: model.logits(model.forward(bids, bpos, kv, bmeta)),
+                          1, reps=5 if smoke else 30)  # fmt: skip
+            row = {"weights": name, "tensor_core_gemv": tc, "step_ms": t * 1e3,
+                   "tokens_per_s": batch / t}  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            row = {"weights": name, "tensor_core_gemv": tc, "error": repr(e)[:400]}
+            traceback.print_exc()
+        os.environ.pop("TANDEM_GEMV_TC", None)
+        brows["rows"].append(row)
+        print(f"decode batch {batch} {row}", flush=True)
+    del kv
+
 
 def admission_section(smoke: bool, results: dict) -> None:
     from tandem.config import EngineConfig

@@ -310,6 +310,19 @@ def _code_pairs(t, shift, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tc_slice(q, d: tl.constexpr, xt, part, offs_c, KP: tl.constexpr, ASM: tl.constexpr):
+    """part + W_d x_d: codes d and d + 4 of every word of q [WPG, n] as bf16 [n, k'] (k' = 2w + h)
+    times xt [k', BLOCK_M] on the tensor cores."""
+    t = q >> (4 * d)
+    tt = tl.reshape(tl.permute(tl.join(t, t), (1, 0, 2)), (t.shape[1], KP))  # [n, k']
+    w = _code_pairs(tt, (offs_c % 2) * 16, ASM)
+    if ASM:
+        return tl.dot(w, xt.to(tl.bfloat16), part)
+    # The interpreter's dot: float32 operands (the values are the same).
+    return tl.dot(w.to(tl.float32), xt.to(tl.float32), part, input_precision="ieee")
+
+
+@triton.jit
 def _gemv_tc_kernel(
     x_ptr,  # [M, K] bf16 activations
     qw_ptr,  # packed codes, N-major (word w of row n at qw_ptr + w * stride_qw + n)
@@ -368,36 +381,54 @@ def _gemv_tc_kernel(
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # Scales, zero points and the group's x are loaded a group ahead: their latency would
+    # otherwise stall every group (the codes are pipelined by Triton, num_stages).
+    # (Every program has at least one group: the launch sizes the splits so.)
+    s_next = tl.load(s_ptr + g_start * stride_sg + offs_n, mask=n_mask)
+    mn_next = tl.load(mn_ptr + g_start * stride_sg + offs_n, mask=n_mask)
+    kx = g_start * GROUP + offs_g
+    if ONE_ROW:
+        x_next = tl.load(x_ptr + kx, mask=kx < K, other=0.0)
+    else:
+        x_next = tl.load(x_rows + kx[:, None], mask=(kx < K)[:, None] & m_mask[None, :], other=0.0)
+    col0 = (tl.arange(0, BLOCK_M) == 0)[None, :]
     for g in range(g_start, g_end):
         q = tl.load(
             q_cols + (g * WPG + offs_w)[:, None].to(tl.int64) * stride_qw,
             mask=n_mask[None, :],
             other=0,
         )  # [WPG, BLOCK_N]
-        s_off = g * stride_sg + offs_n
-        s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
-        kx = g * GROUP + offs_g
+        s = s_next.to(tl.float32)
+        mn = mn_next.to(tl.float32)
+        xg = x_next.to(tl.float32)  # [GROUP] (one row) or [GROUP, BLOCK_M]
+        gn = g + 1
+        nmask = n_mask & ((offs_n * 0 + gn) < g_end)
+        s_next = tl.load(s_ptr + gn * stride_sg + offs_n, mask=nmask)
+        mn_next = tl.load(mn_ptr + gn * stride_sg + offs_n, mask=nmask)
+        kx = gn * GROUP + offs_g
+        kmask = (kx < K) & ((offs_g * 0 + gn) < g_end)
+        xs = tl.sum(xg, axis=0)  # the group's sum of x: a scalar, or [BLOCK_M]
+        # x at k = 4k' + d for slice d: [k', a, b] with d = 2a + b.
         if ONE_ROW:
-            xs = tl.sum(tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32), axis=0)
+            x_next = tl.load(x_ptr + kx, mask=kmask, other=0.0)
+            xa, xb = tl.split(tl.reshape(xg, (KP, 2, 2)))
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            x0 = tl.where(col0, x0[:, None], 0.0)
+            x1 = tl.where(col0, x1[:, None], 0.0)
+            x2 = tl.where(col0, x2[:, None], 0.0)
+            x3 = tl.where(col0, x3[:, None], 0.0)
         else:
-            xg = tl.load(
-                x_rows + kx[:, None], mask=(kx < K)[:, None] & m_mask[None, :], other=0.0
-            )
-            xs = tl.sum(xg.to(tl.float32), axis=0)  # [BLOCK_M]
+            x_next = tl.load(x_rows + kx[:, None], mask=kmask[:, None] & m_mask[None, :], other=0.0)
+            x4 = tl.permute(tl.reshape(xg, (KP, 2, 2, BLOCK_M)), (0, 3, 1, 2))  # [k', m, a, b]
+            xa, xb = tl.split(x4)
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
         part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for d in tl.static_range(4):
-            t = q >> (4 * d)
-            tt = tl.reshape(tl.permute(tl.join(t, t), (1, 0, 2)), (BLOCK_N, KP))  # [n, k']
-            w = _code_pairs(tt, (offs_c % 2) * 16, ASM)
-            k = g * GROUP + 4 * offs_c + d
-            xt = tl.load(
-                x_rows + k[:, None], mask=(k < K)[:, None] & m_mask[None, :], other=0.0
-            )  # [k', BLOCK_M]
-            if ASM:
-                part = tl.dot(w, xt.to(tl.bfloat16), part)
-            else:  # the interpreter's dot: float32 operands (the values are the same)
-                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), part, input_precision="ieee")
+        part = _tc_slice(q, 0, x0, part, offs_c, KP, ASM)
+        part = _tc_slice(q, 1, x1, part, offs_c, KP, ASM)
+        part = _tc_slice(q, 2, x2, part, offs_c, KP, ASM)
+        part = _tc_slice(q, 3, x3, part, offs_c, KP, ASM)
         if ONE_ROW:
             acc += s[:, None] * part + ((mn - 128.0 * s) * xs)[:, None]
         else:

@@ -10,6 +10,12 @@ error compensation (`tandem.quant.gptq`); `awq-gptq` runs GPTQ on the AWQ-scaled
 output matches the float model's (`tandem.quant.autoround`); `awq-autoround` does it on the
 AWQ-scaled weights.
 
+`--e2e-steps N` then tunes the FP16 group scales and zero points of any of these (codes fixed) so
+the quantized model's next-token distribution matches the float model's on the calibration text
+(`tandem.quant.e2e`, knowledge distillation; the last `--e2e-val-seqs` calibration sequences are
+held out for early stopping). `--e2e-generated N` adds N sequences sampled from the float model
+itself to what it is trained on (varied text the small calibration file lacks).
+
 The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
 documentation (README, design contract, conventions); evaluate on different text.
 """
@@ -26,6 +32,7 @@ from importlib import resources
 
 CALIBRATION_FILE = "calibration.txt"
 AUTOROUND_ITERS, AUTOROUND_BATCH = 100, 4
+E2E_LR, E2E_BATCH, E2E_VAL_SEQS, E2E_EVAL_EVERY, E2E_GENERATED = 1e-4, 2, 4, 10, 0
 METHODS = ("rtn", "awq", "gptq", "awq-gptq", "autoround", "awq-autoround")
 
 
@@ -93,6 +100,35 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         help="autoround: calibration sequences per step",
     )
     p.add_argument(
+        "--e2e-steps",
+        type=int,
+        default=0,
+        help="after the method: Adam steps tuning the group scales and zero points (codes fixed) "
+        "to the float model's next-token distribution on the calibration text (0: off)",
+    )
+    p.add_argument("--e2e-lr", type=float, default=E2E_LR, help="e2e: Adam learning rate")
+    p.add_argument(
+        "--e2e-batch", type=int, default=E2E_BATCH, help="e2e: calibration sequences per step"
+    )
+    p.add_argument(
+        "--e2e-val-seqs",
+        type=int,
+        default=E2E_VAL_SEQS,
+        help="e2e: last calibration sequences held out for early stopping (not trained on)",
+    )
+    p.add_argument(
+        "--e2e-eval-every",
+        type=int,
+        default=E2E_EVAL_EVERY,
+        help="e2e: steps between held-out evaluations (the best one is kept)",
+    )
+    p.add_argument(
+        "--e2e-generated",
+        type=int,
+        default=E2E_GENERATED,
+        help="e2e: also train on this many sequences sampled from the float model itself",
+    )
+    p.add_argument(
         "--float-dtype",
         choices=["float16", "bfloat16", "float32"],
         default="float16",
@@ -121,21 +157,122 @@ def calibration_batch(tokenizer, path: str, seq_len: int, max_tokens: int):
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len), text
 
 
-def quantize_model(loaded, recipe, method: str = "awq", *args, **options):
+def quantize_model(
+    loaded,
+    recipe,
+    method: str = "awq",
+    *args,
+    e2e_steps: int = 0,
+    e2e_lr: float = E2E_LR,
+    e2e_batch: int = E2E_BATCH,
+    e2e_val_seqs: int = E2E_VAL_SEQS,
+    e2e_eval_every: int = E2E_EVAL_EVERY,
+    e2e_generated: int = E2E_GENERATED,
+    **options,
+):
     """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
 
     The decoder's linear layers by `method` (`_quantize_decoder`), then the token embedding and
-    LM head where the recipe names them (`recipe.head_specs`), round-to-nearest.
+    LM head where the recipe names them (`recipe.head_specs`), round-to-nearest; then, with
+    `e2e_steps` > 0, the decoder's scales and zero points tuned end to end (`tune_end_to_end`).
     """
+    from tandem.quant.e2e import check_options
     from tandem.quant.recipe import head_specs
     from tandem.quant.weights import quantize_weights
 
+    if e2e_steps:
+        check_options(e2e_steps, e2e_lr, e2e_batch, e2e_val_seqs, e2e_eval_every, e2e_generated)
     weights, info = _quantize_decoder(loaded, recipe, method, *args, **options)
     head = head_specs(recipe, loaded.config.tie_word_embeddings)
     if head:
         weights = quantize_weights(weights, head)
         info["head_layers"] = {n: "rtn" for n in sorted(head)}
+    if e2e_steps:
+        calib = dict(zip(("calib_path", "seq_len", "max_tokens"), args, strict=False))
+        for k in ("calib_path", "seq_len", "max_tokens", "log"):
+            if k in options:
+                calib[k] = options[k]
+        weights, info = tune_end_to_end(
+            loaded,
+            weights,
+            info,
+            steps=e2e_steps,
+            lr=e2e_lr,
+            batch=e2e_batch,
+            val_seqs=e2e_val_seqs,
+            eval_every=e2e_eval_every,
+            generated=e2e_generated,
+            **calib,
+        )
     return weights, info
+
+
+def tune_end_to_end(
+    loaded,
+    weights,
+    info: dict,
+    steps: int,
+    lr: float = E2E_LR,
+    batch: int = E2E_BATCH,
+    val_seqs: int = E2E_VAL_SEQS,
+    eval_every: int = E2E_EVAL_EVERY,
+    generated: int = E2E_GENERATED,
+    calib_path: str | None = None,
+    seq_len: int = 256,
+    max_tokens: int = 8192,
+    log=print,
+):
+    """`weights` (quantized from `loaded`, e.g. by `quantize_model` or read back from a
+    checkpoint) with their decoder scales and zero points tuned by `tandem.quant.e2e.e2e_tune`
+    on the calibration text; returns (weights, `info` with an "e2e" entry)."""
+    import torch
+
+    from tandem.quant.e2e import check_options, e2e_tune, sample_sequences
+    from tandem.quant.weights import dequantize_weights
+
+    check_options(steps, lr, batch, val_seqs, eval_every, generated)
+    calib_path = calib_path or default_calibration_path()
+    calib, text = calibration_batch(loaded.tokenizer, calib_path, seq_len, max_tokens)
+    log(f"e2e: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
+    t0 = time.monotonic()
+    float_w = dequantize_weights(loaded.weights, torch.float32)
+    extra = None
+    if generated:
+        extra = sample_sequences(float_w, loaded.config, generated, seq_len)
+        log(f"e2e: {generated} x {seq_len} tokens sampled from the float model")
+    out, report = e2e_tune(
+        float_w,
+        weights,
+        loaded.config,
+        calib,
+        steps=steps,
+        lr=lr,
+        batch=batch,
+        val_seqs=val_seqs,
+        eval_every=eval_every,
+        log=log,
+        extra=extra,
+    )
+    log(f"e2e done in {time.monotonic() - t0:.1f}s (best step {report.best_step})")
+    info = dict(info)
+    info["method"] = info.get("method", "?") + "+e2e"
+    info["e2e"] = {
+        "calibration_file": os.path.basename(calib_path),
+        "calibration_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "seq_len": seq_len,
+        "train_seqs": report.train_seqs,
+        "generated_seqs": generated,
+        "held_out_seqs": report.val_seqs,
+        "steps": steps,
+        "lr": lr,
+        "batch": batch,
+        "eval_every": eval_every,
+        "best_step": report.best_step,
+        "held_out_kl": {"start": report.start_kl, "best": report.best_kl},
+        "history": report.history,
+        "seconds": report.seconds,
+    }
+    return out, info
 
 
 def _quantize_decoder(
@@ -289,6 +426,12 @@ def run_quantize(args: argparse.Namespace) -> int:
             autoround_iters=args.autoround_iters,
             autoround_lr=args.autoround_lr,
             autoround_batch=args.autoround_batch,
+            e2e_steps=args.e2e_steps,
+            e2e_lr=args.e2e_lr,
+            e2e_batch=args.e2e_batch,
+            e2e_val_seqs=args.e2e_val_seqs,
+            e2e_eval_every=args.e2e_eval_every,
+            e2e_generated=args.e2e_generated,
         )
         save_quantized(
             args.out,

@@ -1,0 +1,296 @@
+"""End-to-end tuning of the group scales and zero points by distillation (in the spirit of
+EfficientQAT's E2E-QP step, Chen et al. 2024).
+
+With a quantized model's integer codes fixed, each group's weight is linear in its FP16 scale and
+zero point (the value of code 0):
+
+    w[n, k] = q[n, k] * scale[n, g] + min[n, g],   g = k // group_size
+
+so the scales and zero points of every quantized linear layer can be trained together by plain
+gradient descent (no straight-through rounding of codes). The loss is the KL divergence from the
+float model's next-token distribution to the quantized model's, on the calibration text: the
+float model is the teacher, no label is read. Parametrised relative to the start,
+
+    scale = scale0 * (1 + a),   min = min0 + b * scale0 * 2**bits / 2     (a, b start at 0; Adam)
+
+so one learning rate means the same relative change for every group (b in units of half the
+group's range, about the size of a typical zero point, so the FP16 rounding of scale and min is
+about as coarse in a as in b), and the FP16 rounding the
+checkpoint stores is applied in the forward pass (straight through), so the trained values are the
+stored ones. The codes, bits, group size and packing are unchanged: the result is an ordinary
+`QuantizedWeight` checkpoint for the same kernels.
+
+The calibration text is small, and a model tuned on it alone drifts towards it; `extra` sequences
+sampled from the float model itself (`sample_sequences`: data-free, as LLM-QAT's distillation
+data) add varied text to train on. The last `val_seqs` calibration sequences are held out: every
+`eval_every` steps the KL on them is measured and the best state is kept (early stopping); if no
+step improves on the start, the start is returned unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tandem.model.config import ModelConfig
+from tandem.model.rotary import cos_sin_table
+from tandem.quant.autoround import decoder_layer
+from tandem.quant.format import QuantizedWeight
+from tandem.quant.walk import _rms_norm
+
+
+@dataclass
+class E2EReport:
+    """Held-out KL (float model -> quantized model, nats per token) at each evaluation."""
+
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out KL)
+    best_step: int = 0
+    start_kl: float = 0.0
+    best_kl: float = 0.0
+    train_seqs: int = 0
+    val_seqs: int = 0
+    seconds: float = 0.0
+
+
+def check_options(
+    steps: int, lr: float, batch: int, val_seqs: int, eval_every: int, generated: int = 0
+) -> None:
+    """Raise ValueError with an actionable message for unusable hyper-parameters."""
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"e2e steps must be an integer >= 0, got {steps!r}")
+    if not lr > 0:
+        raise ValueError(f"e2e lr must be > 0, got {lr!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"e2e batch must be at least 1 calibration sequence, got {batch!r}")
+    if not isinstance(val_seqs, int) or val_seqs < 1:
+        raise ValueError(
+            f"e2e needs at least 1 held-out calibration sequence for early stopping, got "
+            f"{val_seqs!r}"
+        )
+    if not isinstance(eval_every, int) or eval_every < 1:
+        raise ValueError(f"e2e eval_every must be an integer >= 1, got {eval_every!r}")
+    if not isinstance(generated, int) or generated < 0:
+        raise ValueError(f"e2e generated sequences must be an integer >= 0, got {generated!r}")
+
+
+class GroupParams:
+    """One quantized layer's fixed codes and trainable (relative) scale and zero-point offsets."""
+
+    def __init__(self, qw: QuantizedWeight):
+        n, kp, g = qw.out_features, qw.padded_in_features, qw.group_size
+        self.qw = qw
+        self.codes = qw.codes().to(torch.uint8).view(n, kp // g, g)  # [N, G, g], fixed
+        self.scale0 = qw.scales.float()
+        self.min0 = qw.mins.float()
+        self.unit = self.scale0 * (1 << (qw.bits - 1))  # half the group's range
+        self.a = torch.zeros_like(self.scale0, requires_grad=True)
+        self.b = torch.zeros_like(self.scale0, requires_grad=True)
+
+    def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 scale and zero point [N, G] of the current offsets (before FP16)."""
+        return self.scale0 * (1 + self.a), self.min0 + self.unit * self.b
+
+    def weight(self) -> torch.Tensor:
+        """The float weight [N, K] the packed result will hold, differentiable in a and b."""
+        scale, zero = self.grid()
+        scale = scale + (_fp16(scale) - scale).detach()
+        zero = zero + (zero.to(torch.float16).float() - zero).detach()
+        w = self.codes.float() * scale[..., None] + zero[..., None]
+        return w.flatten(1)[:, : self.qw.in_features]
+
+    @torch.no_grad()
+    def packed(self) -> QuantizedWeight:
+        scale, zero = self.grid()
+        return QuantizedWeight(
+            self.qw.qweight,
+            _fp16(scale).to(torch.float16),
+            zero.to(torch.float16),
+            self.qw.bits,
+            self.qw.group_size,
+            self.qw.in_features,
+            self.qw.zero_point,
+        )
+
+
+def _fp16(scale: torch.Tensor) -> torch.Tensor:
+    """FP16 rounding of a scale, kept positive (a zero or underflowing scale: the smallest normal)."""
+    tiny = torch.finfo(torch.float16).tiny
+    return scale.clamp(min=tiny).to(torch.float16).float().clamp(min=tiny)
+
+
+def forward_logits(
+    w: dict[str, torch.Tensor], cfg: ModelConfig, ids: torch.Tensor, cos, sin
+) -> torch.Tensor:
+    """Logits [S*L, V] of sequences `ids` [S, L] (each causal on its own), float32, differentiable."""
+    s, n = ids.shape
+    h = F.embedding(ids, w["model.embed_tokens.weight"]).reshape(s * n, -1)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {k[len(p) :]: v for k, v in w.items() if k.startswith(p)}
+        h = decoder_layer(layer, cfg, h, cos, sin, s)
+    h = _rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
+    head = w.get("lm_head.weight")
+    if cfg.tie_word_embeddings or head is None:
+        head = w["model.embed_tokens.weight"]
+    return h @ head.T
+
+
+@torch.inference_mode()
+def sample_sequences(
+    weights: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    count: int,
+    length: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    batch: int = 16,
+) -> torch.Tensor:
+    """Token ids [count, length] sampled from the model itself (data-free distillation text, as
+    in LLM-QAT, Liu et al. 2023): each sequence starts from a token drawn uniformly from the
+    vocabulary, then every next token is sampled from the model at `temperature`."""
+    from tandem.kv.cache import KVCache
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+
+    model = LlamaModel(cfg, weights, torch.float32, "cpu", length)
+    gen = torch.Generator().manual_seed(seed)
+    bs = 16
+    nb = (length + bs - 1) // bs
+    out = []
+    for a in range(0, count, batch):
+        b = min(batch, count - a)
+        kv = KVCache.allocate(
+            cfg.num_layers, b * nb, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+        )
+        tables = torch.arange(b * nb).view(b, nb)
+        seqs = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen)
+        for pos in range(length - 1):
+            meta = AttentionMetadata(
+                slot_mapping=tables[:, pos // bs] * bs + pos % bs,
+                block_tables=tables,
+                context_lens=torch.full((b,), pos + 1),
+                context_lens_list=[pos + 1] * b,
+                query_start_loc=list(range(b + 1)),
+                decode_only=True,
+            )
+            h = model.forward(seqs[:, pos], torch.full((b,), pos), kv, meta)
+            probs = torch.softmax(model.logits(h).float() / temperature, -1)
+            seqs = torch.cat([seqs, torch.multinomial(probs, 1, generator=gen)], 1)
+        out.append(seqs)
+    return torch.cat(out)
+
+
+def e2e_tune(
+    float_weights: dict[str, torch.Tensor],
+    quantized: dict[str, torch.Tensor | QuantizedWeight],
+    cfg: ModelConfig,
+    calib: torch.Tensor,  # [S, L] token ids
+    steps: int = 200,
+    lr: float = 1e-3,
+    batch: int = 2,
+    val_seqs: int = 4,
+    eval_every: int = 20,
+    seed: int = 0,
+    log=None,
+    extra: torch.Tensor | None = None,  # [E, L] more training sequences (e.g. sample_sequences)
+) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
+    """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
+    bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
+    Float tensors and other quantized tensors (head, embedding) are returned as given. `extra`
+    sequences (same length) are trained on beside the calibration sequences, never held out."""
+    check_options(steps, lr, batch, val_seqs, eval_every)
+    s, n = calib.shape
+    if s <= val_seqs:
+        raise ValueError(
+            f"e2e holds out {val_seqs} of {s} calibration sequences and has none left to train "
+            "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
+        )
+    t_start = time.monotonic()
+    train, val = calib[: s - val_seqs], calib[s - val_seqs :]
+    if extra is not None:
+        train = torch.cat([train, extra.to(train.dtype)])
+    teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
+    fixed = {}
+    params: dict[str, GroupParams] = {}
+    for k, v in quantized.items():
+        if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
+            params[k] = GroupParams(v)
+        elif isinstance(v, QuantizedWeight):
+            fixed[k] = v.dequantize(torch.float32)
+        else:
+            fixed[k] = v.float()
+    opt = torch.optim.Adam([t for gp in params.values() for t in (gp.a, gp.b)], lr=lr)
+    cs = cos_sin_table(cfg, n, "cpu")
+    d = cfg.head_dim
+
+    def rope(k: int):
+        return cs[:, None, : d // 2].repeat(k, 1, 1), cs[:, None, d // 2 :].repeat(k, 1, 1)
+
+    @torch.no_grad()
+    def teacher_logp(ids: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(forward_logits(teacher, cfg, ids, *rope(len(ids))), -1)
+
+    def student_logits(ids: torch.Tensor) -> torch.Tensor:
+        w = dict(fixed)
+        for k, gp in params.items():
+            w[k] = gp.weight()
+        return forward_logits(w, cfg, ids, *rope(len(ids)))
+
+    def kl(logits: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(logits, -1)
+        return F.kl_div(logp, t_logp, log_target=True, reduction="sum") / logits.shape[0]
+
+    # The teacher's log-probabilities of the held-out sequences, once; of the training batches,
+    # as they are drawn (the float model costs a third of a training step).
+    val_t = [teacher_logp(val[i : i + batch]) for i in range(0, len(val), batch)]
+
+    @torch.no_grad()
+    def val_kl() -> float:
+        total = 0.0
+        for j, i in enumerate(range(0, len(val), batch)):
+            ids = val[i : i + batch]
+            total += float(kl(student_logits(ids), val_t[j])) * ids.numel()
+        return total / val.numel()
+
+    def state() -> list[torch.Tensor]:
+        return [t.detach().clone() for gp in params.values() for t in (gp.a, gp.b)]
+
+    report = E2EReport(train_seqs=len(train), val_seqs=len(val))
+    report.start_kl = report.best_kl = val_kl()
+    report.history.append((0, report.start_kl))
+    best = state()
+    if log is not None:
+        log(f"e2e: held-out KL at start {report.start_kl:.5f} ({len(train)} training sequences)")
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(train), generator=gen)
+    pos = 0
+    for step in range(1, steps + 1):
+        if pos + batch > len(train):
+            order, pos = torch.randperm(len(train), generator=gen), 0
+        ids = train[order[pos : pos + batch]]
+        pos += batch
+        loss = kl(student_logits(ids), teacher_logp(ids))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % eval_every == 0 or step == steps:
+            v = val_kl()
+            report.history.append((step, v))
+            if log is not None:
+                log(
+                    f"e2e: step {step}: training KL {float(loss.detach()):.5f}, held-out KL {v:.5f} "
+                    f"({time.monotonic() - t_start:.0f}s)"
+                )
+            if v < report.best_kl:
+                report.best_kl, report.best_step, best = v, step, state()
+    with torch.no_grad():
+        flat = [t for gp in params.values() for t in (gp.a, gp.b)]
+        for t, b in zip(flat, best, strict=True):
+            t.copy_(b)
+    out = dict(quantized)
+    for k, gp in params.items():
+        out[k] = gp.packed() if report.best_step else gp.qw
+    report.seconds = round(time.monotonic() - t_start, 1)
+    return out, report

@@ -1,0 +1,204 @@
+"""End-to-end tuning of group scales and zero points (`tandem.quant.e2e`) on CPU: on a small
+random model the tuned model's KL divergence to the float model is lower than before, the integer
+codes do not change, the checkpoint round-trips, and bad options are refused with a message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.model.rotary import cos_sin_table
+from tandem.quant.e2e import check_options, e2e_tune, forward_logits
+from tandem.quant.format import QuantizedWeight
+from tandem.quant.weights import dequantize_weights
+
+
+def _calib_file(tmp_path, words: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    path = tmp_path / "calib.txt"
+    ids = torch.randint(3, 512, (words,), generator=g).tolist()
+    path.write_text(" ".join(f"w{i}" for i in ids))
+    return str(path)
+
+
+def _kl(float_w, quant_w, cfg, ids: torch.Tensor) -> float:
+    """Mean KL (float -> quantized) per token over `ids` [S, L]."""
+    s, n = ids.shape
+    cs = cos_sin_table(cfg, n, "cpu")
+    d = cfg.head_dim
+    cos, sin = cs[:, None, : d // 2].repeat(s, 1, 1), cs[:, None, d // 2 :].repeat(s, 1, 1)
+    with torch.no_grad():
+        t = F.log_softmax(forward_logits(float_w, cfg, ids, cos, sin), -1)
+        q = F.log_softmax(forward_logits(quant_w, cfg, ids, cos, sin), -1)
+    return float(F.kl_div(q, t, log_target=True, reduction="sum")) / (s * n)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied head; tied head with biases
+def test_tuning_lowers_kl_and_keeps_codes(model_factory, tmp_path, kind) -> None:
+    from tandem.model.loader import load_model
+    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory(kind)
+    loaded = load_model(path, torch.float32)
+    cfg = loaded.config
+    weights, _ = quantize_model(loaded, Recipe(), "rtn")
+    calib, _ = calibration_batch(loaded.tokenizer, _calib_file(tmp_path, 700, 0), 64, 8192)
+    float_w = dequantize_weights(loaded.weights, torch.float32)
+    tuned, report = e2e_tune(
+        float_w, weights, cfg, calib, steps=30, lr=3e-3, batch=2, val_seqs=2, eval_every=5
+    )
+    assert report.train_seqs == calib.shape[0] - 2 and report.val_seqs == 2
+    assert 0 < report.best_step <= 30 and report.best_kl < report.start_kl
+    before = _kl(float_w, dequantize_weights(weights, torch.float32), cfg, calib)
+    after = _kl(float_w, dequantize_weights(tuned, torch.float32), cfg, calib)
+    assert after < 0.9 * before
+    n = 0
+    for k, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            t = tuned[k]
+            assert isinstance(t, QuantizedWeight)
+            assert torch.equal(t.qweight, w.qweight)  # the codes are untouched
+            assert (t.bits, t.group_size, t.in_features, t.zero_point) == (
+                w.bits,
+                w.group_size,
+                w.in_features,
+                w.zero_point,
+            )
+            assert t.scales.dtype == t.mins.dtype == torch.float16 and (t.scales > 0).all()
+            n += 1
+        else:
+            assert tuned[k] is w
+    assert n == 3 * 7
+    changed = [
+        not torch.equal(tuned[k].scales, w.scales) or not torch.equal(tuned[k].mins, w.mins)
+        for k, w in weights.items()
+        if isinstance(w, QuantizedWeight)
+    ]
+    assert sum(changed) > n // 2
+
+
+def test_start_is_kept_when_no_step_helps(model_factory, tmp_path) -> None:
+    """A learning rate far too large makes every step worse: early stopping returns the start."""
+    from tandem.model.loader import load_model
+    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    weights, _ = quantize_model(loaded, Recipe(), "rtn")
+    calib, _ = calibration_batch(loaded.tokenizer, _calib_file(tmp_path, 400, 1), 64, 8192)
+    float_w = dequantize_weights(loaded.weights, torch.float32)
+    tuned, report = e2e_tune(
+        float_w, weights, loaded.config, calib, steps=4, lr=5.0, val_seqs=2, eval_every=1
+    )
+    assert report.best_step == 0 and report.best_kl == report.start_kl
+    assert all(tuned[k] is w for k, w in weights.items())
+
+
+@pytest.mark.parametrize(
+    "steps, lr, batch, val_seqs, every, message",
+    [
+        (-1, 1e-4, 2, 4, 10, "steps must be an integer >= 0"),
+        (10, 0.0, 2, 4, 10, "lr must be > 0"),
+        (10, 1e-4, 0, 4, 10, "batch must be at least 1"),
+        (10, 1e-4, 2, 0, 10, "at least 1 held-out calibration sequence"),
+        (10, 1e-4, 2, 4, 0, "eval_every must be an integer >= 1"),
+    ],
+)
+def test_bad_options_are_refused(steps, lr, batch, val_seqs, every, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_options(steps, lr, batch, val_seqs, every)
+    with pytest.raises(ValueError, match="generated sequences must be an integer >= 0"):
+        check_options(10, 1e-4, 2, 4, 10, -1)
+
+
+def test_sampled_sequences_follow_the_model(model_factory) -> None:
+    """`sample_sequences` draws [count, length] in-vocabulary ids, the same for the same seed,
+    and (greedy, temperature near 0) the continuation the model itself predicts."""
+    from tandem.model.loader import load_model
+    from tandem.quant.e2e import sample_sequences
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    cfg = loaded.config
+    a = sample_sequences(loaded.weights, cfg, 5, 12, seed=3, batch=2)
+    assert a.shape == (5, 12) and 0 <= int(a.min()) and int(a.max()) < cfg.vocab_size
+    assert torch.equal(a, sample_sequences(loaded.weights, cfg, 5, 12, seed=3, batch=2))
+    g = sample_sequences(loaded.weights, cfg, 2, 8, seed=1, temperature=1e-4)
+    cs = cos_sin_table(cfg, 8, "cpu")
+    d = cfg.head_dim
+    cos, sin = cs[:, None, : d // 2].repeat(2, 1, 1), cs[:, None, d // 2 :].repeat(2, 1, 1)
+    with torch.no_grad():
+        logits = forward_logits(loaded.weights, cfg, g, cos, sin).view(2, 8, -1)
+    assert torch.equal(logits[:, :-1].argmax(-1), g[:, 1:])
+
+
+def test_quantize_model_e2e_round_trips(model_factory, tmp_path) -> None:
+    """`quantize_model(..., e2e_steps=N)` records what it did in quantization.json and its
+    checkpoint loads back bit for bit; too little calibration text for the held-out split is a
+    clear error before any work."""
+    from tandem.model.loader import load_model
+    from tandem.quant.checkpoint import save_quantized
+    from tandem.quant.cli import quantize_model
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    short = _calib_file(tmp_path, 130, 2)  # two sequences of 64
+    with pytest.raises(ValueError, match="has none left to train on"):
+        quantize_model(
+            loaded, Recipe(), "rtn", calib_path=short, seq_len=64, e2e_steps=2, e2e_val_seqs=2
+        )
+    calib = _calib_file(tmp_path, 400, 3)
+    weights, info = quantize_model(
+        loaded,
+        Recipe(),
+        "awq",
+        calib_path=calib,
+        seq_len=64,
+        log=lambda s: None,
+        e2e_steps=6,
+        e2e_lr=3e-3,
+        e2e_val_seqs=2,
+        e2e_eval_every=2,
+        e2e_generated=3,
+    )
+    assert info["method"] == "awq+e2e"
+    e2e = info["e2e"]
+    assert (e2e["steps"], e2e["held_out_seqs"], e2e["generated_seqs"]) == (6, 2, 3)
+    assert e2e["train_seqs"] >= 2 + 3
+    assert e2e["held_out_kl"]["best"] <= e2e["held_out_kl"]["start"]
+    out = tmp_path / "q"
+    save_quantized(str(out), loaded.config, weights, loaded.tokenizer, info)
+    assert json.loads((out / "quantization.json").read_text())["e2e"]["lr"] == 3e-3
+    back = load_model(str(out), torch.float32)
+    for k, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            assert torch.equal(back.weights[k].dequantize(), w.dequantize())
+
+
+def test_cli_e2e(model_factory, tmp_path, capsys) -> None:
+    """`tandem quantize --e2e-steps` refuses bad options (exit 2, a message naming the option)
+    and writes a checkpoint that tandem.LLM serves."""
+    import tandem
+    from tandem.cli import main
+
+    _, path = model_factory("llama")
+    calib = _calib_file(tmp_path, 400, 4)
+    out = tmp_path / "q"
+    base = ["quantize", path, "--calib", calib, "--out", str(out), "--calib-seq-len", "64"]
+    assert main(base + ["--method", "rtn", "--e2e-steps", "3", "--e2e-lr", "-1"]) == 2
+    assert "e2e lr must be > 0" in capsys.readouterr().err
+    assert main(base + ["--method", "rtn", "--e2e-steps", "3", "--e2e-val-seqs", "0"]) == 2
+    assert "held-out calibration sequence" in capsys.readouterr().err
+    rc = main(base + ["--method", "rtn", "--e2e-steps", "3", "--e2e-val-seqs", "2"])
+    assert rc == 0
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["method"] == "rtn+e2e" and meta["e2e"]["steps"] == 3
+    llm = tandem.LLM(str(out), num_blocks=16)
+    done = llm.generate([[5, 6, 7, 8]], tandem.SamplingParams(max_tokens=5, temperature=0))
+    assert len(done[0].token_ids) >= 1

@@ -1,0 +1,347 @@
+"""INT4 GEMV (M = 1, N-major codes): the FFMA kernel's code tiles streamed by a software-pipelined
+loop instead of the register prefetch of `tandem.kernels.w4a16._gemv_nmajor_kernel`.
+
+Two variants of the same FFMA arithmetic, each with `tl.range(..., num_stages=STAGES)`:
+- `tma`: the [16 words, BLOCK_N] code tile of a group comes through a TMA tensor descriptor.
+- `ptr`: the same tile through pointer loads (Triton turns them into cp.async copies).
+and `old`, the library kernel, in the same process. Each spec is KIND:block_n,split_k,stages,warps
+(stages unused for `old`). Median of 20 CUDA-graph replays of 16 calls over 16 weight copies.
+Measured slower than the library kernel on every shape (bench/README, session 5); kept so the
+comparison can be re-run.
+
+    python bench/gemv_stream_probe.py 14336 4096 old:64,8,1,1 tma:64,4,3,1 ptr:64,4,3,1
+"""
+
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from tandem.kernels import pdl  # noqa: E402
+from tandem.kernels import w4a16 as wk  # noqa: E402
+from tandem.kernels.arrival import arrival_counters  # noqa: E402
+from tandem.kernels.w4a16 import _code_hi, _code_lo  # noqa: E402
+from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
+
+
+@triton.jit
+def tma_kernel(
+    x_ptr,
+    q_desc,
+    s_ptr,
+    mn_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    G,
+    groups_per_split,
+    SPLIT,
+    stride_xm,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    WPG: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    offs_k = tl.arange(0, GROUP)
+    k_offset = tl.where(offs_k % 2 == 0, 256.0, 16.0)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    for g in tl.range(g_start, g_end, num_stages=STAGES):
+        q = q_desc.load([g * WPG, pid_n * BLOCK_N])
+        wi = g * WPG + offs_w
+        s_off = g * stride_sg + offs_n
+        s = tl.load(s_ptr + s_off).to(tl.float32)
+        mn = tl.load(mn_ptr + s_off).to(tl.float32)
+        xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
+        x_sum = tl.sum(xg, axis=0)
+        xp_sum = tl.sum(xg * k_offset, axis=0)
+        for j in tl.static_range(0, 8, 2):
+            xp = tl.load((x_row + wi * 8 + j).to(tl.pointer_type(tl.int32)))
+            xa = (xp << 16).to(tl.float32, bitcast=True)
+            xb = (xp & -65536).to(tl.float32, bitcast=True)
+            if j == 0:
+                t = q << 15
+            elif j == 2:
+                t = q << 7
+            elif j == 4:
+                t = q >> 1
+            else:
+                t = q >> 9
+            if j == 0:
+                part = _code_lo(t, ASM) * xa[:, None]
+            else:
+                part += _code_lo(t, ASM) * xa[:, None]
+            part += _code_hi(t, ASM) * xb[:, None]
+        acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
+    ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+    tl.store(ws, acc, mask=n_mask)
+    tl.debug_barrier()
+    cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:
+        sk = tl.arange(0, SPLIT_P2)
+        parts = tl.load(
+            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+            mask=(sk < SPLIT)[:, None] & n_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        tl.store(
+            out_ptr + m.to(tl.int64) * stride_om + offs_n,
+            tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+            mask=n_mask,
+        )
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def ptr_kernel(
+    x_ptr,
+    qw_ptr,
+    stride_qw,
+    s_ptr,
+    mn_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    G,
+    groups_per_split,
+    SPLIT,
+    stride_xm,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    ASM: tl.constexpr,
+    PDL: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    WPG: tl.constexpr = GROUP // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    offs_k = tl.arange(0, GROUP)
+    k_offset = tl.where(offs_k % 2 == 0, 256.0, 16.0)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    for g in tl.range(g_start, g_end, num_stages=STAGES):
+        q = tl.load(
+            qw_ptr + (g * WPG + offs_w)[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
+            mask=n_mask[None, :],
+            other=0,
+        )
+        wi = g * WPG + offs_w
+        s_off = g * stride_sg + offs_n
+        s = tl.load(s_ptr + s_off).to(tl.float32)
+        mn = tl.load(mn_ptr + s_off).to(tl.float32)
+        xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
+        x_sum = tl.sum(xg, axis=0)
+        xp_sum = tl.sum(xg * k_offset, axis=0)
+        for j in tl.static_range(0, 8, 2):
+            xp = tl.load((x_row + wi * 8 + j).to(tl.pointer_type(tl.int32)))
+            xa = (xp << 16).to(tl.float32, bitcast=True)
+            xb = (xp & -65536).to(tl.float32, bitcast=True)
+            if j == 0:
+                t = q << 15
+            elif j == 2:
+                t = q << 7
+            elif j == 4:
+                t = q >> 1
+            else:
+                t = q >> 9
+            if j == 0:
+                part = _code_lo(t, ASM) * xa[:, None]
+            else:
+                part += _code_lo(t, ASM) * xa[:, None]
+            part += _code_hi(t, ASM) * xb[:, None]
+        acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
+    ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+    tl.store(ws, acc, mask=n_mask)
+    tl.debug_barrier()
+    cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:
+        sk = tl.arange(0, SPLIT_P2)
+        parts = tl.load(
+            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+            mask=(sk < SPLIT)[:, None] & n_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        tl.store(
+            out_ptr + m.to(tl.int64) * stride_om + offs_n,
+            tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+            mask=n_mask,
+        )
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+COPIES = 16
+
+
+def timed(fn):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(COPIES):
+            fn(i)
+    ts = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / COPIES)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def launch(kind, x, w, bn, split, stages, warps=1, desc=None):
+    m, k = x.shape
+    n = w.out_features
+    groups = w.scales.shape[1]
+    per = triton.cdiv(groups, split)
+    split = triton.cdiv(groups, per)
+    blocks = triton.cdiv(n, bn)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    cnt = arrival_counters(x.device, m * blocks)
+    common = dict(
+        GROUP=w.group_size,
+        BLOCK_N=bn,
+        SPLIT_P2=triton.next_power_of_2(split),
+        ASM=True,
+        STAGES=stages,
+        num_warps=warps,
+        **pdl.launch_options(x),
+    )
+    if kind == "tma":
+        tma_kernel[(blocks, split, m)](
+            x,
+            desc,
+            w.scales,
+            w.mins,
+            out,
+            ws,
+            cnt,
+            m,
+            n,
+            k,
+            groups,
+            per,
+            split,
+            x.stride(0),
+            w.scales.stride(1),
+            out.stride(0),
+            **common,
+        )
+    else:
+        ptr_kernel[(blocks, split, m)](
+            x,
+            w.qweight,
+            w.qweight.stride(1),
+            w.scales,
+            w.mins,
+            out,
+            ws,
+            cnt,
+            m,
+            n,
+            k,
+            groups,
+            per,
+            split,
+            x.stride(0),
+            w.scales.stride(1),
+            out.stride(0),
+            **common,
+        )
+    return out
+
+
+def main():
+    n, k = int(sys.argv[1]), int(sys.argv[2])
+    specs = sys.argv[3:]
+    w = wk.n_major(quantize_rtn(torch.randn(n, k, device="cuda") * 0.02, 4, 128))
+    ws = [w] + [
+        wk.n_major(QuantizedWeight(w.qweight.clone(), w.scales.clone(), w.mins.clone(), 4, 128, k))
+        for _ in range(COPIES - 1)
+    ]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.double() @ w.dequantize(torch.float64).T
+    for spec in specs:
+        kind, rest = spec.split(":")
+        bn, split, stages, warps = (int(v) for v in rest.split(","))
+        try:
+            if kind == "old":
+                cfg = wk.GemvNConfig(bn, split, warps, 1)
+                f = lambda i, cfg=cfg: wk.launch_gemv_nmajor(x, ws[i], cfg)[0]
+            else:
+                descs = [
+                    TensorDescriptor.from_tensor(q.qweight.t(), [16, bn]) if kind == "tma" else None
+                    for q in ws
+                ]
+                f = (
+                    lambda i, kind=kind, bn=bn, split=split, stages=stages, warps=warps, descs=descs: (
+                        launch(kind, x, ws[i], bn, split, stages, warps, descs[i])
+                    )
+                )
+            y = f(0)
+            torch.cuda.synchronize()
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            us = timed(f)
+            print(
+                json.dumps(
+                    {
+                        "N": n,
+                        "K": k,
+                        "variant": spec,
+                        "us": us,
+                        "GBps": w.nbytes / us / 1e3,
+                        "rel_err": err,
+                    }
+                ),
+                flush=True,
+            )
+        except Exception as e:
+            print(json.dumps({"N": n, "K": k, "variant": spec, "error": repr(e)[:400]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -26,103 +26,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from tandem.kernels import pdl  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
-from tandem.kernels.arrival import arrival_counters  # noqa: E402
 from tandem.kernels.w4a16 import _code_hi, _code_lo  # noqa: E402
 from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
 
-
-@triton.jit
-def tma_kernel(
-    x_ptr,
-    q_desc,
-    s_ptr,
-    mn_ptr,
-    out_ptr,
-    ws_ptr,
-    cnt_ptr,
-    M,
-    N,
-    K,
-    G,
-    groups_per_split,
-    SPLIT,
-    stride_xm,
-    stride_sg,
-    stride_om,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
-    ASM: tl.constexpr,
-    PDL: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
-    WPG: tl.constexpr = GROUP // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WPG)
-    offs_k = tl.arange(0, GROUP)
-    k_offset = tl.where(offs_k % 2 == 0, 256.0, 16.0)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, G)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    for g in tl.range(g_start, g_end, num_stages=STAGES):
-        q = q_desc.load([g * WPG, pid_n * BLOCK_N])
-        wi = g * WPG + offs_w
-        s_off = g * stride_sg + offs_n
-        s = tl.load(s_ptr + s_off).to(tl.float32)
-        mn = tl.load(mn_ptr + s_off).to(tl.float32)
-        xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
-        x_sum = tl.sum(xg, axis=0)
-        xp_sum = tl.sum(xg * k_offset, axis=0)
-        for j in tl.static_range(0, 8, 2):
-            xp = tl.load((x_row + wi * 8 + j).to(tl.pointer_type(tl.int32)))
-            xa = (xp << 16).to(tl.float32, bitcast=True)
-            xb = (xp & -65536).to(tl.float32, bitcast=True)
-            if j == 0:
-                t = q << 15
-            elif j == 2:
-                t = q << 7
-            elif j == 4:
-                t = q >> 1
-            else:
-                t = q >> 9
-            if j == 0:
-                part = _code_lo(t, ASM) * xa[:, None]
-            else:
-                part += _code_lo(t, ASM) * xa[:, None]
-            part += _code_hi(t, ASM) * xb[:, None]
-        acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
-    ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
-    tl.store(ws, acc, mask=n_mask)
-    tl.debug_barrier()
-    cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT - 1:
-        sk = tl.arange(0, SPLIT_P2)
-        parts = tl.load(
-            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
-            mask=(sk < SPLIT)[:, None] & n_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        tl.store(
-            out_ptr + m.to(tl.int64) * stride_om + offs_n,
-            tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
-            mask=n_mask,
-        )
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemv_probe import COPIES, timed  # noqa: E402
 
 
 @triton.jit
-def ptr_kernel(
+def stream_kernel(
     x_ptr,
-    qw_ptr,
+    q_src,  # a TMA descriptor of the [KW, N] codes (DESC), else their pointer
     stride_qw,
     s_ptr,
     mn_ptr,
@@ -144,6 +58,7 @@ def ptr_kernel(
     ASM: tl.constexpr,
     PDL: tl.constexpr,
     STAGES: tl.constexpr,
+    DESC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -161,11 +76,14 @@ def ptr_kernel(
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     for g in tl.range(g_start, g_end, num_stages=STAGES):
-        q = tl.load(
-            qw_ptr + (g * WPG + offs_w)[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
-            mask=n_mask[None, :],
-            other=0,
-        )
+        if DESC:
+            q = q_src.load([g * WPG, pid_n * BLOCK_N])
+        else:  # pointer loads (Triton pipelines them as cp.async copies)
+            q = tl.load(
+                q_src + (g * WPG + offs_w)[:, None].to(tl.int64) * stride_qw + offs_n[None, :],
+                mask=n_mask[None, :],
+                other=0,
+            )
         wi = g * WPG + offs_w
         s_off = g * stride_sg + offs_n
         s = tl.load(s_ptr + s_off).to(tl.float32)
@@ -212,87 +130,40 @@ def ptr_kernel(
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
-COPIES = 16
-
-
-def timed(fn):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(COPIES):
-            fn(i)
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / COPIES)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def launch(kind, x, w, bn, split, stages, warps=1, desc=None):
     m, k = x.shape
     n = w.out_features
-    groups = w.scales.shape[1]
-    per = triton.cdiv(groups, split)
-    split = triton.cdiv(groups, per)
-    blocks = triton.cdiv(n, bn)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    cnt = arrival_counters(x.device, m * blocks)
-    common = dict(
+    sl = wk._split_launch(x, w, bn, split, m, "stream_kernel")
+    if sl.split < 2:
+        raise ValueError("stream_kernel always adds split-K partials: give split_k >= 2")
+    stream_kernel[(sl.blocks, sl.split, m)](
+        x,
+        desc if kind == "tma" else w.qweight,
+        w.qweight.stride(1),
+        w.scales,
+        w.mins,
+        sl.out,
+        sl.ws,
+        sl.counters,
+        m,
+        n,
+        k,
+        sl.groups,
+        sl.per_split,
+        sl.split,
+        x.stride(0),
+        w.scales.stride(1),
+        sl.out.stride(0),
         GROUP=w.group_size,
         BLOCK_N=bn,
-        SPLIT_P2=triton.next_power_of_2(split),
+        SPLIT_P2=triton.next_power_of_2(sl.split),
         ASM=True,
         STAGES=stages,
+        DESC=kind == "tma",
         num_warps=warps,
         **pdl.launch_options(x),
     )
-    if kind == "tma":
-        tma_kernel[(blocks, split, m)](
-            x,
-            desc,
-            w.scales,
-            w.mins,
-            out,
-            ws,
-            cnt,
-            m,
-            n,
-            k,
-            groups,
-            per,
-            split,
-            x.stride(0),
-            w.scales.stride(1),
-            out.stride(0),
-            **common,
-        )
-    else:
-        ptr_kernel[(blocks, split, m)](
-            x,
-            w.qweight,
-            w.qweight.stride(1),
-            w.scales,
-            w.mins,
-            out,
-            ws,
-            cnt,
-            m,
-            n,
-            k,
-            groups,
-            per,
-            split,
-            x.stride(0),
-            w.scales.stride(1),
-            out.stride(0),
-            **common,
-        )
-    return out
+    return sl.out
 
 
 def main():

@@ -754,44 +754,57 @@ def _compiled_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig):
-    """(output, the compiled kernel launched): the latter for benchmarks that read its code."""
+@dataclass
+class _SplitLaunch:
+    """What both N-major INT4 launches share: the output, the K split and its workspace."""
+
+    out: torch.Tensor
+    ws: torch.Tensor  # float32 [split, M, N] partial sums (the output when split == 1: not read)
+    counters: torch.Tensor  # arrival counters (the output when split == 1: not read)
+    groups: int
+    per_split: int  # groups per program
+    split: int  # programs along K (each with >= 1 group)
+    blocks: int  # column blocks
+
+    def args(self, x: torch.Tensor, w: QuantizedWeight) -> tuple:
+        """The kernels' leading positional arguments, x to the output's row stride."""
+        m, k = x.shape
+        return (x, w.qweight, w.scales, w.mins, self.out, self.ws, self.counters, m,
+                w.out_features, k, self.groups, self.per_split, self.split, x.stride(0),
+                w.qweight.stride(1), w.scales.stride(1), self.out.stride(0))  # fmt: skip
+
+
+def _split_launch(
+    x: torch.Tensor, w: QuantizedWeight, block_n: int, split_k: int, row_blocks: int, name: str
+) -> _SplitLaunch:
     if w.bits != 4 or not is_n_major(w):
-        raise ValueError("GemvNConfig needs INT4 codes stored N-major (see n_major)")
+        raise ValueError(f"{name} needs INT4 codes stored N-major (see n_major)")
     if w.mins.stride(1) != w.scales.stride(1):
         raise ValueError("scales and zero points must share one layout")
-    m, k = x.shape
-    n = w.out_features
+    m, n = x.shape[0], w.out_features
     groups = w.scales.shape[1]
-    per_split = triton.cdiv(groups, config.split_k)
+    per_split = triton.cdiv(groups, split_k)
     split = triton.cdiv(groups, per_split)
-    blocks = triton.cdiv(n, config.block_n)
+    blocks = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, m * blocks)
+        counters = arrival_counters(x.device, row_blocks * blocks)
     else:
-        ws = counters = out  # not read
-    even = n % config.block_n == 0 and k == groups * w.group_size
+        ws = counters = out
+    return _SplitLaunch(out, ws, counters, groups, per_split, split, blocks)
+
+
+def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig):
+    """(output, the compiled kernel launched): the latter for benchmarks that read its code."""
+    m, k = x.shape
+    n = w.out_features
+    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvNConfig")
+    split = sl.split
+    even = n % config.block_n == 0 and k == sl.groups * w.group_size
     compiled = _compiled_cuda(x)
-    kernel = _gemv_nmajor_kernel[(blocks, split, m)](
-        x,
-        w.qweight,
-        w.scales,
-        w.mins,
-        out,
-        ws,
-        counters,
-        m,
-        n,
-        k,
-        groups,
-        per_split,
-        split,
-        x.stride(0),
-        w.qweight.stride(1),
-        w.scales.stride(1),
-        out.stride(0),
+    kernel = _gemv_nmajor_kernel[(sl.blocks, split, m)](
+        *sl.args(x, w),
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=split > 1,
@@ -807,59 +820,29 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         num_stages=config.num_stages,
         **pdl.launch_options(x),
     )
-    return out, kernel
+    return sl.out, kernel
 
 
 def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
     """(output, the compiled kernel launched) of `_gemv_tc_kernel`."""
-    if w.bits != 4 or not is_n_major(w):
-        raise ValueError("GemvTCConfig needs INT4 codes stored N-major (see n_major)")
-    if w.mins.stride(1) != w.scales.stride(1):
-        raise ValueError("scales and zero points must share one layout")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"GemvTCConfig needs bf16 activations, got {x.dtype}")
-    m, k = x.shape
-    n = w.out_features
-    groups = w.scales.shape[1]
-    per_split = triton.cdiv(groups, config.split_k)
-    split = triton.cdiv(groups, per_split)
-    blocks = triton.cdiv(n, config.block_n)
+    m = x.shape[0]
     m_blocks = triton.cdiv(m, 16)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, m_blocks * blocks)
-    else:
-        ws = counters = out  # not read
-    kernel = _gemv_tc_kernel[(blocks, split, m_blocks)](
-        x,
-        w.qweight,
-        w.scales,
-        w.mins,
-        out,
-        ws,
-        counters,
-        m,
-        n,
-        k,
-        groups,
-        per_split,
-        split,
-        x.stride(0),
-        w.qweight.stride(1),
-        w.scales.stride(1),
-        out.stride(0),
+    sl = _split_launch(x, w, config.block_n, config.split_k, m_blocks, "GemvTCConfig")
+    kernel = _gemv_tc_kernel[(sl.blocks, sl.split, m_blocks)](
+        *sl.args(x, w),
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         BLOCK_M=16,
-        REDUCE=split > 1,
+        REDUCE=sl.split > 1,
         ONE_ROW=m == 1,
         ASM=_compiled_cuda(x),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(x),
     )
-    return out, kernel
+    return sl.out, kernel
 
 
 def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -65,9 +65,11 @@ def main() -> int:
     ref = x.double() @ w.dequantize(torch.float64).T
     rows = []
     for spec in args.config:
-        if spec.startswith("tc:"):  # tensor-core kernel: tc:block_n,num_warps,split_k,num_stages
-            bn, nw, sk, st = (int(v) for v in spec[3:].split(","))
-            cfg = wk.GemvTCConfig(bn, sk, nw, st)
+        if spec.startswith(
+            "tc:"
+        ):  # tensor cores: tc:block_n,num_warps,split_k,num_stages[,block_m]
+            bn, nw, sk, st, *bm = (int(v) for v in spec[3:].split(","))
+            cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
         elif spec.startswith("gemm:"):  # tl.dot kernel: gemm:bm,bn,bk,split_k,num_warps,stages
             cfg = wk.GemmConfig(*(int(v) for v in spec[5:].split(",")))

@@ -437,6 +437,7 @@ def test_triton_n_major_gemv_matches_f64(n: int, k: int, group: int, config) -> 
         (96, 1, 256, 128, wk.GemvTCConfig(block_n=64, split_k=1, num_warps=4, num_stages=1)),
         (200, 3, 384, 128, wk.GemvTCConfig(block_n=64, split_k=2, num_warps=4, num_stages=1)),
         (64, 17, 320, 64, wk.GemvTCConfig(block_n=32, split_k=4, num_warps=4, num_stages=1)),
+        (64, 70, 256, 128, wk.GemvTCConfig(32, split_k=2, num_warps=4, num_stages=1, block_m=64)),
     ],
 )
 def test_triton_tensor_core_gemv_matches_f64(n: int, m: int, k: int, group: int, config) -> None:

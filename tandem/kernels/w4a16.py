@@ -7,7 +7,7 @@ Four kernels, all dequantizing in registers (the weight is read from memory once
 - `_gemv_nmajor_kernel` for M = 1 with INT4 codes stored N-major (`n_major`; how the GPU model
   stores them): codes become floats by a shift and a LOP3 under a float exponent, and split-K
   partials are added by the last program to arrive (no zero-fill or cast launches).
-- `_gemv_tc_kernel` for 2 <= M <= 16 (bf16 x, INT4 N-major, groups of 64 or more): the same
+- `_gemv_tc_kernel` for 2 <= M <= 32 (bf16 x, INT4 N-major, groups of 64 or more): the same
   codes become bf16 pairs, one LOP3 per two codes, and the tensor cores multiply them by x.
 - `_gemv_kernel` for M = 1 on row-major codes (and INT8): one program per BLOCK_N output rows
   streams their packed words and keeps a [BLOCK_N, BLOCK_W] float32 accumulator. The zero point
@@ -343,15 +343,16 @@ def _gemv_tc_kernel(
     stride_om,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # 16: rows of x per program (the matrix instruction's smallest)
+    BLOCK_M: tl.constexpr,  # rows of x per program: 16 (the matrix instruction's smallest) to 64
     REDUCE: tl.constexpr,
     ONE_ROW: tl.constexpr,  # M == 1: the group sums of x are scalars
     ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """INT4 x bf16 on the tensor cores for M <= 16, N-major codes: codes become bf16 pairs in
-    registers and the matrix instruction multiplies them by x, so a code costs about a LOP3 and
-    a third of a shift instead of the FFMA kernel's LOP3, FFMA, shifts and x handling.
+    """INT4 x bf16 on the tensor cores, BLOCK_M rows of x per program, N-major codes: codes
+    become bf16 pairs in registers and the matrix instruction multiplies them by x, so a code
+    costs half a LOP3 and ~0.4 of a shift instead of the FFMA kernel's LOP3, FFMA, shifts and x
+    handling.
 
     Word w of a group holds codes k = 8w + j at bits 4j. (q >> 4d) under the mask 0x000F000F
     gives codes d and d + 4 as the two bf16 halves of one register, 128 + c each (exact). The
@@ -359,7 +360,7 @@ def _gemv_tc_kernel(
     so x is read at stride 4. Per group and column: sum_k x (128 + c) = 128 X + sum_k x c, with
     X the group's sum of x, and y += s * (that) + (zero - 128 s) * X, all in float32.
     The weight is the matrix instruction's first operand ([BLOCK_N, k']) and x^T the second,
-    padded to 16 columns (rows of x past M are zeros).
+    BLOCK_M columns (rows of x past M are zeros; each block of BLOCK_M rows re-reads the weight).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -400,14 +401,14 @@ def _gemv_tc_kernel(
         )  # [WPG, BLOCK_N]
         s = s_next.to(tl.float32)
         mn = mn_next.to(tl.float32)
-        xg = x_next.to(tl.float32)  # [GROUP] (one row) or [GROUP, BLOCK_M]
+        xg = x_next  # [GROUP] (one row) or [GROUP, BLOCK_M], bf16
         gn = g + 1
         nmask = n_mask & ((offs_n * 0 + gn) < g_end)
         s_next = tl.load(s_ptr + gn * stride_sg + offs_n, mask=nmask)
         mn_next = tl.load(mn_ptr + gn * stride_sg + offs_n, mask=nmask)
         kx = gn * GROUP + offs_g
         kmask = (kx < K) & ((offs_g * 0 + gn) < g_end)
-        xs = tl.sum(xg, axis=0)  # the group's sum of x: a scalar, or [BLOCK_M]
+        xs = tl.sum(xg.to(tl.float32), axis=0)  # the group's sum of x: a scalar, or [BLOCK_M]
         # x at k = 4k' + d for slice d: [k', a, b] with d = 2a + b.
         if ONE_ROW:
             x_next = tl.load(x_ptr + kx, mask=kmask, other=0.0)
@@ -553,12 +554,13 @@ class GemvNConfig:
 
 @dataclass(frozen=True)
 class GemvTCConfig:
-    """`_gemv_tc_kernel`: INT4, M <= 16 per program, N-major codes, tensor cores."""
+    """`_gemv_tc_kernel`: INT4, N-major codes, tensor cores, `block_m` rows of x per program."""
 
     block_n: int = 256
     split_k: int = 4
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 16  # rows of x per program (16, 32 or 64); more rows re-read the weight
 
 
 @dataclass(frozen=True)
@@ -615,7 +617,7 @@ def default_config(
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
     if (
-        2 <= m <= 16
+        2 <= m <= 32
         and w is not None
         and w.bits == 4
         and w.group_size >= 64
@@ -625,15 +627,18 @@ def default_config(
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
         and os.environ.get("TANDEM_GEMV_TC", "1") not in ("0", "false", "off")
     ):
-        # Tensor cores for 2 <= M <= 16 (bench/README, "tensor-core GEMV"): 256 columns per
-        # program, K split until ~1.5 programs per SM run, each keeping >= 2 groups. At M = 1
-        # the FFMA kernel below is faster (14.6 vs 25 us on 14336x4096, H200).
+        # Tensor cores for 2 <= M <= 32 (bench/README, session 5): 16 rows and 256 columns per
+        # program up to M = 16, then 32 rows and 128 columns; K split until ~1.5 (16 rows) or
+        # ~1.8 (32 rows) programs per SM run, each keeping >= 2 groups. At M = 1 the FFMA kernel
+        # below is faster; past M = 32 the tl.dot GEMM wins on some shapes.
+        block_m, block_n = (16, 256) if m <= 16 else (32, 128)
+        target = 3 * sms // 2 if block_m == 16 else 9 * sms // 5
         groups = -(-k // w.group_size)
-        blocks = triton.cdiv(n, 256)
+        blocks = triton.cdiv(n, block_n)
         split = 1
-        while 2 * blocks * split < 3 * sms and groups >= 4 * split:
+        while blocks * split < target and groups >= 4 * split:
             split *= 2
-        return GemvTCConfig(block_n=256, split_k=split, num_warps=4, num_stages=3)
+        return GemvTCConfig(block_n, split, num_warps=4, num_stages=3, block_m=block_m)
     if m == 1 and w is not None and w.bits == 4 and is_n_major(w):
         # From the sweeps in bench/results/h200_quant.json (H200, Llama-3-8B shapes): one warp
         # per 64 columns; K split until each program has at most 4 groups and at least ~1536
@@ -828,13 +833,13 @@ def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
     if x.dtype != torch.bfloat16:
         raise ValueError(f"GemvTCConfig needs bf16 activations, got {x.dtype}")
     m = x.shape[0]
-    m_blocks = triton.cdiv(m, 16)
+    m_blocks = triton.cdiv(m, config.block_m)
     sl = _split_launch(x, w, config.block_n, config.split_k, m_blocks, "GemvTCConfig")
     kernel = _gemv_tc_kernel[(sl.blocks, sl.split, m_blocks)](
         *sl.args(x, w),
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
-        BLOCK_M=16,
+        BLOCK_M=config.block_m,
         REDUCE=sl.split > 1,
         ONE_ROW=m == 1,
         ASM=_compiled_cuda(x),

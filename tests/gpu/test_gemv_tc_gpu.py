@@ -1,4 +1,5 @@
-"""The tensor-core INT4 GEMV (`_gemv_tc_kernel`, M <= 16 per program) against float64, on CUDA.
+"""The tensor-core INT4 GEMV (`_gemv_tc_kernel`, 16 to 64 rows per program) against float64, on
+CUDA.
 
 Ragged N and K (masked tiles), K splits that leave a partial last split, M from 1 to past one
 16-row block, group sizes 64 and 128; inside a CUDA graph (with programmatic dependent launch
@@ -67,20 +68,22 @@ def test_gemv_tc_matches_f64(wk, m: int, n: int, k: int, group: int) -> None:
     "block_n, split, warps, stages",
     [(64, 1, 4, 1), (128, 8, 4, 2), (256, 4, 4, 3), (256, 16, 8, 3), (128, 5, 8, 4)],
 )
-@pytest.mark.parametrize("m", [1, 9])
-def test_gemv_tc_configs(wk, block_n: int, split: int, warps: int, stages: int, m: int) -> None:
+@pytest.mark.parametrize("m, block_m", [(1, 16), (9, 16), (30, 32), (64, 64), (100, 64)])
+def test_gemv_tc_configs(wk, block_n, split, warps, stages, m: int, block_m: int) -> None:
     qw = _weight(wk, 3000, 4096 + 128, 128, seed=block_n + split)
     x = torch.randn(m, qw.in_features, device=DEV, dtype=torch.bfloat16) * 4
-    _check(wk, x, qw, wk.GemvTCConfig(block_n, split, warps, stages))
+    _check(wk, x, qw, wk.GemvTCConfig(block_n, split, warps, stages, block_m))
 
 
 def test_gemv_tc_default_route(wk) -> None:
-    """2 <= M <= 16, bf16 x, INT4 g128 N-major: the default launch is the tensor-core kernel
-    (M = 1 keeps the FFMA GEMV, faster there)."""
+    """2 <= M <= 32, bf16 x, INT4 g128 N-major: the default launch is the tensor-core kernel
+    (M = 1 keeps the FFMA GEMV, faster there; past 32 rows the tl.dot GEMM)."""
     qw = _weight(wk, 4096, 4096, 128, seed=11)
     x1 = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
     assert isinstance(wk.default_config(1, 4096, 4096, x1.device, qw, x1.dtype), wk.GemvNConfig)
-    for m in (2, 5, 16):
+    x33 = torch.randn(33, 4096, device=DEV, dtype=torch.bfloat16)
+    assert isinstance(wk.default_config(33, 4096, 4096, x33.device, qw, x33.dtype), wk.GemmConfig)
+    for m in (2, 5, 16, 17, 32):
         x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
         assert isinstance(wk.default_config(m, 4096, 4096, x.device, qw, x.dtype), wk.GemvTCConfig)
         ref = x.double() @ qw.dequantize(torch.float64).T

@@ -403,6 +403,7 @@ def _gemv_tc_kernel(
         mn = mn_next.to(tl.float32)
         xg = x_next  # [GROUP] (one row) or [GROUP, BLOCK_M], bf16
         gn = g + 1
+        # (gn < g_end as a tensor: the interpreter refuses a scalar inside a mask.)
         nmask = n_mask & ((offs_n * 0 + gn) < g_end)
         s_next = tl.load(s_ptr + gn * stride_sg + offs_n, mask=nmask)
         mn_next = tl.load(mn_ptr + gn * stride_sg + offs_n, mask=nmask)

@@ -170,7 +170,9 @@ def test_quantize_model_e2e_round_trips(model_factory, tmp_path) -> None:
     assert info["method"] == "awq+e2e"
     e2e = info["e2e"]
     assert (e2e["steps"], e2e["held_out_seqs"], e2e["generated_seqs"]) == (6, 2, 3)
-    assert e2e["train_seqs"] >= 2 + 3
+    # The sampled sequences go last, so the two held out are sampled ones.
+    assert e2e["held_out"] == "sampled sequences"
+    assert e2e["train_seqs"] == e2e["calibration_seqs"] + 3 - 2
     assert e2e["held_out_kl"]["best"] <= e2e["held_out_kl"]["start"]
     out = tmp_path / "q"
     save_quantized(str(out), loaded.config, weights, loaded.tokenizer, info)

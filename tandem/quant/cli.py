@@ -11,10 +11,10 @@ output matches the float model's (`tandem.quant.autoround`); `awq-autoround` doe
 AWQ-scaled weights.
 
 `--e2e-steps N` then tunes the FP16 group scales and zero points of any of these (codes fixed) so
-the quantized model's next-token distribution matches the float model's on the calibration text
-(`tandem.quant.e2e`, knowledge distillation; the last `--e2e-val-seqs` calibration sequences are
-held out for early stopping). `--e2e-generated N` adds N sequences sampled from the float model
-itself to what it is trained on (varied text the small calibration file lacks).
+the quantized model's next-token distribution matches the float model's (`tandem.quant.e2e`,
+knowledge distillation) on the calibration text and `--e2e-generated` sequences sampled from the
+float model itself; the last `--e2e-val-seqs` of those sequences (sampled ones when there are
+enough, else the calibration file's last) are held out for early stopping.
 
 The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
 documentation (README, design contract, conventions); evaluate on different text.
@@ -32,7 +32,7 @@ from importlib import resources
 
 CALIBRATION_FILE = "calibration.txt"
 AUTOROUND_ITERS, AUTOROUND_BATCH = 100, 4
-E2E_LR, E2E_BATCH, E2E_VAL_SEQS, E2E_EVAL_EVERY, E2E_GENERATED = 1e-4, 2, 4, 10, 0
+E2E_LR, E2E_BATCH, E2E_VAL_SEQS, E2E_EVAL_EVERY, E2E_GENERATED = 3e-4, 2, 4, 10, 0
 METHODS = ("rtn", "awq", "gptq", "awq-gptq", "autoround", "awq-autoround")
 
 
@@ -114,7 +114,8 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         "--e2e-val-seqs",
         type=int,
         default=E2E_VAL_SEQS,
-        help="e2e: last calibration sequences held out for early stopping (not trained on)",
+        help="e2e: sequences held out for early stopping (not trained on): the last sampled ones, "
+        "or the calibration file's last without --e2e-generated",
     )
     p.add_argument(
         "--e2e-eval-every",
@@ -236,22 +237,24 @@ def tune_end_to_end(
     log(f"e2e: {calib.shape[0]} x {calib.shape[1]} calibration tokens from {calib_path}")
     t0 = time.monotonic()
     float_w = dequantize_weights(loaded.weights, torch.float32)
-    extra = None
     if generated:
-        extra = sample_sequences(float_w, loaded.config, generated, seq_len)
+        # Sampled sequences last: the held-out ones are sampled (when there are enough of them).
+        sampled = sample_sequences(float_w, loaded.config, generated, seq_len)
         log(f"e2e: {generated} x {seq_len} tokens sampled from the float model")
+        calib_ids = torch.cat([calib, sampled.to(calib.dtype)])
+    else:
+        calib_ids = calib
     out, report = e2e_tune(
         float_w,
         weights,
         loaded.config,
-        calib,
+        calib_ids,
         steps=steps,
         lr=lr,
         batch=batch,
         val_seqs=val_seqs,
         eval_every=eval_every,
         log=log,
-        extra=extra,
     )
     log(f"e2e done in {time.monotonic() - t0:.1f}s (best step {report.best_step})")
     info = dict(info)
@@ -260,9 +263,11 @@ def tune_end_to_end(
         "calibration_file": os.path.basename(calib_path),
         "calibration_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "seq_len": seq_len,
-        "train_seqs": report.train_seqs,
+        "calibration_seqs": int(calib.shape[0]),
         "generated_seqs": generated,
+        "train_seqs": report.train_seqs,
         "held_out_seqs": report.val_seqs,
+        "held_out": "sampled sequences" if generated >= val_seqs else "calibration file's last",
         "steps": steps,
         "lr": lr,
         "batch": batch,

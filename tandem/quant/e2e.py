@@ -20,11 +20,13 @@ checkpoint stores is applied in the forward pass (straight through), so the trai
 stored ones. The codes, bits, group size and packing are unchanged: the result is an ordinary
 `QuantizedWeight` checkpoint for the same kernels.
 
-The calibration text is small, and a model tuned on it alone drifts towards it; `extra` sequences
-sampled from the float model itself (`sample_sequences`: data-free, as LLM-QAT's distillation
-data) add varied text to train on. The last `val_seqs` calibration sequences are held out: every
-`eval_every` steps the KL on them is measured and the best state is kept (early stopping); if no
-step improves on the start, the start is returned unchanged.
+The calibration text is small (a few thousand tokens of one kind), and a model tuned on it alone
+drifts towards it. Sequences sampled from the float model itself (`sample_sequences`: data-free
+distillation text, as in LLM-QAT) add varied text. The last `val_seqs` sequences are held out:
+every `eval_every` steps the KL on them is measured and the best state is kept (early stopping);
+if no step improves on the start, the start is returned unchanged. `tandem quantize` puts the
+sampled sequences last, so with them the held-out sequences are sampled ones, of the same kind as
+most of the training text and not part of the calibration file the base method fitted.
 """
 
 from __future__ import annotations
@@ -194,12 +196,11 @@ def e2e_tune(
     eval_every: int = 20,
     seed: int = 0,
     log=None,
-    extra: torch.Tensor | None = None,  # [E, L] more training sequences (e.g. sample_sequences)
 ) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
     """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
     bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
-    Float tensors and other quantized tensors (head, embedding) are returned as given. `extra`
-    sequences (same length) are trained on beside the calibration sequences, never held out."""
+    Float tensors and other quantized tensors (head, embedding) are returned as given. The last
+    `val_seqs` sequences of `calib` are held out for early stopping."""
     check_options(steps, lr, batch, val_seqs, eval_every)
     s, n = calib.shape
     if s <= val_seqs:
@@ -209,8 +210,6 @@ def e2e_tune(
         )
     t_start = time.monotonic()
     train, val = calib[: s - val_seqs], calib[s - val_seqs :]
-    if extra is not None:
-        train = torch.cat([train, extra.to(train.dtype)])
     teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
     fixed = {}
     params: dict[str, GroupParams] = {}

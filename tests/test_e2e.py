@@ -204,3 +204,42 @@ def test_cli_e2e(model_factory, tmp_path, capsys) -> None:
     llm = tandem.LLM(str(out), num_blocks=16)
     done = llm.generate([[5, 6, 7, 8]], tandem.SamplingParams(max_tokens=5, temperature=0))
     assert len(done[0].token_ids) >= 1
+
+
+def test_calibration_with_sampled_sequences(model_factory, tmp_path, capsys) -> None:
+    """`--calib-generated N` calibrates the base method on the calibration file's sequences plus N
+    sampled from the float model (another seed than e2e's, so e2e's held-out sampled sequences
+    are not among them); quantization.json records it; a negative count is refused by name."""
+    from tandem.cli import main
+    from tandem.model.loader import load_model
+    from tandem.quant.cli import CALIB_GENERATED_SEED, quantize_model
+    from tandem.quant.e2e import sample_sequences
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    calib = _calib_file(tmp_path, 400, 5)  # 6 sequences of 64 tokens
+    _, plain = quantize_model(loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print)
+    w, info = quantize_model(
+        loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print, generated=3
+    )
+    assert "+ 3 x 64 tokens sampled from the float model" in capsys.readouterr().out
+    cal = info["calibration"]
+    assert cal["generated_seqs"] == 3 and cal["tokens"] == plain["calibration"]["tokens"] + 3 * 64
+    # More calibration text changes GPTQ's Hessians and so its codes.
+    w0, _ = quantize_model(loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print)
+    assert any(
+        not torch.equal(w[k].qweight, w0[k].qweight) for k in w if isinstance(w[k], QuantizedWeight)
+    )
+    assert CALIB_GENERATED_SEED != 0  # e2e samples with seed 0
+    assert not torch.equal(
+        sample_sequences(loaded.weights, loaded.config, 2, 16, seed=0),
+        sample_sequences(loaded.weights, loaded.config, 2, 16, seed=CALIB_GENERATED_SEED),
+    )
+    out = tmp_path / "q"
+    base = ["quantize", path, "--calib", calib, "--out", str(out), "--calib-seq-len", "64"]
+    assert main(base + ["--method", "gptq", "--calib-generated", "-1"]) == 2
+    assert "calib-generated must be an integer >= 0" in capsys.readouterr().err
+    assert main(base + ["--method", "gptq", "--calib-generated", "2"]) == 0
+    meta = json.loads((out / "quantization.json").read_text())
+    assert meta["calibration"]["generated_seqs"] == 2

@@ -18,6 +18,8 @@ enough, else the calibration file's last) are held out for early stopping.
 
 The calibration text defaults to `tandem/quant/data/calibration.txt`, which is this project's own
 documentation (README, design contract, conventions); evaluate on different text.
+`--calib-generated N` adds N sequences sampled from the float model itself (data-free text of
+every kind the model writes), so a method does not fit one kind of text only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from importlib import resources
 CALIBRATION_FILE = "calibration.txt"
 AUTOROUND_ITERS, AUTOROUND_BATCH = 100, 4
 E2E_LR, E2E_BATCH, E2E_VAL_SEQS, E2E_EVAL_EVERY, E2E_GENERATED = 3e-4, 2, 4, 10, 0
+# Sequences sampled for --calib-generated use another seed than e2e's (0), so e2e's held-out
+# sampled sequences are not ones the base method was calibrated on.
+CALIB_GENERATED_SEED = 1
 METHODS = ("rtn", "awq", "gptq", "awq-gptq", "autoround", "awq-autoround")
 
 
@@ -68,6 +73,13 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
     p.add_argument(
         "--calib-max-tokens", type=int, default=8192, help="calibration tokens used at most"
+    )
+    p.add_argument(
+        "--calib-generated",
+        type=int,
+        default=0,
+        help="also calibrate on this many sequences of --calib-seq-len tokens sampled from the "
+        "float model itself (data-free text, as in LLM-QAT), after the calibration file's",
     )
     p.add_argument("--awq-grid", type=int, default=20, help="alpha grid points in [0, 1]")
     p.add_argument(
@@ -294,12 +306,14 @@ def _quantize_decoder(
     autoround_iters: int = AUTOROUND_ITERS,
     autoround_lr: float | None = None,
     autoround_batch: int = AUTOROUND_BATCH,
+    generated: int = 0,
 ):
     """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
 
     `method`: one of METHODS (see the module docstring); `clip`: search per-group clipping
     ratios (AWQ, GPTQ); `damp`: GPTQ's Hessian dampening; `autoround_*`: the autoround
-    methods' steps per layer, first step size (None: 1 / steps) and sequences per step.
+    methods' steps per layer, first step size (None: 1 / steps) and sequences per step;
+    `generated`: sequences sampled from the float model added to the calibration text.
     """
     import torch
 
@@ -308,6 +322,8 @@ def _quantize_decoder(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if not isinstance(generated, int) or generated < 0:
+        raise ValueError(f"calib-generated must be an integer >= 0, got {generated!r}")
     if method.endswith("autoround"):
         from tandem.quant.autoround import check_options
 
@@ -328,6 +344,24 @@ def _quantize_decoder(
         "seq_len": seq_len,
         "clip_search": clip,
     }
+    if generated:
+        from tandem.quant.e2e import sample_sequences
+
+        t0 = time.monotonic()
+        sampled = sample_sequences(weights, cfg, generated, seq_len, seed=CALIB_GENERATED_SEED)
+        calib = torch.cat([calib, sampled.to(calib.dtype)])
+        log(
+            f"{method}: + {generated} x {seq_len} tokens sampled from the float model "
+            f"({time.monotonic() - t0:.1f}s)"
+        )
+        info["calibration"].update(
+            {
+                "tokens": int(calib.numel()),
+                "generated_seqs": generated,
+                "generated": "sampled from the float model: a uniformly random first token, then "
+                f"temperature 1 (seed {CALIB_GENERATED_SEED})",
+            }
+        )
     clips = None
     if method in ("awq", "awq-gptq", "awq-autoround"):
         from tandem.quant.awq import awq_scale
@@ -431,6 +465,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             autoround_iters=args.autoround_iters,
             autoround_lr=args.autoround_lr,
             autoround_batch=args.autoround_batch,
+            generated=args.calib_generated,
             e2e_steps=args.e2e_steps,
             e2e_lr=args.e2e_lr,
             e2e_batch=args.e2e_batch,

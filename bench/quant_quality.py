@@ -14,12 +14,21 @@ Rows (all through Tandem's LlamaModel and paged KV cache):
                    (act order within groups, clipping), GPTQ on AWQ-scaled weights, learned
                    rounding + group ranges per decoder layer (block output reconstruction), the
                    same on AWQ-scaled weights. Every linear layer is 4-bit g128.
-  int4_g128_awq_gptq_e2e, int4_g128_awq_autoround_e2e
-                   AWQ+GPTQ / AWQ+autoround, then the group scales and zero points (codes fixed)
-                   tuned end to end to the float model's next-token distribution (`tandem quantize
-                   --e2e-steps`, tandem.quant.e2e) on the calibration text plus sequences sampled
-                   from the float model; early stopping on the calibration file's last sequences.
-  mixed_*          the calibrated method with the profiler's suggested recipe (`tandem quantize
+  int4_g128_awq_gptq_gen, int4_g128_awq_autoround_gen
+                   AWQ+GPTQ and AWQ+autoround calibrated on the calibration file plus 64
+                   sequences sampled from the float model (`tandem quantize --calib-generated 64`:
+                   data-free text of whatever kinds the model writes, so no method fits the docs
+                   alone).
+  int4_g128_awq_autoround_gen_e2e
+                   the last, then its group scales and zero points (codes fixed) tuned end to end
+                   to the float model's next-token distribution (`tandem quantize --e2e-steps`,
+                   tandem.quant.e2e) on the calibration text plus 64 other sampled sequences;
+                   early stopping on 8 of those, held out. (An `X-e2e` entry in CALIBRATED works
+                   for any method X. The docs-only rows awq-gptq-e2e and awq-autoround-e2e left
+                   the list on 2026-12-01: on the AWQ+autoround checkpoint e2e had moved the
+                   selection text's perplexity 0.15 %, and each costs about 20 minutes.)
+  mixed_*          AWQ+GPTQ (minutes, where the block-wise and e2e methods take half an hour or
+                   more) with the profiler's suggested recipe (`tandem quantize
                    --profile`: layers whose weight statistics stand out kept at 8 bits); its
                    memory is in quantized_bytes / bytes_vs_int4. Not a pure INT4 result.
   kv_fp8, kv_int8  reference weights, KV cache in FP8 e4m3 / INT8 with per-block scales.
@@ -91,14 +100,19 @@ CALIBRATED = (
     "awq-gptq",
     "autoround",
     "awq-autoround",
-    "awq-gptq-e2e",
-    "awq-autoround-e2e",
+    "awq-gptq-gen",
+    "awq-autoround-gen",
+    "awq-autoround-gen-e2e",
 )
 INT4_TARGET, KV_FP8_TARGET = 1.05, 1.01
+MIXED_METHOD = "awq-gptq"
 # e2e: at most 120 Adam steps (lr 3e-4, 2 sequences a step) on the calibration file and 56 of 64
 # sequences sampled from the float model; early stopping on the other 8 sampled sequences.
 E2E_STEPS, E2E_LR, E2E_GENERATED, E2E_VAL_SEQS = 120, 3e-4, 64, 8
 SELECTION_DIRS = ("tandem/engine", "tandem/kv")
+# `X-gen`: X calibrated on the calibration file plus this many sequences of 256 tokens sampled
+# from the float model (`tandem quantize --calib-generated`).
+CALIB_GENERATED = 64
 
 
 def row_name(method: str) -> str:
@@ -106,8 +120,21 @@ def row_name(method: str) -> str:
 
 
 def base_method(method: str) -> str:
-    """The `tandem quantize --method` a bench method starts from (`X-e2e`: X, then --e2e-steps)."""
+    """The bench method an `X-e2e` method starts from (X, then --e2e-steps)."""
     return method.removesuffix("-e2e")
+
+
+def bench_method(meta: dict) -> str:
+    """The bench method a checkpoint's quantization.json describes (inverse of cli_method)."""
+    m, e2e = meta["method"].removesuffix("+e2e"), meta["method"].endswith("+e2e")
+    gen = meta.get("calibration", {}).get("generated_seqs", 0)
+    return m + ("-gen" if gen else "") + ("-e2e" if e2e else "")
+
+
+def cli_method(method: str) -> tuple[str, int]:
+    """(`tandem quantize --method`, `--calib-generated`) of a bench method."""
+    m = base_method(method)
+    return m.removesuffix("-gen"), CALIB_GENERATED if m.endswith("-gen") else 0
 
 
 def selection_text() -> tuple[str, dict]:
@@ -236,11 +263,18 @@ def main() -> int:
         t0 = time.monotonic()
         if key in reuse:
             meta = read_quantization(reuse[key])
-            want = method if not method.endswith("-e2e") else base_method(method) + "+e2e"
-            if meta.get("method") != want or meta.get("recipe") != rec.to_dict():
+            want, generated = cli_method(method)
+            want += "+e2e" if method.endswith("-e2e") else ""
+            got_generated = meta.get("calibration", {}).get("generated_seqs", 0)
+            if (meta.get("method"), got_generated, meta.get("recipe")) != (
+                want,
+                generated,
+                rec.to_dict(),
+            ):
                 raise SystemExit(
                     f"--checkpoint {key}={reuse[key]}: it holds method {meta.get('method')!r} "
-                    f"recipe {meta.get('recipe')}, expected {want!r} {rec.to_dict()}"
+                    f"({got_generated} sampled calibration sequences), recipe "
+                    f"{meta.get('recipe')}; expected {want!r} ({generated}) {rec.to_dict()}"
                 )
             if method != "rtn" and meta["calibration"]["sha256"] != calib_sha:
                 raise SystemExit(f"--checkpoint {key}: calibrated on another calibration file")
@@ -268,8 +302,9 @@ def main() -> int:
                 weights, info = quantize_model(
                     loaded,
                     rec,
-                    method=base,
+                    cli_method(base)[0],
                     log=log,
+                    generated=cli_method(base)[1],
                     e2e_steps=args.e2e_steps,
                     e2e_generated=args.e2e_generated,
                     e2e_lr=args.e2e_lr,
@@ -292,7 +327,9 @@ def main() -> int:
                 if base in provenance:
                     provenance[key]["base_checkpoint"] = provenance[base]
         else:
-            weights, info = quantize_model(loaded, rec, method, log=log)
+            weights, info = quantize_model(
+                loaded, rec, cli_method(method)[0], log=log, generated=cli_method(method)[1]
+            )
         out = os.path.join(tmp, key)
         save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
         back = load_model(out, torch.float32)
@@ -400,6 +437,12 @@ def main() -> int:
         "awq-autoround-e2e": "INT4 g128 AWQ+autoround, then its group scales and zero points "
         "tuned end to end (codes fixed) to the float model's next-token distribution on the "
         "calibration text",
+        "awq-gptq-gen": "INT4 g128 GPTQ on AWQ-scaled weights, calibration text plus 64 "
+        "sequences sampled from the float model",
+        "awq-autoround-gen": "INT4 g128 learned rounding + group ranges per decoder layer on "
+        "AWQ-scaled weights, calibration text plus 64 sequences sampled from the float model",
+        "awq-autoround-gen-e2e": "INT4 g128 AWQ+autoround (calibration text plus 64 sampled "
+        "sequences), then its group scales and zero points tuned end to end (codes fixed)",
     }
     # The chosen method first, so a run cut short has the row that matters most in its log.
     for m in ["rtn", chosen] + [m for m in CALIBRATED if m != chosen]:
@@ -408,7 +451,11 @@ def main() -> int:
             row["provenance"] = provenance[m]
         rows.append(row)
     rows[2:] = sorted(rows[2:], key=lambda r: [row_name(m) for m in methods].index(r["name"]))
-    mixed_method = "awq-gptq" if "mixed" in reuse else chosen
+    # The mixed recipe with AWQ+GPTQ (or the method of a reused mixed checkpoint), compared with
+    # the pure INT4 AWQ+GPTQ row: it shows what the recipe buys, at a few minutes' cost.
+    mixed_method = (
+        bench_method(read_quantization(reuse["mixed"])) if "mixed" in reuse else MIXED_METHOD
+    )
     obtain("mixed", mixed_method, mixed)
     n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
     rows.append(
@@ -505,7 +552,7 @@ def main() -> int:
         "checks": checks,
         "seconds": round(time.monotonic() - t_start, 1),
     }
-    for m in ("awq-gptq-e2e", "awq-autoround-e2e"):
+    for m in (m for m in CALIBRATED if m.endswith("-e2e")):
         result["e2e"][m] = read_quantization(dirs[m]).get("e2e")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

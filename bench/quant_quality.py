@@ -14,19 +14,20 @@ Rows (all through Tandem's LlamaModel and paged KV cache):
                    (act order within groups, clipping), GPTQ on AWQ-scaled weights, learned
                    rounding + group ranges per decoder layer (block output reconstruction), the
                    same on AWQ-scaled weights. Every linear layer is 4-bit g128.
+  int4_g128_awq_autoround_e2e
+                   AWQ+autoround, then its group scales and zero points (codes fixed) tuned end to
+                   end to the float model's next-token distribution (`tandem quantize
+                   --e2e-steps`, tandem.quant.e2e) on the calibration text plus 64 sequences
+                   sampled from the float model; early stopping on 8 of those, held out.
   int4_g128_awq_gptq_gen, int4_g128_awq_autoround_gen
                    AWQ+GPTQ and AWQ+autoround calibrated on the calibration file plus 64
                    sequences sampled from the float model (`tandem quantize --calib-generated 64`:
                    data-free text of whatever kinds the model writes, so no method fits the docs
                    alone).
   int4_g128_awq_autoround_gen_e2e
-                   the last, then its group scales and zero points (codes fixed) tuned end to end
-                   to the float model's next-token distribution (`tandem quantize --e2e-steps`,
-                   tandem.quant.e2e) on the calibration text plus 64 other sampled sequences;
-                   early stopping on 8 of those, held out. (An `X-e2e` entry in CALIBRATED works
-                   for any method X. The docs-only rows awq-gptq-e2e and awq-autoround-e2e left
-                   the list on 2026-12-01: on the AWQ+autoround checkpoint e2e had moved the
-                   selection text's perplexity 0.15 %, and each costs about 20 minutes.)
+                   the last, then e2e as above (its 64 sampled sequences drawn with another seed
+                   than the calibration's). An `X-e2e` entry in CALIBRATED works for any method X;
+                   awq-gptq-e2e left the list on 2026-12-01 (about 20 minutes of CPU each).
   mixed_*          AWQ+GPTQ (minutes, where the block-wise and e2e methods take half an hour or
                    more) with the profiler's suggested recipe (`tandem quantize
                    --profile`: layers whose weight statistics stand out kept at 8 bits); its
@@ -100,6 +101,7 @@ CALIBRATED = (
     "awq-gptq",
     "autoround",
     "awq-autoround",
+    "awq-autoround-e2e",
     "awq-gptq-gen",
     "awq-autoround-gen",
     "awq-autoround-gen-e2e",

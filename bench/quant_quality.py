@@ -26,7 +26,7 @@ Rows (all through Tandem's LlamaModel and paged KV cache):
                    alone).
   int4_g128_awq_autoround_gen_e2e
                    the last, then e2e as above (its 64 sampled sequences drawn with another seed
-                   than the calibration's). An `X-e2e` entry in CALIBRATED works for any method X;
+                   than the calibration's). An `X-e2e` entry in CALIBRATED (and its line in `notes`) works for any X;
                    awq-gptq-e2e left the list on 2026-12-01 (about 20 minutes of CPU each).
   mixed_*          AWQ+GPTQ (minutes, where the block-wise and e2e methods take half an hour or
                    more) with the profiler's suggested recipe (`tandem quantize
@@ -301,12 +301,13 @@ def main() -> int:
             base = base_method(method)
             base_w, _ = quantized[base] if rec is recipe else (None, None)
             if base_w is None:
+                base_cli, generated = cli_method(base)
                 weights, info = quantize_model(
                     loaded,
                     rec,
-                    cli_method(base)[0],
+                    base_cli,
                     log=log,
-                    generated=cli_method(base)[1],
+                    generated=generated,
                     e2e_steps=args.e2e_steps,
                     e2e_generated=args.e2e_generated,
                     e2e_lr=args.e2e_lr,
@@ -329,9 +330,8 @@ def main() -> int:
                 if base in provenance:
                     provenance[key]["base_checkpoint"] = provenance[base]
         else:
-            weights, info = quantize_model(
-                loaded, rec, cli_method(method)[0], log=log, generated=cli_method(method)[1]
-            )
+            method_cli, generated = cli_method(method)
+            weights, info = quantize_model(loaded, rec, method_cli, log=log, generated=generated)
         out = os.path.join(tmp, key)
         save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
         back = load_model(out, torch.float32)
@@ -434,8 +434,6 @@ def main() -> int:
         "reconstruction) on the calibration text",
         "awq-autoround": "INT4 g128 learned rounding + group ranges per decoder layer on "
         "AWQ-scaled weights, calibration text",
-        "awq-gptq-e2e": "INT4 g128 AWQ+GPTQ, then its group scales and zero points tuned end to "
-        "end (codes fixed) to the float model's next-token distribution on the calibration text",
         "awq-autoround-e2e": "INT4 g128 AWQ+autoround, then its group scales and zero points "
         "tuned end to end (codes fixed) to the float model's next-token distribution on the "
         "calibration text",

@@ -219,7 +219,7 @@ def test_calibration_with_sampled_sequences(model_factory, tmp_path, capsys) -> 
     _, path = model_factory("llama")
     loaded = load_model(path, torch.float32)
     calib = _calib_file(tmp_path, 400, 5)  # 6 sequences of 64 tokens
-    _, plain = quantize_model(loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print)
+    w0, plain = quantize_model(loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print)
     w, info = quantize_model(
         loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print, generated=3
     )
@@ -227,7 +227,6 @@ def test_calibration_with_sampled_sequences(model_factory, tmp_path, capsys) -> 
     cal = info["calibration"]
     assert cal["generated_seqs"] == 3 and cal["tokens"] == plain["calibration"]["tokens"] + 3 * 64
     # More calibration text changes GPTQ's Hessians and so its codes.
-    w0, _ = quantize_model(loaded, Recipe(), "gptq", calib_path=calib, seq_len=64, log=print)
     assert any(
         not torch.equal(w[k].qweight, w0[k].qweight) for k in w if isinstance(w[k], QuantizedWeight)
     )

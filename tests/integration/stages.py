@@ -57,6 +57,14 @@ class Stage:
     log_path: str
     proc: subprocess.Popen | None = None
     env: dict = field(default_factory=dict)
+    # The /metrics port, reserved like the gRPC port (and kept across restarts). Left to the
+    # service, it would be the gRPC port + METRICS_PORT_OFFSET, a port nobody reserved that
+    # another process may hold. None when the args name one themselves.
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is None and "--metrics-port" not in self.args:
+            (self.metrics_port,) = free_ports(1)
 
     @property
     def address(self) -> str:
@@ -65,7 +73,15 @@ class Stage:
     def start(self, wait: bool = True, credentials=None) -> Stage:
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{self.name}", "--port", str(self.port), *self.args],
+            [
+                sys.executable,
+                "-m",
+                f"services.{self.name}",
+                "--port",
+                str(self.port),
+                *(["--metrics-port", str(self.metrics_port)] if self.metrics_port else []),
+                *self.args,
+            ],
             stdout=logf,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.env},

@@ -208,6 +208,8 @@ def test_draft_with_another_tokenizer_is_refused(tmp_path, model_factory):
             "services.draft",
             "--port",
             str(port),
+            "--metrics-port",
+            "-1",
             "--model",
             path,
             "--draft",

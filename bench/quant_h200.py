@@ -45,6 +45,7 @@ if ROOT not in sys.path:
 from tandem.kernels.w4a16 import (  # noqa: E402
     GemmConfig,
     GemvConfig,
+    GemvH2Config,
     GemvNConfig,
     default_config,
     n_major,
@@ -79,6 +80,12 @@ GEMVN_SWEEP = [
     GemvNConfig(block_n=bn, split_k=sk, num_warps=nw, num_stages=1)
     for bn, nw in ((32, 1), (64, 1), (64, 2), (128, 1), (128, 2), (128, 4), (256, 2))
     for sk in (1, 2, 4, 8, 16, 32)
+]
+# The packed-fp16 INT4 GEMV (`_gemv_h2_kernel`, the M = 1 default): the same dimensions.
+GEMVH2_SWEEP = [
+    GemvH2Config(block_n=bn, split_k=sk, num_warps=nw)
+    for bn, nw in ((32, 1), (64, 1), (128, 1), (128, 2), (256, 2))
+    for sk in (2, 4, 8, 16, 32)
 ]
 GEMM_SWEEP = {
     8: [GemmConfig(16, 64, 128, 2, 4, 3), GemmConfig(16, 32, 128, 1, 4, 4),
@@ -216,8 +223,15 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
                 finally:
                     pdl.ENABLED = True
                 rec(f"tandem_w4a16{tag}_default_no_pdl", t, q_bytes, None, config=repr(cfg))
+            if tag and m == 1:
+                # The FFMA N-major GEMV with the default's tile and split, side by side.
+                cf = GemvNConfig(block_n=cfg.block_n, split_k=cfg.split_k, num_warps=cfg.num_warps)
+                y = w4a16_matmul_triton(x, ws[0], cf)
+                t = timed(lambda i, cf=cf, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cf),
+                          copies)  # fmt: skip
+                rec("tandem_w4a16_nmajor_ffma", t, q_bytes, y, config=repr(cf))
             if m == 1:
-                sweep = GEMVN_SWEEP if tag else GEMV_SWEEP
+                sweep = GEMVN_SWEEP + GEMVH2_SWEEP if tag else GEMV_SWEEP
             else:
                 sweep = GEMM_SWEEP.get(m, [])
             if smoke:
@@ -274,6 +288,7 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
             f"gemm N={n} K={k} M={m}: w4a16 {row['tandem_w4a16_default']['us']:.1f} us "
             f"(best {d['us']:.1f} us, {d['frac_of_copy_bw']:.2f} of copy bw), "
             f"n-major {row['tandem_w4a16_nmajor_default']['us']:.1f} us "
+            f"(ffma {row.get('tandem_w4a16_nmajor_ffma', {}).get('us', float('nan')):.1f}) "
             f"(best {dn['us']:.1f} us {dn['frac_of_copy_bw']:.2f} {dn['config']}), "
             f"int4pack {row.get('torch_int4pack_mm', {}).get('us', float('nan')):.1f} us, "
             f"bf16 {row['bf16_cublas']['us']:.1f} us",
@@ -422,6 +437,34 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                     speedups[f"{name}/{kvd}/pdl={use}"] = got / base
     out["speedup_vs_bf16_same_pdl"] = speedups
     print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
+
+    # Batch 1, INT4 + INT4 head, bf16 KV, PDL: the M = 1 GEMV in packed fp16 (`_gemv_h2_kernel`,
+    # the default) and the FFMA one (TANDEM_GEMV_H2=0), one after the other, same weights.
+    kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
+    kv.data.view(torch.uint8).random_(0, 64)
+    grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
+    for name, h2 in (("bf16", True), ("int4_all", True), ("int4_all", False), ("int4", True),
+                     ("int4", False)):  # fmt: skip
+        model = models[name]
+        os.environ["TANDEM_GEMV_H2"] = "1" if h2 else "0"
+        try:
+            with torch.inference_mode():
+                t = timed(lambda i, model=model, kv=kv: model.logits(model.forward(ids, pos, kv, meta)),
+                          1, reps=5 if smoke else 30)  # fmt: skip
+            row = {"weights": name, "gemv": "h2" if h2 else "ffma", "step_ms": t * 1e3,
+                   "tokens_per_s": 1 / t}  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            row = {"weights": name, "gemv": "h2" if h2 else "ffma", "error": repr(e)[:400]}
+            traceback.print_exc()
+        os.environ.pop("TANDEM_GEMV_H2", None)
+        grows["rows"].append(row)
+        print(f"decode batch 1 {row}", flush=True)
+    base = next((r.get("tokens_per_s") for r in grows["rows"] if r["weights"] == "bf16"), None)
+    if base:
+        grows["speedup_vs_bf16"] = {f"{r['weights']}/{r['gemv']}": r["tokens_per_s"] / base
+                                    for r in grows["rows"] if "tokens_per_s" in r}  # fmt: skip
+        print(f"batch-1 speedups vs bf16: {grows['speedup_vs_bf16']}", flush=True)
+    del kv
 
     # Batched decode: 8 sequences of `ctx` cached tokens, one step, bf16 KV, PDL as default. The
     # INT4 rows side by side with the tensor-core kernel (default for 2 <= M <= 16) and without

@@ -406,7 +406,7 @@ def test_triton_gemv_even_tiles_match_f64() -> None:
         (40, 200, 128, wk.GemvNConfig(block_n=16)),  # K padded to the group, ragged N
         (64, 256, 32, wk.GemvNConfig(block_n=32, split_k=2)),  # even tiles
         (48, 384, 64, wk.GemvNConfig(block_n=16, split_k=4)),  # uneven splits
-        (64, 1024, 128, None),  # the default configuration for N-major INT4 at M = 1
+        (64, 1024, 128, wk.GemvNConfig(block_n=64, split_k=8, num_warps=1)),
     ],
 )
 def test_triton_n_major_gemv_matches_f64(n: int, k: int, group: int, config) -> None:
@@ -429,6 +429,47 @@ def test_triton_n_major_gemv_matches_f64(n: int, k: int, group: int, config) -> 
     xm = torch.randn(3, k, generator=g)
     refm = xm.double() @ qw.dequantize(torch.float64).T
     torch.testing.assert_close(wk.w4a16_matmul_triton(xm, qw).double(), refm, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "n, k, group, config",
+    [
+        (40, 256, 128, wk.GemvH2Config(block_n=16)),  # ragged N
+        (64, 256, 32, wk.GemvH2Config(block_n=32, split_k=2)),  # even tiles
+        (48, 384, 64, wk.GemvH2Config(block_n=16, split_k=4)),  # uneven splits
+        (64, 1024, 128, None),  # the default configuration for N-major INT4 at M = 1
+    ],
+)
+@pytest.mark.parametrize(
+    "x_scale, outlier", [(3.0, 0.0), (1e-3, 0.0), (1.0, 1e4), (3e4, 0.0)], ids=str
+)
+def test_triton_packed_half_gemv_matches_f64(n, k, group, config, x_scale, outlier) -> None:
+    """The packed-fp16 INT4 GEMV (codes as fp16 subnormals, x scaled per group by a power of
+    two, products and sums in fp16), emulated code by code in the interpreter: within bf16
+    expectations for x of any magnitude, one outlier 10**4 times the rest, and |x| past fp16's
+    range (6.5e4), where unscaled fp16 would overflow."""
+    g = torch.Generator().manual_seed(n + k)
+    qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
+    x = torch.randn(1, k, generator=g) * x_scale
+    x[0, 5] += outlier
+    x = x.to(torch.bfloat16).float()  # the values bf16 activations take
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    if config is None:
+        assert isinstance(wk.default_config(1, n, k, x.device, qw, x.dtype), wk.GemvH2Config)
+    out = wk.w4a16_matmul_triton(x, qw, config)
+    assert out.shape == (1, n) and torch.isfinite(out).all()
+    # fp16 products and sums: ~2**-11 per operation; a bf16 output alone rounds at 2**-9.
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+    torch.testing.assert_close(wk.w4a16_matmul_triton(x, qw, config), out, rtol=0, atol=0)
+    assert not arrival_counters(x.device, 1).any()
+
+
+def test_packed_half_gemv_refuses_partial_groups() -> None:
+    qw = wk.n_major(quantize_rtn(torch.randn(32, 200), 4, 64))  # K = 200: the last group partial
+    x = torch.randn(1, 200)
+    assert isinstance(wk.default_config(1, 32, 200, x.device, qw, x.dtype), wk.GemvNConfig)
+    with pytest.raises(ValueError, match="whole groups: K 200, group size 64"):
+        wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16))
 
 
 @pytest.mark.parametrize(

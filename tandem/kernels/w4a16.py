@@ -149,6 +149,51 @@ def _code_hi(t, ASM: tl.constexpr):
 
 
 @triton.jit
+def _finish_row(
+    acc,  # [BLOCK_N] float32 sums of this program's part of K
+    out,  # [BLOCK_N] pointers into the output row
+    ws_ptr,
+    cnt_ptr,
+    pid_n,
+    pid_k,
+    m,
+    M,
+    N,
+    offs_n,
+    n_mask,
+    SPLIT,
+    REDUCE: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """One output row of a 1-row GEMV program: stored directly, or, with K split (REDUCE), as
+    partial sums that the last program to arrive at the column block (an acq_rel counter) adds
+    up and stores; it then re-zeroes the counter for the next call."""
+    if REDUCE:
+        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+        tl.store(ws, acc, mask=n_mask)
+        tl.debug_barrier()  # every thread's partials are written before the counter moves
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            # All partials in one load (a loop would wait out one L2 round trip per split).
+            sk = tl.arange(0, SPLIT_P2)
+            parts = tl.load(
+                ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+                mask=(sk < SPLIT)[:, None] & n_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            total = tl.sum(parts, axis=0)
+            tl.store(out, total.to(out.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    elif EVEN:
+        tl.store(out, acc.to(out.dtype.element_ty))
+    else:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _gemv_nmajor_kernel(
     x_ptr,  # [M, K] activations
     qw_ptr,  # packed codes, word w of row n at qw_ptr + w * stride_qw + n (N-major storage)
@@ -267,28 +312,223 @@ def _gemv_nmajor_kernel(
             part += _code_hi(t, ASM) * xb[:, None]
         acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    if REDUCE:
-        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
-        tl.store(ws, acc, mask=n_mask)
-        tl.debug_barrier()  # every thread's partials are written before the counter moves
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            # All partials in one load (a loop would wait out one L2 round trip per split).
-            sk = tl.arange(0, SPLIT_P2)
-            parts = tl.load(
-                ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
-                mask=(sk < SPLIT)[:, None] & n_mask[None, :],
-                other=0.0,
-                cache_modifier=".cg",
+    _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                REDUCE, SPLIT_P2, EVEN)  # fmt: skip
+
+
+@triton.jit
+def _h2_codes_fma(q, xp, acc, HI: tl.constexpr, FIRST: tl.constexpr):
+    """acc + codes * xp in f16x2 (ASM only). The codes of q under the mask 0x000F000F (HI:
+    0x00F000F0), left in place, are two fp16 subnormals, c * 2**-24 (HI: 16 c * 2**-24), exact;
+    xp holds the matching x pair, scaled. FIRST: no accumulator yet (a multiply)."""
+    if FIRST:
+        if HI:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; and.b32 t, $1, 0x00F000F0; mul.rn.f16x2 $0, t, $2;}",
+                "=r,r,r",
+                [q, xp],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
             )
-            total = tl.sum(parts, axis=0)
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
-    elif EVEN:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t; and.b32 t, $1, 0x000F000F; mul.rn.f16x2 $0, t, $2;}",
+            "=r,r,r",
+            [q, xp],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    if HI:
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 t; and.b32 t, $1, 0x00F000F0; fma.rn.f16x2 $0, t, $2, $3;}",
+            "=r,r,r,r",
+            [q, xp, acc],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    return tl.inline_asm_elementwise(
+        "{.reg .b32 t; and.b32 t, $1, 0x000F000F; fma.rn.f16x2 $0, t, $2, $3;}",
+        "=r,r,r,r",
+        [q, xp, acc],
+        dtype=tl.int32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _x_pairs(xa, xb, sc, sc16):
+    """xa = bf16 pair (x_j, x_j+1), xb = (x_j+4, x_j+5) -> f16x2 (x_j sc, x_j+4 sc) and
+    (x_j+1 sc16, x_j+5 sc16) (ASM only; the scales are powers of two)."""
+    return tl.inline_asm_elementwise(
+        "{.reg .b32 a, b, c, d; shl.b32 a, $2, 16; shl.b32 b, $3, 16; "
+        "and.b32 c, $2, 0xFFFF0000; and.b32 d, $3, 0xFFFF0000; "
+        "mul.f32 a, a, $4; mul.f32 b, b, $4; mul.f32 c, c, $5; mul.f32 d, d, $5; "
+        "cvt.rn.f16x2.f32 $0, b, a; cvt.rn.f16x2.f32 $1, d, c;}",
+        "=r,=r,r,r,f,f",
+        [xa, xb, sc, sc16],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _hadd2(a, b):
+    return tl.inline_asm_elementwise(
+        "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _h2_total(t):
+    """The two fp16 halves of t, added, as float32 (ASM only)."""
+    return tl.inline_asm_elementwise(
+        "{.reg .f16 l, h; mov.b32 {l, h}, $1; add.rn.f16 l, l, h; cvt.f32.f16 $0, l;}",
+        "=f,r",
+        [t],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _round_f16(v):
+    return v.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _gemv_h2_kernel(
+    x_ptr,  # [M, K] activations (bf16 when ASM)
+    qw_ptr,  # packed codes, N-major (word w of row n at qw_ptr + w * stride_qw + n)
+    s_ptr,  # fp16 scales, group g of row n at s_ptr + g * stride_sg + n
+    mn_ptr,  # fp16 zero points (value of code 0), same layout
+    out_ptr,  # [M, N]
+    ws_ptr,  # float32 [SPLIT, M, N] partial sums (REDUCE)
+    cnt_ptr,  # int32 arrival counters, zero between calls (REDUCE)
+    M,
+    N,
+    K,  # == G * GROUP (whole groups: x is read without masks)
+    G,
+    groups_per_split,
+    SPLIT,
+    stride_xm,
+    stride_qw,
+    stride_sg,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REDUCE: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+    EVEN: tl.constexpr,  # N a multiple of BLOCK_N: no masks
+    ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
+    PDL: tl.constexpr,
+):
+    """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
+
+    An INT4 code left in place under a mask is an fp16 subnormal: bits 0..3 of a half are
+    c * 2**-24 and bits 4..7 are 16 c * 2**-24, both exact. So a word's codes pair up without a
+    shift or an offset: q & 0x000F000F holds codes 0 and 4, q & 0x00F000F0 codes 1 and 5 (times
+    16), (q >> 8) the same for 2, 6 and 3, 7; one `fma.rn.f16x2` multiplies a pair by x and
+    adds it in: ~1.1 instructions per code (a shift per word, an AND and an FMA per two codes)
+    against the FFMA kernel's ~3.9.
+
+    Precision: per group, x is scaled by a power of two so that its largest |x| lies in
+    [2**14, 2**15) (the pairs for the x16 codes by a sixteenth of it); bf16 x is exact in fp16
+    there. A product c x 2**-24 is then at most 2**-5, exact to fp16's 11 bits down to 2**-14
+    and within 2**-25 below, far under the group's largest term; four products per half and the
+    tree over the group's words are added in fp16 (relative 2**-12 per add), the group total is
+    scaled back and joins the float32 sums: y += s * sum_k c x + zero * sum_k x.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    WPG: tl.constexpr = GROUP // 8  # words per group
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    offs_k = tl.arange(0, GROUP)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    q_cols = qw_ptr + offs_n[None, :]
+
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    wi = g_start * WPG + offs_w
+    w_end = g_end * WPG
+    q_next = tl.load(
+        q_cols + wi[:, None].to(tl.int64) * stride_qw,
+        mask=(wi < w_end)[:, None] & n_mask[None, :],
+        other=0,
+    )
+    # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    for g in range(g_start, g_end):
+        q = q_next
+        wi = g * WPG + offs_w
+        wn = wi + WPG
+        q_next = tl.load(
+            q_cols + wn[:, None].to(tl.int64) * stride_qw,
+            mask=(wn < w_end)[:, None] & n_mask[None, :],
+            other=0,
+        )
+        s_off = g * stride_sg + offs_n
+        if EVEN:
+            s = tl.load(s_ptr + s_off).to(tl.float32)
+            mn = tl.load(mn_ptr + s_off).to(tl.float32)
+        else:
+            s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+        xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
+        x_sum = tl.sum(xg, axis=0)
+        # The power of two that takes the group's largest |x| into [2**14, 2**15): exponent
+        # field sf (clamped: an all-zero group, and sf - 4 and 278 - sf stay valid fields).
+        e = (tl.max(tl.abs(xg), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        sf = tl.minimum(tl.maximum(268 - e, 24), 254)
+        sc = (sf << 23).to(tl.float32, bitcast=True)
+        sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)  # sc / 16
+        unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
+        if ASM:
+            xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of each word's x
+            p0, p1 = _x_pairs(tl.load(xr), tl.load(xr + 2), sc, sc16)  # x 0,4 and 1,5
+            p2, p3 = _x_pairs(tl.load(xr + 1), tl.load(xr + 3), sc, sc16)  # x 2,6 and 3,7
+            q8 = q >> 8
+            part = _h2_codes_fma(q, p0[:, None], q, False, True)
+            part = _h2_codes_fma(q, p1[:, None], part, True, False)
+            part = _h2_codes_fma(q8, p2[:, None], part, False, False)
+            part = _h2_codes_fma(q8, p3[:, None], part, True, False)
+            total = _h2_total(tl.reduce(part, 0, _hadd2))  # [BLOCK_N]
+        else:
+            # The same arithmetic one code at a time: x rounded to fp16 after scaling, every
+            # product-and-add rounded to fp16 in the order of the packed halves (codes 0-3 in
+            # the low half, 4-7 in the high); the sum over words in float32.
+            for j in tl.static_range(8):
+                xj = tl.load(x_row + wi * 8 + j).to(tl.float32)
+                if j % 2 == 1:
+                    xt = _round_f16(xj * sc16)
+                    cj = ((q >> (4 * j)) & 15).to(tl.float32) * (16.0 * 2.0**-24)
+                else:
+                    xt = _round_f16(xj * sc)
+                    cj = ((q >> (4 * j)) & 15).to(tl.float32) * 2.0**-24
+                prod = cj * xt[:, None]
+                if j == 0:
+                    lo = _round_f16(prod)
+                elif j < 4:
+                    lo = _round_f16(lo + prod)
+                elif j == 4:
+                    hi = _round_f16(prod)
+                else:
+                    hi = _round_f16(hi + prod)
+            total = tl.sum(lo + hi, axis=0)
+        acc += s * (total * unscale) + mn * x_sum
+    out = out_ptr + m.to(tl.int64) * stride_om + offs_n
+    _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                REDUCE, SPLIT_P2, EVEN)  # fmt: skip
 
 
 @triton.jit
@@ -554,6 +794,16 @@ class GemvNConfig:
 
 
 @dataclass(frozen=True)
+class GemvH2Config:
+    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic."""
+
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 1
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
 class GemvTCConfig:
     """`_gemv_tc_kernel`: INT4, N-major codes, tensor cores, `block_m` rows of x per program."""
 
@@ -607,6 +857,20 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
     )
 
 
+def h2_eligible(
+    w: QuantizedWeight, k: int, x_dtype: torch.dtype | None, device: torch.device
+) -> bool:
+    """Whether `_gemv_h2_kernel` serves this M = 1 product: INT4 N-major codes of whole groups
+    (K a multiple of the group size), bf16 x on the GPU (any x in the interpreter), unless
+    `TANDEM_GEMV_H2=0`."""
+    if os.environ.get("TANDEM_GEMV_H2", "1") in ("0", "false", "off"):
+        return False
+    if w.bits != 4 or not is_n_major(w) or k != w.scales.shape[1] * w.group_size:
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return x_dtype == torch.bfloat16 or (interpreted and device.type != "cuda")
+
+
 def default_config(
     m: int,
     n: int,
@@ -614,7 +878,7 @@ def default_config(
     device: torch.device,
     w: QuantizedWeight | None = None,
     x_dtype: torch.dtype | None = None,
-) -> GemvConfig | GemvNConfig | GemvTCConfig | GemmConfig:
+) -> GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig:
     """A launch configuration by shape: enough programs in flight to cover every SM."""
     sms = _num_sms(device)
     if (
@@ -649,6 +913,8 @@ def default_config(
         split = 1
         while split < 32 and (groups > 4 * split or blocks * split < 1536) and groups >= 2 * split:
             split *= 2
+        if h2_eligible(w, k, x_dtype, device):
+            return GemvH2Config(block_n=64, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
@@ -669,7 +935,7 @@ def default_config(
 def w4a16_matmul_triton(
     x: torch.Tensor,  # [M, K]
     w: QuantizedWeight,
-    config: GemvConfig | GemvNConfig | GemvTCConfig | GemmConfig | None = None,
+    config: GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
@@ -686,6 +952,8 @@ def w4a16_matmul_triton(
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
+    if isinstance(config, GemvH2Config):
+        return launch_gemv_h2(x, w, config)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -822,6 +1090,34 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
         and x.dtype == torch.bfloat16
         and x.data_ptr() % 4 == 0
         and x.stride(0) % 2 == 0,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl.launch_options(x),
+    )
+    return sl.out, kernel
+
+
+def launch_gemv_h2(x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config):
+    """(output, the compiled kernel launched) of `_gemv_h2_kernel`."""
+    m, k = x.shape
+    n = w.out_features
+    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
+    if k != sl.groups * w.group_size:
+        raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
+    asm = _compiled_cuda(x)
+    if asm:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
+        if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
+            x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
+    kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
+        *sl.args(x, w),
+        GROUP=w.group_size,
+        BLOCK_N=config.block_n,
+        REDUCE=sl.split > 1,
+        SPLIT_P2=triton.next_power_of_2(sl.split),
+        EVEN=n % config.block_n == 0,
+        ASM=asm,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl.launch_options(x),

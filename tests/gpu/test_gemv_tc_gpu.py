@@ -77,10 +77,10 @@ def test_gemv_tc_configs(wk, block_n, split, warps, stages, m: int, block_m: int
 
 def test_gemv_tc_default_route(wk) -> None:
     """2 <= M <= 32, bf16 x, INT4 g128 N-major: the default launch is the tensor-core kernel
-    (M = 1 keeps the FFMA GEMV, faster there; past 32 rows the tl.dot GEMM)."""
+    (M = 1 takes the packed-fp16 GEMV, faster there; past 32 rows the tl.dot GEMM)."""
     qw = _weight(wk, 4096, 4096, 128, seed=11)
     x1 = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    assert isinstance(wk.default_config(1, 4096, 4096, x1.device, qw, x1.dtype), wk.GemvNConfig)
+    assert isinstance(wk.default_config(1, 4096, 4096, x1.device, qw, x1.dtype), wk.GemvH2Config)
     x33 = torch.randn(33, 4096, device=DEV, dtype=torch.bfloat16)
     assert isinstance(wk.default_config(33, 4096, 4096, x33.device, qw, x33.dtype), wk.GemmConfig)
     for m in (2, 5, 16, 17, 32):

@@ -116,6 +116,32 @@ def test_w4a16_n_major_configs(wk, block_n: int, split: int, warps: int) -> None
         assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < tol
 
 
+@pytest.mark.parametrize(
+    "block_n, split, warps", [(32, 1, 1), (64, 8, 1), (128, 3, 1), (128, 8, 2), (256, 2, 2)]
+)
+@pytest.mark.parametrize("group", [64, 128])
+def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group: int) -> None:
+    """The packed-fp16 GEMV (the M = 1 default for bf16 x; codes as fp16 subnormals, x scaled
+    per group by a power of two): ragged N, uneven splits, x of every magnitude, one outlier
+    10**4 times the rest, |x| past fp16's range. Tighter than REL_TOL: fp16 products and sums
+    add ~2**-11 to the bf16 output's 2**-9."""
+    qw = wk.n_major(_weight(3000, 4096 + 128, 4, group, seed=block_n + split + group))
+    cfg = wk.GemvH2Config(block_n=block_n, split_k=split, num_warps=warps)
+    for scale, outlier in ((1.0, 0.0), (1e-3, 0.0), (1.0, 1e4), (3e4, 0.0)):
+        x = torch.randn(1, qw.in_features, device=DEV) * scale
+        x[0, 7] += outlier
+        x = x.to(torch.bfloat16)
+        ref = x.double() @ qw.dequantize(torch.float64).T
+        out = wk.w4a16_matmul_triton(x, qw, cfg)
+        assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+        assert _rel_err(out, ref) < 4e-3, (scale, outlier)
+    # x not 16-byte aligned (a view one element into a buffer): read from an aligned copy.
+    buf = torch.randn(1, qw.in_features + 1, device=DEV).to(torch.bfloat16)
+    x = buf[:, 1:]
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < 4e-3
+
+
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

@@ -359,16 +359,17 @@ def _h2_codes_fma(q, xp, acc, HI: tl.constexpr, FIRST: tl.constexpr):
 
 
 @triton.jit
-def _x_pairs(xa, xb, sc, sc16):
+def _x_pairs(xa, xb, sc2):
     """xa = bf16 pair (x_j, x_j+1), xb = (x_j+4, x_j+5) -> f16x2 (x_j sc, x_j+4 sc) and
-    (x_j+1 sc16, x_j+5 sc16) (ASM only; the scales are powers of two)."""
+    (x_j+1 sc16, x_j+5 sc16) (ASM only). sc2 holds the powers of two as a bf16 pair (sc low,
+    sc16 high): one bf16x2 multiply scales both halves exactly, then each half is widened to
+    float32 by a shift or mask and two halves narrow to fp16 together."""
     return tl.inline_asm_elementwise(
-        "{.reg .b32 a, b, c, d; shl.b32 a, $2, 16; shl.b32 b, $3, 16; "
-        "and.b32 c, $2, 0xFFFF0000; and.b32 d, $3, 0xFFFF0000; "
-        "mul.f32 a, a, $4; mul.f32 b, b, $4; mul.f32 c, c, $5; mul.f32 d, d, $5; "
-        "cvt.rn.f16x2.f32 $0, b, a; cvt.rn.f16x2.f32 $1, d, c;}",
-        "=r,=r,r,r,f,f",
-        [xa, xb, sc, sc16],
+        "{.reg .b32 ta, tb, a, b, c, d; mul.rn.bf16x2 ta, $2, $4; mul.rn.bf16x2 tb, $3, $4; "
+        "shl.b32 a, ta, 16; shl.b32 b, tb, 16; and.b32 c, ta, 0xFFFF0000; "
+        "and.b32 d, tb, 0xFFFF0000; cvt.rn.f16x2.f32 $0, b, a; cvt.rn.f16x2.f32 $1, d, c;}",
+        "=r,=r,r,r,r",
+        [xa, xb, sc2],
         dtype=(tl.int32, tl.int32),
         is_pure=True,
         pack=1,
@@ -495,8 +496,9 @@ def _gemv_h2_kernel(
         unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
         if ASM:
             xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of each word's x
-            p0, p1 = _x_pairs(tl.load(xr), tl.load(xr + 2), sc, sc16)  # x 0,4 and 1,5
-            p2, p3 = _x_pairs(tl.load(xr + 1), tl.load(xr + 3), sc, sc16)  # x 2,6 and 3,7
+            sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
+            p0, p1 = _x_pairs(tl.load(xr), tl.load(xr + 2), sc2)  # x 0,4 and 1,5
+            p2, p3 = _x_pairs(tl.load(xr + 1), tl.load(xr + 3), sc2)  # x 2,6 and 3,7
             q8 = q >> 8
             part = _h2_codes_fma(q, p0[:, None], q, False, True)
             part = _h2_codes_fma(q, p1[:, None], part, True, False)
@@ -914,7 +916,18 @@ def default_config(
         while split < 32 and (groups > 4 * split or blocks * split < 1536) and groups >= 2 * split:
             split *= 2
         if h2_eligible(w, k, x_dtype, device):
-            return GemvH2Config(block_n=64, split_k=split, num_warps=1)
+            # The probe on the H200 (bench/README, session 7): one warp per 32 columns (64
+            # registers); K split until >= 2048 programs run, and on until 3584 while a program
+            # would hold more than 4 groups (at most 32 ways, >= 1 group each).
+            blocks = triton.cdiv(n, 32)
+            split = 1
+            while (
+                split < 32
+                and groups >= 2 * split
+                and (blocks * split < 2048 or (groups > 4 * split and blocks * split < 3584))
+            ):
+                split *= 2
+            return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).

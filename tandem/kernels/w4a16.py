@@ -918,13 +918,18 @@ def default_config(
         if h2_eligible(w, k, x_dtype, device):
             # The probe on the H200 (bench/README, session 7): one warp per 32 columns (64
             # registers); K split until >= 2048 programs run, and on until 3584 while a program
-            # would hold more than 4 groups (at most 32 ways, >= 1 group each).
+            # would hold more than 4 groups, and while it would hold more than 16 (the LM head:
+            # 128256 x 4096 84 us at split 2, 99 unsplit); at most 32 ways, >= 1 group each.
             blocks = triton.cdiv(n, 32)
             split = 1
             while (
                 split < 32
                 and groups >= 2 * split
-                and (blocks * split < 2048 or (groups > 4 * split and blocks * split < 3584))
+                and (
+                    blocks * split < 2048
+                    or (groups > 4 * split and blocks * split < 3584)
+                    or groups > 16 * split
+                )
             ):
                 split *= 2
             return GemvH2Config(block_n=32, split_k=split, num_warps=1)

@@ -56,7 +56,14 @@ def _check(wk, x, qw, cfg) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", [1, 2, 7, 16, 17, 40])
 @pytest.mark.parametrize(
-    "n, k, group", [(4096, 4096, 128), (1000, 4096 + 128 + 64, 64), (3000, 1536, 128)]
+    "n, k, group",
+    [
+        (4096, 4096, 128),
+        (1000, 4096 + 128 + 64, 64),
+        (3000, 1536, 128),
+        (640, 160, 128),  # the last group partial (K padded), as in small models
+        (512, 64, 128),  # K under one group
+    ],
 )
 def test_gemv_tc_matches_f64(wk, m: int, n: int, k: int, group: int) -> None:
     qw = _weight(wk, n, k, group, seed=m + n + k)

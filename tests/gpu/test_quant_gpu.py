@@ -233,19 +233,34 @@ def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv:
 
 
 def test_engine_int4_fp8_kv_on_cuda(model_factory) -> None:
-    """A whole engine (tiny random Llama) with INT4 weights and an FP8 KV cache on the GPU:
-    greedy tokens from its prefill logits agree with the same engine in bf16 KV."""
+    """A whole engine (tiny random Llama) with INT4 weights and an FP8 KV cache on the GPU: the
+    first token's log-probabilities stay within FP8's perturbation of the same engine's in bf16
+    KV, and the greedy token agrees wherever bf16 KV's lead exceeds twice that perturbation.
+
+    (A random tiny model has near-ties: on prompt 0 bf16 KV leads by 0.25 nats, and the e4m3
+    cache moves log-probabilities by up to ~0.2 nats, so an exact first-token check there tests
+    the tie, not the cache; measured on the H200, session 7.)"""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set")
     import tandem
 
     _, path = model_factory("llama")
-    sp = tandem.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sp = tandem.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [100, 200, 300]]
     outs = {}
     for kv in ("auto", "fp8"):
         llm = tandem.LLM(path, num_blocks=64, dtype="bfloat16", quantization="int4", kv_dtype=kv)
-        outs[kv] = [o.token_ids for o in llm.generate(prompts, sp)]
-        assert all(len(t) == 8 for t in outs[kv])
-    # FP8 KV may flip a near-tie late in a sequence; the first token must agree.
-    assert [t[:1] for t in outs["fp8"]] == [t[:1] for t in outs["auto"]]
+        outs[kv] = llm.generate(prompts, sp)
+        assert all(len(o.token_ids) == 8 for o in outs[kv])
+    decided = 0
+    for a, f in zip(outs["auto"], outs["fp8"], strict=True):
+        la, lf = dict(a.logprobs[0].top), dict(f.logprobs[0].top)
+        common = la.keys() & lf.keys()
+        assert len(common) >= 3, (la, lf)
+        moved = max(abs(la[t] - lf[t]) for t in common)
+        assert moved < 0.35, (la, lf)
+        (_, first), (_, second) = a.logprobs[0].top[:2]
+        if first - second > 2 * moved:
+            assert f.token_ids[0] == a.token_ids[0], (la, lf)
+            decided += 1
+    assert decided >= 1  # prompt 1 leads by 0.84 nats

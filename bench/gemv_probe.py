@@ -1,7 +1,7 @@
 """W4A16 GEMV variants on one shape: times side by side, and the compiled code for reading.
 
 Builds an INT4 g128 weight stored N-major (as the GPU model stores it) and a bf16 x, and for
-each `--config` (block_n,num_warps,split_k; `h2:` the same for the packed-fp16 kernel) prints the median time of one call over 16 rotating
+each `--config` (block_n,num_warps,split_k; `h2:` the same for the packed-fp16 kernel, `h2x:` that kernel reading x in its producer-written GemvX form) prints the median time of one call over 16 rotating
 weight copies (CUDA graph replay) and the error against float64. `--dump`
 writes each variant's cubin (read it with nvdisasm where there is no GPU) and register counts.
 `--iters` plain launches of the first config come first, for `ncu`.
@@ -71,10 +71,17 @@ def main() -> int:
             bn, nw, sk, st, *bm = (int(v) for v in spec[3:].split(","))
             cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
-        elif spec.startswith("h2:"):  # packed fp16: h2:block_n,num_warps,split_k
-            bn, nw, sk = (int(v) for v in spec[3:].split(","))
+        elif spec.startswith(("h2:", "h2x:")):  # packed fp16: h2:block_n,num_warps,split_k
+            bn, nw, sk = (int(v) for v in spec.split(":")[1].split(","))
             cfg = wk.GemvH2Config(bn, sk, nw)
-            launch = wk.launch_gemv_h2
+            if spec.startswith("h2x:"):  # x as its producer writes it (GemvX), made untimed
+                xq_of_x = wk.gemv_x_ref(x, 128)
+
+                def launch(x, w, cfg, xq=xq_of_x):
+                    return wk.launch_gemv_h2(x, w, cfg, xq)
+
+            else:
+                launch = wk.launch_gemv_h2
         elif spec.startswith("gemm:"):  # tl.dot kernel: gemm:bm,bn,bk,split_k,num_warps,stages
             cfg = wk.GemmConfig(*(int(v) for v in spec[5:].split(",")))
 

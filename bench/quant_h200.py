@@ -438,27 +438,33 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     out["speedup_vs_bf16_same_pdl"] = speedups
     print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
 
-    # Batch 1, INT4 + INT4 head, bf16 KV, PDL: the M = 1 GEMV in packed fp16 (`_gemv_h2_kernel`,
-    # the default) and the FFMA one (TANDEM_GEMV_H2=0), one after the other, same weights.
+    # Batch 1, INT4 + INT4 head, bf16 KV, PDL, one row after another, same weights: the M = 1
+    # GEMV in packed fp16 reading x as RMSNorm and silu*up wrote it (GemvX; the default), the
+    # same GEMV preparing x itself (TANDEM_GEMV_XPREP=0), and the FFMA GEMV (TANDEM_GEMV_H2=0).
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
-    for name, h2 in (("bf16", True), ("int4_all", True), ("int4_all", False), ("int4", True),
-                     ("int4", False)):  # fmt: skip
+    modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"}}
+    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("int4_all", "h2"),
+                       ("int4_all", "ffma"), ("int4", "h2+gemv_x"), ("int4", "ffma")):  # fmt: skip
         model = models[name]
-        os.environ["TANDEM_GEMV_H2"] = "1" if h2 else "0"
+        os.environ.update(modes[mode])
         try:
             with torch.inference_mode():
                 t = timed(lambda i, model=model, kv=kv: model.logits(model.forward(ids, pos, kv, meta)),
                           1, reps=5 if smoke else 30)  # fmt: skip
-            row = {"weights": name, "gemv": "h2" if h2 else "ffma", "step_ms": t * 1e3,
-                   "tokens_per_s": 1 / t}  # fmt: skip
+            row = {"weights": name, "gemv": mode, "step_ms": t * 1e3, "tokens_per_s": 1 / t}
+            if dev == "cuda" and not smoke and name == "int4_all":
+                with torch.inference_mode():
+                    row["kernels"] = kernel_profile(lambda i=0, model=model, kv=kv: model.logits(
+                        model.forward(ids, pos, kv, meta)))[:8]  # fmt: skip
         except Exception as e:  # noqa: BLE001
-            row = {"weights": name, "gemv": "h2" if h2 else "ffma", "error": repr(e)[:400]}
+            row = {"weights": name, "gemv": mode, "error": repr(e)[:400]}
             traceback.print_exc()
-        os.environ.pop("TANDEM_GEMV_H2", None)
+        for key in modes[mode]:
+            os.environ.pop(key, None)
         grows["rows"].append(row)
-        print(f"decode batch 1 {row}", flush=True)
+        print(f"decode batch 1 { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
     base = next((r.get("tokens_per_s") for r in grows["rows"] if r["weights"] == "bf16"), None)
     if base:
         grows["speedup_vs_bf16"] = {f"{r['weights']}/{r['gemv']}": r["tokens_per_s"] / base

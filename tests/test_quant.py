@@ -464,6 +464,46 @@ def test_triton_packed_half_gemv_matches_f64(n, k, group, config, x_scale, outli
     assert not arrival_counters(x.device, 1).any()
 
 
+def test_gemv_x_written_by_producers() -> None:
+    """RMSNorm and silu*up write their output also in the packed-fp16 GEMV's GemvX form (x per
+    group scaled by a power of two as fp16 pairs in the GEMV's code order, and per group the
+    scale and the sum): the same as the torch reference of that form, the bf16 outputs
+    unchanged, and the GEMV reading it gives what it gives reading x."""
+    from tandem.kernels.activation import silu_and_mul_gemv_x, silu_and_mul_triton
+    from tandem.kernels.rmsnorm import rmsnorm_gemv_x, rmsnorm_triton
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 576, generator=g).to(torch.bfloat16)
+    r = torch.randn(2, 576, generator=g).to(torch.bfloat16)
+    nw = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
+    out, res, xq = rmsnorm_gemv_x(x, nw, 1e-5, r, 64)
+    out_plain, res_plain = rmsnorm_triton(x, nw, 1e-5, r)
+    assert torch.equal(out, out_plain) and torch.equal(res, res_plain)
+    gu = (torch.randn(3, 2 * 384, generator=g) * 3).to(torch.bfloat16)
+    gu[1, 5] = 3e4  # silu(3e4) * up: past fp16's range before the group's scale
+    act, aq = silu_and_mul_gemv_x(gu, 128)
+    assert torch.equal(act, silu_and_mul_triton(gu))
+    for y, q, group in ((out, xq, 64), (act, aq, 128)):
+        ref = wk.gemv_x_ref(y, group)
+        assert q.group == group and torch.equal(q.pairs, ref.pairs)
+        assert torch.equal(q.scalars[..., 0], ref.scalars[..., 0])  # 2**24 / scale
+        torch.testing.assert_close(q.scalars[..., 1], ref.scalars[..., 1])  # sum, any order
+        k = y.shape[1]
+        qw = wk.n_major(quantize_rtn(torch.randn(48, k, generator=g), 4, group))
+        cfg = wk.GemvH2Config(block_n=16, split_k=2)
+        want = wk.w4a16_matmul_triton(y.float(), qw, cfg)
+        got = wk.w4a16_matmul_triton(y.float(), qw, cfg, xq=q)
+        # Equal but for the order of the group sums of x (float32).
+        assert ((got - want).norm() / want.norm()).item() < 1e-6
+        ref64 = y.double() @ qw.dequantize(torch.float64).T
+        assert ((got.double() - ref64).norm() / ref64.norm()).item() < 2e-3
+    bad = wk.gemv_x_ref(act, 64)
+    with pytest.raises(ValueError, match="group 64, does not fit x"):
+        wk.launch_gemv_h2(act.float(), qw, cfg, bad)
+    with pytest.raises(ValueError, match="whole groups"):
+        rmsnorm_gemv_x(x[:, :200], nw[:200], 1e-5, None, 64)
+
+
 def test_packed_half_gemv_refuses_partial_groups() -> None:
     qw = wk.n_major(quantize_rtn(torch.randn(32, 200), 4, 64))  # K = 200: the last group partial
     x = torch.randn(1, 200)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels.w4a16 import GemvX, store_gemv_x
 
 
 @triton.jit
@@ -21,8 +22,12 @@ def _silu_mul_kernel(
     n_cols,  # I
     stride_x,
     stride_o,
+    pairs_ptr,  # XQ: GemvX.pairs [T, I]
+    scal_ptr,  # XQ: GemvX.scalars [T, I // GROUP, 2]
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
+    GROUP: tl.constexpr = 128,
 ):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -33,7 +38,11 @@ def _silu_mul_kernel(
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u).to(dt), mask=mask)
+    y = (s * u).to(dt)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if XQ:
+        store_gemv_x(y.to(tl.float32), tl.program_id(1) * BLOCK, n_cols, pairs_ptr + row * n_cols,
+                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP, BLOCK)  # fmt: skip
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +53,20 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 I] -> silu(x[..., :I]) * x[..., I:] in one pass."""
+    return _silu_mul_launch(x, None)[0]
+
+
+def silu_and_mul_gemv_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, GemvX]:
+    """`silu_and_mul_triton` that also writes its output in the GemvX form of the INT4 GEMV that
+    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
+    n = x.shape[-1] // 2
+    if x.dim() != 2 or n % group or group & (group - 1) or group > 1024:
+        raise ValueError(f"GemvX needs [T, 2 I] rows of whole groups: x {tuple(x.shape)}, "
+                         f"group {group}")  # fmt: skip
+    return _silu_mul_launch(x, GemvX.empty(x.shape[0], n, group, x.device))
+
+
+def _silu_mul_launch(x: torch.Tensor, xq: GemvX | None) -> tuple[torch.Tensor, GemvX | None]:
     width = x.shape[-1]
     if width % 2:
         raise ValueError(f"last dimension {width} is not even (gate and up halves)")
@@ -55,12 +78,24 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     o2 = out.view(-1, n)
     rows = x2.shape[0]
     if rows == 0 or n == 0:
-        return out
+        return out, xq
+    # (A power of 2, so a multiple of the GemvX group: whole groups per program.)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-        x2, o2, n, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4, **pdl.launch_options(x2)
+        x2,
+        o2,
+        n,
+        x2.stride(0),
+        o2.stride(0),
+        xq.pairs if xq is not None else o2,
+        xq.scalars if xq is not None else o2,
+        BLOCK=block,
+        XQ=xq is not None,
+        GROUP=xq.group if xq is not None else 128,
+        num_warps=4,
+        **pdl.launch_options(x2),
     )
-    return out
+    return out, xq
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

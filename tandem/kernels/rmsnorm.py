@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels.w4a16 import GemvX, store_gemv_x
 
 
 @triton.jit
@@ -30,9 +31,13 @@ def _rmsnorm_kernel(
     stride_r,
     stride_o,
     stride_nr,
+    pairs_ptr,  # XQ: GemvX.pairs [N, H]
+    scal_ptr,  # XQ: GemvX.scalars [N, H // GROUP, 2]
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # n_cols padded to a power of 2: one program holds a whole row
     PDL: tl.constexpr,
+    XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
+    GROUP: tl.constexpr = 128,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -56,8 +61,11 @@ def _rmsnorm_kernel(
         normed = normed.to(new_residual_ptr.dtype.element_ty)
     else:
         normed = normed.to(x_ptr.dtype.element_ty)
-    out = normed.to(tl.float32) * w
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (normed.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if XQ:
+        store_gemv_x(out.to(tl.float32), 0, n_cols, pairs_ptr + row * n_cols,
+                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP, BLOCK)  # fmt: skip
 
 
 def rmsnorm_ref(
@@ -82,6 +90,29 @@ def rmsnorm_triton(
     residual: torch.Tensor | None = None,  # [..., H]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then Llama RMSNorm in one Triton pass; returns (out, new_residual)."""
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, None)
+    return out, new_residual
+
+
+def rmsnorm_gemv_x(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, GemvX]:
+    """`rmsnorm_triton` that also writes its output in the GemvX form of the INT4 GEMV that
+    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
+    hidden = x.shape[-1]
+    if x.dim() != 2 or hidden % group or group & (group - 1):
+        raise ValueError(f"GemvX needs [T, H] rows of whole groups: x {tuple(x.shape)}, "
+                         f"group {group}")  # fmt: skip
+    xq = GemvX.empty(x.shape[0], hidden, group, x.device)
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq)
+    return out, new_residual, xq
+
+
+def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden {hidden}")
@@ -111,7 +142,7 @@ def rmsnorm_triton(
     o2 = out.view(-1, hidden)
     rows = x2.shape[0]
     if rows == 0:
-        return out, new_residual
+        return out, new_residual, xq
 
     block = triton.next_power_of_2(hidden)
     # Enough warps that each thread holds a handful of elements of the row.
@@ -128,12 +159,16 @@ def rmsnorm_triton(
         r2.stride(0),
         o2.stride(0),
         nr2.stride(0),
+        xq.pairs if xq is not None else o2,
+        xq.scalars if xq is not None else o2,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        XQ=xq is not None,
+        GROUP=xq.group if xq is not None else 128,
         num_warps=num_warps,
         **pdl.launch_options(x2),
     )
-    return out, new_residual
+    return out, new_residual, xq
 
 
 def rmsnorm(

@@ -420,6 +420,7 @@ def _gemv_h2_kernel(
     stride_qw,
     stride_sg,
     stride_om,
+    xs_ptr,  # XPREP: float32 [M, G, 2] per group: 2**24 / scale, sum of x
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     REDUCE: tl.constexpr,
@@ -427,6 +428,7 @@ def _gemv_h2_kernel(
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N: no masks
     ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
     PDL: tl.constexpr,
+    XPREP: tl.constexpr,  # x_ptr holds `GemvX.pairs` (x scaled and paired by its producer)
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -443,6 +445,10 @@ def _gemv_h2_kernel(
     and within 2**-25 below, far under the group's largest term; four products per half and the
     tree over the group's words are added in fp16 (relative 2**-12 per add), the group total is
     scaled back and joins the float32 sums: y += s * sum_k c x + zero * sum_k x.
+
+    Preparing x (~0.75 instructions per code, and two reductions across the warp per group) is
+    the largest cost beside the codes'; with XPREP the producer of x (RMSNorm, silu * up) has
+    written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -485,20 +491,34 @@ def _gemv_h2_kernel(
         else:
             s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
             mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
-        xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
-        x_sum = tl.sum(xg, axis=0)
-        # The power of two that takes the group's largest |x| into [2**14, 2**15): exponent
-        # field sf (clamped: an all-zero group, and sf - 4 and 278 - sf stay valid fields).
-        e = (tl.max(tl.abs(xg), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        sf = tl.minimum(tl.maximum(268 - e, 24), 254)
-        sc = (sf << 23).to(tl.float32, bitcast=True)
-        sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)  # sc / 16
-        unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
+        if XPREP:
+            # x as its producer wrote it (`GemvX`): the fp16 pairs of each word, and the
+            # group's 2**24 / scale and sum of x.
+            xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+            xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
+            unscale = tl.load(xs)
+            x_sum = tl.load(xs + 1)
+        else:
+            xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
+            x_sum = tl.sum(xg, axis=0)
+            # The power of two that takes the group's largest |x| into [2**14, 2**15): exponent
+            # field sf (clamped: an all-zero group, and sf - 4 and 278 - sf stay valid fields).
+            e = (tl.max(tl.abs(xg), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            sf = tl.minimum(tl.maximum(268 - e, 24), 254)
+            sc = (sf << 23).to(tl.float32, bitcast=True)
+            sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)  # sc / 16
+            unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
         if ASM:
-            xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of each word's x
-            sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
-            p0, p1 = _x_pairs(tl.load(xr), tl.load(xr + 2), sc2)  # x 0,4 and 1,5
-            p2, p3 = _x_pairs(tl.load(xr + 1), tl.load(xr + 3), sc2)  # x 2,6 and 3,7
+            if XPREP:
+                p0 = tl.load(xw)
+                p1 = tl.load(xw + 1)
+                p2 = tl.load(xw + 2)
+                p3 = tl.load(xw + 3)
+            else:
+                xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of a word's x
+                sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
+                p0, p1 = _x_pairs(tl.load(xr), tl.load(xr + 2), sc2)  # x 0,4 and 1,5
+                p2, p3 = _x_pairs(tl.load(xr + 1), tl.load(xr + 3), sc2)  # x 2,6 and 3,7
             q8 = q >> 8
             part = _h2_codes_fma(q, p0[:, None], q, False, True)
             part = _h2_codes_fma(q, p1[:, None], part, True, False)
@@ -510,12 +530,16 @@ def _gemv_h2_kernel(
             # product-and-add rounded to fp16 in the order of the packed halves (codes 0-3 in
             # the low half, 4-7 in the high); the sum over words in float32.
             for j in tl.static_range(8):
-                xj = tl.load(x_row + wi * 8 + j).to(tl.float32)
+                if XPREP:  # code j of word w sits at half 8 w + 2 (j % 4) + j // 4
+                    xt = tl.load(x_row + g * GROUP + offs_w * 8 + (j % 4) * 2 + j // 4)
+                    xt = xt.to(tl.float32)
+                elif j % 2 == 1:
+                    xt = _round_f16(tl.load(x_row + wi * 8 + j).to(tl.float32) * sc16)
+                else:
+                    xt = _round_f16(tl.load(x_row + wi * 8 + j).to(tl.float32) * sc)
                 if j % 2 == 1:
-                    xt = _round_f16(xj * sc16)
                     cj = ((q >> (4 * j)) & 15).to(tl.float32) * (16.0 * 2.0**-24)
                 else:
-                    xt = _round_f16(xj * sc)
                     cj = ((q >> (4 * j)) & 15).to(tl.float32) * 2.0**-24
                 prod = cj * xt[:, None]
                 if j == 0:
@@ -859,6 +883,89 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
     )
 
 
+@dataclass
+class GemvX:
+    """A row of activations in the form `_gemv_h2_kernel` reads (XPREP), written by the kernel
+    that produces x (`store_gemv_x`): per group of `group` inputs, x scaled by the power of two
+    that puts its largest |x| in [2**14, 2**15) (the inputs at odd positions of each 8 by a
+    sixteenth of it) as fp16, each word's 8 in the order 0, 4, 1, 5, 2, 6, 3, 7 (the GEMV's
+    code pairs); and per group, float32, 2**24 / scale and the sum of x."""
+
+    pairs: torch.Tensor  # fp16 [M, K]
+    scalars: torch.Tensor  # float32 [M, K // group, 2]
+    group: int
+
+    @staticmethod
+    def empty(m: int, k: int, group: int, device: torch.device) -> GemvX:
+        return GemvX(
+            torch.empty((m, k), dtype=torch.float16, device=device),
+            torch.empty((m, k // group, 2), dtype=torch.float32, device=device),
+            group,
+        )
+
+
+@triton.jit
+def store_gemv_x(
+    v,  # [BLOCK] float32: x at columns k0 .. k0 + BLOCK of one row (as the GEMV will read it)
+    k0,  # a multiple of GROUP
+    n_cols,  # K; groups past it are not written
+    pairs_ptr,  # this row of GemvX.pairs
+    scal_ptr,  # this row of GemvX.scalars
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,  # a multiple of GROUP
+):
+    """Write v's whole groups in the GemvX form (a producer kernel's epilogue)."""
+    NG: tl.constexpr = BLOCK // GROUP
+    v2 = tl.reshape(v, (NG, GROUP))
+    gi = k0 // GROUP + tl.arange(0, NG)
+    gmask = (gi + 1) * GROUP <= n_cols
+    e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    sf = tl.minimum(tl.maximum(268 - e, 24), 254)
+    sc = (sf << 23).to(tl.float32, bitcast=True)
+    sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)
+    i = tl.arange(0, GROUP)
+    j = i % 8
+    h = (v2 * tl.where((j % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
+    pos = gi[:, None] * GROUP + (i - j + (j % 4) * 2 + j // 4)[None, :]
+    tl.store(pairs_ptr + pos, h, mask=gmask[:, None])
+    tl.store(scal_ptr + gi * 2, ((278 - sf) << 23).to(tl.float32, bitcast=True), mask=gmask)
+    tl.store(scal_ptr + gi * 2 + 1, tl.sum(v2, axis=1), mask=gmask)
+
+
+def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
+    """The GemvX form of x [M, K] (K a multiple of group) in plain torch: the reference the
+    producer kernels are tested against."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // group, group)
+    amax = v.abs().amax(-1)
+    e = (amax.view(torch.int32) >> 23) & 0xFF
+    sf = (268 - e).clamp(24, 254)
+    sc = (sf << 23).view(torch.float32)
+    sc16 = ((sf - 4) << 23).view(torch.float32)
+    odd = (torch.arange(group, device=x.device) % 2 == 1)[None, None, :]
+    h = (v * torch.where(odd, sc16[..., None], sc[..., None])).to(torch.float16)
+    # word order 0, 4, 1, 5, 2, 6, 3, 7
+    h = h.reshape(m, k // 8, 2, 4).transpose(-1, -2).reshape(m, k)
+    scal = torch.stack([((278 - sf) << 23).view(torch.float32), v.sum(-1)], dim=-1)
+    return GemvX(h.contiguous(), scal.contiguous(), group)
+
+
+def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int | None:
+    """The group size of the GemvX form `w`'s M = 1 product reads on the GPU, or None when that
+    product does not take it (not the packed-fp16 GEMV, or `TANDEM_GEMV_XPREP=0`)."""
+    if not isinstance(w, QuantizedWeight) or x_dtype != torch.bfloat16:
+        return None
+    if w.qweight.device.type != "cuda":
+        return None
+    if os.environ.get("TANDEM_GEMV_XPREP", "1") in ("0", "false", "off"):
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    if not h2_eligible(w, w.in_features, x_dtype, w.qweight.device):
+        return None
+    return w.group_size
+
+
 def h2_eligible(
     w: QuantizedWeight, k: int, x_dtype: torch.dtype | None, device: torch.device
 ) -> bool:
@@ -954,8 +1061,11 @@ def w4a16_matmul_triton(
     x: torch.Tensor,  # [M, K]
     w: QuantizedWeight,
     config: GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig | None = None,
+    xq: GemvX | None = None,
 ) -> torch.Tensor:
-    """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype."""
+    """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype. `xq`, x's
+    GemvX form from its producer, is read instead of x when the launch is the packed-fp16 GEMV
+    (and ignored otherwise)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
     if x.stride(1) != 1:
@@ -971,7 +1081,9 @@ def w4a16_matmul_triton(
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config)[0]
+        return launch_gemv_h2(
+            x, w, config, xq if xq is not None and xq.group == w.group_size else None
+        )[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1115,21 +1227,35 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
     return sl.out, kernel
 
 
-def launch_gemv_h2(x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config):
-    """(output, the compiled kernel launched) of `_gemv_h2_kernel`."""
+def launch_gemv_h2(
+    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
+):
+    """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
+    from its producer) the kernel reads that instead of x."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     asm = _compiled_cuda(x)
-    if asm:
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
-        if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
-            x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
+    if xq is not None:
+        if xq.group != w.group_size or xq.pairs.shape != (m, k):
+            raise ValueError(
+                f"GemvX of shape {tuple(xq.pairs.shape)}, group {xq.group}, does not fit x "
+                f"{(m, k)} and a weight of group size {w.group_size}"
+            )
+        x, xs = xq.pairs, xq.scalars
+    else:
+        xs = x  # not read
+        if asm:
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
+            if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
+                x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
         *sl.args(x, w),
+        xs,
+        XPREP=xq is not None,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=sl.split > 1,
@@ -1165,10 +1291,11 @@ def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
     return sl.out, kernel
 
 
-def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere."""
+def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight, xq: GemvX | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere. `xq`: see
+    `w4a16_matmul_triton`."""
     if not x.is_cuda:
         return w4a16_matmul_ref(x, w)
     lead = x.shape[:-1]
-    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w)
+    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq)
     return y.view(*lead, w.out_features)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.activation import silu_and_mul
+from tandem.kernels.activation import silu_and_mul, silu_and_mul_gemv_x
 from tandem.kernels.gemv import linear_rows
 from tandem.kernels.paged_attention import (
     paged_attention_decode,
@@ -20,9 +20,9 @@ from tandem.kernels.paged_attention import (
     paged_attention_varlen_ref,
     paged_attention_varlen_triton,
 )
-from tandem.kernels.rmsnorm import rmsnorm
+from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import n_major
+from tandem.kernels.w4a16 import GemvX, gemv_x_group, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -162,12 +162,32 @@ def decode_partition_size(batch: int, kv_heads: int) -> int:
 
 
 def _cuda_linear(
-    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    xq: GemvX | None = None,
 ) -> torch.Tensor:
     """`linear` on CUDA: a single row times a float weight goes through the Triton GEMV."""
     if isinstance(w, torch.Tensor):
         return linear_rows(x, w, bias)
-    return linear(x, w, bias)
+    return linear(x, w, bias, xq)
+
+
+def _norm(h, weight, eps, residual, consumer, one_row: bool):
+    """Residual add + RMSNorm, also writing the GemvX form its consumer's INT4 GEMV reads
+    when there is one (a single row): (out, new_residual, GemvX or None)."""
+    group = gemv_x_group(consumer, h.dtype) if one_row else None
+    if group is None:
+        return (*rmsnorm(h, weight, eps, residual), None)
+    return rmsnorm_gemv_x(h, weight, eps, residual, group)
+
+
+def _silu_mul(gu, consumer, one_row: bool):
+    """silu(gate) * up, with the GemvX form for its consumer as `_norm`."""
+    group = gemv_x_group(consumer, gu.dtype) if one_row else None
+    if group is None:
+        return silu_and_mul(gu), None
+    return silu_and_mul_gemv_x(gu, group)
 
 
 class LlamaModel:
@@ -330,9 +350,11 @@ class LlamaModel:
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None  # the residual stream; h is the pending branch output
         cos = sin = None
+        # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
+        one_row = t == 1 and h.is_cuda
         for i, lw in enumerate(self.layers):
-            x, residual = rmsnorm(h, lw.input_norm, eps, residual)
-            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias)
+            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
+            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
             if k_scale is None:
@@ -391,8 +413,9 @@ class LlamaModel:
                     v_scale,
                 )
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
-            x, residual = rmsnorm(o, lw.post_norm, eps, residual)
-            h = _cuda_linear(silu_and_mul(_cuda_linear(x, lw.gate_up)), lw.down)
+            x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
+            act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)
+            h = _cuda_linear(act, lw.down, xq=aq)
         return rmsnorm(h, self.norm, eps, residual)[0]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,79 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < 4e-3
 
 
+def test_gemv_x_from_producers_on_cuda(wk) -> None:
+    """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
+    the torch reference of that form, and the GEMV reading it within one bf16 rounding of the
+    GEMV reading x (the group sums of x are added in another order)."""
+    from tandem.kernels.activation import silu_and_mul_gemv_x
+    from tandem.kernels.rmsnorm import rmsnorm_gemv_x
+
+    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
+    r = (torch.randn(1, 4096, device=DEV) * 20).to(torch.bfloat16)
+    nw = (torch.rand(4096, device=DEV) + 0.5).to(torch.bfloat16)
+    out, _, xq = rmsnorm_gemv_x(x, nw, 1e-5, r, 128)
+    gu = (torch.randn(1, 2 * 14336, device=DEV) * 3).to(torch.bfloat16)
+    gu[0, 9] = 3e4
+    act, aq = silu_and_mul_gemv_x(gu, 128)
+    for y, q in ((out, xq), (act, aq)):
+        ref = wk.gemv_x_ref(y, 128)
+        assert torch.equal(q.pairs, ref.pairs) and torch.equal(
+            q.scalars[..., 0], ref.scalars[..., 0]
+        )
+        torch.testing.assert_close(q.scalars[..., 1], ref.scalars[..., 1])
+        qw = wk.n_major(_weight(4096, y.shape[1], 4, 128, seed=y.shape[1]))
+        want = wk.w4a16_matmul_triton(y, qw)
+        got = wk.w4a16_matmul_triton(y, qw, xq=q)
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=2**-7, atol=1e-3 * want.abs().max().item()
+        )
+        assert _rel_err(got, y.double() @ qw.dequantize(torch.float64).T) < 4e-3
+
+
+def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
+    """An INT4 decode step (one row) where RMSNorm and silu*up hand the GEMVs x in GemvX form,
+    against the same step with the GEMVs preparing x themselves (TANDEM_GEMV_XPREP=0)."""
+    from tandem.kv.cache import KVCache
+    from tandem.model.config import ModelConfig
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+    from tandem.model.synthetic import random_llama_weights
+    from tandem.quant.recipe import LayerSpec, linear_layer_names
+    from tandem.quant.weights import quantize_weights
+
+    cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=512,
+                      intermediate_size=1536, num_layers=3, num_heads=8, num_kv_heads=2,
+                      head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      eos_token_ids=[1])  # fmt: skip
+    w = random_llama_weights(cfg, DEV, torch.bfloat16, std=0.05, embed_std=1.0, norm_std=0.05)
+    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
+    model = LlamaModel(cfg, quantize_weights(w, specs), torch.bfloat16, DEV, max_positions=64)
+    kv = KVCache.allocate(
+        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEV
+    )
+    kv.data.normal_()
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([20], device=DEV),
+        block_tables=torch.tensor([[0, 1]], device=DEV),
+        context_lens=torch.tensor([21], device=DEV),
+        context_lens_list=[21],
+        query_start_loc=[0, 1],
+        decode_only=True,
+    )
+    ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+    from tandem.kernels import w4a16 as wk
+
+    assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TANDEM_GEMV_XPREP", flag)
+        with torch.inference_mode():
+            logits[flag] = model.logits(model.forward(ids, pos, kv, meta)).double()
+    assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) is None  # the flag is read
+    assert _rel_err(logits["1"], logits["0"]) < 5e-3
+    assert logits["1"].argmax() == logits["0"].argmax()
+
+
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

@@ -32,7 +32,11 @@ def _silu_mul_kernel(
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if XQ:  # [groups, GROUP] tiles, the shape the GemvX epilogue works in
+        cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK // GROUP)[:, None] * GROUP
+                + tl.arange(0, GROUP)[None, :])  # fmt: skip
+    else:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dt = out_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,8 +45,9 @@ def _silu_mul_kernel(
     y = (s * u).to(dt)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     if XQ:
-        store_gemv_x(y.to(tl.float32), tl.program_id(1) * BLOCK, n_cols, pairs_ptr + row * n_cols,
-                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP, BLOCK)  # fmt: skip
+        store_gemv_x(y.to(tl.float32), tl.program_id(1) * (BLOCK // GROUP), n_cols,
+                     pairs_ptr + row * n_cols, scal_ptr + row * (2 * (n_cols // GROUP)),
+                     GROUP)  # fmt: skip
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

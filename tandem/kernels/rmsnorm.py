@@ -40,7 +40,10 @@ def _rmsnorm_kernel(
     GROUP: tl.constexpr = 128,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    if XQ:  # the row as [groups, GROUP] tiles, the shape the GemvX epilogue works in
+        cols = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    else:
+        cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel writes it
     pdl.wait(PDL)
@@ -54,7 +57,7 @@ def _rmsnorm_kernel(
         tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)
         h = s.to(tl.float32)
 
-    var = tl.sum(h * h, axis=0) / n_cols
+    var = tl.sum(h * h) / n_cols
     normed = h * tl.rsqrt(var + eps)
     # The cast HF makes: back to the dtype of the tensor being normalised, before the weight.
     if HAS_RESIDUAL:
@@ -65,7 +68,7 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if XQ:
         store_gemv_x(out.to(tl.float32), 0, n_cols, pairs_ptr + row * n_cols,
-                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP, BLOCK)  # fmt: skip
+                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP)  # fmt: skip
 
 
 def rmsnorm_ref(

@@ -377,6 +377,19 @@ def _x_pairs(xa, xb, sc2):
 
 
 @triton.jit
+def _pair_halves(a, b):
+    """(low halves of a and b, high halves of a and b) as two 32-bit pairs (ASM only)."""
+    return tl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
+        "=r,=r,r,r",
+        [a, b],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _hadd2(a, b):
     return tl.inline_asm_elementwise(
         "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
@@ -492,8 +505,8 @@ def _gemv_h2_kernel(
             s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
             mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
         if XPREP:
-            # x as its producer wrote it (`GemvX`): the fp16 pairs of each word, and the
-            # group's 2**24 / scale and sum of x.
+            # x as its producer wrote it (`GemvX`): scaled fp16 x, paired here by two byte
+            # permutes per two pairs, and the group's 2**24 / scale and sum of x.
             xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
             xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
             unscale = tl.load(xs)
@@ -510,10 +523,8 @@ def _gemv_h2_kernel(
             unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
         if ASM:
             if XPREP:
-                p0 = tl.load(xw)
-                p1 = tl.load(xw + 1)
-                p2 = tl.load(xw + 2)
-                p3 = tl.load(xw + 3)
+                p0, p1 = _pair_halves(tl.load(xw), tl.load(xw + 2))  # x 0,4 and 1,5
+                p2, p3 = _pair_halves(tl.load(xw + 1), tl.load(xw + 3))  # x 2,6 and 3,7
             else:
                 xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of a word's x
                 sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
@@ -530,9 +541,8 @@ def _gemv_h2_kernel(
             # product-and-add rounded to fp16 in the order of the packed halves (codes 0-3 in
             # the low half, 4-7 in the high); the sum over words in float32.
             for j in tl.static_range(8):
-                if XPREP:  # code j of word w sits at half 8 w + 2 (j % 4) + j // 4
-                    xt = tl.load(x_row + g * GROUP + offs_w * 8 + (j % 4) * 2 + j // 4)
-                    xt = xt.to(tl.float32)
+                if XPREP:
+                    xt = tl.load(x_row + g * GROUP + offs_w * 8 + j).to(tl.float32)
                 elif j % 2 == 1:
                     xt = _round_f16(tl.load(x_row + wi * 8 + j).to(tl.float32) * sc16)
                 else:
@@ -887,9 +897,9 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
 class GemvX:
     """A row of activations in the form `_gemv_h2_kernel` reads (XPREP), written by the kernel
     that produces x (`store_gemv_x`): per group of `group` inputs, x scaled by the power of two
-    that puts its largest |x| in [2**14, 2**15) (the inputs at odd positions of each 8 by a
-    sixteenth of it) as fp16, each word's 8 in the order 0, 4, 1, 5, 2, 6, 3, 7 (the GEMV's
-    code pairs); and per group, float32, 2**24 / scale and the sum of x."""
+    that puts its largest |x| in [2**14, 2**15) (the inputs at odd positions by a sixteenth of
+    it, for the GEMV's x16 codes) as fp16, in input order; and per group, float32, 2**24 / scale
+    and the sum of x."""
 
     pairs: torch.Tensor  # fp16 [M, K]
     scalars: torch.Tensor  # float32 [M, K // group, 2]
@@ -906,30 +916,26 @@ class GemvX:
 
 @triton.jit
 def store_gemv_x(
-    v,  # [BLOCK] float32: x at columns k0 .. k0 + BLOCK of one row (as the GEMV will read it)
-    k0,  # a multiple of GROUP
+    v,  # [NG, GROUP] float32: x at groups g0 .. g0 + NG of one row (as the GEMV will read it)
+    g0,
     n_cols,  # K; groups past it are not written
     pairs_ptr,  # this row of GemvX.pairs
     scal_ptr,  # this row of GemvX.scalars
     GROUP: tl.constexpr,
-    BLOCK: tl.constexpr,  # a multiple of GROUP
 ):
-    """Write v's whole groups in the GemvX form (a producer kernel's epilogue)."""
-    NG: tl.constexpr = BLOCK // GROUP
-    v2 = tl.reshape(v, (NG, GROUP))
-    gi = k0 // GROUP + tl.arange(0, NG)
+    """Write v's whole groups in the GemvX form (a producer kernel's epilogue; the producer
+    computes in [groups, GROUP] tiles so that no reshape is needed here)."""
+    gi = g0 + tl.arange(0, v.shape[0])
     gmask = (gi + 1) * GROUP <= n_cols
-    e = (tl.max(tl.abs(v2), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = (tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
     sf = tl.minimum(tl.maximum(268 - e, 24), 254)
     sc = (sf << 23).to(tl.float32, bitcast=True)
     sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)
     i = tl.arange(0, GROUP)
-    j = i % 8
-    h = (v2 * tl.where((j % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
-    pos = gi[:, None] * GROUP + (i - j + (j % 4) * 2 + j // 4)[None, :]
-    tl.store(pairs_ptr + pos, h, mask=gmask[:, None])
+    h = (v * tl.where((i % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
+    tl.store(pairs_ptr + gi[:, None] * GROUP + i[None, :], h, mask=gmask[:, None])
     tl.store(scal_ptr + gi * 2, ((278 - sf) << 23).to(tl.float32, bitcast=True), mask=gmask)
-    tl.store(scal_ptr + gi * 2 + 1, tl.sum(v2, axis=1), mask=gmask)
+    tl.store(scal_ptr + gi * 2 + 1, tl.sum(v, axis=1), mask=gmask)
 
 
 def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
@@ -943,9 +949,7 @@ def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
     sc = (sf << 23).view(torch.float32)
     sc16 = ((sf - 4) << 23).view(torch.float32)
     odd = (torch.arange(group, device=x.device) % 2 == 1)[None, None, :]
-    h = (v * torch.where(odd, sc16[..., None], sc[..., None])).to(torch.float16)
-    # word order 0, 4, 1, 5, 2, 6, 3, 7
-    h = h.reshape(m, k // 8, 2, 4).transpose(-1, -2).reshape(m, k)
+    h = (v * torch.where(odd, sc16[..., None], sc[..., None])).to(torch.float16).reshape(m, k)
     scal = torch.stack([((278 - sf) << 23).view(torch.float32), v.sum(-1)], dim=-1)
     return GemvX(h.contiguous(), scal.contiguous(), group)
 

@@ -127,14 +127,17 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
     add ~2**-11 to the bf16 output's 2**-9."""
     qw = wk.n_major(_weight(3000, 4096 + 128, 4, group, seed=block_n + split + group))
     cfg = wk.GemvH2Config(block_n=block_n, split_k=split, num_warps=warps)
+    g = torch.Generator(device=DEV).manual_seed(block_n * split)
+    errs = {}
     for scale, outlier in ((1.0, 0.0), (1e-3, 0.0), (1.0, 1e4), (3e4, 0.0)):
-        x = torch.randn(1, qw.in_features, device=DEV) * scale
+        x = torch.randn(1, qw.in_features, device=DEV, generator=g) * scale
         x[0, 7] += outlier
         x = x.to(torch.bfloat16)
         ref = x.double() @ qw.dequantize(torch.float64).T
         out = wk.w4a16_matmul_triton(x, qw, cfg)
         assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-        assert _rel_err(out, ref) < 4e-3, (scale, outlier)
+        errs[(scale, outlier)] = _rel_err(out, ref)
+    assert max(errs.values()) < 4e-3, errs
     # x not 16-byte aligned (a view one element into a buffer): read from an aligned copy.
     buf = torch.randn(1, qw.in_features + 1, device=DEV).to(torch.bfloat16)
     x = buf[:, 1:]

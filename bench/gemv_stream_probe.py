@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from tandem.kernels import pdl  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
-from tandem.kernels.w4a16 import _code_hi, _code_lo  # noqa: E402
+from tandem.kernels.w4a16 import _code_hi, _code_lo, _finish_row  # noqa: E402
 from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -109,25 +109,9 @@ def stream_kernel(
                 part += _code_lo(t, ASM) * xa[:, None]
             part += _code_hi(t, ASM) * xb[:, None]
         acc += s * (tl.sum(part, axis=0) - xp_sum) + mn * x_sum
-    ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
-    tl.store(ws, acc, mask=n_mask)
-    tl.debug_barrier()
-    cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT - 1:
-        sk = tl.arange(0, SPLIT_P2)
-        parts = tl.load(
-            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
-            mask=(sk < SPLIT)[:, None] & n_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        tl.store(
-            out_ptr + m.to(tl.int64) * stride_om + offs_n,
-            tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
-            mask=n_mask,
-        )
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    # The library's split-K epilogue (partials, arrival counter, the last program adds them).
+    _finish_row(acc, out_ptr + m.to(tl.int64) * stride_om + offs_n, ws_ptr, cnt_ptr, pid_n,
+                pid_k, m, M, N, offs_n, n_mask, SPLIT, True, SPLIT_P2, False)  # fmt: skip
 
 
 def launch(kind, x, w, bn, split, stages, warps=1, desc=None):

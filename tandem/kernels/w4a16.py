@@ -149,6 +149,27 @@ def _code_hi(t, ASM: tl.constexpr):
 
 
 @triton.jit
+def _code_words(q_cols, wi, w_end, n_mask, stride_qw):
+    """Code words wi ([WPG], a group's) for a 1-row GEMV program's columns, [WPG, BLOCK_N]
+    (N-major: 16-byte vectors across columns); words at or past w_end read as 0."""
+    return tl.load(
+        q_cols + wi[:, None].to(tl.int64) * stride_qw,
+        mask=(wi < w_end)[:, None] & n_mask[None, :],
+        other=0,
+    )
+
+
+@triton.jit
+def _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN: tl.constexpr):
+    """Group g's scales and zero points for the program's columns, as float32."""
+    s_off = g * stride_sg + offs_n  # scales hold < 2**31 entries
+    if EVEN:
+        return tl.load(s_ptr + s_off).to(tl.float32), tl.load(mn_ptr + s_off).to(tl.float32)
+    s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+    return s, tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _finish_row(
     acc,  # [BLOCK_N] float32 sums of this program's part of K
     out,  # [BLOCK_N] pointers into the output row
@@ -254,34 +275,20 @@ def _gemv_nmajor_kernel(
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, G)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    wi = g_start * WPG + offs_w
     w_end = g_end * WPG
-    q_next = tl.load(
-        q_cols + wi[:, None].to(tl.int64) * stride_qw,
-        mask=(wi < w_end)[:, None] & n_mask[None, :],
-        other=0,
-    )
+    q_next = _code_words(q_cols, g_start * WPG + offs_w, w_end, n_mask, stride_qw)
     # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w  # [WPG] word index
-        wn = wi + WPG
-        q_next = tl.load(
-            q_cols + wn[:, None].to(tl.int64) * stride_qw,
-            mask=(wn < w_end)[:, None] & n_mask[None, :],
-            other=0,
-        )
-        s_off = g * stride_sg + offs_n  # scales hold < 2**31 entries
+        q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)  # the next group's
+        s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         kx = g * GROUP + offs_k
         if EVEN:
-            s = tl.load(s_ptr + s_off).to(tl.float32)
-            mn = tl.load(mn_ptr + s_off).to(tl.float32)
             xg = tl.load(x_row + kx).to(tl.float32)
         else:
-            s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
             xg = tl.load(x_row + kx, mask=kx < K, other=0.0).to(tl.float32)
         x_sum = tl.sum(xg, axis=0)
         xp_sum = tl.sum(xg * k_offset, axis=0)
@@ -478,32 +485,16 @@ def _gemv_h2_kernel(
     g_start = pid_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, G)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    wi = g_start * WPG + offs_w
     w_end = g_end * WPG
-    q_next = tl.load(
-        q_cols + wi[:, None].to(tl.int64) * stride_qw,
-        mask=(wi < w_end)[:, None] & n_mask[None, :],
-        other=0,
-    )
+    q_next = _code_words(q_cols, g_start * WPG + offs_w, w_end, n_mask, stride_qw)
     # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
-        wn = wi + WPG
-        q_next = tl.load(
-            q_cols + wn[:, None].to(tl.int64) * stride_qw,
-            mask=(wn < w_end)[:, None] & n_mask[None, :],
-            other=0,
-        )
-        s_off = g * stride_sg + offs_n
-        if EVEN:
-            s = tl.load(s_ptr + s_off).to(tl.float32)
-            mn = tl.load(mn_ptr + s_off).to(tl.float32)
-        else:
-            s = tl.load(s_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
-            mn = tl.load(mn_ptr + s_off, mask=n_mask, other=0.0).to(tl.float32)
+        q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)  # the next group's
+        s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         if XPREP:
             # x as its producer wrote it (`GemvX`): scaled fp16 x, paired here by two byte
             # permutes per two pairs, and the group's 2**24 / scale and sum of x.

@@ -160,6 +160,29 @@ def _code_words(q_cols, wi, w_end, n_mask, stride_qw):
 
 
 @triton.jit
+def _row_program(
+    x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N: tl.constexpr,
+    WPG: tl.constexpr,
+):  # fmt: skip
+    """A 1-row GEMV program's place (grid: column blocks, K splits, rows of x) and its first
+    group's code words, loaded: (pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols,
+    g_start, g_end, w_end, q_next)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WPG)
+    x_row = x_ptr + m.to(tl.int64) * stride_xm
+    q_cols = qw_ptr + offs_n[None, :]
+    g_start = pid_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, G)
+    w_end = g_end * WPG
+    q_next = _code_words(q_cols, g_start * WPG + offs_w, w_end, n_mask, stride_qw)
+    return pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_next
+
+
+@triton.jit
 def _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN: tl.constexpr):
     """Group g's scales and zero points for the program's columns, as float32."""
     s_off = g * stride_sg + offs_n  # scales hold < 2**31 entries
@@ -257,26 +280,15 @@ def _gemv_nmajor_kernel(
     arrive at its column block (an acq_rel counter) adds them and writes the output, then
     resets the counter: no zero-fill and no cast kernel around the GEMV.
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
     WPG: tl.constexpr = GROUP // 8  # words per group
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WPG)
+    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_next = (
+        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
+    )
     offs_k = tl.arange(0, GROUP)
     # The codes ride on 256 (j even) or 16 (j odd): sum_k v x = X' + sum_k c x with
     # X' = sum_k offset_k x_k.
     k_offset = tl.where(offs_k % 2 == 0, 256.0, 16.0)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    q_cols = qw_ptr + offs_n[None, :]
-
-    g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, G)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_end = g_end * WPG
-    q_next = _code_words(q_cols, g_start * WPG + offs_w, w_end, n_mask, stride_qw)
     # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -470,23 +482,12 @@ def _gemv_h2_kernel(
     the largest cost beside the codes'; with XPREP the producer of x (RMSNorm, silu * up) has
     written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    m = tl.program_id(2)
     WPG: tl.constexpr = GROUP // 8  # words per group
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WPG)
+    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_next = (
+        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
+    )
     offs_k = tl.arange(0, GROUP)
-    x_row = x_ptr + m.to(tl.int64) * stride_xm
-    q_cols = qw_ptr + offs_n[None, :]
-
-    g_start = pid_k * groups_per_split
-    g_end = tl.minimum(g_start + groups_per_split, G)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    w_end = g_end * WPG
-    q_next = _code_words(q_cols, g_start * WPG + offs_w, w_end, n_mask, stride_qw)
     # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)

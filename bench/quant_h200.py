@@ -224,8 +224,12 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
                     pdl.ENABLED = True
                 rec(f"tandem_w4a16{tag}_default_no_pdl", t, q_bytes, None, config=repr(cfg))
             if tag and m == 1:
-                # The FFMA N-major GEMV with the default's tile and split, side by side.
-                cf = GemvNConfig(block_n=cfg.block_n, split_k=cfg.split_k, num_warps=cfg.num_warps)
+                # The FFMA N-major GEMV at its own default launch (TANDEM_GEMV_H2=0), side by side.
+                os.environ["TANDEM_GEMV_H2"] = "0"
+                try:
+                    cf = default_config(m, n, k, torch.device(dev), ws[0], dtype)
+                finally:
+                    os.environ.pop("TANDEM_GEMV_H2", None)
                 y = w4a16_matmul_triton(x, ws[0], cf)
                 t = timed(lambda i, cf=cf, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cf),
                           copies)  # fmt: skip

@@ -1,8 +1,9 @@
 """W4A16 GEMV variants on one shape: times side by side, and the compiled code for reading.
 
 Builds an INT4 g128 weight stored N-major (as the GPU model stores it) and a bf16 x, and for
-each `--config` (block_n,num_warps,split_k; `h2:` the same for the packed-fp16 kernel, `h2x:` that kernel reading x in its producer-written GemvX form) prints the median time of one call over 16 rotating
-weight copies (CUDA graph replay) and the error against float64. `--dump`
+each `--config` (block_n,num_warps,split_k; `h2:` the same for the packed-fp16 kernel, `h2x:`
+that kernel reading x in its producer-written GemvX form) prints the median time of one call
+over 16 rotating weight copies (CUDA graph replay) and the error against float64. `--dump`
 writes each variant's cubin (read it with nvdisasm where there is no GPU) and register counts.
 `--iters` plain launches of the first config come first, for `ncu`.
 

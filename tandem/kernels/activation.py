@@ -22,7 +22,7 @@ def _silu_mul_kernel(
     n_cols,  # I
     stride_x,
     stride_o,
-    pairs_ptr,  # XQ: GemvX.pairs [T, I]
+    scaled_ptr,  # XQ: GemvX.scaled [T, I]
     scal_ptr,  # XQ: GemvX.scalars [T, I // GROUP, 2]
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -46,7 +46,7 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     if XQ:
         store_gemv_x(y.to(tl.float32), tl.program_id(1) * (BLOCK // GROUP), n_cols,
-                     pairs_ptr + row * n_cols, scal_ptr + row * (2 * (n_cols // GROUP)),
+                     scaled_ptr + row * n_cols, scal_ptr + row * (2 * (n_cols // GROUP)),
                      GROUP)  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def _silu_mul_launch(x: torch.Tensor, xq: GemvX | None) -> tuple[torch.Tensor, G
         n,
         x2.stride(0),
         o2.stride(0),
-        xq.pairs if xq is not None else o2,
+        xq.scaled if xq is not None else o2,
         xq.scalars if xq is not None else o2,
         BLOCK=block,
         XQ=xq is not None,

@@ -31,7 +31,7 @@ def _rmsnorm_kernel(
     stride_r,
     stride_o,
     stride_nr,
-    pairs_ptr,  # XQ: GemvX.pairs [N, H]
+    scaled_ptr,  # XQ: GemvX.scaled [N, H]
     scal_ptr,  # XQ: GemvX.scalars [N, H // GROUP, 2]
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # n_cols padded to a power of 2: one program holds a whole row
@@ -67,7 +67,7 @@ def _rmsnorm_kernel(
     out = (normed.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if XQ:
-        store_gemv_x(out.to(tl.float32), 0, n_cols, pairs_ptr + row * n_cols,
+        store_gemv_x(out.to(tl.float32), 0, n_cols, scaled_ptr + row * n_cols,
                      scal_ptr + row * (2 * (n_cols // GROUP)), GROUP)  # fmt: skip
 
 
@@ -162,7 +162,7 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
         r2.stride(0),
         o2.stride(0),
         nr2.stride(0),
-        xq.pairs if xq is not None else o2,
+        xq.scaled if xq is not None else o2,
         xq.scalars if xq is not None else o2,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,

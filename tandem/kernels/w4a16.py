@@ -434,6 +434,19 @@ def _round_f16(v):
 
 
 @triton.jit
+def _x_scale(amax):
+    """Exponent field sf of the power of two that takes a group's largest |x| (amax) into
+    [2**14, 2**15), clamped (an all-zero group; sf - 4 and 278 - sf stay valid fields), and
+    from it sc = 2**(sf - 127), sc / 16 and 2**24 / sc as float32: (sf, sc, sc16, unscale)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    sf = tl.minimum(tl.maximum(268 - e, 24), 254)
+    sc = (sf << 23).to(tl.float32, bitcast=True)
+    sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)
+    unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)
+    return sf, sc, sc16, unscale
+
+
+@triton.jit
 def _gemv_h2_kernel(
     x_ptr,  # [M, K] activations (bf16 when ASM)
     qw_ptr,  # packed codes, N-major (word w of row n at qw_ptr + w * stride_qw + n)
@@ -460,7 +473,7 @@ def _gemv_h2_kernel(
     EVEN: tl.constexpr,  # N a multiple of BLOCK_N: no masks
     ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
     PDL: tl.constexpr,
-    XPREP: tl.constexpr,  # x_ptr holds `GemvX.pairs` (x scaled and paired by its producer)
+    XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -506,13 +519,7 @@ def _gemv_h2_kernel(
         else:
             xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
             x_sum = tl.sum(xg, axis=0)
-            # The power of two that takes the group's largest |x| into [2**14, 2**15): exponent
-            # field sf (clamped: an all-zero group, and sf - 4 and 278 - sf stay valid fields).
-            e = (tl.max(tl.abs(xg), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            sf = tl.minimum(tl.maximum(268 - e, 24), 254)
-            sc = (sf << 23).to(tl.float32, bitcast=True)
-            sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)  # sc / 16
-            unscale = ((278 - sf) << 23).to(tl.float32, bitcast=True)  # 2**24 / sc
+            sf, sc, sc16, unscale = _x_scale(tl.max(tl.abs(xg), axis=0))
         if ASM:
             if XPREP:
                 p0, p1 = _pair_halves(tl.load(xw), tl.load(xw + 2))  # x 0,4 and 1,5
@@ -825,7 +832,7 @@ class GemvNConfig:
 class GemvH2Config:
     """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic."""
 
-    block_n: int = 64
+    block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
@@ -893,7 +900,7 @@ class GemvX:
     it, for the GEMV's x16 codes) as fp16, in input order; and per group, float32, 2**24 / scale
     and the sum of x."""
 
-    pairs: torch.Tensor  # fp16 [M, K]
+    scaled: torch.Tensor  # fp16 [M, K]
     scalars: torch.Tensor  # float32 [M, K // group, 2]
     group: int
 
@@ -911,7 +918,7 @@ def store_gemv_x(
     v,  # [NG, GROUP] float32: x at groups g0 .. g0 + NG of one row (as the GEMV will read it)
     g0,
     n_cols,  # K; groups past it are not written
-    pairs_ptr,  # this row of GemvX.pairs
+    scaled_ptr,  # this row of GemvX.scaled
     scal_ptr,  # this row of GemvX.scalars
     GROUP: tl.constexpr,
 ):
@@ -919,14 +926,11 @@ def store_gemv_x(
     computes in [groups, GROUP] tiles so that no reshape is needed here)."""
     gi = g0 + tl.arange(0, v.shape[0])
     gmask = (gi + 1) * GROUP <= n_cols
-    e = (tl.max(tl.abs(v), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    sf = tl.minimum(tl.maximum(268 - e, 24), 254)
-    sc = (sf << 23).to(tl.float32, bitcast=True)
-    sc16 = ((sf - 4) << 23).to(tl.float32, bitcast=True)
+    _, sc, sc16, unscale = _x_scale(tl.max(tl.abs(v), axis=1))
     i = tl.arange(0, GROUP)
     h = (v * tl.where((i % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
-    tl.store(pairs_ptr + gi[:, None] * GROUP + i[None, :], h, mask=gmask[:, None])
-    tl.store(scal_ptr + gi * 2, ((278 - sf) << 23).to(tl.float32, bitcast=True), mask=gmask)
+    tl.store(scaled_ptr + gi[:, None] * GROUP + i[None, :], h, mask=gmask[:, None])
+    tl.store(scal_ptr + gi * 2, unscale, mask=gmask)
     tl.store(scal_ptr + gi * 2 + 1, tl.sum(v, axis=1), mask=gmask)
 
 
@@ -1061,7 +1065,7 @@ def w4a16_matmul_triton(
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype. `xq`, x's
     GemvX form from its producer, is read instead of x when the launch is the packed-fp16 GEMV
-    (and ignored otherwise)."""
+    (it must fit x and w; other launches do not read it)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
     if x.stride(1) != 1:
@@ -1077,9 +1081,7 @@ def w4a16_matmul_triton(
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(
-            x, w, config, xq if xq is not None and xq.group == w.group_size else None
-        )[0]
+        return launch_gemv_h2(x, w, config, xq)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1235,12 +1237,12 @@ def launch_gemv_h2(
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     asm = _compiled_cuda(x)
     if xq is not None:
-        if xq.group != w.group_size or xq.pairs.shape != (m, k):
+        if xq.group != w.group_size or xq.scaled.shape != (m, k):
             raise ValueError(
-                f"GemvX of shape {tuple(xq.pairs.shape)}, group {xq.group}, does not fit x "
+                f"GemvX of shape {tuple(xq.scaled.shape)}, group {xq.group}, does not fit x "
                 f"{(m, k)} and a weight of group size {w.group_size}"
             )
-        x, xs = xq.pairs, xq.scalars
+        x, xs = xq.scaled, xq.scalars
     else:
         xs = x  # not read
         if asm:

@@ -764,7 +764,7 @@ async def serve(
     server = grpc.aio.server()
     service = DecodeService(config, kv_transport, draft, spec, kv_transfer_timeout_s)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
-    health = add_health(server, [SERVICE])
+    health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"decode: cannot bind {host}:{port}")

@@ -120,7 +120,7 @@ async def serve(
     server = grpc.aio.server()
     service = DraftService(proposer, draft)
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
-    health = add_health(server, [SERVICE])
+    health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"draft: cannot bind {host}:{port}")

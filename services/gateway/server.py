@@ -78,7 +78,7 @@ async def serve(
         options=[("grpc.max_concurrent_streams", gc.max_concurrent_streams)],
     )
     add_gateway_to_server(GatewayService(frontend), server)
-    health = add_health(server, [SERVICE])
+    health = await add_health(server, [SERVICE])
     names = (
         api_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
         reflection.SERVICE_NAME,

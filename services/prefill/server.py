@@ -315,7 +315,7 @@ async def serve(
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     service = PrefillService(config, lease_ttl_s)
     stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
-    health = add_health(server, [SERVICE])
+    health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"prefill: cannot bind {host}:{port}")

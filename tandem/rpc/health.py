@@ -6,10 +6,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 
-def add_health(server: grpc.aio.Server, services: list[str]) -> health.aio.HealthServicer:
-    """Register the standard health service; every named service (and "") starts NOT_SERVING."""
+async def add_health(server: grpc.aio.Server, services: list[str]) -> health.aio.HealthServicer:
+    """Register the standard health service; every named service (and "") starts NOT_SERVING.
+
+    grpcio's servicer answers SERVING for "" from the moment it exists, so a process would look
+    healthy while it still loads or registers with its peers (a gateway whose decode worker was
+    not yet up took requests it could only refuse); the caller says SERVING when it is.
+    """
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await set_serving(servicer, services, False)
     return servicer
 
 

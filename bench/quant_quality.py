@@ -86,6 +86,7 @@ from tandem.model.loader import load_model  # noqa: E402
 from tandem.quant.checkpoint import read_quantization, save_quantized  # noqa: E402
 from tandem.quant.cli import (  # noqa: E402
     default_calibration_path,
+    on_device,
     quantize_model,
     tune_end_to_end,
 )
@@ -111,6 +112,7 @@ MIXED_METHOD = "awq-gptq"
 # e2e: at most 120 Adam steps (lr 3e-4, 2 sequences a step) on the calibration file and 56 of 64
 # sequences sampled from the float model; early stopping on the other 8 sampled sequences.
 E2E_STEPS, E2E_LR, E2E_GENERATED, E2E_VAL_SEQS = 120, 3e-4, 64, 8
+E2E_BATCH, E2E_EVAL_EVERY, E2E_CODES_LR = 2, 10, 1e-3
 SELECTION_DIRS = ("tandem/engine", "tandem/kv")
 # `X-gen`: X calibrated on the calibration file plus this many sequences of 256 tokens sampled
 # from the float model (`tandem quantize --calib-generated`).
@@ -122,15 +124,21 @@ def row_name(method: str) -> str:
 
 
 def base_method(method: str) -> str:
-    """The bench method an `X-e2e` method starts from (X, then --e2e-steps)."""
-    return method.removesuffix("-e2e")
+    """The bench method an `X-e2e` (`X-qat`) method starts from (X, then --e2e-steps, with
+    --e2e-codes for -qat)."""
+    return method.removesuffix("-e2e").removesuffix("-qat")
+
+
+def tuned_end_to_end(method: str) -> bool:
+    return method.endswith(("-e2e", "-qat"))
 
 
 def bench_method(meta: dict) -> str:
     """The bench method a checkpoint's quantization.json describes (inverse of cli_method)."""
     m, e2e = meta["method"].removesuffix("+e2e"), meta["method"].endswith("+e2e")
     gen = meta.get("calibration", {}).get("generated_seqs", 0)
-    return m + ("-gen" if gen else "") + ("-e2e" if e2e else "")
+    qat = e2e and meta.get("e2e", {}).get("trained", "").startswith("codes")
+    return m + ("-gen" if gen else "") + ("-qat" if qat else "-e2e" if e2e else "")
 
 
 def cli_method(method: str) -> tuple[str, int]:
@@ -175,7 +183,14 @@ def selection_windows(ids: list[int], window: int, windows: int) -> list[int]:
     return out
 
 
-def eval_text() -> tuple[str, str]:
+def eval_text(path: str | None = None) -> tuple[str, str]:
+    """The held-out text: pydoc_data.topics of this interpreter, or a file holding the same text
+    written by another (`--write-eval-text` there, `--eval-file` here), since the topics differ
+    between Python versions."""
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return text, f"{os.path.basename(path)} (written by --write-eval-text)"
     import pydoc_data.topics as topics
 
     keys = sorted(topics.topics)
@@ -221,6 +236,25 @@ def main() -> int:
     ap.add_argument("--e2e-generated", type=int, default=E2E_GENERATED)
     ap.add_argument("--e2e-lr", type=float, default=E2E_LR)
     ap.add_argument("--e2e-val-seqs", type=int, default=E2E_VAL_SEQS)
+    ap.add_argument("--e2e-batch", type=int, default=E2E_BATCH)
+    ap.add_argument("--e2e-eval-every", type=int, default=E2E_EVAL_EVERY)
+    ap.add_argument(
+        "--e2e-codes-lr", type=float, default=E2E_CODES_LR, help="X-qat: the codes' latents' lr"
+    )
+    ap.add_argument("--e2e-cosine", action="store_true", help="e2e/qat: cosine lr decay")
+    ap.add_argument("--e2e-max-seconds", type=float, default=None, help="e2e/qat: time limit")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where calibration and evaluation run (cuda: the same float32 maths, faster)",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated calibrated methods to run instead of the whole list (X-e2e and "
+        "X-qat work for any X); rows then: reference, q4_1_native, rtn and these (no mixed-"
+        "recipe or KV rows)",
+    )
     ap.add_argument(
         "--checkpoint",
         action="append",
@@ -230,17 +264,32 @@ def main() -> int:
         "method (or 'mixed') instead of quantizing; its quantization.json must name the same "
         "method, recipe and calibration file",
     )
+    ap.add_argument("--eval-file", default=None, help="held-out text from this file")
+    ap.add_argument(
+        "--write-eval-text", default=None, help="only write this interpreter's held-out text here"
+    )
     ap.add_argument("--keep", default=None, help="write the quantized checkpoints here (reuse)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quant_quality.json"))
     args = ap.parse_args()
+    if args.write_eval_text:
+        text, src = eval_text()
+        with open(args.write_eval_text, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {src} to {args.write_eval_text}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.monotonic()
     path = default_model_path()
     loaded = load_model(path, torch.float32)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        on_device(loaded, args.device)
     cfg, tok = loaded.config, loaded.tokenizer
     recipe = Recipe(LayerSpec(bits=4, group_size=128, zero_point=True))
-    methods = ("rtn",) + CALIBRATED
+    calibrated = tuple(args.methods.split(",")) if args.methods else CALIBRATED
+    full = args.methods is None
+    methods = ("rtn",) + calibrated
     reuse = read_checkpoint_args(args.checkpoint, methods + ("mixed",))
     calib = default_calibration_path()
     with open(calib, encoding="utf-8") as f:
@@ -252,9 +301,8 @@ def main() -> int:
     def model_of(weights, max_positions: int) -> LlamaModel:
         # On CPU the W4A16 path is the reference (dequantize, then matmul), so dequantizing once
         # up front computes exactly the same logits, without re-dequantizing at every step.
-        return LlamaModel(
-            cfg, dequantize_weights(weights, torch.float32), torch.float32, "cpu", max_positions
-        )
+        w = {k: v.to(device) for k, v in dequantize_weights(weights, torch.float32).items()}
+        return LlamaModel(cfg, w, torch.float32, device, max_positions)
 
     # 1. Every method's checkpoint, each calibrated on the whole calibration file.
     quantized: dict[str, tuple] = {}  # key -> (weights read back from disk, seconds)
@@ -266,7 +314,7 @@ def main() -> int:
         if key in reuse:
             meta = read_quantization(reuse[key])
             want, generated = cli_method(method)
-            want += "+e2e" if method.endswith("-e2e") else ""
+            want += "+e2e" if tuned_end_to_end(method) else ""
             got_generated = meta.get("calibration", {}).get("generated_seqs", 0)
             if (meta.get("method"), got_generated, meta.get("recipe")) != (
                 want,
@@ -296,10 +344,21 @@ def main() -> int:
             print(f"{key}: reused {reuse[key]}", flush=True)
             return
         log = lambda s: print(s, flush=True)  # noqa: E731
-        if method.endswith("-e2e"):
+        e2e = {
+            "lr": args.e2e_lr,
+            "val_seqs": args.e2e_val_seqs,
+            "generated": args.e2e_generated,
+            "batch": args.e2e_batch,
+            "eval_every": args.e2e_eval_every,
+            "codes": method.endswith("-qat"),
+            "codes_lr": args.e2e_codes_lr,
+            "cosine": args.e2e_cosine,
+            "max_seconds": args.e2e_max_seconds,
+        }
+        if tuned_end_to_end(method):
             # The base method's checkpoint from this run (quantized or reused), then e2e.
             base = base_method(method)
-            base_w, _ = quantized[base] if rec is recipe else (None, None)
+            base_w, _ = quantized.get(base, (None, None)) if rec is recipe else (None, None)
             if base_w is None:
                 base_cli, generated = cli_method(base)
                 weights, info = quantize_model(
@@ -309,22 +368,13 @@ def main() -> int:
                     log=log,
                     generated=generated,
                     e2e_steps=args.e2e_steps,
-                    e2e_generated=args.e2e_generated,
-                    e2e_lr=args.e2e_lr,
-                    e2e_val_seqs=args.e2e_val_seqs,
+                    **{"e2e_" + k: v for k, v in e2e.items()},
                 )
             else:
                 info = read_quantization(dirs[base])
                 info = {k: v for k, v in info.items() if k not in ("format", "version", "layers")}
                 weights, info = tune_end_to_end(
-                    loaded,
-                    base_w,
-                    info,
-                    args.e2e_steps,
-                    lr=args.e2e_lr,
-                    val_seqs=args.e2e_val_seqs,
-                    generated=args.e2e_generated,
-                    log=log,
+                    loaded, base_w, info, args.e2e_steps, log=log, **e2e
                 )
                 provenance[key] = {"base": f"this run's {base} checkpoint"}
                 if base in provenance:
@@ -333,6 +383,7 @@ def main() -> int:
             method_cli, generated = cli_method(method)
             weights, info = quantize_model(loaded, rec, method_cli, log=log, generated=generated)
         out = os.path.join(tmp, key)
+        weights = {k: v.to("cpu") for k, v in weights.items()}
         save_quantized(out, cfg, weights, tok, info)  # float16 non-quantized tensors, as the CLI
         back = load_model(out, torch.float32)
         quantized[key] = (back.weights, round(time.monotonic() - t0, 1))
@@ -365,7 +416,7 @@ def main() -> int:
     selection["ppl_ratio"] = {
         m: p / selection["reference_ppl"] for m, p in selection["ppl"].items()
     }
-    chosen = min(CALIBRATED, key=lambda m: selection["ppl"][m])
+    chosen = min(calibrated, key=lambda m: selection["ppl"][m])
     selection["chosen"] = chosen
     selection["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     selection["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -383,7 +434,7 @@ def main() -> int:
         return 0
 
     # 3. The eval text.
-    text, text_src = eval_text()
+    text, text_src = eval_text(args.eval_file)
     ids = tok.encode(text, add_special_tokens=False)
     n_pre = args.window * args.windows
     if len(ids) < n_pre:
@@ -421,10 +472,11 @@ def main() -> int:
     rows = []
     ref_w = loaded.weights
     rows.append(evaluate("reference", ref_w, note="GGUF Q4_1 weights dequantized to float32"))
-    native = dict(ref_w)
-    native.update(load_gguf_q4_1(path, cfg))
-    rows.append(evaluate("q4_1_native", native, note="Q4_1 loaded directly as INT4 g32"))
-    del native
+    if full:
+        native = dict(ref_w)
+        native.update(load_gguf_q4_1(path, cfg))
+        rows.append(evaluate("q4_1_native", native, note="Q4_1 loaded directly as INT4 g32"))
+        del native
     notes = {
         "rtn": "INT4 g128 RTN, no calibration",
         "awq": "INT4 g128 after AWQ-style scaling + clipping search on the calibration text",
@@ -444,47 +496,64 @@ def main() -> int:
         "awq-autoround-gen-e2e": "INT4 g128 AWQ+autoround (calibration text plus 64 sampled "
         "sequences), then its group scales and zero points tuned end to end (codes fixed)",
     }
+    for m in calibrated:
+        if m.endswith("-qat"):
+            notes[m] = (
+                notes[base_method(m)] + f"; then quantization-aware training end to end: codes "
+                "(straight-through rounding), scales and zero points distilled from the float "
+                f"model on the calibration text plus {args.e2e_generated} sampled sequences"
+            )
     # The chosen method first, so a run cut short has the row that matters most in its log.
-    for m in ["rtn", chosen] + [m for m in CALIBRATED if m != chosen]:
+    for m in (["rtn"] if full else []) + [chosen] + [m for m in calibrated if m != chosen]:
         row = evaluate(row_name(m), quantized[m][0], note=notes[m])
         if m in provenance:
             row["provenance"] = provenance[m]
         rows.append(row)
-    rows[2:] = sorted(rows[2:], key=lambda r: [row_name(m) for m in methods].index(r["name"]))
-    # The mixed recipe with AWQ+GPTQ (or the method of a reused mixed checkpoint), compared with
-    # the pure INT4 AWQ+GPTQ row: it shows what the recipe buys, at a few minutes' cost.
-    mixed_method = (
-        bench_method(read_quantization(reuse["mixed"])) if "mixed" in reuse else MIXED_METHOD
+    first = 2 if full else 1
+    rows[first:] = sorted(
+        rows[first:], key=lambda r: [row_name(m) for m in methods].index(r["name"])
     )
-    obtain("mixed", mixed_method, mixed)
-    n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
-    rows.append(
-        evaluate(
-            "mixed_" + mixed_method.replace("-", "_") + "_profiler_recipe",
-            quantized["mixed"][0],
-            note=f"NOT pure INT4: {mixed_method} with the profiler's suggested recipe (INT4 g128, "
-            f"{n8} layers INT8 g128, chosen from weight statistics alone)",
+    if full:  # not in a --methods run
+        # The mixed recipe with AWQ+GPTQ (or the method of a reused mixed checkpoint), compared with
+        # the pure INT4 AWQ+GPTQ row: it shows what the recipe buys, at a few minutes' cost.
+        mixed_method = (
+            bench_method(read_quantization(reuse["mixed"])) if "mixed" in reuse else MIXED_METHOD
         )
-    )
-    rows[-1]["recipe"] = mixed.to_dict()
-    if "mixed" in provenance:
-        rows[-1]["provenance"] = provenance["mixed"]
-    rows.append(evaluate("kv_fp8", ref_w, torch.float8_e4m3fn, note="reference weights, FP8 KV"))
-    rows.append(evaluate("kv_int8", ref_w, torch.int8, note="reference weights, INT8 KV"))
-    rows.append(
-        evaluate(
-            row_name(chosen) + "_kv_fp8", quantized[chosen][0], torch.float8_e4m3fn, note="both"
+        obtain("mixed", mixed_method, mixed)
+        n8 = sum(1 for spec in mixed.overrides if spec[1].bits == 8)
+        rows.append(
+            evaluate(
+                "mixed_" + mixed_method.replace("-", "_") + "_profiler_recipe",
+                quantized["mixed"][0],
+                note=f"NOT pure INT4: {mixed_method} with the profiler's suggested recipe (INT4 g128, "
+                f"{n8} layers INT8 g128, chosen from weight statistics alone)",
+            )
         )
-    )
+        rows[-1]["recipe"] = mixed.to_dict()
+        if "mixed" in provenance:
+            rows[-1]["provenance"] = provenance["mixed"]
+        rows.append(
+            evaluate("kv_fp8", ref_w, torch.float8_e4m3fn, note="reference weights, FP8 KV")
+        )
+        rows.append(evaluate("kv_int8", ref_w, torch.int8, note="reference weights, INT8 KV"))
+        rows.append(
+            evaluate(
+                row_name(chosen) + "_kv_fp8", quantized[chosen][0], torch.float8_e4m3fn, note="both"
+            )
+        )
 
     ref = rows[0]
-    int4_bytes = next(r["quantized_bytes"] for r in rows if r["name"] == "int4_g128_rtn")
+    int4_bytes = next(
+        (r["quantized_bytes"] for r in rows if r["name"].startswith("int4_g128_")), None
+    )
     for r in rows:
         r["ppl_ratio"] = r["ppl"] / ref["ppl"]
         r["decode_pass_ppl_ratio"] = r["decode_pass_ppl"] / ref["decode_pass_ppl"]
-        if r["name"] != "q4_1_native" and r["quantized_bytes"]:
+        if r["name"] != "q4_1_native" and r["quantized_bytes"] and int4_bytes:
             r["bytes_vs_int4_g128"] = r["quantized_bytes"] / int4_bytes
-    targets = {row_name(chosen): INT4_TARGET, "kv_fp8": KV_FP8_TARGET}
+    targets = {row_name(chosen): INT4_TARGET}
+    if full:
+        targets["kv_fp8"] = KV_FP8_TARGET
     checks = {
         name: {
             "target_ratio_max": t,
@@ -511,6 +580,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         },
         "model": os.path.basename(path),
         "reference_note": (
@@ -526,6 +596,7 @@ def main() -> int:
             "path gives the same tokens as a float engine holding the dequantized weights)."
         ),
         "eval_text": text_src,
+        "eval_text_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "eval_tokens": {"prefill_pass": len(pre_ids) - args.windows, "decode_pass": len(dec_ids)},
         "window": args.window,
         "decode_pass": {
@@ -552,7 +623,7 @@ def main() -> int:
         "checks": checks,
         "seconds": round(time.monotonic() - t_start, 1),
     }
-    for m in (m for m in CALIBRATED if m.endswith("-e2e")):
+    for m in (m for m in calibrated if tuned_end_to_end(m)):
         result["e2e"][m] = read_quantization(dirs[m]).get("e2e")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -242,3 +242,91 @@ def test_calibration_with_sampled_sequences(model_factory, tmp_path, capsys) -> 
     assert main(base + ["--method", "gptq", "--calib-generated", "2"]) == 0
     meta = json.loads((out / "quantization.json").read_text())
     assert meta["calibration"]["generated_seqs"] == 2
+
+
+def test_training_codes_moves_codes_and_packs_what_it_trained(model_factory, tmp_path) -> None:
+    """`codes=True` (quantization-aware training): codes change, stay in range, the KL drops, and
+    the packed checkpoint holds exactly the weight the forward pass used."""
+    from tandem.model.loader import load_model
+    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.e2e import GroupParams
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    cfg = loaded.config
+    weights, _ = quantize_model(loaded, Recipe(), "rtn")
+    calib, _ = calibration_batch(loaded.tokenizer, _calib_file(tmp_path, 700, 6), 64, 8192)
+    float_w = dequantize_weights(loaded.weights, torch.float32)
+    tuned, report = e2e_tune(
+        float_w,
+        weights,
+        cfg,
+        calib,
+        steps=30,
+        lr=3e-3,
+        batch=2,
+        val_seqs=2,
+        eval_every=5,
+        codes=True,
+        codes_lr=0.05,
+    )
+    assert report.best_step > 0 and report.best_kl < report.start_kl
+    before = _kl(float_w, dequantize_weights(weights, torch.float32), cfg, calib)
+    assert _kl(float_w, dequantize_weights(tuned, torch.float32), cfg, calib) < 0.9 * before
+    # The packed weight is the forward pass's: latents rounded and clamped to the code range,
+    # FP16 scale and zero point.
+    w0 = weights["model.layers.0.mlp.down_proj.weight"]
+    gp = GroupParams(w0, codes=True)
+    with torch.no_grad():
+        gp.c.add_(torch.rand(gp.c.shape, generator=torch.Generator().manual_seed(0)) * 3 - 1.5)
+        gp.a.fill_(0.01)
+        gp.b.fill_(-0.02)
+    packed = gp.packed()
+    assert torch.allclose(packed.dequantize(torch.float32), gp.weight(), rtol=0, atol=1e-6)
+    moved = packed.codes() != w0.codes()
+    assert 0.5 < moved.float().mean() < 0.9  # |offset| > 0.5 for two thirds of the codes
+    assert packed.codes().min() == 0 and packed.codes().max() == 15
+    # The latents get gradients: one step moves them.
+    gp.weight().sum().backward()
+    assert gp.c.grad is not None and gp.c.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="codes lr must be > 0"):
+        e2e_tune(float_w, weights, cfg, calib, steps=1, val_seqs=2, codes=True, codes_lr=0.0)
+
+
+def test_cli_device_is_checked(model_factory, tmp_path, capsys) -> None:
+    """`tandem quantize --device` names what is wrong with a device it cannot use."""
+    from tandem.cli import main
+
+    _, path = model_factory("llama")
+    out = str(tmp_path / "q")
+    assert main(["quantize", path, "--out", out, "--method", "rtn", "--device", "abacus"]) == 2
+    assert "--device 'abacus' is not a device" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["quantize", path, "--out", out, "--method", "rtn", "--device", "cuda"]) == 2
+        assert "has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_time_limit_and_cosine_schedule(model_factory, tmp_path) -> None:
+    """A time limit stops tuning at the first evaluation past it (the best state kept); the
+    cosine schedule runs the same loop with decaying learning rates."""
+    from tandem.model.loader import load_model
+    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    weights, _ = quantize_model(loaded, Recipe(), "rtn")
+    calib, _ = calibration_batch(loaded.tokenizer, _calib_file(tmp_path, 400, 10), 64, 8192)
+    float_w = dequantize_weights(loaded.weights, torch.float32)
+    _, report = e2e_tune(
+        float_w, weights, loaded.config, calib, steps=50, lr=3e-3, val_seqs=2, eval_every=20,
+        time_limit_s=0.0,
+    )  # fmt: skip
+    assert report.stopped_at == 1 and [s for s, _ in report.history] == [0, 1]
+    _, report = e2e_tune(
+        float_w, weights, loaded.config, calib, steps=6, lr=3e-3, val_seqs=2, eval_every=2,
+        cosine=True, codes=True,
+    )  # fmt: skip
+    assert report.stopped_at is None and [s for s, _ in report.history] == [0, 2, 4, 6]
+    assert report.best_kl < report.start_kl

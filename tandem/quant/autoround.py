@@ -83,7 +83,7 @@ class LearnedWeight:
         self.spec, self.k, self.levels = spec, k, (1 << spec.bits) - 1
         self.groups = F.pad(w.float(), (0, kp - k)).view(n, kp // g, g)  # [N, G, g]
         # The last group may be partly padding: its range comes from its real columns only.
-        real = torch.zeros(kp, dtype=torch.bool)
+        real = torch.zeros(kp, dtype=torch.bool, device=w.device)
         real[:k] = True
         self.real = real.view(1, kp // g, g)
         if spec.zero_point:
@@ -192,7 +192,7 @@ def tune_layer(
     n = h_in.shape[0] // seqs
     learned = {m: LearnedWeight(layer_w[m + ".weight"], s) for m, s in specs.items()}
     params = [p for lw in learned.values() for p in lw.params()]
-    cs = cos_sin_table(cfg, n, "cpu")
+    cs = cos_sin_table(cfg, n, h_in.device)
     d = cfg.head_dim
 
     def rope(s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +256,10 @@ def autoround_quantize(
     out: dict[str, torch.Tensor | QuantizedWeight] = dict(w)
     report = AutoRoundReport()
     s, n = calib.shape
-    h_float = F.embedding(calib, w["model.embed_tokens.weight"]).reshape(s * n, -1)
+    dev = w["model.embed_tokens.weight"].device
+    h_float = F.embedding(calib.to(dev), w["model.embed_tokens.weight"]).reshape(s * n, -1)
     h_quant = h_float
-    cs = cos_sin_table(cfg, n, "cpu")
+    cs = cos_sin_table(cfg, n, dev)
     d = cfg.head_dim
     cos, sin = cs[:, None, : d // 2].repeat(s, 1, 1), cs[:, None, d // 2 :].repeat(s, 1, 1)
 

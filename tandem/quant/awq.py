@@ -50,10 +50,10 @@ def _clip_search(x: torch.Tensor, w: torch.Tensor, spec: LayerSpec) -> torch.Ten
     kp = (k + g - 1) // g * g
     xs = F.pad(x, (0, kp - k)).view(x.shape[0], kp // g, g)  # [T, G, g]
     wg = F.pad(w, (0, kp - k)).view(n, kp // g, g)
-    best = torch.full((n, kp // g), torch.inf)
-    ratio = torch.ones(n, kp // g)
+    best = torch.full((n, kp // g), torch.inf, device=w.device)
+    ratio = torch.ones(n, kp // g, device=w.device)
     for r in CLIP_RATIOS:
-        clip = torch.full((n, kp // g), r)
+        clip = torch.full((n, kp // g), r, device=w.device)
         q = quantize_rtn(w, spec.bits, g, spec.zero_point, clip).dequantize()
         dw = wg - F.pad(q, (0, kp - k)).view(n, kp // g, g)
         err = torch.einsum("tgk,ngk->tng", xs, dw).pow(2).sum(0)  # [N, G]

@@ -20,6 +20,16 @@ checkpoint stores is applied in the forward pass (straight through), so the trai
 stored ones. The codes, bits, group size and packing are unchanged: the result is an ordinary
 `QuantizedWeight` checkpoint for the same kernels.
 
+With `codes=True` the integer codes are trained too (quantization-aware training with
+straight-through rounding, as in LLM-QAT / EfficientQAT's Block-AP, here end to end): each code
+gets a real-valued latent `c`, starting at the code itself, and the forward pass uses
+
+    q = clamp(round(c), 0, 2**bits - 1)       (gradient straight through the rounding)
+
+so a code changes when its latent crosses a half-integer. The latents have their own learning
+rate (`codes_lr`, in code units per Adam step); the result is still an ordinary checkpoint (the
+rounded codes, packed).
+
 The calibration text is small (a few thousand tokens of one kind), and a model tuned on it alone
 drifts towards it. Sequences sampled from the float model itself (`sample_sequences`: data-free
 distillation text, as in LLM-QAT) add varied text. The last `val_seqs` sequences are held out:
@@ -31,6 +41,7 @@ most of the training text and not part of the calibration file the base method f
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -40,7 +51,7 @@ import torch.nn.functional as F
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import cos_sin_table
 from tandem.quant.autoround import decoder_layer
-from tandem.quant.format import QuantizedWeight
+from tandem.quant.format import QuantizedWeight, pack
 from tandem.quant.walk import _rms_norm
 
 
@@ -55,6 +66,7 @@ class E2EReport:
     train_seqs: int = 0
     val_seqs: int = 0
     seconds: float = 0.0
+    stopped_at: int | None = None  # the step at which the time limit stopped tuning
 
 
 def check_options(
@@ -79,17 +91,33 @@ def check_options(
 
 
 class GroupParams:
-    """One quantized layer's fixed codes and trainable (relative) scale and zero-point offsets."""
+    """One quantized layer's codes and trainable (relative) scale and zero-point offsets; with
+    `codes`, real-valued latents of the codes too (see the module docstring)."""
 
-    def __init__(self, qw: QuantizedWeight):
+    def __init__(self, qw: QuantizedWeight, codes: bool = False):
         n, kp, g = qw.out_features, qw.padded_in_features, qw.group_size
         self.qw = qw
-        self.codes = qw.codes().to(torch.uint8).view(n, kp // g, g)  # [N, G, g], fixed
+        self.levels = (1 << qw.bits) - 1
+        self.codes = qw.codes().to(torch.uint8).view(n, kp // g, g)  # [N, G, g]
         self.scale0 = qw.scales.float()
         self.min0 = qw.mins.float()
         self.unit = self.scale0 * (1 << (qw.bits - 1))  # half the group's range
         self.a = torch.zeros_like(self.scale0, requires_grad=True)
         self.b = torch.zeros_like(self.scale0, requires_grad=True)
+        self.c = self.codes.float().requires_grad_(True) if codes else None
+
+    def grid_params(self) -> list[torch.Tensor]:
+        return [self.a, self.b]
+
+    def params(self) -> list[torch.Tensor]:
+        return [self.a, self.b] + ([self.c] if self.c is not None else [])
+
+    def current_codes(self) -> torch.Tensor:
+        """[N, G, g] float codes of the forward pass (straight-through rounding of the latents)."""
+        if self.c is None:
+            return self.codes.float()
+        c = self.c.clamp(0, self.levels)
+        return c + (torch.round(c) - c).detach()
 
     def grid(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 scale and zero point [N, G] of the current offsets (before FP16)."""
@@ -100,14 +128,18 @@ class GroupParams:
         scale, zero = self.grid()
         scale = scale + (_fp16(scale) - scale).detach()
         zero = zero + (zero.to(torch.float16).float() - zero).detach()
-        w = self.codes.float() * scale[..., None] + zero[..., None]
+        w = self.current_codes() * scale[..., None] + zero[..., None]
         return w.flatten(1)[:, : self.qw.in_features]
 
     @torch.no_grad()
     def packed(self) -> QuantizedWeight:
         scale, zero = self.grid()
+        qweight = self.qw.qweight
+        if self.c is not None:
+            codes = self.current_codes().round().to(torch.int32).flatten(1)
+            qweight = pack(codes, self.qw.bits)
         return QuantizedWeight(
-            self.qw.qweight,
+            qweight,
             _fp16(scale).to(torch.float16),
             zero.to(torch.float16),
             self.qw.bits,
@@ -149,38 +181,41 @@ def sample_sequences(
     seed: int = 0,
     temperature: float = 1.0,
     batch: int = 16,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Token ids [count, length] sampled from the model itself (data-free distillation text, as
     in LLM-QAT, Liu et al. 2023): each sequence starts from a token drawn uniformly from the
-    vocabulary, then every next token is sampled from the model at `temperature`."""
+    vocabulary, then every next token is sampled from the model at `temperature`. On `device`
+    (its own random generator: a GPU draws other sequences than the CPU for one seed); the ids
+    come back on the CPU."""
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 
-    model = LlamaModel(cfg, weights, torch.float32, "cpu", length)
-    gen = torch.Generator().manual_seed(seed)
+    model = LlamaModel(cfg, weights, torch.float32, device, length)
+    gen = torch.Generator(device=device).manual_seed(seed)
     bs = 16
     nb = (length + bs - 1) // bs
     out = []
     for a in range(0, count, batch):
         b = min(batch, count - a)
         kv = KVCache.allocate(
-            cfg.num_layers, b * nb, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu"
+            cfg.num_layers, b * nb, bs, cfg.num_kv_heads, cfg.head_dim, torch.float32, device
         )
-        tables = torch.arange(b * nb).view(b, nb)
-        seqs = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen)
+        tables = torch.arange(b * nb, device=device).view(b, nb)
+        seqs = torch.randint(0, cfg.vocab_size, (b, 1), generator=gen, device=device)
         for pos in range(length - 1):
             meta = AttentionMetadata(
                 slot_mapping=tables[:, pos // bs] * bs + pos % bs,
                 block_tables=tables,
-                context_lens=torch.full((b,), pos + 1),
+                context_lens=torch.full((b,), pos + 1, device=device),
                 context_lens_list=[pos + 1] * b,
                 query_start_loc=list(range(b + 1)),
                 decode_only=True,
             )
-            h = model.forward(seqs[:, pos], torch.full((b,), pos), kv, meta)
+            h = model.forward(seqs[:, pos], torch.full((b,), pos, device=device), kv, meta)
             probs = torch.softmax(model.logits(h).float() / temperature, -1)
             seqs = torch.cat([seqs, torch.multinomial(probs, 1, generator=gen)], 1)
-        out.append(seqs)
+        out.append(seqs.cpu())
     return torch.cat(out)
 
 
@@ -196,12 +231,21 @@ def e2e_tune(
     eval_every: int = 20,
     seed: int = 0,
     log=None,
+    codes: bool = False,
+    codes_lr: float = 1e-3,
+    cosine: bool = False,
+    time_limit_s: float | None = None,
 ) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
     """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
     bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
     Float tensors and other quantized tensors (head, embedding) are returned as given. The last
-    `val_seqs` sequences of `calib` are held out for early stopping."""
+    `val_seqs` sequences of `calib` are held out for early stopping. `codes`: train the codes
+    too, their latents at `codes_lr`. `cosine`: the learning rates decay to 0 along a half cosine
+    over `steps` (else constant). `time_limit_s`: stop after the first evaluation past this many
+    seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`."""
     check_options(steps, lr, batch, val_seqs, eval_every)
+    if codes and not codes_lr > 0:
+        raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
     s, n = calib.shape
     if s <= val_seqs:
         raise ValueError(
@@ -209,19 +253,31 @@ def e2e_tune(
             "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
         )
     t_start = time.monotonic()
-    train, val = calib[: s - val_seqs], calib[s - val_seqs :]
     teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
+    dev = teacher["model.embed_tokens.weight"].device
+    calib = calib.to(dev)
+    train, val = calib[: s - val_seqs], calib[s - val_seqs :]
     fixed = {}
     params: dict[str, GroupParams] = {}
     for k, v in quantized.items():
         if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
-            params[k] = GroupParams(v)
+            params[k] = GroupParams(v.to(dev), codes)
         elif isinstance(v, QuantizedWeight):
-            fixed[k] = v.dequantize(torch.float32)
+            fixed[k] = v.dequantize(torch.float32).to(dev)
         else:
-            fixed[k] = v.float()
-    opt = torch.optim.Adam([t for gp in params.values() for t in (gp.a, gp.b)], lr=lr)
-    cs = cos_sin_table(cfg, n, "cpu")
+            fixed[k] = v.float().to(dev)
+    groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
+    if codes:
+        groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
+    opt = torch.optim.Adam(groups)
+    sched = (
+        torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1)))
+        )
+        if cosine
+        else None
+    )
+    cs = cos_sin_table(cfg, n, dev)
     d = cfg.head_dim
 
     def rope(k: int):
@@ -254,7 +310,7 @@ def e2e_tune(
         return total / val.numel()
 
     def state() -> list[torch.Tensor]:
-        return [t.detach().clone() for gp in params.values() for t in (gp.a, gp.b)]
+        return [t.detach().clone() for gp in params.values() for t in gp.params()]
 
     report = E2EReport(train_seqs=len(train), val_seqs=len(val))
     report.start_kl = report.best_kl = val_kl()
@@ -274,7 +330,10 @@ def e2e_tune(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % eval_every == 0 or step == steps:
+        if sched is not None:
+            sched.step()
+        late = time_limit_s is not None and time.monotonic() - t_start > time_limit_s
+        if step % eval_every == 0 or step == steps or late:
             v = val_kl()
             report.history.append((step, v))
             if log is not None:
@@ -284,12 +343,17 @@ def e2e_tune(
                 )
             if v < report.best_kl:
                 report.best_kl, report.best_step, best = v, step, state()
+            if late:
+                report.stopped_at = step
+                if log is not None:
+                    log(f"e2e: time limit of {time_limit_s:.0f}s reached at step {step}")
+                break
     with torch.no_grad():
-        flat = [t for gp in params.values() for t in (gp.a, gp.b)]
+        flat = [t for gp in params.values() for t in gp.params()]
         for t, b in zip(flat, best, strict=True):
             t.copy_(b)
     out = dict(quantized)
     for k, gp in params.items():
-        out[k] = gp.packed() if report.best_step else gp.qw
+        out[k] = gp.packed().to(quantized[k].device) if report.best_step else quantized[k]
     report.seconds = round(time.monotonic() - t_start, 1)
     return out, report

@@ -138,12 +138,13 @@ def _gptq_layer(
     hinv = hinv.float()
     wp = w.float()[:, order].clone()
     wp[:, dead[order]] = 0.0
-    codes = torch.zeros(n, k, dtype=torch.int32)
-    scales = torch.zeros(n, (k + g - 1) // g, dtype=torch.float16)
+    dev = w.device
+    codes = torch.zeros(n, k, dtype=torch.int32, device=dev)
+    scales = torch.zeros(n, (k + g - 1) // g, dtype=torch.float16, device=dev)
     mins = torch.zeros_like(scales)
     r = len(clip_ratios)
-    ratios = torch.tensor(clip_ratios, dtype=torch.float32)[:, None]  # [R, 1]
-    rows = torch.arange(n)
+    ratios = torch.tensor(clip_ratios, dtype=torch.float32, device=dev)[:, None]  # [R, 1]
+    rows = torch.arange(n, device=dev)
     a = 0
     while a < k:
         gi = int(order[a]) // g  # the group these columns belong to

@@ -52,7 +52,9 @@ class _Stream:
         self.w, self.cfg = w, cfg
         self.s, self.length = calib.shape
         d = cfg.head_dim
-        cs = cos_sin_table(cfg, self.length, "cpu")
+        dev = w["model.embed_tokens.weight"].device
+        calib = calib.to(dev)
+        cs = cos_sin_table(cfg, self.length, dev)
         self.cos = cs[:, None, : d // 2].repeat(self.s, 1, 1)  # [S*L, 1, D/2]
         self.sin = cs[:, None, d // 2 :].repeat(self.s, 1, 1)
         self.h = F.embedding(calib, w["model.embed_tokens.weight"].float())

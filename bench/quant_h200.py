@@ -448,9 +448,13 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
-    modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"}}
-    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("int4_all", "h2"),
-                       ("int4_all", "ffma"), ("int4", "h2+gemv_x"), ("int4", "ffma")):  # fmt: skip
+    # "merge_kernel": the default but for the attention's partitions merged by a second kernel
+    # (TANDEM_DECODE_MERGE=0) instead of by the last partition's program.
+    modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"},
+             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}}  # fmt: skip
+    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
+                       ("int4_all", "merge_kernel"), ("int4_all", "h2"), ("int4_all", "ffma"),
+                       ("int4", "h2+gemv_x"), ("int4", "ffma")):  # fmt: skip
         model = models[name]
         os.environ.update(modes[mode])
         try:
@@ -458,7 +462,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                 t = timed(lambda i, model=model, kv=kv: model.logits(model.forward(ids, pos, kv, meta)),
                           1, reps=5 if smoke else 30)  # fmt: skip
             row = {"weights": name, "gemv": mode, "step_ms": t * 1e3, "tokens_per_s": 1 / t}
-            if dev == "cuda" and not smoke and name == "int4_all":
+            if dev == "cuda" and not smoke and name == "int4_all" and mode != "ffma":
                 with torch.inference_mode():
                     row["kernels"] = kernel_profile(lambda i=0, model=model, kv=kv: model.logits(
                         model.forward(ids, pos, kv, meta)))[:8]  # fmt: skip
@@ -469,7 +473,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
             os.environ.pop(key, None)
         grows["rows"].append(row)
         print(f"decode batch 1 { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
-    base = next((r.get("tokens_per_s") for r in grows["rows"] if r["weights"] == "bf16"), None)
+    base = next((r.get("tokens_per_s") for r in grows["rows"]
+                 if r["weights"] == "bf16" and r["gemv"] == "h2+gemv_x"), None)  # fmt: skip
     if base:
         grows["speedup_vs_bf16"] = {f"{r['weights']}/{r['gemv']}": r["tokens_per_s"] / base
                                     for r in grows["rows"] if "tokens_per_s" in r}  # fmt: skip

@@ -156,6 +156,23 @@ def test_decode_triton_matches_f64(
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_merge_by_the_last_partition(monkeypatch) -> None:
+    """The merge done by stage 1's last program (default) equals the second kernel's, over more
+    partitions than one merge step takes (19 of 16 tokens), and leaves its counters at zero."""
+    from tandem.kernels.arrival import arrival_counters
+
+    lens = [300, 5, 129, 0]
+    q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=1)
+    fused = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=16)
+    assert not arrival_counters(q.device, 8)[:8].any()
+    monkeypatch.setenv("TANDEM_DECODE_MERGE", "0")
+    two = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=16)
+    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
+    torch.testing.assert_close(fused.double(), expect, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused, two, atol=1e-6, rtol=1e-6)
+    assert torch.equal(fused[3], torch.zeros_like(fused[3]))
+
+
 def test_decode_triton_max_context_len_bounds_partitions() -> None:
     # A wide table (room for 256 tokens) but a host-known bound of 70: 3 partitions of 32.
     lens = [70, 2, 33]

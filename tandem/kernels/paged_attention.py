@@ -10,12 +10,17 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    computes all the query heads of its GQA group at once (so each K/V tile is loaded once per
    group) and writes a partial softmax state (running max, sum of exponentials, unnormalised
    output) for its partition;
-2. one program per (sequence, query head) merges the partitions with a log-sum-exp reduction.
+2. the partitions are merged with a log-sum-exp reduction: by the program of stage 1 that
+   finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
+   which saves a launch and its wait on the critical path of a decode step; with
+   TANDEM_DECODE_MERGE=0 by a second kernel, one program per (sequence, query head).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
 skipped. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels.arrival import arrival_counters
 
 _LOG2E = 1.4426950408889634
 
@@ -119,6 +125,7 @@ def _decode_partition_kernel(
     acc_ptr,  # [B, Hq, P, D] f32: unnormalised sum of exp2(score - max) * v per partition
     ks_ptr,  # [num_blocks, Hkv] f32 block scales of k: read only when KV_SCALED
     vs_ptr,  # [num_blocks, Hkv] f32 block scales of v
+    cnt_ptr,  # int32 [B * Hkv] arrival counters, zero between calls (MERGE)
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
     stride_qb,
     stride_qh,
@@ -144,6 +151,9 @@ def _decode_partition_kernel(
     BLOCK_N: tl.constexpr,  # tokens per inner iteration (may span several cache blocks)
     PARTITION_SIZE: tl.constexpr,  # tokens per program, a multiple of BLOCK_N
     DIRECT_OUT: tl.constexpr,  # a single partition: write the normalised output, skip stage 2
+    MERGE: tl.constexpr,  # the last partition of a (sequence, kv head) to finish merges them all
+    GROUP_P2: tl.constexpr,  # GROUP padded to a power of 2 (the merge's head axis)
+    BLOCK_P: tl.constexpr,  # partitions merged per iteration
     DOT_FP32: tl.constexpr,  # upcast K/V/Q before tl.dot instead of feeding the native dtype
     KV_SCALED: tl.constexpr,  # FP8 / INT8 codes times per-(block, head) scales
     PDL: tl.constexpr,
@@ -245,6 +255,91 @@ def _decode_partition_kernel(
         tl.store(m_ptr + row, m_i, mask=head_mask)
         tl.store(l_ptr + row, l_i, mask=head_mask)
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
+        if MERGE:
+            tl.debug_barrier()  # every thread's partials are written before the counter moves
+            cnt = cnt_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            # The partitions that run (the rest returned above): at least one, within the grid.
+            num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), num_parts)
+            if arrived == num_used - 1:
+                _merge_partitions(
+                    out_ptr + seq * stride_ob,
+                    m_ptr,
+                    l_ptr,
+                    acc_ptr,
+                    (seq * num_q_heads + kv_head * GROUP) * num_parts,
+                    kv_head * GROUP,
+                    num_used,
+                    num_parts,
+                    stride_oh,
+                    stride_od,
+                    GROUP,
+                    GROUP_P2,
+                    HEAD_DIM,
+                    BLOCK_P,
+                )
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _merge_partitions(
+    out_row,  # the sequence's output row [Hq, D]
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    row0,  # index of (first head of the group, partition 0) in [B, Hq, P]
+    head0,  # the group's first query head
+    num_used,  # partitions written
+    num_parts,  # P, the partition axis of the workspace
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Normalised output of GROUP query heads from their partitions' (max, sum, acc): the
+    log-sum-exp merge of `_decode_reduce_kernel`, for one kv head's group, by the program that
+    wrote the last partition. Loads bypass L1 (.cg): other programs wrote the partials."""
+    offs_g = tl.arange(0, GROUP_P2)
+    g_mask = offs_g < GROUP
+    rows = row0 + offs_g * num_parts  # [G]
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        mask = g_mask[:, None] & (p0 + offs_p < num_used)[None, :]
+        m = tl.load(
+            m_ptr + rows[:, None] + p0 + offs_p[None, :],
+            mask=mask,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        m_run = tl.maximum(m_run, tl.max(m, axis=1))
+    # -inf only for an empty context (or a padding head); 0 keeps exp2(m - m_max) at 0, not NaN.
+    m_max = tl.where(m_run > float("-inf"), m_run, 0.0)
+    l_sum = tl.zeros([GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], dtype=tl.float32)
+    for p0 in range(0, num_used, BLOCK_P):
+        mask = g_mask[:, None] & (p0 + offs_p < num_used)[None, :]
+        idx = rows[:, None] + p0 + offs_p[None, :]  # [G, BLOCK_P]
+        m = tl.load(m_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m - m_max[:, None])  # 0 where masked
+        l_sum += tl.sum(w * tl.load(l_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg"), 1)
+        a = tl.load(
+            acc_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+            mask=mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [G, BLOCK_P, D]
+        acc += tl.sum(w[:, :, None] * a, axis=1)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    heads = head0 + offs_g
+    tl.store(
+        out_row + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_row.dtype.element_ty),
+        mask=g_mask[:, None],
+    )
 
 
 @triton.jit
@@ -362,6 +457,9 @@ def paged_attention_decode_triton(
     # 16-bit dot runs on the tensor cores. fp32 inputs always take the fp32 dot.
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
     direct = num_parts == 1
+    # The last partition to finish merges (one launch); TANDEM_DECODE_MERGE=0: the second kernel.
+    merge = not direct and os.environ.get("TANDEM_DECODE_MERGE", "1") != "0"
+    counters = arrival_counters(q.device, b * num_kv_heads) if merge else out
     if direct:
         m = l_ = acc = out  # unused by the kernel when DIRECT_OUT
     else:
@@ -383,6 +481,7 @@ def paged_attention_decode_triton(
         acc,
         k_scale if scaled else out,
         v_scale if scaled else out,
+        counters,
         scale * _LOG2E,
         *q.stride(),
         *k_cache.stride(),
@@ -397,12 +496,15 @@ def paged_attention_decode_triton(
         BLOCK_N=block_n,
         PARTITION_SIZE=partition_size,
         DIRECT_OUT=direct,
+        MERGE=merge,
+        GROUP_P2=triton.next_power_of_2(group),
+        BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
         DOT_FP32=dot_fp32,
         KV_SCALED=scaled,
         num_warps=4,
         **pdl.launch_options(q),
     )
-    if not direct:
+    if not direct and not merge:
         _decode_reduce_kernel[(b, num_q_heads)](
             out,
             m,

@@ -13,8 +13,8 @@
 # Every run: AWQ + autoround on the calibration file plus 64 sampled sequences (the
 # awq-autoround-gen base of the CPU table), then end-to-end distillation from the float model on
 # the calibration file plus $E2E_GENERATED sequences sampled from it (16 held out for early
-# stopping), batch 8, cosine learning-rate decay over $E2E_STEPS steps, stopped early at
-# $E2E_MAX_SECONDS.
+# stopping), batch 8, cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS,
+# whichever ends first.
 set -u
 out=${1:?OUT_DIR}
 eval_file=${2:?EVAL_FILE}
@@ -28,7 +28,13 @@ run() {
     "$@" --out "$out/quant_quality_$name.json" > "$out/$name.log" 2>&1
   echo "$name: exit $?"
 }
-run e2e_scales --methods awq-autoround-gen-e2e &
-run qat_3e-3 --methods awq-autoround-gen-qat --e2e-codes-lr 3e-3 &
-run qat_1e-2 --methods awq-autoround-gen-qat --e2e-codes-lr 1e-2 &
+# RUNS: which runs, side by side: e2e_scales (scales and zero points only) and qat_LR (codes too,
+# their latents at learning rate LR).
+for name in ${RUNS:-e2e_scales qat_3e-3 qat_1e-2}; do
+  case $name in
+    e2e_scales) run "$name" --methods awq-autoround-gen-e2e & ;;
+    qat_*) run "$name" --methods awq-autoround-gen-qat --e2e-codes-lr "${name#qat_}" & ;;
+    *) echo "unknown run $name (e2e_scales or qat_LR)" >&2; exit 2 ;;
+  esac
+done
 wait

@@ -330,3 +330,12 @@ def test_time_limit_and_cosine_schedule(model_factory, tmp_path) -> None:
     )  # fmt: skip
     assert report.stopped_at is None and [s for s, _ in report.history] == [0, 2, 4, 6]
     assert report.best_kl < report.start_kl
+    assert report.lr_factor == pytest.approx(0.0, abs=1e-12)  # decayed to 0 at the last step
+    # A clock that ends first: the cosine runs over the time limit, so the step that reaches it
+    # has decayed fully although few of the 10**6 steps ran.
+    _, report = e2e_tune(
+        float_w, weights, loaded.config, calib, steps=10**6, lr=3e-3, val_seqs=2, eval_every=2,
+        cosine=True, time_limit_s=0.5,
+    )  # fmt: skip
+    assert report.stopped_at is not None and report.stopped_at < 10**6
+    assert report.lr_factor == pytest.approx(0.0, abs=1e-12)

@@ -161,7 +161,8 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--e2e-cosine",
         action="store_true",
-        help="e2e: learning rates decay to 0 along a half cosine (default: constant)",
+        help="e2e: learning rates decay to 0 along a half cosine over --e2e-steps, or over "
+        "--e2e-max-seconds where that ends first (default: constant)",
     )
     p.add_argument(
         "--e2e-max-seconds",
@@ -341,6 +342,7 @@ def tune_end_to_end(
         "held_out": "sampled sequences" if generated >= val_seqs else "calibration file's last",
         "steps": steps,
         **({"stopped_at_step": report.stopped_at} if report.stopped_at else {}),
+        **({"final_lr_factor": round(report.lr_factor, 6)} if cosine else {}),
         "lr": lr,
         "schedule": "cosine" if cosine else "constant",
         "batch": batch,

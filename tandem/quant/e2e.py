@@ -67,6 +67,7 @@ class E2EReport:
     val_seqs: int = 0
     seconds: float = 0.0
     stopped_at: int | None = None  # the step at which the time limit stopped tuning
+    lr_factor: float = 1.0  # the learning rates' last factor (the cosine schedule's decay)
 
 
 def check_options(
@@ -241,7 +242,7 @@ def e2e_tune(
     Float tensors and other quantized tensors (head, embedding) are returned as given. The last
     `val_seqs` sequences of `calib` are held out for early stopping. `codes`: train the codes
     too, their latents at `codes_lr`. `cosine`: the learning rates decay to 0 along a half cosine
-    over `steps` (else constant). `time_limit_s`: stop after the first evaluation past this many
+    over `steps`, or over `time_limit_s` where that ends first (else constant). `time_limit_s`: stop after the first evaluation past this many
     seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`."""
     check_options(steps, lr, batch, val_seqs, eval_every)
     if codes and not codes_lr > 0:
@@ -270,13 +271,18 @@ def e2e_tune(
     if codes:
         groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
     opt = torch.optim.Adam(groups)
-    sched = (
-        torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1)))
-        )
-        if cosine
-        else None
-    )
+    base_lrs = [g["lr"] for g in opt.param_groups]
+
+    def decay(step: int, elapsed: float) -> None:
+        """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
+        stopped by the clock has decayed too, however fast the device is)."""
+        done = step / max(steps, 1)
+        if time_limit_s is not None:
+            done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
+        f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
+            g["lr"] = lr0 * f
+        report.lr_factor = f
     cs = cos_sin_table(cfg, n, dev)
     d = cfg.head_dim
 
@@ -330,9 +336,10 @@ def e2e_tune(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if sched is not None:
-            sched.step()
-        late = time_limit_s is not None and time.monotonic() - t_start > time_limit_s
+        elapsed = time.monotonic() - t_start
+        if cosine:
+            decay(step, elapsed)
+        late = time_limit_s is not None and elapsed > time_limit_s
         if step % eval_every == 0 or step == steps or late:
             v = val_kl()
             report.history.append((step, v))

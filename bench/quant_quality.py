@@ -66,6 +66,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -117,6 +118,16 @@ SELECTION_DIRS = ("tandem/engine", "tandem/kv")
 # `X-gen`: X calibrated on the calibration file plus this many sequences of 256 tokens sampled
 # from the float model (`tandem quantize --calib-generated`).
 CALIB_GENERATED = 64
+
+
+def paired_se(nll: list[float], ref_nll: list[float]) -> float | None:
+    """Standard error of a log perplexity ratio from per-window mean NLLs (windows of equal
+    length, the same text for both models): std of the differences / sqrt(windows)."""
+    d = [a - b for a, b in zip(nll, ref_nll, strict=True)]
+    if len(d) < 2:
+        return None
+    mean = sum(d) / len(d)
+    return math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
 
 
 def row_name(method: str) -> str:
@@ -244,6 +255,9 @@ def main() -> int:
     ap.add_argument("--e2e-cosine", action="store_true", help="e2e/qat: cosine lr decay")
     ap.add_argument("--e2e-max-seconds", type=float, default=None, help="e2e/qat: time limit")
     ap.add_argument(
+        "--e2e-tf32", action="store_true", help="e2e/qat on CUDA: matrix products in TF32"
+    )
+    ap.add_argument(
         "--device",
         default="cpu",
         help="where calibration and evaluation run (cuda: the same float32 maths, faster)",
@@ -354,6 +368,7 @@ def main() -> int:
             "codes_lr": args.e2e_codes_lr,
             "cosine": args.e2e_cosine,
             "max_seconds": args.e2e_max_seconds,
+            "tf32": args.e2e_tf32,
         }
         if tuned_end_to_end(method):
             # The base method's checkpoint from this run (quantized or reused), then e2e.
@@ -456,6 +471,8 @@ def main() -> int:
             "tokens": pre["tokens"],
             "decode_pass_ppl": dec["ppl"],
             "decode_pass_tokens": dec["tokens"],
+            "window_nll": pre["window_nll"],
+            "decode_pass_window_nll": dec["window_nll"],
             "kv_dtype": str(kv_dtype or torch.float32).removeprefix("torch."),
             "quantized_layers": len(q),
             "quantized_bytes": sum(w.nbytes for w in q),
@@ -549,6 +566,17 @@ def main() -> int:
     for r in rows:
         r["ppl_ratio"] = r["ppl"] / ref["ppl"]
         r["decode_pass_ppl_ratio"] = r["decode_pass_ppl"] / ref["decode_pass_ppl"]
+        if r is not ref:
+            r["log_ppl_ratio_se"] = paired_se(r["window_nll"], ref["window_nll"])
+            r["decode_pass_log_ppl_ratio_se"] = paired_se(
+                r["decode_pass_window_nll"], ref["decode_pass_window_nll"]
+            )
+            if args.decode_windows > 8:
+                # The first 8 windows are the 8-window pass of the runs before 2026-12-01 late.
+                r["decode_pass_ppl_ratio_first8"] = math.exp(
+                    sum(r["decode_pass_window_nll"][:8]) / 8
+                    - sum(ref["decode_pass_window_nll"][:8]) / 8
+                )
         if r["name"] != "q4_1_native" and r["quantized_bytes"] and int4_bytes:
             r["bytes_vs_int4_g128"] = r["quantized_bytes"] / int4_bytes
     targets = {row_name(chosen): INT4_TARGET}
@@ -615,7 +643,8 @@ def main() -> int:
             "lr": args.e2e_lr,
             "generated_seqs": args.e2e_generated,
             "early_stopping": f"KL to the float model on the last {args.e2e_val_seqs} sampled "
-            "sequences (held out from training), every 10 steps; the best state is kept",
+            f"sequences (held out from training), every {args.e2e_eval_every} steps; the best "
+            "state is kept",
         },
         "quantize_seconds": {k: v[1] for k, v in quantized.items()},
         "method_selection": selection,
@@ -628,11 +657,19 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\n{'row':28s} {'ppl':>9s} {'ratio':>7s} {'dec ppl':>9s} {'ratio':>7s}")
+    print(
+        f"\n{'row':28s} {'ppl':>9s} {'ratio':>7s} {'+-se':>6s} {'dec ppl':>9s} {'ratio':>7s} "
+        f"{'+-se':>6s} {'first8':>7s}"
+    )
     for r in rows:
+        se, dse = r.get("log_ppl_ratio_se"), r.get("decode_pass_log_ppl_ratio_se")
+        f8 = r.get("decode_pass_ppl_ratio_first8")
         print(
             f"{r['name']:28s} {r['ppl']:9.4f} {r['ppl_ratio']:7.4f} "
-            f"{r['decode_pass_ppl']:9.4f} {r['decode_pass_ppl_ratio']:7.4f}"
+            f"{se if se is not None else float('nan'):6.4f} "
+            f"{r['decode_pass_ppl']:9.4f} {r['decode_pass_ppl_ratio']:7.4f} "
+            f"{dse if dse is not None else float('nan'):6.4f} "
+            f"{f8 if f8 is not None else float('nan'):7.4f}"
         )
     for name, c in checks.items():
         print(f"{name}: ratio {c['ppl_ratio']:.4f} (<= {c['target_ratio_max']}): {c['pass']}")

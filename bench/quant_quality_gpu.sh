@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# INT4 g128 quality of SmolLM2 with end-to-end tuning on one GPU: scales-only distillation and
-# quantization-aware training of the codes at two learning rates, side by side, each its own
-# `bench/quant_quality.py --device cuda --methods ...` run (three processes sharing the GPU);
-# JSON and logs under OUT_DIR.
+# INT4 g128 quality of SmolLM2 with end-to-end tuning on one GPU: quantization-aware training of
+# the codes (and scales-only distillation) at several learning rates, side by side, each its own
+# `bench/quant_quality.py --device cuda --methods ...` run (processes sharing the GPU), all
+# starting from one base checkpoint made first; JSON and logs under OUT_DIR.
 #
 #   bash bench/quant_quality_gpu.sh OUT_DIR EVAL_FILE
 #
@@ -10,18 +10,30 @@
 # `python bench/quant_quality.py --write-eval-text FILE` on that interpreter), since the topics
 # differ between Python versions.
 #
-# Every run: AWQ + autoround on the calibration file plus 64 sampled sequences (the
-# awq-autoround-gen base of the CPU table), then end-to-end distillation from the float model on
-# the calibration file plus $E2E_GENERATED sequences sampled from it (16 held out for early
-# stopping), batch 8, cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS,
-# whichever ends first.
+# The base: AWQ + autoround on the calibration file plus 64 sampled sequences (the
+# awq-autoround-gen row of the CPU table), written once by `tandem quantize --device cuda` into
+# $BASE_DIR (default .qbase/awq-autoround-gen, kept if it is there already) and reused by every
+# run (`--checkpoint`). Each run then distills from the float model end to end on the calibration
+# file plus $E2E_GENERATED sequences sampled from it (16 held out for early stopping), batch 8,
+# cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS, whichever ends first;
+# matrix products in TF32 unless E2E_TF32=0. The decode pass scores $DECODE_WINDOWS windows (the
+# CPU table's 8 are the first 8 of them; each row also reports its ratio over those).
 set -u
 out=${1:?OUT_DIR}
 eval_file=${2:?EVAL_FILE}
 mkdir -p "$out"
-common=(--device cuda --eval-file "$eval_file" --e2e-steps "${E2E_STEPS:-600}" --e2e-batch 8
+base=${BASE_DIR:-.qbase/awq-autoround-gen}
+if [ ! -f "$base/quantization.json" ]; then
+  t0=$(date +%s)
+  PYTHONUNBUFFERED=1 python -m tandem.cli quantize --method awq-autoround --calib-generated 64 \
+    --device cuda --out "$base" > "$out/base.log" 2>&1 || { echo "base: failed"; exit 1; }
+  echo "base: written in $(( $(date +%s) - t0 ))s"
+fi
+tf32=(); [ "${E2E_TF32:-1}" = 1 ] && tf32=(--e2e-tf32)
+common=(--device cuda --eval-file "$eval_file" --e2e-steps "${E2E_STEPS:-3000}" --e2e-batch 8
         --e2e-generated "${E2E_GENERATED:-2048}" --e2e-val-seqs 16 --e2e-eval-every 100
-        --e2e-lr 3e-4 --e2e-cosine --e2e-max-seconds "${E2E_MAX_SECONDS:-230}")
+        --e2e-lr 3e-4 --e2e-cosine --e2e-max-seconds "${E2E_MAX_SECONDS:-300}" "${tf32[@]}"
+        --decode-windows "${DECODE_WINDOWS:-32}" --checkpoint "awq-autoround-gen=$base")
 run() {
   local name=$1; shift
   PYTHONUNBUFFERED=1 timeout "${RUN_TIMEOUT:-560}" python bench/quant_quality.py "${common[@]}" \
@@ -30,10 +42,11 @@ run() {
 }
 # RUNS: which runs, side by side: e2e_scales (scales and zero points only) and qat_LR (codes too,
 # their latents at learning rate LR).
-for name in ${RUNS:-e2e_scales qat_3e-3 qat_1e-2}; do
+for name in ${RUNS:-qat_1e-2 qat_2e-2}; do
   case $name in
-    e2e_scales) run "$name" --methods awq-autoround-gen-e2e & ;;
-    qat_*) run "$name" --methods awq-autoround-gen-qat --e2e-codes-lr "${name#qat_}" & ;;
+    e2e_scales) run "$name" --methods awq-autoround-gen,awq-autoround-gen-e2e & ;;
+    qat_*) run "$name" --methods awq-autoround-gen,awq-autoround-gen-qat \
+             --e2e-codes-lr "${name#qat_}" & ;;
     *) echo "unknown run $name (e2e_scales or qat_LR)" >&2; exit 2 ;;
   esac
 done

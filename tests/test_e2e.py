@@ -339,3 +339,49 @@ def test_time_limit_and_cosine_schedule(model_factory, tmp_path) -> None:
     )  # fmt: skip
     assert report.stopped_at is not None and report.stopped_at < 10**6
     assert report.lr_factor == pytest.approx(0.0, abs=1e-12)
+
+
+def test_tf32_option_is_recorded_and_restored(model_factory, tmp_path) -> None:
+    """`--e2e-tf32` is written into quantization.json, and the process's TF32 setting is what it
+    was before tuning, also when tuning fails."""
+    from tandem.cli import main
+
+    _, path = model_factory("llama")
+    calib = _calib_file(tmp_path, 400, 12)
+    out = tmp_path / "q"
+    before = torch.backends.cuda.matmul.allow_tf32
+    args = ["quantize", path, "--calib", calib, "--out", str(out), "--calib-seq-len", "64",
+            "--method", "rtn", "--e2e-steps", "2", "--e2e-val-seqs", "2", "--e2e-tf32"]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads((out / "quantization.json").read_text())["e2e"]["matmul"] == "tf32"
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert main(args[:-1]) == 0
+    assert "matmul" not in json.loads((out / "quantization.json").read_text())["e2e"]
+    with pytest.raises(ValueError, match="holds out"):
+        e2e_tune({}, {}, None, torch.zeros(2, 8, dtype=torch.long), val_seqs=4, tf32=True)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+def test_perplexity_reports_each_window(model_factory) -> None:
+    """perplexity's per-window mean NLLs are those of each window scored alone, and average to
+    its total (windows of equal length)."""
+    import math
+
+    from tandem.model.llama import LlamaModel
+    from tandem.model.loader import load_model
+    from tandem.quant.eval import perplexity
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, "cpu", 64)
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (96,), generator=torch.Generator().manual_seed(3)
+    )
+    ids = ids.tolist()
+    both = perplexity(model, ids, window=32, decode_tokens=8)
+    assert len(both["window_nll"]) == 3
+    assert sum(both["window_nll"]) / 3 == pytest.approx(both["nll"], rel=1e-9)
+    assert both["ppl"] == pytest.approx(math.exp(both["nll"]), rel=1e-12)
+    for i, w_nll in enumerate(both["window_nll"]):
+        alone = perplexity(model, ids[32 * i : 32 * (i + 1)], window=32, decode_tokens=8)
+        assert alone["window_nll"] == [pytest.approx(w_nll, rel=1e-6)]

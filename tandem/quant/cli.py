@@ -171,6 +171,12 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         help="e2e: stop tuning after this many seconds (the best state so far is kept)",
     )
     p.add_argument(
+        "--e2e-tf32",
+        action="store_true",
+        help="e2e on a CUDA device: float32 matrix products in TF32 on the tensor cores (faster "
+        "steps; the default keeps full float32)",
+    )
+    p.add_argument(
         "--device",
         default="cpu",
         help="where calibration runs: cpu (default) or cuda[:N]",
@@ -219,6 +225,7 @@ def quantize_model(
     e2e_codes_lr: float = E2E_CODES_LR,
     e2e_cosine: bool = False,
     e2e_max_seconds: float | None = None,
+    e2e_tf32: bool = False,
     **options,
 ):
     """Quantized weights of `loaded` per `recipe`; returns (weights, info for quantization.json).
@@ -257,6 +264,7 @@ def quantize_model(
             codes_lr=e2e_codes_lr,
             cosine=e2e_cosine,
             max_seconds=e2e_max_seconds,
+            tf32=e2e_tf32,
             **calib,
         )
     return weights, info
@@ -280,6 +288,7 @@ def tune_end_to_end(
     codes_lr: float = E2E_CODES_LR,
     cosine: bool = False,
     max_seconds: float | None = None,
+    tf32: bool = False,
 ):
     """`weights` (quantized from `loaded`, e.g. by `quantize_model` or read back from a
     checkpoint) with their decoder scales and zero points tuned by `tandem.quant.e2e.e2e_tune`
@@ -325,6 +334,7 @@ def tune_end_to_end(
         codes_lr=codes_lr,
         cosine=cosine,
         time_limit_s=max_seconds,
+        tf32=tf32,
     )
     log(f"e2e done in {time.monotonic() - t0:.1f}s (best step {report.best_step})")
     info = dict(info)
@@ -345,6 +355,7 @@ def tune_end_to_end(
         **({"final_lr_factor": round(report.lr_factor, 6)} if cosine else {}),
         "lr": lr,
         "schedule": "cosine" if cosine else "constant",
+        **({"matmul": "tf32"} if tf32 else {}),
         "batch": batch,
         "eval_every": eval_every,
         "best_step": report.best_step,
@@ -561,6 +572,7 @@ def run_quantize(args: argparse.Namespace) -> int:
             e2e_codes_lr=args.e2e_codes_lr,
             e2e_cosine=args.e2e_cosine,
             e2e_max_seconds=args.e2e_max_seconds,
+            e2e_tf32=args.e2e_tf32,
         )
         weights = {k: v.to("cpu") for k, v in weights.items()}
         save_quantized(

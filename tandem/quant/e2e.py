@@ -236,6 +236,7 @@ def e2e_tune(
     codes_lr: float = 1e-3,
     cosine: bool = False,
     time_limit_s: float | None = None,
+    tf32: bool = False,
 ) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
     """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
     bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
@@ -243,7 +244,26 @@ def e2e_tune(
     `val_seqs` sequences of `calib` are held out for early stopping. `codes`: train the codes
     too, their latents at `codes_lr`. `cosine`: the learning rates decay to 0 along a half cosine
     over `steps`, or over `time_limit_s` where that ends first (else constant). `time_limit_s`: stop after the first evaluation past this many
-    seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`."""
+    seconds of tuning (the best state so far is kept). `tf32`: on a CUDA device, run the
+    float32 matrix products (teacher, student, held-out KL) on the tensor cores in TF32 (about
+    1e-3 relative per product; the gradient steps are far coarser), restored afterwards.
+    Runs on the device of `float_weights`."""
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    if tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return _e2e_tune(
+            float_weights, quantized, cfg, calib, steps, lr, batch, val_seqs, eval_every, seed,
+            log, codes, codes_lr, cosine, time_limit_s,
+        )  # fmt: skip
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+
+def _e2e_tune(
+    float_weights, quantized, cfg, calib, steps, lr, batch, val_seqs, eval_every, seed, log,
+    codes, codes_lr, cosine, time_limit_s,
+):  # fmt: skip
     check_options(steps, lr, batch, val_seqs, eval_every)
     if codes and not codes_lr > 0:
         raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
@@ -283,6 +303,7 @@ def e2e_tune(
         for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
             g["lr"] = lr0 * f
         report.lr_factor = f
+
     cs = cos_sin_table(cfg, n, dev)
     d = cfg.head_dim
 

@@ -32,7 +32,8 @@ def perplexity(
     block_size: int = 16,
     decode_tokens: int = 0,
 ) -> dict[str, float]:
-    """Mean next-token NLL over non-overlapping windows of `token_ids`, and its exp.
+    """Mean next-token NLL over non-overlapping windows of `token_ids`, and its exp; also each
+    window's mean NLL ("window_nll", in order), for paired comparisons between models.
 
     Each window is a fresh sequence. Its first `window - decode_tokens` tokens run as one
     prefill; the last `decode_tokens` are fed one at a time (decode steps, so an FP8/INT8 cache
@@ -48,6 +49,7 @@ def perplexity(
     table = list(range(nb))
     nll = 0.0
     count = 0
+    window_nll = []
     for start in range(0, len(token_ids) - window + 1, window):
         ids = token_ids[start : start + window]
         n_pre = window - decode_tokens
@@ -62,8 +64,15 @@ def perplexity(
             logits.append(model.logits(model.forward(inp, pos, kv, meta)))
         lg = torch.cat(logits)[:-1]
         target = torch.tensor(ids[1:], dtype=torch.long, device=dev)
-        nll += F.cross_entropy(lg.float(), target, reduction="sum").item()
+        w_nll = F.cross_entropy(lg.float(), target, reduction="sum").item()
+        window_nll.append(w_nll / (len(ids) - 1))
+        nll += w_nll
         count += len(ids) - 1
     if count == 0:
         raise ValueError(f"need at least {window} tokens, got {len(token_ids)}")
-    return {"nll": nll / count, "ppl": math.exp(nll / count), "tokens": count}
+    return {
+        "nll": nll / count,
+        "ppl": math.exp(nll / count),
+        "tokens": count,
+        "window_nll": window_nll,
+    }

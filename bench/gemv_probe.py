@@ -2,7 +2,8 @@
 
 Builds an INT4 g128 weight stored N-major (as the GPU model stores it) and a bf16 x, and for
 each `--config` (block_n,num_warps,split_k; `h2:` the same for the packed-fp16 kernel, `h2x:`
-that kernel reading x in its producer-written GemvX form) prints the median time of one call
+that kernel reading x in its producer-written GemvX form; either with `:key=value,...` options,
+see below) prints the median time of one call
 over 16 rotating weight copies (CUDA graph replay) and the error against float64. `--dump`
 writes each variant's cubin (read it with nvdisasm where there is no GPU) and register counts.
 `--iters` plain launches of the first config come first, for `ncu`.
@@ -72,11 +73,24 @@ def main() -> int:
             bn, nw, sk, st, *bm = (int(v) for v in spec[3:].split(","))
             cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
-        elif spec.startswith(("h2:", "h2x:")):  # packed fp16: h2:block_n,num_warps,split_k
-            bn, nw, sk = (int(v) for v in spec.split(":")[1].split(","))
-            cfg = wk.GemvH2Config(bn, sk, nw)
+        elif spec.startswith(("h2:", "h2x:")):
+            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys depth, ahead,
+            # maxnreg (0: ptxas's choice) and, for h2x, paired (GemvX order; 0: input order)
+            parts = spec.split(":")
+            bn, nw, sk = (int(v) for v in parts[1].split(","))
+            opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
+            cfg = wk.GemvH2Config(
+                bn,
+                sk,
+                nw,
+                depth=int(opts.get("depth", 1)),
+                ahead=bool(int(opts.get("ahead", 0))),
+                maxnreg=int(opts["maxnreg"]) or None
+                if "maxnreg" in opts
+                else wk.GemvH2Config.maxnreg,
+            )
             if spec.startswith("h2x:"):  # x as its producer writes it (GemvX), made untimed
-                xq_of_x = wk.gemv_x_ref(x, 128)
+                xq_of_x = wk.gemv_x_ref(x, 128, paired=bool(int(opts.get("paired", 1))))
 
                 def launch(x, w, cfg, xq=xq_of_x):
                     return wk.launch_gemv_h2(x, w, cfg, xq)

@@ -504,6 +504,39 @@ def test_gemv_x_written_by_producers() -> None:
         rmsnorm_gemv_x(x[:, :200], nw[:200], 1e-5, None, 64)
 
 
+@pytest.mark.parametrize("depth, ahead", [(2, False), (1, True), (2, True)])
+def test_packed_half_gemv_prefetch_variants_are_bit_equal(depth: int, ahead: bool) -> None:
+    """Codes two groups ahead (`depth`), scales, zero points and GemvX x a group ahead
+    (`ahead`): only when loads are issued changes, so outputs equal the plain kernel's bit for
+    bit, reading x or its GemvX form, with uneven splits and a split of one group."""
+    g = torch.Generator().manual_seed(depth * 2 + ahead)
+    for n, k, group, block_n, split in ((48, 384, 64, 16, 4), (40, 512, 128, 16, 4)):
+        qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
+        x = torch.randn(1, k, generator=g).to(torch.bfloat16).float()
+        xq = wk.gemv_x_ref(x, group)
+        plain = wk.GemvH2Config(block_n=block_n, split_k=split)
+        cfg = wk.GemvH2Config(block_n=block_n, split_k=split, depth=depth, ahead=ahead)
+        for q in (None, xq):
+            want = wk.w4a16_matmul_triton(x, qw, plain, xq=q)
+            torch.testing.assert_close(
+                wk.w4a16_matmul_triton(x, qw, cfg, xq=q), want, rtol=0, atol=0
+            )
+    with pytest.raises(ValueError, match="depth must be 1 or 2, got 3"):
+        wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16, depth=3))
+
+
+def test_gemv_x_pair_order() -> None:
+    """GemvX.paired stores each word's x0..x7 as x0 x4 x1 x5 x2 x6 x3 x7 (the pairs the GEMV
+    multiplies codes (0, 4), (1, 5), (2, 6), (3, 7) by); the input order is the same values."""
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    plain, paired = wk.gemv_x_ref(x, 128, paired=False), wk.gemv_x_ref(x, 128, paired=True)
+    assert not plain.paired and paired.paired
+    order = [0, 4, 1, 5, 2, 6, 3, 7]
+    want = plain.scaled.view(2, 32, 8)[..., order].reshape(2, 256)
+    assert torch.equal(paired.scaled, want) and torch.equal(paired.scalars, plain.scalars)
+    assert paired.scaled.data_ptr() % 16 == 0
+
+
 def test_packed_half_gemv_refuses_partial_groups() -> None:
     qw = wk.n_major(quantize_rtn(torch.randn(32, 200), 4, 64))  # K = 200: the last group partial
     x = torch.randn(1, 200)

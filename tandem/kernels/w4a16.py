@@ -160,6 +160,21 @@ def _code_words(q_cols, wi, w_end, n_mask, stride_qw):
 
 
 @triton.jit
+def _group_words(
+    qw_ptr, woff, g, g_end, stride_qw, n_mask, WPG: tl.constexpr, EVEN: tl.constexpr
+):  # fmt: skip
+    """Group g's code words [WPG, BLOCK_N] for a 1-row program's columns (zeros from g_end on):
+    one 64-bit base per group, the same for every thread, plus the 32-bit offsets `woff` of the
+    program's words computed once, so each word's address is one multiply-add (a 64-bit index
+    per word cost ~8 instructions)."""
+    base = qw_ptr + (tl.zeros([], tl.int64) + g * WPG) * stride_qw  # g: a Python int or not
+    valid = tl.full(woff.shape, g, tl.int32) < g_end  # one predicate for the whole tile
+    if EVEN:
+        return tl.load(base + woff, mask=valid, other=0)
+    return tl.load(base + woff, mask=valid & n_mask[None, :], other=0)
+
+
+@triton.jit
 def _row_program(
     x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N: tl.constexpr,
     WPG: tl.constexpr,
@@ -409,6 +424,20 @@ def _pair_halves(a, b):
 
 
 @triton.jit
+def _x_words(xw):
+    """The 4 words at each 16-byte aligned address of xw (int32 pointers), in one vector load
+    (ASM only; Triton issues 4 scalar loads for 4 words held by one thread)."""
+    return tl.inline_asm_elementwise(
+        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        [xw],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _hadd2(a, b):
     return tl.inline_asm_elementwise(
         "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
@@ -474,6 +503,9 @@ def _gemv_h2_kernel(
     ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
+    X_PAIRED: tl.constexpr = True,  # XPREP: x in GemvX.paired order
+    DEPTH: tl.constexpr = 1,  # groups of codes in flight ahead of the one being summed (1, 2)
+    AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX x) loaded a group ahead too
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -496,34 +528,74 @@ def _gemv_h2_kernel(
     written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
-    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_next = (
-        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
+    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, _, g_start, g_end, _, _ = _row_program(
+        x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG
     )
+    woff = offs_w[:, None] * stride_qw + offs_n[None, :]  # < 2**31: the launcher checks
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
+    # Codes, scales and zero points are never written by a kernel: with PDL they load while the
+    # previous kernel finishes.
+    q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
+    if DEPTH == 2:
+        q_next2 = _group_words(qw_ptr, woff, g_start + 1, g_end, stride_qw, n_mask, WPG, EVEN)
+    if AHEAD:
+        s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, g_start, stride_sg, offs_n, n_mask, EVEN)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
+    if AHEAD and XPREP:
+        if ASM:  # the interpreter reads x value by value below
+            xw_next = (x_row + g_start * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+            xa_next, xb_next, xc_next, xd_next = _x_words(xw_next)
+        xs_next = xs_ptr + (m.to(tl.int64) * G + g_start) * 2
+        unscale_next, x_sum_next = tl.load(xs_next), tl.load(xs_next + 1)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
-        q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)  # the next group's
-        s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
+        if DEPTH == 2:
+            q_next = q_next2
+            q_next2 = _group_words(qw_ptr, woff, g + 2, g_end, stride_qw, n_mask, WPG, EVEN)
+        else:  # the next group's
+            q_next = _group_words(qw_ptr, woff, g + 1, g_end, stride_qw, n_mask, WPG, EVEN)
+        # The group after g, for the loads a group ahead (the last group's again at the end:
+        # a cached re-read instead of a mask).
+        g_ahead = tl.minimum(g + 1, g_end - 1)
+        if AHEAD:
+            s, mn = s_next, mn_next
+            s_next, mn_next = _scales_of_group(
+                s_ptr, mn_ptr, g_ahead, stride_sg, offs_n, n_mask, EVEN
+            )
+        else:
+            s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         if XPREP:
-            # x as its producer wrote it (`GemvX`): scaled fp16 x, paired here by two byte
-            # permutes per two pairs, and the group's 2**24 / scale and sum of x.
-            xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
-            xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
-            unscale = tl.load(xs)
-            x_sum = tl.load(xs + 1)
+            # x as its producer wrote it (`GemvX`): scaled fp16 x (a word's 8 values in one
+            # 16-byte load; in the pair order, or paired here by two byte permutes per two
+            # pairs), and the group's 2**24 / scale and sum of x.
+            if AHEAD:
+                if ASM:
+                    xa, xb, xc, xd = xa_next, xb_next, xc_next, xd_next
+                    xw_next = (x_row + g_ahead * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+                    xa_next, xb_next, xc_next, xd_next = _x_words(xw_next)
+                unscale, x_sum = unscale_next, x_sum_next
+                xs_next = xs_ptr + (m.to(tl.int64) * G + g_ahead) * 2
+                unscale_next, x_sum_next = tl.load(xs_next), tl.load(xs_next + 1)
+            else:
+                if ASM:
+                    xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+                    xa, xb, xc, xd = _x_words(xw)
+                xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
+                unscale = tl.load(xs)
+                x_sum = tl.load(xs + 1)
         else:
             xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
             x_sum = tl.sum(xg, axis=0)
             sf, sc, sc16, unscale = _x_scale(tl.max(tl.abs(xg), axis=0))
         if ASM:
-            if XPREP:
-                p0, p1 = _pair_halves(tl.load(xw), tl.load(xw + 2))  # x 0,4 and 1,5
-                p2, p3 = _pair_halves(tl.load(xw + 1), tl.load(xw + 3))  # x 2,6 and 3,7
+            if XPREP and X_PAIRED:
+                p0, p1, p2, p3 = xa, xb, xc, xd  # x 0,4  1,5  2,6  3,7 as stored
+            elif XPREP:
+                p0, p1 = _pair_halves(xa, xc)  # x 0,4 and 1,5
+                p2, p3 = _pair_halves(xb, xd)  # x 2,6 and 3,7
             else:
                 xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of a word's x
                 sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
@@ -540,7 +612,10 @@ def _gemv_h2_kernel(
             # product-and-add rounded to fp16 in the order of the packed halves (codes 0-3 in
             # the low half, 4-7 in the high); the sum over words in float32.
             for j in tl.static_range(8):
-                if XPREP:
+                if XPREP and X_PAIRED:
+                    xt = tl.load(x_row + g * GROUP + offs_w * 8 + (j % 4) * 2 + j // 4)
+                    xt = xt.to(tl.float32)
+                elif XPREP:
                     xt = tl.load(x_row + g * GROUP + offs_w * 8 + j).to(tl.float32)
                 elif j % 2 == 1:
                     xt = _round_f16(tl.load(x_row + wi * 8 + j).to(tl.float32) * sc16)
@@ -830,12 +905,18 @@ class GemvNConfig:
 
 @dataclass(frozen=True)
 class GemvH2Config:
-    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic."""
+    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `depth`: groups of
+    codes loaded ahead of the one being summed (1 or 2); `ahead`: the scales, zero points and
+    (GemvX) x loaded a group ahead too, not in the group's own iteration; `maxnreg`: a register
+    cap for ptxas (None: its own choice; compiled CUDA only)."""
 
     block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
+    depth: int = 1
+    ahead: bool = False
+    maxnreg: int | None = 80
 
 
 @dataclass(frozen=True)
@@ -892,24 +973,37 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
     )
 
 
+def gemv_x_paired() -> bool:
+    """Whether GemvX is written in the GEMV's pair order (below): yes unless
+    TANDEM_GEMV_X_PAIRED=0 (input order: the GEMV then pairs the halves itself, two byte permutes
+    per two pairs)."""
+    return os.environ.get("TANDEM_GEMV_X_PAIRED", "1") not in ("0", "false", "off")
+
+
 @dataclass
 class GemvX:
     """A row of activations in the form `_gemv_h2_kernel` reads (XPREP), written by the kernel
     that produces x (`store_gemv_x`): per group of `group` inputs, x scaled by the power of two
     that puts its largest |x| in [2**14, 2**15) (the inputs at odd positions by a sixteenth of
-    it, for the GEMV's x16 codes) as fp16, in input order; and per group, float32, 2**24 / scale
-    and the sum of x."""
+    it, for the GEMV's x16 codes) as fp16; and per group, float32, 2**24 / scale and the sum of
+    x. `paired`: each 8 inputs x0..x7 (one code word's) stored as x0 x4 x1 x5 x2 x6 x3 x7, the
+    fp16 pairs the GEMV multiplies codes (0, 4), (1, 5), (2, 6), (3, 7) by, so it loads them as
+    they are; else in input order."""
 
     scaled: torch.Tensor  # fp16 [M, K]
     scalars: torch.Tensor  # float32 [M, K // group, 2]
     group: int
+    paired: bool = True
 
     @staticmethod
-    def empty(m: int, k: int, group: int, device: torch.device) -> GemvX:
+    def empty(
+        m: int, k: int, group: int, device: torch.device, paired: bool | None = None
+    ) -> GemvX:
         return GemvX(
             torch.empty((m, k), dtype=torch.float16, device=device),
             torch.empty((m, k // group, 2), dtype=torch.float32, device=device),
             group,
+            gemv_x_paired() if paired is None else paired,
         )
 
 
@@ -921,6 +1015,7 @@ def store_gemv_x(
     scaled_ptr,  # this row of GemvX.scaled
     scal_ptr,  # this row of GemvX.scalars
     GROUP: tl.constexpr,
+    PAIRED: tl.constexpr = True,  # GemvX.paired
 ):
     """Write v's whole groups in the GemvX form (a producer kernel's epilogue; the producer
     computes in [groups, GROUP] tiles so that no reshape is needed here)."""
@@ -929,14 +1024,21 @@ def store_gemv_x(
     _, sc, sc16, unscale = _x_scale(tl.max(tl.abs(v), axis=1))
     i = tl.arange(0, GROUP)
     h = (v * tl.where((i % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
-    tl.store(scaled_ptr + gi[:, None] * GROUP + i[None, :], h, mask=gmask[:, None])
+    if PAIRED:
+        # Input i of a word (8 inputs) goes to (i % 4) * 2 + i // 4: each thread's stores stay
+        # inside the 16 bytes of its words, so a warp writes the same sectors.
+        pos = (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4
+    else:
+        pos = i
+    tl.store(scaled_ptr + gi[:, None] * GROUP + pos[None, :], h, mask=gmask[:, None])
     tl.store(scal_ptr + gi * 2, unscale, mask=gmask)
     tl.store(scal_ptr + gi * 2 + 1, tl.sum(v, axis=1), mask=gmask)
 
 
-def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
+def gemv_x_ref(x: torch.Tensor, group: int, paired: bool | None = None) -> GemvX:
     """The GemvX form of x [M, K] (K a multiple of group) in plain torch: the reference the
-    producer kernels are tested against."""
+    producer kernels are tested against. `paired`: GemvX.paired (default `gemv_x_paired()`)."""
+    paired = gemv_x_paired() if paired is None else paired
     m, k = x.shape
     v = x.float().reshape(m, k // group, group)
     amax = v.abs().amax(-1)
@@ -946,8 +1048,10 @@ def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
     sc16 = ((sf - 4) << 23).view(torch.float32)
     odd = (torch.arange(group, device=x.device) % 2 == 1)[None, None, :]
     h = (v * torch.where(odd, sc16[..., None], sc[..., None])).to(torch.float16).reshape(m, k)
+    if paired:  # x0..x7 of a word -> x0 x4 x1 x5 x2 x6 x3 x7
+        h = h.view(m, k // 8, 2, 4).transpose(-1, -2).reshape(m, k)
     scal = torch.stack([((278 - sf) << 23).view(torch.float32), v.sum(-1)], dim=-1)
-    return GemvX(h.contiguous(), scal.contiguous(), group)
+    return GemvX(h.contiguous(), scal.contiguous(), group, paired)
 
 
 def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int | None:
@@ -1235,6 +1339,10 @@ def launch_gemv_h2(
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
+    if config.depth not in (1, 2):
+        raise ValueError(f"GemvH2Config.depth must be 1 or 2, got {config.depth!r}")
+    if (w.group_size // 8) * w.qweight.stride(1) + n >= 2**31:
+        raise ValueError(f"GemvH2Config: a group's code words span >= 2**31 words (N {n})")
     asm = _compiled_cuda(x)
     if xq is not None:
         if xq.group != w.group_size or xq.scaled.shape != (m, k):
@@ -1242,8 +1350,13 @@ def launch_gemv_h2(
                 f"GemvX of shape {tuple(xq.scaled.shape)}, group {xq.group}, does not fit x "
                 f"{(m, k)} and a weight of group size {w.group_size}"
             )
-        x, xs = xq.scaled, xq.scalars
+        if asm and (xq.scaled.data_ptr() % 16 or (m > 1 and xq.scaled.stride(0) % 8)):
+            raise ValueError(
+                "GemvX.scaled rows must start 16-byte aligned (a word's x is one load)"
+            )
+        x, xs, x_paired = xq.scaled, xq.scalars, xq.paired
     else:
+        x_paired = True  # not read
         xs = x  # not read
         if asm:
             if x.dtype != torch.bfloat16:
@@ -1254,14 +1367,18 @@ def launch_gemv_h2(
         *sl.args(x, w),
         xs,
         XPREP=xq is not None,
+        X_PAIRED=x_paired,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=sl.split > 1,
         SPLIT_P2=triton.next_power_of_2(sl.split),
         EVEN=n % config.block_n == 0,
         ASM=asm,
+        DEPTH=config.depth,
+        AHEAD=config.ahead,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
         **pdl.launch_options(x),
     )
     return sl.out, kernel

@@ -145,6 +145,22 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < 4e-3
 
 
+@pytest.mark.parametrize("depth, ahead", [(2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
+def test_packed_half_gemv_prefetch_variants_on_cuda(wk, depth, ahead, n, k, split) -> None:
+    """The prefetch variants of the packed-fp16 GEMV (codes two groups ahead, scales, zero
+    points and GemvX x a group ahead) on the GPU: bit-equal to the plain kernel, reading x and
+    its GemvX form (uneven splits, the last group's loads repeated at a split's end)."""
+    qw = wk.n_major(_weight(n, k, 4, 128, seed=n + split))
+    x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
+    for xq in (None, wk.gemv_x_ref(x, 128)):
+        want = wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=32, split_k=split), xq=xq)
+        cfg = wk.GemvH2Config(block_n=32, split_k=split, depth=depth, ahead=ahead)
+        got = wk.w4a16_matmul_triton(x, qw, cfg, xq=xq)
+        assert torch.equal(got, want)
+        assert _rel_err(got, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
+
+
 def test_gemv_x_from_producers_on_cuda(wk) -> None:
     """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
     the torch reference of that form, and the GEMV reading it within one bf16 rounding of the

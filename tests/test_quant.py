@@ -504,25 +504,22 @@ def test_gemv_x_written_by_producers() -> None:
         rmsnorm_gemv_x(x[:, :200], nw[:200], 1e-5, None, 64)
 
 
-@pytest.mark.parametrize("depth, ahead", [(2, False), (1, True), (2, True)])
-def test_packed_half_gemv_prefetch_variants_are_bit_equal(depth: int, ahead: bool) -> None:
-    """Codes two groups ahead (`depth`), scales, zero points and GemvX x a group ahead
-    (`ahead`): only when loads are issued changes, so outputs equal the plain kernel's bit for
-    bit, reading x or its GemvX form, with uneven splits and a split of one group."""
-    g = torch.Generator().manual_seed(depth * 2 + ahead)
+@pytest.mark.parametrize("addr, paired", [(True, False), (False, True), (True, True)])
+def test_packed_half_gemv_variants_are_bit_equal(addr: bool, paired: bool) -> None:
+    """Code-word addresses from a base per group (`addr`) and GemvX in the pair order change only
+    how values are found, so outputs equal the plain kernel's bit for bit, reading x or its
+    GemvX form, with uneven splits."""
+    g = torch.Generator().manual_seed(addr * 2 + paired)
     for n, k, group, block_n, split in ((48, 384, 64, 16, 4), (40, 512, 128, 16, 4)):
         qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
         x = torch.randn(1, k, generator=g).to(torch.bfloat16).float()
-        xq = wk.gemv_x_ref(x, group)
         plain = wk.GemvH2Config(block_n=block_n, split_k=split)
-        cfg = wk.GemvH2Config(block_n=block_n, split_k=split, depth=depth, ahead=ahead)
-        for q in (None, xq):
-            want = wk.w4a16_matmul_triton(x, qw, plain, xq=q)
-            torch.testing.assert_close(
-                wk.w4a16_matmul_triton(x, qw, cfg, xq=q), want, rtol=0, atol=0
-            )
-    with pytest.raises(ValueError, match="depth must be 1 or 2, got 3"):
-        wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16, depth=3))
+        cfg = wk.GemvH2Config(block_n=block_n, split_k=split, addr=addr, xvec=True)
+        want = wk.w4a16_matmul_triton(x, qw, plain)
+        torch.testing.assert_close(wk.w4a16_matmul_triton(x, qw, cfg), want, rtol=0, atol=0)
+        want = wk.w4a16_matmul_triton(x, qw, plain, xq=wk.gemv_x_ref(x, group, paired=False))
+        got = wk.w4a16_matmul_triton(x, qw, cfg, xq=wk.gemv_x_ref(x, group, paired=paired))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_gemv_x_pair_order() -> None:

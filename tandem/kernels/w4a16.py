@@ -503,9 +503,9 @@ def _gemv_h2_kernel(
     ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
-    X_PAIRED: tl.constexpr = True,  # XPREP: x in GemvX.paired order
-    DEPTH: tl.constexpr = 1,  # groups of codes in flight ahead of the one being summed (1, 2)
-    AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX x) loaded a group ahead too
+    X_PAIRED: tl.constexpr = False,  # XPREP: x in GemvX.paired order
+    ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
+    XVEC: tl.constexpr = False,  # XPREP: a word's x in one 16-byte load
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -528,64 +528,40 @@ def _gemv_h2_kernel(
     written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
-    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, _, g_start, g_end, _, _ = _row_program(
-        x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG
+    pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
+        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
     )
-    woff = offs_w[:, None] * stride_qw + offs_n[None, :]  # < 2**31: the launcher checks
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Codes, scales and zero points are never written by a kernel: with PDL they load while the
-    # previous kernel finishes.
-    q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
-    if DEPTH == 2:
-        q_next2 = _group_words(qw_ptr, woff, g_start + 1, g_end, stride_qw, n_mask, WPG, EVEN)
-    if AHEAD:
-        s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, g_start, stride_sg, offs_n, n_mask, EVEN)
+    # Codes are never written by a kernel: with PDL they load while the previous kernel finishes.
+    if ADDR:
+        woff = offs_w[:, None] * stride_qw + offs_n[None, :]  # < 2**31: the launcher checks
+        q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
+    else:
+        q_next = q_first
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    if AHEAD and XPREP:
-        if ASM:  # the interpreter reads x value by value below
-            xw_next = (x_row + g_start * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
-            xa_next, xb_next, xc_next, xd_next = _x_words(xw_next)
-        xs_next = xs_ptr + (m.to(tl.int64) * G + g_start) * 2
-        unscale_next, x_sum_next = tl.load(xs_next), tl.load(xs_next + 1)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
-        if DEPTH == 2:
-            q_next = q_next2
-            q_next2 = _group_words(qw_ptr, woff, g + 2, g_end, stride_qw, n_mask, WPG, EVEN)
-        else:  # the next group's
+        if ADDR:  # the next group's
             q_next = _group_words(qw_ptr, woff, g + 1, g_end, stride_qw, n_mask, WPG, EVEN)
-        # The group after g, for the loads a group ahead (the last group's again at the end:
-        # a cached re-read instead of a mask).
-        g_ahead = tl.minimum(g + 1, g_end - 1)
-        if AHEAD:
-            s, mn = s_next, mn_next
-            s_next, mn_next = _scales_of_group(
-                s_ptr, mn_ptr, g_ahead, stride_sg, offs_n, n_mask, EVEN
-            )
         else:
-            s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
+            q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)
+        s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         if XPREP:
-            # x as its producer wrote it (`GemvX`): scaled fp16 x (a word's 8 values in one
-            # 16-byte load; in the pair order, or paired here by two byte permutes per two
-            # pairs), and the group's 2**24 / scale and sum of x.
-            if AHEAD:
-                if ASM:
-                    xa, xb, xc, xd = xa_next, xb_next, xc_next, xd_next
-                    xw_next = (x_row + g_ahead * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
-                    xa_next, xb_next, xc_next, xd_next = _x_words(xw_next)
-                unscale, x_sum = unscale_next, x_sum_next
-                xs_next = xs_ptr + (m.to(tl.int64) * G + g_ahead) * 2
-                unscale_next, x_sum_next = tl.load(xs_next), tl.load(xs_next + 1)
-            else:
-                if ASM:
-                    xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+            # x as its producer wrote it (`GemvX`): scaled fp16 x (in the pair order, or paired
+            # here by two byte permutes per two pairs), and the group's 2**24 / scale and sum.
+            if ASM:
+                xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
+                if XVEC:  # a word's 8 values in one 16-byte load
                     xa, xb, xc, xd = _x_words(xw)
-                xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
-                unscale = tl.load(xs)
-                x_sum = tl.load(xs + 1)
+                else:
+                    xa, xb = tl.load(xw), tl.load(xw + 1)
+                    xc, xd = tl.load(xw + 2), tl.load(xw + 3)
+            xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
+            unscale = tl.load(xs)
+            x_sum = tl.load(xs + 1)
         else:
             xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
             x_sum = tl.sum(xg, axis=0)
@@ -905,18 +881,17 @@ class GemvNConfig:
 
 @dataclass(frozen=True)
 class GemvH2Config:
-    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `depth`: groups of
-    codes loaded ahead of the one being summed (1 or 2); `ahead`: the scales, zero points and
-    (GemvX) x loaded a group ahead too, not in the group's own iteration; `maxnreg`: a register
-    cap for ptxas (None: its own choice; compiled CUDA only)."""
+    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `addr`: code-word
+    addresses from one 64-bit base per group plus 32-bit offsets; `xvec`: GemvX x read 16 bytes
+    at a time; `maxnreg`: a register cap for ptxas (None: its own choice; compiled CUDA only)."""
 
     block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
-    depth: int = 1
-    ahead: bool = False
-    maxnreg: int | None = 80
+    addr: bool = False
+    xvec: bool = False
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -974,10 +949,11 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
 
 
 def gemv_x_paired() -> bool:
-    """Whether GemvX is written in the GEMV's pair order (below): yes unless
-    TANDEM_GEMV_X_PAIRED=0 (input order: the GEMV then pairs the halves itself, two byte permutes
-    per two pairs)."""
-    return os.environ.get("TANDEM_GEMV_X_PAIRED", "1") not in ("0", "false", "off")
+    """Whether GemvX is written in the GEMV's pair order (below): only with TANDEM_GEMV_X_PAIRED=1.
+    Input order is the default: the GEMV pairs the halves itself (two byte permutes per two
+    pairs), since the pair order's permuted stores made RMSNorm 125 -> 410 us per decode step
+    on the H200 (bench/README, session 9) for no gain in the GEMV."""
+    return os.environ.get("TANDEM_GEMV_X_PAIRED", "0") not in ("0", "false", "off")
 
 
 @dataclass
@@ -1339,8 +1315,6 @@ def launch_gemv_h2(
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
-    if config.depth not in (1, 2):
-        raise ValueError(f"GemvH2Config.depth must be 1 or 2, got {config.depth!r}")
     if (w.group_size // 8) * w.qweight.stride(1) + n >= 2**31:
         raise ValueError(f"GemvH2Config: a group's code words span >= 2**31 words (N {n})")
     asm = _compiled_cuda(x)
@@ -1374,8 +1348,8 @@ def launch_gemv_h2(
         SPLIT_P2=triton.next_power_of_2(sl.split),
         EVEN=n % config.block_n == 0,
         ASM=asm,
-        DEPTH=config.depth,
-        AHEAD=config.ahead,
+        ADDR=config.addr,
+        XVEC=config.xvec,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -882,14 +882,18 @@ class GemvNConfig:
 @dataclass(frozen=True)
 class GemvH2Config:
     """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `addr`: code-word
-    addresses from one 64-bit base per group plus 32-bit offsets; `xvec`: GemvX x read 16 bytes
-    at a time; `maxnreg`: a register cap for ptxas (None: its own choice; compiled CUDA only)."""
+    addresses from one 64-bit base per group plus 32-bit offsets (None: when x is read as it is,
+    not as GemvX); `xvec`: GemvX x read 16 bytes at a time; `maxnreg`: a register cap for ptxas
+    (None: its own choice; compiled CUDA only). Measured on the H200 (bench/README, session 9):
+    `addr` took 4096 x 4096 from 6.4-6.5 to 6.2 us and the LM head (128256 x 4096) from 84-91
+    to 77 us with x read as it is, but was no faster reading GemvX (10.9-11.1 vs 11.1 us on
+    14336 x 4096), nor was `xvec`, though each removes SASS instructions."""
 
     block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
-    addr: bool = False
+    addr: bool | None = None
     xvec: bool = False
     maxnreg: int | None = None
 
@@ -1348,7 +1352,7 @@ def launch_gemv_h2(
         SPLIT_P2=triton.next_power_of_2(sl.split),
         EVEN=n % config.block_n == 0,
         ASM=asm,
-        ADDR=config.addr,
+        ADDR=config.addr if config.addr is not None else xq is None,
         XVEC=config.xvec,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -12,17 +12,21 @@
 #
 # The base: AWQ + autoround on the calibration file plus 64 sampled sequences (the
 # awq-autoround-gen row of the CPU table), written once by `tandem quantize --device cuda` into
-# $BASE_DIR (default .qbase/awq-autoround-gen, kept if it is there already) and reused by every
+# $BASE_DIR (default build/qbase/awq-autoround-gen, kept if it is there already) and reused by every
 # run (`--checkpoint`). Each run then distills from the float model end to end on the calibration
 # file plus $E2E_GENERATED sequences sampled from it (16 held out for early stopping), batch 8,
 # cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS, whichever ends first;
 # matrix products in TF32 unless E2E_TF32=0. The decode pass scores $DECODE_WINDOWS windows (the
-# CPU table's 8 are the first 8 of them; each row also reports its ratio over those).
+# CPU table's 8 are the first 8 of them; each row also reports its ratio over those), $EVAL_BATCH
+# windows at a time (one token per forward made a 16-window decode pass take ~43 s a row on the
+# H200, and two runs on 2026-12-01 ran out of time there). Each run's checkpoints stay in
+# $KEEP_DIR/NAME (default build/qat/NAME), so a run stopped in its evaluation can be evaluated
+# again with --checkpoint.
 set -u
 out=${1:?OUT_DIR}
 eval_file=${2:?EVAL_FILE}
 mkdir -p "$out"
-base=${BASE_DIR:-.qbase/awq-autoround-gen}
+base=${BASE_DIR:-build/qbase/awq-autoround-gen}
 if [ ! -f "$base/quantization.json" ]; then
   t0=$(date +%s)
   PYTHONUNBUFFERED=1 python -m tandem.cli quantize --method awq-autoround --calib-generated 64 \
@@ -33,16 +37,20 @@ tf32=(); [ "${E2E_TF32:-1}" = 1 ] && tf32=(--e2e-tf32)
 common=(--device cuda --eval-file "$eval_file" --e2e-steps "${E2E_STEPS:-3000}" --e2e-batch 8
         --e2e-generated "${E2E_GENERATED:-2048}" --e2e-val-seqs 16 --e2e-eval-every 100
         --e2e-lr 3e-4 --e2e-cosine --e2e-max-seconds "${E2E_MAX_SECONDS:-300}" "${tf32[@]}"
-        --decode-windows "${DECODE_WINDOWS:-32}" --checkpoint "awq-autoround-gen=$base")
+        --decode-windows "${DECODE_WINDOWS:-32}" --eval-batch "${EVAL_BATCH:-16}"
+        --checkpoint "awq-autoround-gen=$base")
 run() {
   local name=$1; shift
   PYTHONUNBUFFERED=1 timeout "${RUN_TIMEOUT:-560}" python bench/quant_quality.py "${common[@]}" \
-    "$@" --out "$out/quant_quality_$name.json" > "$out/$name.log" 2>&1
+    "$@" --keep "${KEEP_DIR:-build/qat}/$name" --out "$out/quant_quality_$name.json" \
+    > "$out/$name.log" 2>&1
   echo "$name: exit $?"
 }
 # RUNS: which runs, side by side: e2e_scales (scales and zero points only) and qat_LR (codes too,
-# their latents at learning rate LR).
-for name in ${RUNS:-qat_1e-2 qat_2e-2}; do
+# their latents at learning rate LR). Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out
+# KL 0.105 -> 0.25) and one run alone made 1174 steps in 330 s where two side by side made 856
+# each in 270 s.
+for name in ${RUNS:-qat_1e-2}; do
   case $name in
     e2e_scales) run "$name" --methods awq-autoround-gen,awq-autoround-gen-e2e & ;;
     qat_*) run "$name" --methods awq-autoround-gen,awq-autoround-gen-qat \

@@ -385,3 +385,17 @@ def test_perplexity_reports_each_window(model_factory) -> None:
     for i, w_nll in enumerate(both["window_nll"]):
         alone = perplexity(model, ids[32 * i : 32 * (i + 1)], window=32, decode_tokens=8)
         assert alone["window_nll"] == [pytest.approx(w_nll, rel=1e-6)]
+    # Windows batched as sequences (one prefill, then decode steps for all): the same per-window
+    # NLLs but for rounding, with a bf16, an FP8 and an INT8 cache, and a last batch not full.
+    for kv_dtype in (None, torch.float8_e4m3fn, torch.int8):
+        one = perplexity(model, ids, window=32, kv_dtype=kv_dtype, decode_tokens=8)
+        for batch in (2, 3, 8):
+            many = perplexity(
+                model, ids, window=32, kv_dtype=kv_dtype, decode_tokens=8, batch=batch
+            )
+            assert many["tokens"] == one["tokens"] == 93
+            assert many["window_nll"] == pytest.approx(one["window_nll"], rel=1e-5)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        perplexity(model, ids, window=32, batch=0)
+    with pytest.raises(ValueError, match="need at least 32 tokens"):
+        perplexity(model, ids[:20], window=32)

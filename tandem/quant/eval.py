@@ -12,13 +12,17 @@ from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
 
-def _meta(slots: list[int], table: list[int], ctx: int, q_len: int, dev) -> AttentionMetadata:
+def _meta(
+    slots: list[int], tables: list[list[int]], ctx: int, q_len: int, dev
+) -> AttentionMetadata:
+    """Sequences of equal length, each with q_len new tokens and ctx tokens cached after them."""
+    b = len(tables)
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-        block_tables=torch.tensor([table], dtype=torch.long, device=dev),
-        context_lens=torch.tensor([ctx], dtype=torch.long, device=dev),
-        context_lens_list=[ctx],
-        query_start_loc=[0, q_len],
+        block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+        context_lens=torch.full((b,), ctx, dtype=torch.long, device=dev),
+        context_lens_list=[ctx] * b,
+        query_start_loc=[i * q_len for i in range(b + 1)],
         decode_only=q_len == 1,
     )
 
@@ -31,48 +35,60 @@ def perplexity(
     kv_dtype: torch.dtype | None = None,
     block_size: int = 16,
     decode_tokens: int = 0,
+    batch: int = 1,
 ) -> dict[str, float]:
     """Mean next-token NLL over non-overlapping windows of `token_ids`, and its exp; also each
     window's mean NLL ("window_nll", in order), for paired comparisons between models.
 
     Each window is a fresh sequence. Its first `window - decode_tokens` tokens run as one
     prefill; the last `decode_tokens` are fed one at a time (decode steps, so an FP8/INT8 cache
-    is written token by token and its per-block scales grow as they do in serving).
+    is written token by token and its per-block scales grow as they do in serving). `batch`
+    windows run together as a batch of sequences (one prefill forward, then one decode step for
+    all of them), as the engine batches requests: the same sums but for the rounding of batched
+    matrix products, and far fewer forwards where they are launch-bound (a GPU).
     """
+    if batch < 1:
+        raise ValueError(f"perplexity batch must be >= 1, got {batch!r}")
     cfg = model.cfg
     dev = model.device
     nb = (window + block_size - 1) // block_size
+    starts = list(range(0, len(token_ids) - window + 1, window))
+    if not starts:
+        raise ValueError(f"need at least {window} tokens, got {len(token_ids)}")
     kv = KVCache.allocate(
-        cfg.num_layers, nb, block_size, cfg.num_kv_heads, cfg.head_dim,
+        cfg.num_layers, nb * min(batch, len(starts)), block_size, cfg.num_kv_heads, cfg.head_dim,
         kv_dtype or model.dtype, dev,
     )  # fmt: skip
-    table = list(range(nb))
-    nll = 0.0
-    count = 0
+    n_pre = window - decode_tokens
+    chunks = [(0, n_pre)] + [(p, p + 1) for p in range(n_pre, window)]
     window_nll = []
-    for start in range(0, len(token_ids) - window + 1, window):
-        ids = token_ids[start : start + window]
-        n_pre = window - decode_tokens
-        chunks = [(0, n_pre)] + [(p, p + 1) for p in range(n_pre, window)]
-        logits = []
+    for first in range(0, len(starts), batch):
+        group = starts[first : first + batch]
+        ids = torch.tensor([token_ids[s : s + window] for s in group], dtype=torch.long)
+        tables = [list(range(i * nb, (i + 1) * nb)) for i in range(len(group))]
+        sums = torch.zeros(len(group), dtype=torch.float64)
         for a, b in chunks:
-            meta = _meta(
-                list(range(a, b)), table[: (b + block_size - 1) // block_size], b, b - a, dev
-            )
-            inp = torch.tensor(ids[a:b], dtype=torch.long, device=dev)
-            pos = torch.arange(a, b, dtype=torch.long, device=dev)
-            logits.append(model.logits(model.forward(inp, pos, kv, meta)))
-        lg = torch.cat(logits)[:-1]
-        target = torch.tensor(ids[1:], dtype=torch.long, device=dev)
-        w_nll = F.cross_entropy(lg.float(), target, reduction="sum").item()
-        window_nll.append(w_nll / (len(ids) - 1))
-        nll += w_nll
-        count += len(ids) - 1
-    if count == 0:
-        raise ValueError(f"need at least {window} tokens, got {len(token_ids)}")
+            used = [t[: (b + block_size - 1) // block_size] for t in tables]
+            slots = [t[p // block_size] * block_size + p % block_size for t in tables
+                     for p in range(a, b)]  # fmt: skip
+            meta = _meta(slots, used, b, b - a, dev)
+            inp = ids[:, a:b].reshape(-1).to(dev)
+            pos = torch.arange(a, b, dtype=torch.long, device=dev).repeat(len(group))
+            lg = model.logits(model.forward(inp, pos, kv, meta)).view(len(group), b - a, -1)
+            # Positions a .. b-1 predict tokens a+1 .. b (the window's last predicts nothing).
+            e = min(b, window - 1)
+            if e > a:
+                target = ids[:, a + 1 : e + 1].to(dev)
+                nll = F.cross_entropy(
+                    lg[:, : e - a].float().flatten(0, 1), target.flatten(), reduction="none"
+                )
+                sums += nll.view_as(target).sum(1).double().cpu()
+        window_nll += (sums / (window - 1)).tolist()
+    count = len(window_nll) * (window - 1)
+    total = sum(window_nll) * (window - 1)
     return {
-        "nll": nll / count,
-        "ppl": math.exp(nll / count),
+        "nll": total / count,
+        "ppl": math.exp(total / count),
         "tokens": count,
         "window_nll": window_nll,
     }

@@ -74,9 +74,8 @@ def main() -> int:
             cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
-            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr, xvec
-            # (GemvH2Config's, 0 or 1), maxnreg (0: ptxas's choice) and, for h2x, paired
-            # (GemvX in pair order; 0, the default: input order)
+            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
+            # (GemvH2Config.addr, 0 or 1; default: its own) and maxnreg (0: ptxas's choice)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
             opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
@@ -84,14 +83,13 @@ def main() -> int:
                 bn,
                 sk,
                 nw,
-                addr=bool(int(opts.get("addr", 0))),
-                xvec=bool(int(opts.get("xvec", 0))),
+                addr=bool(int(opts["addr"])) if "addr" in opts else None,
                 maxnreg=int(opts["maxnreg"]) or None
                 if "maxnreg" in opts
                 else wk.GemvH2Config.maxnreg,
             )
             if spec.startswith("h2x:"):  # x as its producer writes it (GemvX), made untimed
-                xq_of_x = wk.gemv_x_ref(x, 128, paired=bool(int(opts.get("paired", 0))))
+                xq_of_x = wk.gemv_x_ref(x, 128)
 
                 def launch(x, w, cfg, xq=xq_of_x):
                     return wk.launch_gemv_h2(x, w, cfg, xq)

@@ -450,13 +450,9 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
     # "merge_kernel": the default but for the attention's partitions merged by a second kernel
     # (TANDEM_DECODE_MERGE=0) instead of by the last partition's program.
-    # "h2+gemv_x_input_order": GemvX in input order (TANDEM_GEMV_X_PAIRED=0), the GEMV pairing
-    # the halves itself, instead of the pair order the producers write by default.
     modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"},
-             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"},
-             "h2+gemv_x_input_order": {"TANDEM_GEMV_X_PAIRED": "0"}}  # fmt: skip
-    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"),
-                       ("int4_all", "h2+gemv_x_input_order"), ("bf16", "merge_kernel"),
+             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}}  # fmt: skip
+    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
                        ("int4_all", "merge_kernel"), ("int4_all", "h2"), ("int4_all", "ffma"),
                        ("int4", "h2+gemv_x"), ("int4", "ffma")):  # fmt: skip
         model = models[name]

@@ -504,34 +504,22 @@ def test_gemv_x_written_by_producers() -> None:
         rmsnorm_gemv_x(x[:, :200], nw[:200], 1e-5, None, 64)
 
 
-@pytest.mark.parametrize("addr, paired", [(True, False), (False, True), (True, True)])
-def test_packed_half_gemv_variants_are_bit_equal(addr: bool, paired: bool) -> None:
-    """Code-word addresses from a base per group (`addr`) and GemvX in the pair order change only
-    how values are found, so outputs equal the plain kernel's bit for bit, reading x or its
-    GemvX form, with uneven splits."""
-    g = torch.Generator().manual_seed(addr * 2 + paired)
+def test_packed_half_gemv_addressing_is_bit_equal() -> None:
+    """Code-word addresses from a base per group (`addr`) change only how words are found, so
+    outputs equal the plain addressing's bit for bit, reading x or its GemvX form, with uneven
+    splits; by default it is used where x is read as it is."""
+    g = torch.Generator().manual_seed(7)
     for n, k, group, block_n, split in ((48, 384, 64, 16, 4), (40, 512, 128, 16, 4)):
         qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
         x = torch.randn(1, k, generator=g).to(torch.bfloat16).float()
         plain = wk.GemvH2Config(block_n=block_n, split_k=split, addr=False)
-        cfg = wk.GemvH2Config(block_n=block_n, split_k=split, addr=addr, xvec=True)
-        want = wk.w4a16_matmul_triton(x, qw, plain)
-        torch.testing.assert_close(wk.w4a16_matmul_triton(x, qw, cfg), want, rtol=0, atol=0)
-        want = wk.w4a16_matmul_triton(x, qw, plain, xq=wk.gemv_x_ref(x, group, paired=False))
-        got = wk.w4a16_matmul_triton(x, qw, cfg, xq=wk.gemv_x_ref(x, group, paired=paired))
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def test_gemv_x_pair_order() -> None:
-    """GemvX.paired stores each word's x0..x7 as x0 x4 x1 x5 x2 x6 x3 x7 (the pairs the GEMV
-    multiplies codes (0, 4), (1, 5), (2, 6), (3, 7) by); the input order is the same values."""
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    plain, paired = wk.gemv_x_ref(x, 128, paired=False), wk.gemv_x_ref(x, 128, paired=True)
-    assert not plain.paired and paired.paired
-    order = [0, 4, 1, 5, 2, 6, 3, 7]
-    want = plain.scaled.view(2, 32, 8)[..., order].reshape(2, 256)
-    assert torch.equal(paired.scaled, want) and torch.equal(paired.scalars, plain.scalars)
-    assert paired.scaled.data_ptr() % 16 == 0
+        based = wk.GemvH2Config(block_n=block_n, split_k=split, addr=True)
+        auto = wk.GemvH2Config(block_n=block_n, split_k=split)
+        for xq in (None, wk.gemv_x_ref(x, group)):
+            want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
+            for cfg in (based, auto):
+                got = wk.w4a16_matmul_triton(x, qw, cfg, xq=xq)
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_packed_half_gemv_refuses_partial_groups() -> None:

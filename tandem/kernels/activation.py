@@ -28,7 +28,6 @@ def _silu_mul_kernel(
     PDL: tl.constexpr,
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
-    PAIRED: tl.constexpr = True,  # GemvX.paired
 ):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -48,7 +47,7 @@ def _silu_mul_kernel(
     if XQ:
         store_gemv_x(y.to(tl.float32), tl.program_id(1) * (BLOCK // GROUP), n_cols,
                      scaled_ptr + row * n_cols, scal_ptr + row * (2 * (n_cols // GROUP)),
-                     GROUP, PAIRED)  # fmt: skip
+                     GROUP)  # fmt: skip
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +97,6 @@ def _silu_mul_launch(x: torch.Tensor, xq: GemvX | None) -> tuple[torch.Tensor, G
         BLOCK=block,
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
-        PAIRED=xq.paired if xq is not None else True,
         num_warps=4,
         **pdl.launch_options(x2),
     )

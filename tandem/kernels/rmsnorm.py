@@ -38,7 +38,6 @@ def _rmsnorm_kernel(
     PDL: tl.constexpr,
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
-    PAIRED: tl.constexpr = True,  # GemvX.paired
 ):
     row = tl.program_id(0).to(tl.int64)
     if XQ:  # the row as [groups, GROUP] tiles, the shape the GemvX epilogue works in
@@ -69,7 +68,7 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
     if XQ:
         store_gemv_x(out.to(tl.float32), 0, n_cols, scaled_ptr + row * n_cols,
-                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP, PAIRED)  # fmt: skip
+                     scal_ptr + row * (2 * (n_cols // GROUP)), GROUP)  # fmt: skip
 
 
 def rmsnorm_ref(
@@ -169,7 +168,6 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
         BLOCK=block,
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
-        PAIRED=xq.paired if xq is not None else True,
         num_warps=num_warps,
         **pdl.launch_options(x2),
     )

@@ -424,20 +424,6 @@ def _pair_halves(a, b):
 
 
 @triton.jit
-def _x_words(xw):
-    """The 4 words at each 16-byte aligned address of xw (int32 pointers), in one vector load
-    (ASM only; Triton issues 4 scalar loads for 4 words held by one thread)."""
-    return tl.inline_asm_elementwise(
-        "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        [xw],
-        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
 def _hadd2(a, b):
     return tl.inline_asm_elementwise(
         "add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1
@@ -503,9 +489,7 @@ def _gemv_h2_kernel(
     ASM: tl.constexpr,  # compiled CUDA: packed fp16 arithmetic; the interpreter emulates it
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
-    X_PAIRED: tl.constexpr = False,  # XPREP: x in GemvX.paired order
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
-    XVEC: tl.constexpr = False,  # XPREP: a word's x in one 16-byte load
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -550,15 +534,9 @@ def _gemv_h2_kernel(
             q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)
         s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         if XPREP:
-            # x as its producer wrote it (`GemvX`): scaled fp16 x (in the pair order, or paired
-            # here by two byte permutes per two pairs), and the group's 2**24 / scale and sum.
-            if ASM:
-                xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
-                if XVEC:  # a word's 8 values in one 16-byte load
-                    xa, xb, xc, xd = _x_words(xw)
-                else:
-                    xa, xb = tl.load(xw), tl.load(xw + 1)
-                    xc, xd = tl.load(xw + 2), tl.load(xw + 3)
+            # x as its producer wrote it (`GemvX`): scaled fp16 x, paired here by two byte
+            # permutes per two pairs, and the group's 2**24 / scale and sum of x.
+            xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
             xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
             unscale = tl.load(xs)
             x_sum = tl.load(xs + 1)
@@ -567,11 +545,9 @@ def _gemv_h2_kernel(
             x_sum = tl.sum(xg, axis=0)
             sf, sc, sc16, unscale = _x_scale(tl.max(tl.abs(xg), axis=0))
         if ASM:
-            if XPREP and X_PAIRED:
-                p0, p1, p2, p3 = xa, xb, xc, xd  # x 0,4  1,5  2,6  3,7 as stored
-            elif XPREP:
-                p0, p1 = _pair_halves(xa, xc)  # x 0,4 and 1,5
-                p2, p3 = _pair_halves(xb, xd)  # x 2,6 and 3,7
+            if XPREP:
+                p0, p1 = _pair_halves(tl.load(xw), tl.load(xw + 2))  # x 0,4 and 1,5
+                p2, p3 = _pair_halves(tl.load(xw + 1), tl.load(xw + 3))  # x 2,6 and 3,7
             else:
                 xr = (x_row + wi * 8).to(tl.pointer_type(tl.int32))  # bf16 pairs of a word's x
                 sc2 = ((sf - 4) << 23) | (sf << 7)  # bf16 sc16 (high half), sc (low half)
@@ -588,10 +564,7 @@ def _gemv_h2_kernel(
             # product-and-add rounded to fp16 in the order of the packed halves (codes 0-3 in
             # the low half, 4-7 in the high); the sum over words in float32.
             for j in tl.static_range(8):
-                if XPREP and X_PAIRED:
-                    xt = tl.load(x_row + g * GROUP + offs_w * 8 + (j % 4) * 2 + j // 4)
-                    xt = xt.to(tl.float32)
-                elif XPREP:
+                if XPREP:
                     xt = tl.load(x_row + g * GROUP + offs_w * 8 + j).to(tl.float32)
                 elif j % 2 == 1:
                     xt = _round_f16(tl.load(x_row + wi * 8 + j).to(tl.float32) * sc16)
@@ -883,18 +856,17 @@ class GemvNConfig:
 class GemvH2Config:
     """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `addr`: code-word
     addresses from one 64-bit base per group plus 32-bit offsets (None: when x is read as it is,
-    not as GemvX); `xvec`: GemvX x read 16 bytes at a time; `maxnreg`: a register cap for ptxas
-    (None: its own choice; compiled CUDA only). Measured on the H200 (bench/README, session 9):
-    `addr` took 4096 x 4096 from 6.4-6.5 to 6.2 us and the LM head (128256 x 4096) from 84-91
-    to 77 us with x read as it is, but was no faster reading GemvX (10.9-11.1 vs 11.1 us on
-    14336 x 4096), nor was `xvec`, though each removes SASS instructions."""
+    not as GemvX); `maxnreg`: a register cap for ptxas (None: its own choice; compiled CUDA
+    only). Measured on the H200 (bench/README, session 9): `addr` took 4096 x 4096 from 6.4-6.5
+    to 6.2 us and the LM head (128256 x 4096) from 84-91 to 77 us with x read as it is, but was
+    no faster reading GemvX (11.1 vs 10.9-11.1 us on 14336 x 4096) though it removes ~80 of the
+    loop's 486 SASS instructions per group; a cap of 80 registers made that shape 13.3 us."""
 
     block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
     addr: bool | None = None
-    xvec: bool = False
     maxnreg: int | None = None
 
 
@@ -952,38 +924,26 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
     )
 
 
-def gemv_x_paired() -> bool:
-    """Whether GemvX is written in the GEMV's pair order (below): only with TANDEM_GEMV_X_PAIRED=1.
-    Input order is the default: the GEMV pairs the halves itself (two byte permutes per two
-    pairs), since the pair order's permuted stores made RMSNorm 125 -> 410 us per decode step
-    on the H200 (bench/README, session 9) for no gain in the GEMV."""
-    return os.environ.get("TANDEM_GEMV_X_PAIRED", "0") not in ("0", "false", "off")
-
-
 @dataclass
 class GemvX:
     """A row of activations in the form `_gemv_h2_kernel` reads (XPREP), written by the kernel
     that produces x (`store_gemv_x`): per group of `group` inputs, x scaled by the power of two
     that puts its largest |x| in [2**14, 2**15) (the inputs at odd positions by a sixteenth of
     it, for the GEMV's x16 codes) as fp16; and per group, float32, 2**24 / scale and the sum of
-    x. `paired`: each 8 inputs x0..x7 (one code word's) stored as x0 x4 x1 x5 x2 x6 x3 x7, the
-    fp16 pairs the GEMV multiplies codes (0, 4), (1, 5), (2, 6), (3, 7) by, so it loads them as
-    they are; else in input order."""
+    x; in input order (the GEMV pairs x0 with x4 and so on itself: storing the pairs instead, by
+    16-bit stores permuted inside each 16-byte word, made RMSNorm 125 -> 410 us per decode step
+    on the H200, bench/README session 9)."""
 
     scaled: torch.Tensor  # fp16 [M, K]
     scalars: torch.Tensor  # float32 [M, K // group, 2]
     group: int
-    paired: bool = True
 
     @staticmethod
-    def empty(
-        m: int, k: int, group: int, device: torch.device, paired: bool | None = None
-    ) -> GemvX:
+    def empty(m: int, k: int, group: int, device: torch.device) -> GemvX:
         return GemvX(
             torch.empty((m, k), dtype=torch.float16, device=device),
             torch.empty((m, k // group, 2), dtype=torch.float32, device=device),
             group,
-            gemv_x_paired() if paired is None else paired,
         )
 
 
@@ -995,7 +955,6 @@ def store_gemv_x(
     scaled_ptr,  # this row of GemvX.scaled
     scal_ptr,  # this row of GemvX.scalars
     GROUP: tl.constexpr,
-    PAIRED: tl.constexpr = True,  # GemvX.paired
 ):
     """Write v's whole groups in the GemvX form (a producer kernel's epilogue; the producer
     computes in [groups, GROUP] tiles so that no reshape is needed here)."""
@@ -1004,21 +963,14 @@ def store_gemv_x(
     _, sc, sc16, unscale = _x_scale(tl.max(tl.abs(v), axis=1))
     i = tl.arange(0, GROUP)
     h = (v * tl.where((i % 2 == 1)[None, :], sc16[:, None], sc[:, None])).to(tl.float16)
-    if PAIRED:
-        # Input i of a word (8 inputs) goes to (i % 4) * 2 + i // 4: each thread's stores stay
-        # inside the 16 bytes of its words, so a warp writes the same sectors.
-        pos = (i // 8) * 8 + (i % 4) * 2 + (i % 8) // 4
-    else:
-        pos = i
-    tl.store(scaled_ptr + gi[:, None] * GROUP + pos[None, :], h, mask=gmask[:, None])
+    tl.store(scaled_ptr + gi[:, None] * GROUP + i[None, :], h, mask=gmask[:, None])
     tl.store(scal_ptr + gi * 2, unscale, mask=gmask)
     tl.store(scal_ptr + gi * 2 + 1, tl.sum(v, axis=1), mask=gmask)
 
 
-def gemv_x_ref(x: torch.Tensor, group: int, paired: bool | None = None) -> GemvX:
+def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
     """The GemvX form of x [M, K] (K a multiple of group) in plain torch: the reference the
-    producer kernels are tested against. `paired`: GemvX.paired (default `gemv_x_paired()`)."""
-    paired = gemv_x_paired() if paired is None else paired
+    producer kernels are tested against."""
     m, k = x.shape
     v = x.float().reshape(m, k // group, group)
     amax = v.abs().amax(-1)
@@ -1028,10 +980,8 @@ def gemv_x_ref(x: torch.Tensor, group: int, paired: bool | None = None) -> GemvX
     sc16 = ((sf - 4) << 23).view(torch.float32)
     odd = (torch.arange(group, device=x.device) % 2 == 1)[None, None, :]
     h = (v * torch.where(odd, sc16[..., None], sc[..., None])).to(torch.float16).reshape(m, k)
-    if paired:  # x0..x7 of a word -> x0 x4 x1 x5 x2 x6 x3 x7
-        h = h.view(m, k // 8, 2, 4).transpose(-1, -2).reshape(m, k)
     scal = torch.stack([((278 - sf) << 23).view(torch.float32), v.sum(-1)], dim=-1)
-    return GemvX(h.contiguous(), scal.contiguous(), group, paired)
+    return GemvX(h.contiguous(), scal.contiguous(), group)
 
 
 def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int | None:
@@ -1328,13 +1278,8 @@ def launch_gemv_h2(
                 f"GemvX of shape {tuple(xq.scaled.shape)}, group {xq.group}, does not fit x "
                 f"{(m, k)} and a weight of group size {w.group_size}"
             )
-        if asm and (xq.scaled.data_ptr() % 16 or (m > 1 and xq.scaled.stride(0) % 8)):
-            raise ValueError(
-                "GemvX.scaled rows must start 16-byte aligned (a word's x is one load)"
-            )
-        x, xs, x_paired = xq.scaled, xq.scalars, xq.paired
+        x, xs = xq.scaled, xq.scalars
     else:
-        x_paired = True  # not read
         xs = x  # not read
         if asm:
             if x.dtype != torch.bfloat16:
@@ -1345,7 +1290,6 @@ def launch_gemv_h2(
         *sl.args(x, w),
         xs,
         XPREP=xq is not None,
-        X_PAIRED=x_paired,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
         REDUCE=sl.split > 1,
@@ -1353,7 +1297,6 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=config.addr if config.addr is not None else xq is None,
-        XVEC=config.xvec,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -145,24 +145,18 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
     assert _rel_err(wk.w4a16_matmul_triton(x, qw, cfg), ref) < 4e-3
 
 
-@pytest.mark.parametrize(
-    "addr, xvec, paired", [(True, False, False), (True, True, False), (False, True, True),
-                           (True, True, True)]
-)  # fmt: skip
 @pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
-def test_packed_half_gemv_variants_on_cuda(wk, addr, xvec, paired, n, k, split) -> None:
-    """The packed-fp16 GEMV's variants on the GPU (code-word addresses from a base per group,
-    GemvX x in 16-byte loads, GemvX in the pair order): bit-equal to the plain kernel, reading
-    x and its GemvX form (uneven splits)."""
+def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
+    """Code-word addresses from a base per group (`addr`, the default where x is read as it is)
+    on the GPU: bit-equal to the plain addressing, reading x and its GemvX form."""
     qw = wk.n_major(_weight(n, k, 4, 128, seed=n + split))
     x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
     plain = wk.GemvH2Config(block_n=32, split_k=split, addr=False)
-    cfg = wk.GemvH2Config(block_n=32, split_k=split, addr=addr, xvec=xvec)
-    assert torch.equal(wk.w4a16_matmul_triton(x, qw, cfg), wk.w4a16_matmul_triton(x, qw, plain))
-    want = wk.w4a16_matmul_triton(x, qw, plain, xq=wk.gemv_x_ref(x, 128, paired=False))
-    got = wk.w4a16_matmul_triton(x, qw, cfg, xq=wk.gemv_x_ref(x, 128, paired=paired))
-    assert torch.equal(got, want)
-    assert _rel_err(got, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
+    based = wk.GemvH2Config(block_n=32, split_k=split, addr=True)
+    for xq in (None, wk.gemv_x_ref(x, 128)):
+        want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
+        assert torch.equal(wk.w4a16_matmul_triton(x, qw, based, xq=xq), want)
+        assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
 def test_gemv_x_from_producers_on_cuda(wk) -> None:

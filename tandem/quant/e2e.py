@@ -41,6 +41,7 @@ most of the training text and not part of the calibration file the base method f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -220,6 +221,19 @@ def sample_sequences(
     return torch.cat(out)
 
 
+@contextlib.contextmanager
+def _tf32_matmuls(enabled: bool):
+    """float32 matrix products in TF32 on CUDA inside the block (when enabled), the process's
+    setting restored after it."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    if enabled:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
 def e2e_tune(
     float_weights: dict[str, torch.Tensor],
     quantized: dict[str, torch.Tensor | QuantizedWeight],
@@ -248,140 +262,127 @@ def e2e_tune(
     float32 matrix products (teacher, student, held-out KL) on the tensor cores in TF32 (about
     1e-3 relative per product; the gradient steps are far coarser), restored afterwards.
     Runs on the device of `float_weights`."""
-    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
-    if tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        return _e2e_tune(
-            float_weights, quantized, cfg, calib, steps, lr, batch, val_seqs, eval_every, seed,
-            log, codes, codes_lr, cosine, time_limit_s,
-        )  # fmt: skip
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    with _tf32_matmuls(tf32):
+        check_options(steps, lr, batch, val_seqs, eval_every)
+        if codes and not codes_lr > 0:
+            raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
+        s, n = calib.shape
+        if s <= val_seqs:
+            raise ValueError(
+                f"e2e holds out {val_seqs} of {s} calibration sequences and has none left to train "
+                "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
+            )
+        t_start = time.monotonic()
+        teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
+        dev = teacher["model.embed_tokens.weight"].device
+        calib = calib.to(dev)
+        train, val = calib[: s - val_seqs], calib[s - val_seqs :]
+        fixed = {}
+        params: dict[str, GroupParams] = {}
+        for k, v in quantized.items():
+            if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
+                params[k] = GroupParams(v.to(dev), codes)
+            elif isinstance(v, QuantizedWeight):
+                fixed[k] = v.dequantize(torch.float32).to(dev)
+            else:
+                fixed[k] = v.float().to(dev)
+        groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
+        if codes:
+            groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
+        opt = torch.optim.Adam(groups)
+        base_lrs = [g["lr"] for g in opt.param_groups]
 
+        def decay(step: int, elapsed: float) -> None:
+            """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
+            stopped by the clock has decayed too, however fast the device is)."""
+            done = step / max(steps, 1)
+            if time_limit_s is not None:
+                done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
+            f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+            for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
+                g["lr"] = lr0 * f
+            report.lr_factor = f
 
-def _e2e_tune(
-    float_weights, quantized, cfg, calib, steps, lr, batch, val_seqs, eval_every, seed, log,
-    codes, codes_lr, cosine, time_limit_s,
-):  # fmt: skip
-    check_options(steps, lr, batch, val_seqs, eval_every)
-    if codes and not codes_lr > 0:
-        raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
-    s, n = calib.shape
-    if s <= val_seqs:
-        raise ValueError(
-            f"e2e holds out {val_seqs} of {s} calibration sequences and has none left to train "
-            "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
-        )
-    t_start = time.monotonic()
-    teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
-    dev = teacher["model.embed_tokens.weight"].device
-    calib = calib.to(dev)
-    train, val = calib[: s - val_seqs], calib[s - val_seqs :]
-    fixed = {}
-    params: dict[str, GroupParams] = {}
-    for k, v in quantized.items():
-        if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
-            params[k] = GroupParams(v.to(dev), codes)
-        elif isinstance(v, QuantizedWeight):
-            fixed[k] = v.dequantize(torch.float32).to(dev)
-        else:
-            fixed[k] = v.float().to(dev)
-    groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
-    if codes:
-        groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
-    opt = torch.optim.Adam(groups)
-    base_lrs = [g["lr"] for g in opt.param_groups]
+        cs = cos_sin_table(cfg, n, dev)
+        d = cfg.head_dim
 
-    def decay(step: int, elapsed: float) -> None:
-        """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
-        stopped by the clock has decayed too, however fast the device is)."""
-        done = step / max(steps, 1)
-        if time_limit_s is not None:
-            done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
-        f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-        for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
-            g["lr"] = lr0 * f
-        report.lr_factor = f
+        def rope(k: int):
+            return cs[:, None, : d // 2].repeat(k, 1, 1), cs[:, None, d // 2 :].repeat(k, 1, 1)
 
-    cs = cos_sin_table(cfg, n, dev)
-    d = cfg.head_dim
+        @torch.no_grad()
+        def teacher_logp(ids: torch.Tensor) -> torch.Tensor:
+            return F.log_softmax(forward_logits(teacher, cfg, ids, *rope(len(ids))), -1)
 
-    def rope(k: int):
-        return cs[:, None, : d // 2].repeat(k, 1, 1), cs[:, None, d // 2 :].repeat(k, 1, 1)
+        def student_logits(ids: torch.Tensor) -> torch.Tensor:
+            w = dict(fixed)
+            for k, gp in params.items():
+                w[k] = gp.weight()
+            return forward_logits(w, cfg, ids, *rope(len(ids)))
 
-    @torch.no_grad()
-    def teacher_logp(ids: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(forward_logits(teacher, cfg, ids, *rope(len(ids))), -1)
+        def kl(logits: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+            logp = F.log_softmax(logits, -1)
+            return F.kl_div(logp, t_logp, log_target=True, reduction="sum") / logits.shape[0]
 
-    def student_logits(ids: torch.Tensor) -> torch.Tensor:
-        w = dict(fixed)
-        for k, gp in params.items():
-            w[k] = gp.weight()
-        return forward_logits(w, cfg, ids, *rope(len(ids)))
+        # The teacher's log-probabilities of the held-out sequences, once; of the training batches,
+        # as they are drawn (the float model costs a third of a training step).
+        val_t = [teacher_logp(val[i : i + batch]) for i in range(0, len(val), batch)]
 
-    def kl(logits: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
-        logp = F.log_softmax(logits, -1)
-        return F.kl_div(logp, t_logp, log_target=True, reduction="sum") / logits.shape[0]
+        @torch.no_grad()
+        def val_kl() -> float:
+            total = 0.0
+            for j, i in enumerate(range(0, len(val), batch)):
+                ids = val[i : i + batch]
+                total += float(kl(student_logits(ids), val_t[j])) * ids.numel()
+            return total / val.numel()
 
-    # The teacher's log-probabilities of the held-out sequences, once; of the training batches,
-    # as they are drawn (the float model costs a third of a training step).
-    val_t = [teacher_logp(val[i : i + batch]) for i in range(0, len(val), batch)]
+        def state() -> list[torch.Tensor]:
+            return [t.detach().clone() for gp in params.values() for t in gp.params()]
 
-    @torch.no_grad()
-    def val_kl() -> float:
-        total = 0.0
-        for j, i in enumerate(range(0, len(val), batch)):
-            ids = val[i : i + batch]
-            total += float(kl(student_logits(ids), val_t[j])) * ids.numel()
-        return total / val.numel()
-
-    def state() -> list[torch.Tensor]:
-        return [t.detach().clone() for gp in params.values() for t in gp.params()]
-
-    report = E2EReport(train_seqs=len(train), val_seqs=len(val))
-    report.start_kl = report.best_kl = val_kl()
-    report.history.append((0, report.start_kl))
-    best = state()
-    if log is not None:
-        log(f"e2e: held-out KL at start {report.start_kl:.5f} ({len(train)} training sequences)")
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(train), generator=gen)
-    pos = 0
-    for step in range(1, steps + 1):
-        if pos + batch > len(train):
-            order, pos = torch.randperm(len(train), generator=gen), 0
-        ids = train[order[pos : pos + batch]]
-        pos += batch
-        loss = kl(student_logits(ids), teacher_logp(ids))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        elapsed = time.monotonic() - t_start
-        if cosine:
-            decay(step, elapsed)
-        late = time_limit_s is not None and elapsed > time_limit_s
-        if step % eval_every == 0 or step == steps or late:
-            v = val_kl()
-            report.history.append((step, v))
-            if log is not None:
-                log(
-                    f"e2e: step {step}: training KL {float(loss.detach()):.5f}, held-out KL {v:.5f} "
-                    f"({time.monotonic() - t_start:.0f}s)"
-                )
-            if v < report.best_kl:
-                report.best_kl, report.best_step, best = v, step, state()
-            if late:
-                report.stopped_at = step
+        report = E2EReport(train_seqs=len(train), val_seqs=len(val))
+        report.start_kl = report.best_kl = val_kl()
+        report.history.append((0, report.start_kl))
+        best = state()
+        if log is not None:
+            log(
+                f"e2e: held-out KL at start {report.start_kl:.5f} ({len(train)} training sequences)"
+            )
+        gen = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(train), generator=gen)
+        pos = 0
+        for step in range(1, steps + 1):
+            if pos + batch > len(train):
+                order, pos = torch.randperm(len(train), generator=gen), 0
+            ids = train[order[pos : pos + batch]]
+            pos += batch
+            loss = kl(student_logits(ids), teacher_logp(ids))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            elapsed = time.monotonic() - t_start
+            if cosine:
+                decay(step, elapsed)
+            late = time_limit_s is not None and elapsed > time_limit_s
+            if step % eval_every == 0 or step == steps or late:
+                v = val_kl()
+                report.history.append((step, v))
                 if log is not None:
-                    log(f"e2e: time limit of {time_limit_s:.0f}s reached at step {step}")
-                break
-    with torch.no_grad():
-        flat = [t for gp in params.values() for t in gp.params()]
-        for t, b in zip(flat, best, strict=True):
-            t.copy_(b)
-    out = dict(quantized)
-    for k, gp in params.items():
-        out[k] = gp.packed().to(quantized[k].device) if report.best_step else quantized[k]
-    report.seconds = round(time.monotonic() - t_start, 1)
-    return out, report
+                    log(
+                        f"e2e: step {step}: training KL {float(loss.detach()):.5f}, held-out KL {v:.5f} "
+                        f"({time.monotonic() - t_start:.0f}s)"
+                    )
+                if v < report.best_kl:
+                    report.best_kl, report.best_step, best = v, step, state()
+                if late:
+                    report.stopped_at = step
+                    if log is not None:
+                        log(f"e2e: time limit of {time_limit_s:.0f}s reached at step {step}")
+                    break
+        with torch.no_grad():
+            flat = [t for gp in params.values() for t in gp.params()]
+            for t, b in zip(flat, best, strict=True):
+                t.copy_(b)
+        out = dict(quantized)
+        for k, gp in params.items():
+            out[k] = gp.packed().to(quantized[k].device) if report.best_step else quantized[k]
+        report.seconds = round(time.monotonic() - t_start, 1)
+        return out, report

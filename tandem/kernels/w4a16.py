@@ -1269,8 +1269,12 @@ def launch_gemv_h2(
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
-    if (w.group_size // 8) * w.qweight.stride(1) + n >= 2**31:
-        raise ValueError(f"GemvH2Config: a group's code words span >= 2**31 words (N {n})")
+    addr = config.addr if config.addr is not None else xq is None
+    if addr and (w.group_size // 8) * w.qweight.stride(1) + n >= 2**31:
+        # woff, the words' offsets from their group's base, is 32-bit.
+        raise ValueError(
+            f"GemvH2Config.addr: a group's code words span >= 2**31 words (N {n}); use addr=False"
+        )
     asm = _compiled_cuda(x)
     if xq is not None:
         if xq.group != w.group_size or xq.scaled.shape != (m, k):
@@ -1296,7 +1300,7 @@ def launch_gemv_h2(
         SPLIT_P2=triton.next_power_of_2(sl.split),
         EVEN=n % config.block_n == 0,
         ASM=asm,
-        ADDR=config.addr if config.addr is not None else xq is None,
+        ADDR=addr,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # INT4 g128 quality of SmolLM2 with end-to-end tuning on one GPU: quantization-aware training of
-# the codes (and scales-only distillation) at several learning rates, side by side, each its own
+# the codes (or scales-only distillation), one run or several side by side, each its own
 # `bench/quant_quality.py --device cuda --methods ...` run (processes sharing the GPU), all
 # starting from one base checkpoint made first; JSON and logs under OUT_DIR.
 #

@@ -357,8 +357,11 @@ def test_tf32_option_is_recorded_and_restored(model_factory, tmp_path) -> None:
     assert torch.backends.cuda.matmul.allow_tf32 == before
     assert main(args[:-1]) == 0
     assert "matmul" not in json.loads((out / "quantization.json").read_text())["e2e"]
-    with pytest.raises(ValueError, match="holds out"):
-        e2e_tune({}, {}, None, torch.zeros(2, 8, dtype=torch.long), val_seqs=4, tf32=True)
+    from tandem.quant.e2e import tf32_matmuls
+
+    with pytest.raises(ValueError, match="holds out"), tf32_matmuls(True):
+        assert torch.backends.cuda.matmul.allow_tf32
+        e2e_tune({}, {}, None, torch.zeros(2, 8, dtype=torch.long), val_seqs=4)
     assert torch.backends.cuda.matmul.allow_tf32 == before
 
 

@@ -295,7 +295,7 @@ def tune_end_to_end(
     on the calibration text; returns (weights, `info` with an "e2e" entry)."""
     import torch
 
-    from tandem.quant.e2e import check_options, e2e_tune, sample_sequences
+    from tandem.quant.e2e import check_options, e2e_tune, sample_sequences, tf32_matmuls
     from tandem.quant.weights import dequantize_weights
 
     check_options(steps, lr, batch, val_seqs, eval_every, generated)
@@ -319,23 +319,23 @@ def tune_end_to_end(
         calib_ids = torch.cat([calib, sampled.to(calib.dtype)])
     else:
         calib_ids = calib
-    out, report = e2e_tune(
-        float_w,
-        weights,
-        loaded.config,
-        calib_ids,
-        steps=steps,
-        lr=lr,
-        batch=batch,
-        val_seqs=val_seqs,
-        eval_every=eval_every,
-        log=log,
-        codes=codes,
-        codes_lr=codes_lr,
-        cosine=cosine,
-        time_limit_s=max_seconds,
-        tf32=tf32,
-    )
+    with tf32_matmuls(tf32):
+        out, report = e2e_tune(
+            float_w,
+            weights,
+            loaded.config,
+            calib_ids,
+            steps=steps,
+            lr=lr,
+            batch=batch,
+            val_seqs=val_seqs,
+            eval_every=eval_every,
+            log=log,
+            codes=codes,
+            codes_lr=codes_lr,
+            cosine=cosine,
+            time_limit_s=max_seconds,
+        )
     log(f"e2e done in {time.monotonic() - t0:.1f}s (best step {report.best_step})")
     info = dict(info)
     info["method"] = info.get("method", "?") + "+e2e"

@@ -222,9 +222,10 @@ def sample_sequences(
 
 
 @contextlib.contextmanager
-def _tf32_matmuls(enabled: bool):
-    """float32 matrix products in TF32 on CUDA inside the block (when enabled), the process's
-    setting restored after it."""
+def tf32_matmuls(enabled: bool):
+    """float32 matrix products in TF32 on CUDA inside the block (when enabled: faster e2e steps,
+    about 1e-3 relative per product, far finer than the gradient steps), the process's setting
+    restored after it."""
     prev = torch.backends.cuda.matmul.allow_tf32
     if enabled:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -250,7 +251,6 @@ def e2e_tune(
     codes_lr: float = 1e-3,
     cosine: bool = False,
     time_limit_s: float | None = None,
-    tf32: bool = False,
 ) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
     """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
     bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
@@ -258,131 +258,125 @@ def e2e_tune(
     `val_seqs` sequences of `calib` are held out for early stopping. `codes`: train the codes
     too, their latents at `codes_lr`. `cosine`: the learning rates decay to 0 along a half cosine
     over `steps`, or over `time_limit_s` where that ends first (else constant). `time_limit_s`: stop after the first evaluation past this many
-    seconds of tuning (the best state so far is kept). `tf32`: on a CUDA device, run the
-    float32 matrix products (teacher, student, held-out KL) on the tensor cores in TF32 (about
-    1e-3 relative per product; the gradient steps are far coarser), restored afterwards.
-    Runs on the device of `float_weights`."""
-    with _tf32_matmuls(tf32):
-        check_options(steps, lr, batch, val_seqs, eval_every)
-        if codes and not codes_lr > 0:
-            raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
-        s, n = calib.shape
-        if s <= val_seqs:
-            raise ValueError(
-                f"e2e holds out {val_seqs} of {s} calibration sequences and has none left to train "
-                "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
-            )
-        t_start = time.monotonic()
-        teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
-        dev = teacher["model.embed_tokens.weight"].device
-        calib = calib.to(dev)
-        train, val = calib[: s - val_seqs], calib[s - val_seqs :]
-        fixed = {}
-        params: dict[str, GroupParams] = {}
-        for k, v in quantized.items():
-            if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
-                params[k] = GroupParams(v.to(dev), codes)
-            elif isinstance(v, QuantizedWeight):
-                fixed[k] = v.dequantize(torch.float32).to(dev)
-            else:
-                fixed[k] = v.float().to(dev)
-        groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
-        if codes:
-            groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
-        opt = torch.optim.Adam(groups)
-        base_lrs = [g["lr"] for g in opt.param_groups]
+    seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`."""
+    check_options(steps, lr, batch, val_seqs, eval_every)
+    if codes and not codes_lr > 0:
+        raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
+    s, n = calib.shape
+    if s <= val_seqs:
+        raise ValueError(
+            f"e2e holds out {val_seqs} of {s} calibration sequences and has none left to train "
+            "on: give more calibration text, lower --calib-seq-len or --e2e-val-seqs"
+        )
+    t_start = time.monotonic()
+    teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
+    dev = teacher["model.embed_tokens.weight"].device
+    calib = calib.to(dev)
+    train, val = calib[: s - val_seqs], calib[s - val_seqs :]
+    fixed = {}
+    params: dict[str, GroupParams] = {}
+    for k, v in quantized.items():
+        if isinstance(v, QuantizedWeight) and k.startswith("model.layers."):
+            params[k] = GroupParams(v.to(dev), codes)
+        elif isinstance(v, QuantizedWeight):
+            fixed[k] = v.dequantize(torch.float32).to(dev)
+        else:
+            fixed[k] = v.float().to(dev)
+    groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
+    if codes:
+        groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
+    opt = torch.optim.Adam(groups)
+    base_lrs = [g["lr"] for g in opt.param_groups]
 
-        def decay(step: int, elapsed: float) -> None:
-            """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
-            stopped by the clock has decayed too, however fast the device is)."""
-            done = step / max(steps, 1)
-            if time_limit_s is not None:
-                done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
-            f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
-            for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
-                g["lr"] = lr0 * f
-            report.lr_factor = f
+    def decay(step: int, elapsed: float) -> None:
+        """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
+        stopped by the clock has decayed too, however fast the device is)."""
+        done = step / max(steps, 1)
+        if time_limit_s is not None:
+            done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
+        f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
+            g["lr"] = lr0 * f
+        report.lr_factor = f
 
-        cs = cos_sin_table(cfg, n, dev)
-        d = cfg.head_dim
+    cs = cos_sin_table(cfg, n, dev)
+    d = cfg.head_dim
 
-        def rope(k: int):
-            return cs[:, None, : d // 2].repeat(k, 1, 1), cs[:, None, d // 2 :].repeat(k, 1, 1)
+    def rope(k: int):
+        return cs[:, None, : d // 2].repeat(k, 1, 1), cs[:, None, d // 2 :].repeat(k, 1, 1)
 
-        @torch.no_grad()
-        def teacher_logp(ids: torch.Tensor) -> torch.Tensor:
-            return F.log_softmax(forward_logits(teacher, cfg, ids, *rope(len(ids))), -1)
+    @torch.no_grad()
+    def teacher_logp(ids: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(forward_logits(teacher, cfg, ids, *rope(len(ids))), -1)
 
-        def student_logits(ids: torch.Tensor) -> torch.Tensor:
-            w = dict(fixed)
-            for k, gp in params.items():
-                w[k] = gp.weight()
-            return forward_logits(w, cfg, ids, *rope(len(ids)))
-
-        def kl(logits: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
-            logp = F.log_softmax(logits, -1)
-            return F.kl_div(logp, t_logp, log_target=True, reduction="sum") / logits.shape[0]
-
-        # The teacher's log-probabilities of the held-out sequences, once; of the training batches,
-        # as they are drawn (the float model costs a third of a training step).
-        val_t = [teacher_logp(val[i : i + batch]) for i in range(0, len(val), batch)]
-
-        @torch.no_grad()
-        def val_kl() -> float:
-            total = 0.0
-            for j, i in enumerate(range(0, len(val), batch)):
-                ids = val[i : i + batch]
-                total += float(kl(student_logits(ids), val_t[j])) * ids.numel()
-            return total / val.numel()
-
-        def state() -> list[torch.Tensor]:
-            return [t.detach().clone() for gp in params.values() for t in gp.params()]
-
-        report = E2EReport(train_seqs=len(train), val_seqs=len(val))
-        report.start_kl = report.best_kl = val_kl()
-        report.history.append((0, report.start_kl))
-        best = state()
-        if log is not None:
-            log(
-                f"e2e: held-out KL at start {report.start_kl:.5f} ({len(train)} training sequences)"
-            )
-        gen = torch.Generator().manual_seed(seed)
-        order = torch.randperm(len(train), generator=gen)
-        pos = 0
-        for step in range(1, steps + 1):
-            if pos + batch > len(train):
-                order, pos = torch.randperm(len(train), generator=gen), 0
-            ids = train[order[pos : pos + batch]]
-            pos += batch
-            loss = kl(student_logits(ids), teacher_logp(ids))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            elapsed = time.monotonic() - t_start
-            if cosine:
-                decay(step, elapsed)
-            late = time_limit_s is not None and elapsed > time_limit_s
-            if step % eval_every == 0 or step == steps or late:
-                v = val_kl()
-                report.history.append((step, v))
-                if log is not None:
-                    log(
-                        f"e2e: step {step}: training KL {float(loss.detach()):.5f}, held-out KL {v:.5f} "
-                        f"({time.monotonic() - t_start:.0f}s)"
-                    )
-                if v < report.best_kl:
-                    report.best_kl, report.best_step, best = v, step, state()
-                if late:
-                    report.stopped_at = step
-                    if log is not None:
-                        log(f"e2e: time limit of {time_limit_s:.0f}s reached at step {step}")
-                    break
-        with torch.no_grad():
-            flat = [t for gp in params.values() for t in gp.params()]
-            for t, b in zip(flat, best, strict=True):
-                t.copy_(b)
-        out = dict(quantized)
+    def student_logits(ids: torch.Tensor) -> torch.Tensor:
+        w = dict(fixed)
         for k, gp in params.items():
-            out[k] = gp.packed().to(quantized[k].device) if report.best_step else quantized[k]
-        report.seconds = round(time.monotonic() - t_start, 1)
-        return out, report
+            w[k] = gp.weight()
+        return forward_logits(w, cfg, ids, *rope(len(ids)))
+
+    def kl(logits: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+        logp = F.log_softmax(logits, -1)
+        return F.kl_div(logp, t_logp, log_target=True, reduction="sum") / logits.shape[0]
+
+    # The teacher's log-probabilities of the held-out sequences, once; of the training batches,
+    # as they are drawn (the float model costs a third of a training step).
+    val_t = [teacher_logp(val[i : i + batch]) for i in range(0, len(val), batch)]
+
+    @torch.no_grad()
+    def val_kl() -> float:
+        total = 0.0
+        for j, i in enumerate(range(0, len(val), batch)):
+            ids = val[i : i + batch]
+            total += float(kl(student_logits(ids), val_t[j])) * ids.numel()
+        return total / val.numel()
+
+    def state() -> list[torch.Tensor]:
+        return [t.detach().clone() for gp in params.values() for t in gp.params()]
+
+    report = E2EReport(train_seqs=len(train), val_seqs=len(val))
+    report.start_kl = report.best_kl = val_kl()
+    report.history.append((0, report.start_kl))
+    best = state()
+    if log is not None:
+        log(f"e2e: held-out KL at start {report.start_kl:.5f} ({len(train)} training sequences)")
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(train), generator=gen)
+    pos = 0
+    for step in range(1, steps + 1):
+        if pos + batch > len(train):
+            order, pos = torch.randperm(len(train), generator=gen), 0
+        ids = train[order[pos : pos + batch]]
+        pos += batch
+        loss = kl(student_logits(ids), teacher_logp(ids))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        elapsed = time.monotonic() - t_start
+        if cosine:
+            decay(step, elapsed)
+        late = time_limit_s is not None and elapsed > time_limit_s
+        if step % eval_every == 0 or step == steps or late:
+            v = val_kl()
+            report.history.append((step, v))
+            if log is not None:
+                log(
+                    f"e2e: step {step}: training KL {float(loss.detach()):.5f}, held-out KL {v:.5f} "
+                    f"({time.monotonic() - t_start:.0f}s)"
+                )
+            if v < report.best_kl:
+                report.best_kl, report.best_step, best = v, step, state()
+            if late:
+                report.stopped_at = step
+                if log is not None:
+                    log(f"e2e: time limit of {time_limit_s:.0f}s reached at step {step}")
+                break
+    with torch.no_grad():
+        flat = [t for gp in params.values() for t in gp.params()]
+        for t, b in zip(flat, best, strict=True):
+            t.copy_(b)
+    out = dict(quantized)
+    for k, gp in params.items():
+        out[k] = gp.packed().to(quantized[k].device) if report.best_step else quantized[k]
+    report.seconds = round(time.monotonic() - t_start, 1)
+    return out, report

@@ -66,7 +66,7 @@ def perplexity(
         group = starts[first : first + batch]
         ids = torch.tensor([token_ids[s : s + window] for s in group], dtype=torch.long)
         tables = [list(range(i * nb, (i + 1) * nb)) for i in range(len(group))]
-        sums = torch.zeros(len(group), dtype=torch.float64)
+        sums = torch.zeros(len(group), dtype=torch.float64, device=dev)  # read once per batch
         for a, b in chunks:
             used = [t[: (b + block_size - 1) // block_size] for t in tables]
             slots = [t[p // block_size] * block_size + p % block_size for t in tables
@@ -82,13 +82,12 @@ def perplexity(
                 nll = F.cross_entropy(
                     lg[:, : e - a].float().flatten(0, 1), target.flatten(), reduction="none"
                 )
-                sums += nll.view_as(target).sum(1).double().cpu()
+                sums += nll.view_as(target).sum(1).double()
         window_nll += (sums / (window - 1)).tolist()
-    count = len(window_nll) * (window - 1)
-    total = sum(window_nll) * (window - 1)
+    nll = sum(window_nll) / len(window_nll)  # windows of equal length
     return {
-        "nll": total / count,
-        "ppl": math.exp(total / count),
-        "tokens": count,
+        "nll": nll,
+        "ppl": math.exp(nll),
+        "tokens": len(window_nll) * (window - 1),
         "window_nll": window_nll,
     }

@@ -74,7 +74,7 @@ def main() -> int:
             cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
-            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr, pf
+            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
             # (GemvH2Config.addr, 0 or 1; default: its own) and maxnreg (0: ptxas's choice)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
@@ -87,7 +87,6 @@ def main() -> int:
                 maxnreg=int(opts["maxnreg"]) or None
                 if "maxnreg" in opts
                 else wk.GemvH2Config.maxnreg,
-                prefetch=int(opts.get("pf", wk.GemvH2Config.prefetch)),
             )
             if spec.startswith("h2x:"):  # x as its producer writes it (GemvX), made untimed
                 xq_of_x = wk.gemv_x_ref(x, 128)

@@ -452,14 +452,9 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # (TANDEM_DECODE_MERGE=0) instead of by the last partition's program.
     modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"},
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}}  # fmt: skip
-    prefetch = [int(v) for v in os.environ.get("QUANT_H200_PREFETCH", "").split(",") if v]
-    for pf in prefetch:  # "pfN": L2 prefetch N groups ahead in the M = 1 GEMV (GemvH2Config)
-        modes[f"h2+gemv_x+pf{pf}"] = {"TANDEM_GEMV_PREFETCH": str(pf)}
-    for name, mode in [("int4_all", f"h2+gemv_x+pf{pf}") for pf in prefetch] + [
-                      ("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
+    for name, mode in (("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
                        ("int4_all", "merge_kernel"), ("int4_all", "h2"), ("int4_all", "ffma"),
-                       ("int4", "h2+gemv_x"), ("int4", "ffma")] + [
-                      ("int4_all", f"h2+gemv_x+pf{pf}") for pf in prefetch]:  # fmt: skip
+                       ("int4", "h2+gemv_x"), ("int4", "ffma")):  # fmt: skip
         model = models[name]
         os.environ.update(modes[mode])
         try:

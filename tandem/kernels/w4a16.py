@@ -175,38 +175,6 @@ def _group_words(
 
 
 @triton.jit
-def _prefetch_l2(addr):
-    """Ask L2 for the 128-byte line holding each address (int64 [n]; no registers held, nothing
-    returned): compiled CUDA only."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [addr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_group(qw_ptr, s_ptr, mn_ptr, g, g_end, stride_qw, stride_sg, n0, WPG: tl.constexpr):
-    """L2 prefetch of group g's lines for a 1-row program whose columns start at n0 (g clamped to
-    g_end - 1): one lane per code-word row (WPG lines of 128 bytes for 32 columns), one for the
-    scales and one for the zero points; the other lanes repeat the last."""
-    gg = tl.minimum(g, g_end - 1).to(tl.int64)
-    lane = tl.arange(0, 32)
-    word = qw_ptr + (gg * WPG + tl.minimum(lane, WPG - 1)) * stride_qw + n0
-    sc = s_ptr + gg * stride_sg + n0
-    mn = mn_ptr + gg * stride_sg + n0
-    addr = tl.where(
-        lane < WPG,
-        word.to(tl.int64),
-        tl.where(lane == WPG, sc.to(tl.int64), mn.to(tl.int64)),
-    )
-    _prefetch_l2(addr)
-
-
-@triton.jit
 def _row_program(
     x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N: tl.constexpr,
     WPG: tl.constexpr,
@@ -522,7 +490,6 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
-    PREFETCH: tl.constexpr = 0,  # groups ahead whose lines are prefetched into L2 (ASM only)
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -556,20 +523,11 @@ def _gemv_h2_kernel(
         q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
     else:
         q_next = q_first
-    if ASM and PREFETCH > 0:
-        # Weights only (no kernel writes them): before the wait, so they stream in meanwhile.
-        for d in tl.static_range(PREFETCH):
-            _prefetch_group(qw_ptr, s_ptr, mn_ptr, g_start + d, g_end, stride_qw, stride_sg,
-                            pid_n * BLOCK_N, WPG)  # fmt: skip
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
-        if ASM and PREFETCH > 0:
-            if g + PREFETCH < g_end:
-                _prefetch_group(qw_ptr, s_ptr, mn_ptr, g + PREFETCH, g_end, stride_qw, stride_sg,
-                                pid_n * BLOCK_N, WPG)  # fmt: skip
         if ADDR:  # the next group's
             q_next = _group_words(qw_ptr, woff, g + 1, g_end, stride_qw, n_mask, WPG, EVEN)
         else:
@@ -910,7 +868,6 @@ class GemvH2Config:
     num_stages: int = 1
     addr: bool | None = None
     maxnreg: int | None = None
-    prefetch: int = 0
 
 
 @dataclass(frozen=True)
@@ -1057,17 +1014,6 @@ def h2_eligible(
     return x_dtype == torch.bfloat16 or (interpreted and device.type != "cuda")
 
 
-def _h2_prefetch() -> int:
-    """Groups ahead that the M = 1 packed-fp16 GEMV prefetches into L2 (`TANDEM_GEMV_PREFETCH`)."""
-    v = os.environ.get("TANDEM_GEMV_PREFETCH", "0")
-    try:
-        return max(0, int(v))
-    except ValueError:
-        raise ValueError(
-            f"TANDEM_GEMV_PREFETCH must be a whole number of groups, got {v!r}"
-        ) from None
-
-
 def default_config(
     m: int,
     n: int,
@@ -1127,7 +1073,7 @@ def default_config(
                 )
             ):
                 split *= 2
-            return GemvH2Config(block_n=32, split_k=split, num_warps=1, prefetch=_h2_prefetch())
+            return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
@@ -1355,7 +1301,6 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
-        PREFETCH=config.prefetch if config.block_n == 32 else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

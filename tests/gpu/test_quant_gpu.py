@@ -159,23 +159,6 @@ def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
         assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
-@pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
-def test_packed_half_gemv_prefetch_on_cuda(wk, n, k, split) -> None:
-    """L2 prefetch of groups ahead (`prefetch`) changes no arithmetic: bit-equal outputs for
-    every distance (past the program's last group too), reading x and GemvX, both addressings;
-    (3000, 1152, 3): a partial column block and a split that does not divide the 9 groups."""
-    qw = wk.n_major(_weight(n, k, 4, 128, seed=n + 7 * split))
-    x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
-    for addr in (False, True):
-        plain = wk.GemvH2Config(block_n=32, split_k=split, addr=addr)
-        for xq in (None, wk.gemv_x_ref(x, 128)):
-            want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
-            assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
-            for pf in (1, 2, 4, 16):
-                cfg = wk.GemvH2Config(block_n=32, split_k=split, addr=addr, prefetch=pf)
-                assert torch.equal(wk.w4a16_matmul_triton(x, qw, cfg, xq=xq), want), (addr, pf)
-
-
 def test_gemv_x_from_producers_on_cuda(wk) -> None:
     """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
     the torch reference of that form, and the GEMV reading it within one bf16 rounding of the

@@ -120,6 +120,9 @@ SELECTION_DIRS = ("tandem/engine", "tandem/kv")
 CALIB_GENERATED = 64
 
 
+E2E_SUFFIXES = ("-e2e", "-qat")  # a round of end-to-end tuning: scales only, or codes too
+
+
 def paired_se(nll: list[float], ref_nll: list[float]) -> float | None:
     """Standard error of a log perplexity ratio from per-window mean NLLs (windows of equal
     length, the same text for both models): std of the differences / sqrt(windows)."""
@@ -135,26 +138,50 @@ def row_name(method: str) -> str:
 
 
 def base_method(method: str) -> str:
-    """The bench method an `X-e2e` (`X-qat`) method starts from (X, then --e2e-steps, with
-    --e2e-codes for -qat)."""
-    return method.removesuffix("-e2e").removesuffix("-qat")
+    """The bench method an `X-e2e` (`X-qat`) method starts from: X, then --e2e-steps of
+    end-to-end tuning (with --e2e-codes for -qat). X may itself be tuned (`X-qat-qat`: QAT again
+    from X-qat's checkpoint, with a fresh schedule)."""
+    for suffix in E2E_SUFFIXES:
+        if method.endswith(suffix):
+            return method.removesuffix(suffix)
+    return method
+
+
+def root_method(method: str) -> str:
+    """The block-wise method under every round of end-to-end tuning."""
+    while base_method(method) != method:
+        method = base_method(method)
+    return method
+
+
+def e2e_rounds(method: str) -> int:
+    """How many rounds of end-to-end tuning a bench method has (`-e2e` and `-qat` suffixes)."""
+    rounds = 0
+    while base_method(method) != method:
+        method, rounds = base_method(method), rounds + 1
+    return rounds
 
 
 def tuned_end_to_end(method: str) -> bool:
-    return method.endswith(("-e2e", "-qat"))
+    return e2e_rounds(method) > 0
 
 
 def bench_method(meta: dict) -> str:
     """The bench method a checkpoint's quantization.json describes (inverse of cli_method)."""
-    m, e2e = meta["method"].removesuffix("+e2e"), meta["method"].endswith("+e2e")
+    m = meta["method"]
+    while m.endswith("+e2e"):
+        m = m.removesuffix("+e2e")
     gen = meta.get("calibration", {}).get("generated_seqs", 0)
-    qat = e2e and meta.get("e2e", {}).get("trained", "").startswith("codes")
-    return m + ("-gen" if gen else "") + ("-qat" if qat else "-e2e" if e2e else "")
+    suffixes, e2e = [], meta.get("e2e")
+    while e2e:  # the newest round first, each with the one before it as "previous"
+        suffixes.append("-qat" if e2e.get("trained", "").startswith("codes") else "-e2e")
+        e2e = e2e.get("previous")
+    return m + ("-gen" if gen else "") + "".join(reversed(suffixes))
 
 
 def cli_method(method: str) -> tuple[str, int]:
-    """(`tandem quantize --method`, `--calib-generated`) of a bench method."""
-    m = base_method(method)
+    """(`tandem quantize --method`, `--calib-generated`) of a bench method's block-wise part."""
+    m = root_method(method)
     return m.removesuffix("-gen"), CALIB_GENERATED if m.endswith("-gen") else 0
 
 
@@ -335,7 +362,7 @@ def main() -> int:
         if key in reuse:
             meta = read_quantization(reuse[key])
             want, generated = cli_method(method)
-            want += "+e2e" if tuned_end_to_end(method) else ""
+            want += "+e2e" * e2e_rounds(method)
             got_generated = meta.get("calibration", {}).get("generated_seqs", 0)
             if (meta.get("method"), got_generated, meta.get("recipe")) != (
                 want,
@@ -381,6 +408,11 @@ def main() -> int:
             # The base method's checkpoint from this run (quantized or reused), then e2e.
             base = base_method(method)
             base_w, _ = quantized.get(base, (None, None)) if rec is recipe else (None, None)
+            if base_w is None and tuned_end_to_end(base):
+                raise SystemExit(
+                    f"{method}: tunes {base}'s checkpoint again; list {base} before it in "
+                    f"--methods (or give --checkpoint {base}=DIR)"
+                )
             if base_w is None:
                 base_cli, generated = cli_method(base)
                 weights, info = quantize_model(
@@ -523,12 +555,18 @@ def main() -> int:
         "awq-autoround-gen-e2e": "INT4 g128 AWQ+autoround (calibration text plus 64 sampled "
         "sequences), then its group scales and zero points tuned end to end (codes fixed)",
     }
-    for m in calibrated:
+    for m in sorted(calibrated, key=e2e_rounds):  # each base's note before its own
+        again = " again" if e2e_rounds(m) > 1 else ""
         if m.endswith("-qat"):
             notes[m] = (
-                notes[base_method(m)] + f"; then quantization-aware training end to end: codes "
-                "(straight-through rounding), scales and zero points distilled from the float "
-                f"model on the calibration text plus {args.e2e_generated} sampled sequences"
+                notes[base_method(m)] + f"; then quantization-aware training end to end{again}: "
+                "codes (straight-through rounding), scales and zero points distilled from the "
+                f"float model on the calibration text plus {args.e2e_generated} sampled sequences"
+            )
+        elif m not in notes and m.endswith("-e2e"):
+            notes[m] = (
+                notes[base_method(m)] + f"; then its group scales and zero points tuned end to "
+                f"end{again} (codes fixed)"
             )
     # The chosen method first, so a run cut short has the row that matters most in its log.
     for m in (["rtn"] if full else []) + [chosen] + [m for m in calibrated if m != chosen]:

@@ -46,8 +46,10 @@ run() {
     > "$out/$name.log" 2>&1
   echo "$name: exit $?"
 }
-# RUNS: which runs, side by side: e2e_scales (scales and zero points only) and qat_LR (codes too,
-# their latents at learning rate LR). Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out
+# RUNS: which runs, side by side: e2e_scales (scales and zero points only), qat_LR (codes too,
+# their latents at learning rate LR) and qat2_LR (QAT again, a fresh schedule, from the QAT
+# checkpoint in $QAT_FROM, e.g. build/qat/qat_1e-2/awq-autoround-gen-qat of an earlier call: a
+# call is at most 10 minutes, and in session 10 the held-out KL was still falling at its end). Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out
 # KL 0.105 -> 0.25) and one run alone made 1174 steps in 330 s where two side by side made 856
 # each in 270 s.
 for name in ${RUNS:-qat_1e-2}; do
@@ -55,7 +57,10 @@ for name in ${RUNS:-qat_1e-2}; do
     e2e_scales) run "$name" --methods awq-autoround-gen,awq-autoround-gen-e2e & ;;
     qat_*) run "$name" --methods awq-autoround-gen,awq-autoround-gen-qat \
              --e2e-codes-lr "${name#qat_}" & ;;
-    *) echo "unknown run $name (e2e_scales or qat_LR)" >&2; exit 2 ;;
+    qat2_*) [ -f "${QAT_FROM:-}/quantization.json" ] || { echo "$name needs QAT_FROM" >&2; exit 2; }
+            run "$name" --methods awq-autoround-gen,awq-autoround-gen-qat,awq-autoround-gen-qat-qat \
+              --checkpoint "awq-autoround-gen-qat=$QAT_FROM" --e2e-codes-lr "${name#qat2_}" & ;;
+    *) echo "unknown run $name (e2e_scales, qat_LR or qat2_LR)" >&2; exit 2 ;;
   esac
 done
 wait

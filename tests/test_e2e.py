@@ -402,3 +402,48 @@ def test_perplexity_reports_each_window(model_factory) -> None:
         perplexity(model, ids, window=32, batch=0)
     with pytest.raises(ValueError, match="need at least 32 tokens"):
         perplexity(model, ids[:20], window=32)
+
+
+def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
+    """Tuning a tuned checkpoint again (`tune_end_to_end` on QAT weights read back) records both
+    rounds: the method gains another "+e2e", the new record holds the first as "previous"; and the
+    bench names such checkpoints and refuses a mismatched reuse by its rounds."""
+    import importlib.util
+    import os
+
+    from tandem.model.loader import load_model
+    from tandem.quant.checkpoint import read_quantization, save_quantized
+    from tandem.quant.cli import quantize_model, tune_end_to_end
+    from tandem.quant.recipe import Recipe
+
+    _, path = model_factory("llama")
+    loaded = load_model(path, torch.float32)
+    calib = _calib_file(tmp_path, 400, 6)
+    opts = dict(calib_path=calib, seq_len=64, log=lambda s: None, val_seqs=2, eval_every=2)
+    w1, info1 = quantize_model(
+        loaded, Recipe(), "rtn", calib_path=calib, seq_len=64, log=lambda s: None, e2e_steps=4,
+        e2e_val_seqs=2, e2e_eval_every=2, e2e_codes=True, e2e_generated=0,
+    )  # fmt: skip
+    out1 = tmp_path / "q1"
+    save_quantized(str(out1), loaded.config, w1, loaded.tokenizer, info1)
+    meta1 = read_quantization(str(out1))
+    back = load_model(str(out1), torch.float32)
+    base = {k: v for k, v in meta1.items() if k not in ("format", "version", "layers")}
+    w2, info2 = tune_end_to_end(loaded, back.weights, base, 4, codes=True, generated=0, **opts)
+    assert info2["method"] == "rtn+e2e+e2e"
+    assert info2["e2e"]["previous"] == meta1["e2e"] and "previous" not in meta1["e2e"]
+    # The second round starts where the first ended: its start KL is the first one's end state.
+    assert info2["e2e"]["held_out_kl"]["start"] == pytest.approx(
+        meta1["e2e"]["held_out_kl"]["best"], rel=1e-4
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "quant_quality", os.path.join(root, "bench", "quant_quality.py")
+    )
+    qq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qq)
+    assert qq.bench_method(info2) == "rtn-qat-qat" and qq.bench_method(info1) == "rtn-qat"
+    assert qq.base_method("awq-autoround-gen-qat-qat") == "awq-autoround-gen-qat"
+    assert qq.root_method("awq-autoround-gen-e2e-qat") == "awq-autoround-gen"
+    assert qq.e2e_rounds("awq-autoround-gen-qat-e2e") == 2 and qq.e2e_rounds("awq") == 0
+    assert qq.cli_method("awq-autoround-gen-qat-qat") == ("awq-autoround", qq.CALIB_GENERATED)

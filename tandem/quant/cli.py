@@ -362,6 +362,8 @@ def tune_end_to_end(
         "held_out_kl": {"start": report.start_kl, "best": report.best_kl},
         "history": report.history,
         "seconds": report.seconds,
+        # Tuned again from a tuned checkpoint: the earlier round's record.
+        **({"previous": info["e2e"]} if "e2e" in info else {}),
     }
     return out, info
 

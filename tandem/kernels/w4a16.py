@@ -490,6 +490,9 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
+    TILED: tl.constexpr = False,  # codes, scales, zero points tile-major (`GemvTiles`)
+    stride_qb=0,  # TILED: words between column blocks of the codes
+    stride_sb=0,  # TILED: entries between column blocks of the scales and zero points
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -512,6 +515,14 @@ def _gemv_h2_kernel(
     written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
+    if TILED:
+        # A column block's codes (scales, zero points) are one contiguous tile: moving the bases
+        # by the block's place lets the N-major addressing below (offs_n, row strides of one
+        # block's width) find them unchanged.
+        shift = tl.program_id(0).to(tl.int64)
+        qw_ptr += shift * (stride_qb - BLOCK_N)
+        s_ptr += shift * (stride_sb - BLOCK_N)
+        mn_ptr += shift * (stride_sb - BLOCK_N)
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
         _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
     )
@@ -868,6 +879,33 @@ class GemvH2Config:
     num_stages: int = 1
     addr: bool | None = None
     maxnreg: int | None = None
+
+
+@dataclass
+class GemvTiles:
+    """An INT4 N-major weight's codes, scales and zero points stored tile-major for
+    `_gemv_h2_kernel` (`tile_major`): column block b (`block_n` output rows) holds its codes as
+    one contiguous [KW, block_n] tile, `codes[b]`, and its scales and zero points as [G, block_n]
+    tiles, so a program's groups are one contiguous run of memory rather than block_n-wide
+    pieces of rows N words apart. The last block is padded with zeros past N."""
+
+    codes: torch.Tensor  # int32 [blocks, KW, block_n]
+    scales: torch.Tensor  # fp16 [blocks, G, block_n]
+    mins: torch.Tensor  # fp16 [blocks, G, block_n]
+    block_n: int
+
+
+def tile_major(w: QuantizedWeight, block_n: int = 32) -> GemvTiles:
+    """`w`'s codes, scales and zero points as `GemvTiles` of `block_n` output rows."""
+    n = w.out_features
+    blocks = triton.cdiv(n, block_n)
+
+    def tiles(a: torch.Tensor) -> torch.Tensor:  # [N, C] -> [blocks, C, block_n]
+        pad = torch.zeros((blocks * block_n, a.shape[1]), dtype=a.dtype, device=a.device)
+        pad[:n] = a
+        return pad.view(blocks, block_n, a.shape[1]).transpose(1, 2).contiguous()
+
+    return GemvTiles(tiles(w.qweight), tiles(w.scales), tiles(w.mins), block_n)
 
 
 @dataclass(frozen=True)
@@ -1260,10 +1298,15 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
 
 
 def launch_gemv_h2(
-    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    config: GemvH2Config,
+    xq: GemvX | None = None,
+    tiles: GemvTiles | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
-    from its producer) the kernel reads that instead of x."""
+    from its producer) the kernel reads that instead of x; with `tiles` (`tile_major(w,
+    config.block_n)`) it reads w's codes, scales and zero points from those."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
@@ -1290,8 +1333,22 @@ def launch_gemv_h2(
                 raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
             if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
                 x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
+    args = sl.args(x, w)
+    tiled = {}
+    if tiles is not None:
+        kw, g = w.qweight.shape[1], w.scales.shape[1]
+        want = (sl.blocks, kw, config.block_n)
+        if tiles.block_n != config.block_n or tuple(tiles.codes.shape) != want:
+            raise ValueError(
+                f"GemvTiles of shape {tuple(tiles.codes.shape)} do not fit this weight at "
+                f"block_n {config.block_n} (want {want})"
+            )
+        # codes, scales, zero points and their row strides: one tile's width
+        args = (args[0], tiles.codes, tiles.scales, tiles.mins, *args[4:14], config.block_n,
+                config.block_n, args[16])  # fmt: skip
+        tiled = {"TILED": True, "stride_qb": kw * config.block_n, "stride_sb": g * config.block_n}
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
-        *sl.args(x, w),
+        *args,
         xs,
         XPREP=xq is not None,
         GROUP=w.group_size,
@@ -1301,6 +1358,7 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
+        **tiled,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

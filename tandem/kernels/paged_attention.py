@@ -15,7 +15,9 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    which saves a launch and its wait on the critical path of a decode step; with
    TANDEM_DECODE_MERGE=0 by a second kernel, one program per (sequence, query head).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
-skipped. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
+skipped. With TANDEM_DECODE_PREWAIT=1 (not the default: not yet measured) and PDL, stage 1 reads
+the context length and asks L2 for the K/V of its positions before the newest token's cache
+block before its PDL wait, while the previous kernel (which writes the newest token) finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -113,6 +115,41 @@ def paged_attention_varlen_ref(
 
 
 @triton.jit
+def _prefetch_l2(addr):
+    """Ask L2 for the 128-byte line holding each address (int64 tensor); nothing is returned
+    and no register is held for the data. Compiled CUDA only."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [addr],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_partition(
+    k_head, v_head, bt_row, stride_btn, start, context_len, stride_kb, stride_kt, stride_vb,
+    stride_vt, BLOCK_SIZE: tl.constexpr, PARTITION_SIZE: tl.constexpr, LINES: tl.constexpr,
+):  # fmt: skip
+    """L2 prefetch of the K and V rows (LINES 128-byte lines each) of positions [start, start +
+    PARTITION_SIZE) that lie before the newest token's cache block; the block table read here
+    is the host's. Positions outside that range prefetch the partition's first row again."""
+    stable = tl.maximum(context_len - 1, 0) // BLOCK_SIZE * BLOCK_SIZE
+    offs_t = start + tl.arange(0, PARTITION_SIZE)
+    ok = offs_t < tl.minimum(start + PARTITION_SIZE, stable)
+    offs_t = tl.where(ok, offs_t, start)
+    blocks = tl.load(bt_row + (offs_t // BLOCK_SIZE) * stride_btn, mask=ok, other=0).to(tl.int64)
+    slots = offs_t % BLOCK_SIZE
+    line = tl.arange(0, LINES) * 128  # bytes
+    k_row = (k_head + blocks * stride_kb + slots * stride_kt).to(tl.pointer_type(tl.int8))
+    v_row = (v_head + blocks * stride_vb + slots * stride_vt).to(tl.pointer_type(tl.int8))
+    _prefetch_l2((k_row[:, None] + line[None, :]).to(tl.int64))
+    _prefetch_l2((v_row[:, None] + line[None, :]).to(tl.int64))
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -157,16 +194,29 @@ def _decode_partition_kernel(
     DOT_FP32: tl.constexpr,  # upcast K/V/Q before tl.dot instead of feeding the native dtype
     KV_SCALED: tl.constexpr,  # FP8 / INT8 codes times per-(block, head) scales
     PDL: tl.constexpr,
+    PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
 ):
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     num_q_heads = tl.num_programs(1) * GROUP
-
-    context_len = tl.load(context_lens_ptr + seq)
+    if PREWAIT:
+        # Before the wait, what no kernel of this decode step writes: the context length (copied
+        # from the host before the step), and into L2 the K/V lines of the partition's positions
+        # before the newest token's cache block (the step writes only the newest token, and an
+        # FP8 / INT8 write may re-code the rest of its block).
+        context_len = tl.load(context_lens_ptr + seq)
+        _prefetch_partition(
+            k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+            block_tables_ptr + seq * stride_btb, stride_btn, part * PARTITION_SIZE, context_len,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE,
+            HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 1024,
+        )  # fmt: skip
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if not PREWAIT:
+        context_len = tl.load(context_lens_ptr + seq)
     start = part * PARTITION_SIZE
     # Partitions past the context have nothing to do and stage 2 never reads them, so they write
     # nothing (the grid is sized for the longest context). Partition 0 always runs, so an empty
@@ -501,6 +551,8 @@ def paged_attention_decode_triton(
         BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
         DOT_FP32=dot_fp32,
         KV_SCALED=scaled,
+        # The prefetch is PTX: only where PDL runs (compiled CUDA on sm_90+).
+        PREWAIT=pdl.use_pdl(q) and os.environ.get("TANDEM_DECODE_PREWAIT", "0") == "1",
         num_warps=4,
         **pdl.launch_options(q),
     )

@@ -67,7 +67,11 @@ def pdl():
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
-def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype) -> None:
+@pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
+def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
+    """prewait: the decode attention's context length and L2 prefetch of stable K/V before its
+    wait (TANDEM_DECODE_PREWAIT=1), while the kernel before it writes the newest token."""
+    monkeypatch.setenv("TANDEM_DECODE_PREWAIT", prewait)
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 
@@ -76,7 +80,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype) -> None:
     if weights == "int4":
         w = _quantized(w, cfg)
     model = LlamaModel(cfg, w, torch.bfloat16, DEV, max_positions=512)
-    bs, nb, steps = 16, 8, 40  # 40 tokens over 3 blocks: partitions, block edges
+    bs, nb, steps = 16, 8, 90  # 90 tokens over 6 blocks: partitions, block edges
 
     def kv_cache():
         kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)

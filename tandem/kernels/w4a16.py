@@ -908,6 +908,19 @@ def tile_major(w: QuantizedWeight, block_n: int = 32) -> GemvTiles:
     return GemvTiles(tiles(w.qweight), tiles(w.scales), tiles(w.mins), block_n)
 
 
+def _tiles_of(w: QuantizedWeight, block_n: int) -> GemvTiles | None:
+    """With TANDEM_GEMV_TILED=1 (a measurement switch, not the default: it keeps a second,
+    tile-major copy of every INT4 weight the M = 1 GEMV reads, made at its first call), that
+    copy; else None."""
+    if os.environ.get("TANDEM_GEMV_TILED", "0") != "1" or not w.qweight.is_cuda:
+        return None
+    tiles = getattr(w, "_gemv_tiles", None)
+    if tiles is None or tiles.block_n != block_n:
+        tiles = tile_major(w, block_n)
+        object.__setattr__(w, "_gemv_tiles", tiles)
+    return tiles
+
+
 @dataclass(frozen=True)
 class GemvTCConfig:
     """`_gemv_tc_kernel`: INT4, N-major codes, tensor cores, `block_m` rows of x per program."""
@@ -1153,7 +1166,7 @@ def w4a16_matmul_triton(
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config, xq)[0]
+        return launch_gemv_h2(x, w, config, xq, _tiles_of(w, config.block_n))[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):

@@ -176,6 +176,20 @@ def test_packed_half_gemv_tile_major_on_cuda(wk, n, k, split) -> None:
             assert torch.equal(got, want), (addr, xq is not None)
 
 
+def test_tiled_switch_on_cuda(wk, monkeypatch) -> None:
+    """TANDEM_GEMV_TILED=1: the M = 1 packed-fp16 GEMV reads a tile-major copy made at its
+    first call (kept on the weight), with the same output bit for bit."""
+    qw = wk.n_major(_weight(6144, 4096, 4, 128, seed=5))
+    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
+    xq = wk.gemv_x_ref(x, 128)
+    want, want_x = wk.w4a16_matmul_triton(x, qw), wk.w4a16_matmul_triton(x, qw, xq=xq)
+    assert not hasattr(qw, "_gemv_tiles")
+    monkeypatch.setenv("TANDEM_GEMV_TILED", "1")
+    assert torch.equal(wk.w4a16_matmul_triton(x, qw), want)
+    assert qw._gemv_tiles.codes.shape == (6144 // 32, 512, 32)
+    assert torch.equal(wk.w4a16_matmul_triton(x, qw, xq=xq), want_x)
+
+
 def test_gemv_x_from_producers_on_cuda(wk) -> None:
     """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
     the torch reference of that form, and the GEMV reading it within one bf16 rounding of the

@@ -147,3 +147,32 @@ def test_rope_cache_write_scaled_matches_eager(kv_dtype, dtype):
                 c, r = c.view(torch.uint8), r.view(torch.uint8)
             bad = (c != r).nonzero()
             assert not len(bad), f"step {step} {name}: {len(bad)} differ, first {bad[:4].tolist()}"
+
+
+def test_rope_kernels_prewait_order_is_bit_equal(monkeypatch):
+    """With PREWAIT (`pdl.prewait`, TANDEM_PDL_PREWAIT=1 on a GPU) both rotary kernels load the
+    token's position, slot and cos/sin before their wait: the same q, codes, scales and cache
+    rows as without, for the bf16-style and the FP8 (scaled) write."""
+    hq, hkv, d, bs, nb = 4, 2, 16, 4, 8
+    g = torch.Generator().manual_seed(13)
+    cos_sin = cos_sin_table(_cfg(hq, hkv, d), 64, "cpu")
+    t = 4
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    positions = torch.randint(0, 64, (t,), generator=g)
+    slots = torch.tensor([5, 9, 22, -1])  # one token per block; the last a padding row
+    kc8 = (torch.randn(nb, bs, hkv, d, generator=g) * 5).to(torch.int8)
+    scales = torch.rand(nb, hkv, generator=g) + 0.5
+
+    def run():
+        kc, vc = torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d)
+        q = rot.rope_cache_write_triton(qkv, positions, cos_sin, slots, kc, vc, hq, hkv)
+        scaled = [kc8.clone(), kc8.clone(), scales.clone(), scales.clone()]
+        q8 = rot.rope_cache_write_scaled(qkv, positions, cos_sin, slots, *scaled, hq, hkv)
+        return [q, kc, vc, q8, *scaled]
+
+    plain = run()
+    monkeypatch.setattr(rot.pdl, "prewait", lambda t: True)
+    early = run()
+    for a, b in zip(early, plain, strict=True):
+        assert torch.equal(a, b)
+    assert plain[1].abs().sum() > 0  # the cache rows were written

@@ -70,6 +70,14 @@ def launch_dependents(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def prewait(t: torch.Tensor) -> bool:
+    """Whether kernels on `t`'s device read more of their inputs before the wait than their
+    weights: what the host copies in before a step (positions, slots, context lengths, block
+    tables) and, in the decode attention, an L2 prefetch of K/V that the step does not write.
+    `TANDEM_PDL_PREWAIT=1`, with PDL only; off by default until measured on a GPU."""
+    return use_pdl(t) and os.environ.get("TANDEM_PDL_PREWAIT", "0") == "1"
+
+
 def launch_options(t: torch.Tensor) -> dict:
     """Keyword arguments for a kernel launch on `t`'s device: the kernel's `PDL` constexpr, and
     Triton's `launch_pdl` where PDL is used (the interpreter is not given the option)."""

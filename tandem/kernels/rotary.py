@@ -72,14 +72,20 @@ def _rope_cache_kernel(
     BLOCK_HEADS: tl.constexpr,  # Hq + Hkv padded to a power of 2
     BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
     PDL: tl.constexpr,
+    PREWAIT: tl.constexpr = False,  # the token's position, slot and cos/sin before the wait
 ):
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    slot_raw, blk, off, cos, sin = _token_rope(
-        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-    )
+    if PREWAIT:  # positions and slots come from the host, the table is constant
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+        )
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if not PREWAIT:
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+        )
     offs = tl.arange(0, HALF)
 
     # q heads then k heads: they sit next to each other in the qkv row.
@@ -205,6 +211,7 @@ def rope_cache_write_triton(
         # No fused multiply-add: each product is rounded on its own, as the eager ops do
         # (with contraction the compiler merges a product into the sum, one rounding fewer).
         enable_fp_fusion=False,
+        PREWAIT=pdl.prewait(qkv),
         **pdl.launch_options(qkv),
     )
     return q
@@ -331,14 +338,20 @@ def _rope_cache_scaled_kernel(
     IS_INT8: tl.constexpr,
     RINT: tl.constexpr,
     PDL: tl.constexpr,
+    PREWAIT: tl.constexpr = False,  # the token's position, slot and cos/sin before the wait
 ):
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    slot_raw, blk, off, cos, sin = _token_rope(
-        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-    )
+    if PREWAIT:  # positions and slots come from the host, the table is constant
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+        )
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if not PREWAIT:
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
+        )
     offs = tl.arange(0, HALF)
     row = qkv_ptr + tok * stride_qkv
 
@@ -447,6 +460,7 @@ def rope_cache_write_scaled(
         RINT=compiled,
         num_warps=4,
         enable_fp_fusion=False,  # products rounded one by one, as the eager ops do
+        PREWAIT=pdl.prewait(qkv),
         **pdl.launch_options(qkv),
     )  # fmt: skip
     return q

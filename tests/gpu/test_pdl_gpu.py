@@ -69,9 +69,9 @@ def pdl():
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
 @pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
 def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
-    """prewait: the decode attention's context length and L2 prefetch of stable K/V before its
-    wait (TANDEM_DECODE_PREWAIT=1), while the kernel before it writes the newest token."""
-    monkeypatch.setenv("TANDEM_DECODE_PREWAIT", prewait)
+    """prewait (TANDEM_PDL_PREWAIT=1): the decode attention's context length and L2 prefetch
+    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits."""
+    monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 

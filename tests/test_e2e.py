@@ -447,3 +447,41 @@ def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
     assert qq.root_method("awq-autoround-gen-e2e-qat") == "awq-autoround-gen"
     assert qq.e2e_rounds("awq-autoround-gen-qat-e2e") == 2 and qq.e2e_rounds("awq") == 0
     assert qq.cli_method("awq-autoround-gen-qat-qat") == ("awq-autoround", qq.CALIB_GENERATED)
+
+
+def test_cli_from_tunes_a_checkpoint_again(model_factory, tmp_path, capsys) -> None:
+    """`tandem quantize MODEL --from DIR --e2e-steps N` tunes DIR's checkpoint again (the codes
+    too with --e2e-codes): quantization.json gains a round with the first kept as "previous",
+    the result is served; --from without --e2e-steps, with --recipe, from a directory with no
+    checkpoint or from another model's checkpoint is refused by name."""
+    import tandem
+    from tandem.cli import main
+
+    _, path = model_factory("llama")
+    _, other = model_factory("qwen2")
+    calib = _calib_file(tmp_path, 400, 8)
+    first, second = tmp_path / "q1", tmp_path / "q2"
+    common = ["--calib", calib, "--calib-seq-len", "64", "--e2e-val-seqs", "2"]
+    rc = main(["quantize", path, "--method", "rtn", "--out", str(first), "--e2e-steps", "3",
+               "--e2e-codes", *common])  # fmt: skip
+    assert rc == 0
+    again = ["quantize", path, "--from", str(first), "--out", str(second), *common]
+    assert main(again) == 2
+    assert "give --e2e-steps" in capsys.readouterr().err
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"default": {"bits": 4, "group_size": 64, "zero_point": True}}))
+    assert main([*again, "--e2e-steps", "3", "--recipe", str(recipe)]) == 2
+    assert "drop --recipe" in capsys.readouterr().err
+    assert main([*again[:3], str(tmp_path), *again[4:], "--e2e-steps", "3"]) == 2
+    assert "no quantization.json there" in capsys.readouterr().err
+    assert main(["quantize", other, *again[2:], "--e2e-steps", "3"]) == 2
+    assert "its model config differs" in capsys.readouterr().err
+    assert main([*again, "--e2e-steps", "3", "--e2e-codes"]) == 0
+    m1 = json.loads((first / "quantization.json").read_text())
+    m2 = json.loads((second / "quantization.json").read_text())
+    assert m1["method"] == "rtn+e2e" and m2["method"] == "rtn+e2e+e2e"
+    assert m2["e2e"]["previous"] == m1["e2e"] and m2["recipe"] == m1["recipe"]
+    assert m2["e2e"]["trained"] == "codes, scales and zero points"
+    llm = tandem.LLM(str(second), num_blocks=16)
+    done = llm.generate([[5, 6, 7, 8]], tandem.SamplingParams(max_tokens=4, temperature=0))
+    assert len(done[0].token_ids) >= 1

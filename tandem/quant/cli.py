@@ -75,6 +75,16 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         "reconstruction); awq-autoround: autoround on AWQ-scaled weights",
     )
     p.add_argument("--out", default=None, help="output directory of the quantized checkpoint")
+    p.add_argument(
+        "--from",
+        dest="start_from",
+        default=None,
+        metavar="DIR",
+        help="start from this quantized checkpoint (written by tandem quantize from MODEL) "
+        "instead of quantizing: tune it end to end again (--e2e-steps, with --e2e-codes for "
+        "QAT) with a fresh schedule; its recipe and method stay, the earlier round is kept in "
+        "quantization.json",
+    )
     p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence")
     p.add_argument(
         "--calib-max-tokens", type=int, default=8192, help="calibration tokens used at most"
@@ -523,6 +533,51 @@ def on_device(loaded, device: str) -> None:
     loaded.weights = {k: v.to(dev) for k, v in loaded.weights.items()}
 
 
+def _tune_again(args: argparse.Namespace, loaded):
+    """`--from DIR`: DIR's quantized weights tuned end to end again against `loaded` (the float
+    model it was made from); returns (weights, info) as `quantize_model` does."""
+    import dataclasses
+
+    import torch
+
+    from tandem.model.loader import load_model
+    from tandem.quant.checkpoint import read_quantization
+
+    if not args.e2e_steps:
+        raise ValueError("--from tunes a checkpoint again: give --e2e-steps N (> 0)")
+    if args.recipe:
+        raise ValueError("--from keeps the checkpoint's own recipe: drop --recipe")
+    meta = read_quantization(args.start_from)
+    if meta is None:
+        raise ValueError(f"--from {args.start_from}: no quantization.json there")
+    base = load_model(args.start_from, torch.float32)
+    if dataclasses.replace(base.config, name=loaded.config.name) != loaded.config:
+        model = args.model or "the default model"
+        raise ValueError(f"--from {args.start_from}: its model config differs from {model}'s")
+    dev = loaded.weights["model.embed_tokens.weight"].device
+    weights = {k: v.to(dev) for k, v in base.weights.items()}
+    info = {k: v for k, v in meta.items() if k not in ("format", "version", "layers")}
+    return tune_end_to_end(
+        loaded,
+        weights,
+        info,
+        args.e2e_steps,
+        lr=args.e2e_lr,
+        batch=args.e2e_batch,
+        val_seqs=args.e2e_val_seqs,
+        eval_every=args.e2e_eval_every,
+        generated=args.e2e_generated,
+        calib_path=args.calib,
+        seq_len=args.calib_seq_len,
+        max_tokens=args.calib_max_tokens,
+        codes=args.e2e_codes,
+        codes_lr=args.e2e_codes_lr,
+        cosine=args.e2e_cosine,
+        max_seconds=args.e2e_max_seconds,
+        tf32=args.e2e_tf32,
+    )
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
@@ -550,32 +605,35 @@ def run_quantize(args: argparse.Namespace) -> int:
             print(yaml.safe_dump(suggestion.to_dict(), sort_keys=False), end="")
             if not args.out:
                 return 0
-        weights, info = quantize_model(
-            loaded,
-            recipe,
-            args.method,
-            args.calib,
-            args.calib_seq_len,
-            args.calib_max_tokens,
-            args.awq_grid,
-            clip=not args.no_clip,
-            damp=args.gptq_damp,
-            autoround_iters=args.autoround_iters,
-            autoround_lr=args.autoround_lr,
-            autoround_batch=args.autoround_batch,
-            generated=args.calib_generated,
-            e2e_steps=args.e2e_steps,
-            e2e_lr=args.e2e_lr,
-            e2e_batch=args.e2e_batch,
-            e2e_val_seqs=args.e2e_val_seqs,
-            e2e_eval_every=args.e2e_eval_every,
-            e2e_generated=args.e2e_generated,
-            e2e_codes=args.e2e_codes,
-            e2e_codes_lr=args.e2e_codes_lr,
-            e2e_cosine=args.e2e_cosine,
-            e2e_max_seconds=args.e2e_max_seconds,
-            e2e_tf32=args.e2e_tf32,
-        )
+        if args.start_from:
+            weights, info = _tune_again(args, loaded)
+        else:
+            weights, info = quantize_model(
+                loaded,
+                recipe,
+                args.method,
+                args.calib,
+                args.calib_seq_len,
+                args.calib_max_tokens,
+                args.awq_grid,
+                clip=not args.no_clip,
+                damp=args.gptq_damp,
+                autoround_iters=args.autoround_iters,
+                autoround_lr=args.autoround_lr,
+                autoround_batch=args.autoround_batch,
+                generated=args.calib_generated,
+                e2e_steps=args.e2e_steps,
+                e2e_lr=args.e2e_lr,
+                e2e_batch=args.e2e_batch,
+                e2e_val_seqs=args.e2e_val_seqs,
+                e2e_eval_every=args.e2e_eval_every,
+                e2e_generated=args.e2e_generated,
+                e2e_codes=args.e2e_codes,
+                e2e_codes_lr=args.e2e_codes_lr,
+                e2e_cosine=args.e2e_cosine,
+                e2e_max_seconds=args.e2e_max_seconds,
+                e2e_tf32=args.e2e_tf32,
+            )
         weights = {k: v.to("cpu") for k, v in weights.items()}
         save_quantized(
             args.out,

@@ -38,6 +38,25 @@ def _token_rope(positions_ptr, slot_ptr, cos_sin_ptr, tok, DT: tl.constexpr, HAL
 
 
 @triton.jit
+def _token_rope_waited(positions_ptr, slot_ptr, cos_sin_ptr, tok, DT: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
+                       PREWAIT: tl.constexpr):  # fmt: skip
+    """`_token_rope` and the PDL wait: with PREWAIT the loads come first (positions and slots
+    come from the host before the step, the table is constant), else after the wait."""
+    if PREWAIT:
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, DT, HALF, BLOCK_SIZE
+        )
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if not PREWAIT:
+        slot_raw, blk, off, cos, sin = _token_rope(
+            positions_ptr, slot_ptr, cos_sin_ptr, tok, DT, HALF, BLOCK_SIZE
+        )
+    return slot_raw, blk, off, cos, sin
+
+
+@triton.jit
 def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
     """(x1 cos - x2 sin, x2 cos + x1 sin) with every product and the result rounded to DT."""
     a = (x1 * cos).to(DT).to(tl.float32)
@@ -76,16 +95,9 @@ def _rope_cache_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    if PREWAIT:  # positions and slots come from the host, the table is constant
-        slot_raw, blk, off, cos, sin = _token_rope(
-            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-        )
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    if not PREWAIT:
-        slot_raw, blk, off, cos, sin = _token_rope(
-            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-        )
+    slot_raw, blk, off, cos, sin = _token_rope_waited(
+        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE, PDL, PREWAIT
+    )
     offs = tl.arange(0, HALF)
 
     # q heads then k heads: they sit next to each other in the qkv row.
@@ -342,16 +354,9 @@ def _rope_cache_scaled_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
-    if PREWAIT:  # positions and slots come from the host, the table is constant
-        slot_raw, blk, off, cos, sin = _token_rope(
-            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-        )
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
-    if not PREWAIT:
-        slot_raw, blk, off, cos, sin = _token_rope(
-            positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE
-        )
+    slot_raw, blk, off, cos, sin = _token_rope_waited(
+        positions_ptr, slot_ptr, cos_sin_ptr, tok, dt, HALF, BLOCK_SIZE, PDL, PREWAIT
+    )
     offs = tl.arange(0, HALF)
     row = qkv_ptr + tok * stride_qkv
 

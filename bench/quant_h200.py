@@ -333,8 +333,9 @@ def model_bytes(model) -> dict:
     return {"linear": linear, "embed_norms": other, "lm_head": head, "total": linear + other + head}
 
 
-def kernel_profile(step: Callable[[], object], steps: int = 5) -> list[dict]:
-    """GPU time per decode step by kernel name (eager launches under torch.profiler)."""
+def kernel_profile(step: Callable[[], object], steps: int = 5, layers: int = 0) -> list[dict]:
+    """GPU time per decode step by kernel name (eager launches under torch.profiler); with
+    `layers`, the M = 1 GEMV's time also by the linear layer it computes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -351,6 +352,22 @@ def kernel_profile(step: Callable[[], object], steps: int = 5) -> list[dict]:
     out = [{"kernel": k, "us_per_step": v[0] / steps, "launches_per_step": v[1] / steps}
            for k, v in rows.items()]  # fmt: skip
     out.sort(key=lambda r: -r["us_per_step"])
+    if layers:
+        # The M = 1 GEMV's launches in step order are q/k/v, o, gate/up, down per layer, then
+        # the LM head: the time of each, which the by-name sum above adds together.
+        gemv = sorted((ev.time_range.start, ev.device_time_total if hasattr(ev, "device_time_total")
+                       else ev.cuda_time_total) for ev in prof.events()
+                      if ev.device_type.name == "CUDA" and "_gemv_h2_kernel" in ev.name)  # fmt: skip
+        per = 4 * layers + 1
+        if gemv and len(gemv) == per * steps:
+            names = ["qkv", "o", "gate_up", "down"]
+            by = {n: 0.0 for n in names + ["lm_head"]}
+            for i, (_, us) in enumerate(gemv):
+                j = i % per
+                by["lm_head" if j == per - 1 else names[j % 4]] += us / steps
+            for r in out:
+                if "_gemv_h2_kernel" in r["kernel"]:
+                    r["us_per_step_by_layer"] = by  # summed over layers; lm_head once
     return out
 
 
@@ -483,7 +500,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                 if profile and "kernels" not in row:
                     with torch.inference_mode():
                         row["kernels"] = kernel_profile(lambda i=0, model=model, kv=kv: model.logits(
-                            model.forward(ids, pos, kv, meta)))[:8]  # fmt: skip
+                            model.forward(ids, pos, kv, meta)), layers=cfg.num_layers)[:8]  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 row["error"] = repr(e)[:400]
                 traceback.print_exc()

@@ -84,7 +84,7 @@ if ROOT not in sys.path:
 from tandem.model.gguf_loader import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
-from tandem.quant.checkpoint import read_quantization, save_quantized  # noqa: E402
+from tandem.quant.checkpoint import info_of, read_quantization, save_quantized  # noqa: E402
 from tandem.quant.cli import (  # noqa: E402
     default_calibration_path,
     on_device,
@@ -425,8 +425,7 @@ def main() -> int:
                     **{"e2e_" + k: v for k, v in e2e.items()},
                 )
             else:
-                info = read_quantization(dirs[base])
-                info = {k: v for k, v in info.items() if k not in ("format", "version", "layers")}
+                info = info_of(read_quantization(dirs[base]))
                 weights, info = tune_end_to_end(
                     loaded, base_w, info, args.e2e_steps, log=log, **e2e
                 )

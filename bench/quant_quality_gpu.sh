@@ -49,9 +49,9 @@ run() {
 # RUNS: which runs, side by side: e2e_scales (scales and zero points only), qat_LR (codes too,
 # their latents at learning rate LR) and qat2_LR (QAT again, a fresh schedule, from the QAT
 # checkpoint in $QAT_FROM, e.g. build/qat/qat_1e-2/awq-autoround-gen-qat of an earlier call: a
-# call is at most 10 minutes, and in session 10 the held-out KL was still falling at its end). Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out
-# KL 0.105 -> 0.25) and one run alone made 1174 steps in 330 s where two side by side made 856
-# each in 270 s.
+# call is at most 10 minutes, and in session 10 the held-out KL was still falling at its end).
+# Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out KL 0.105 -> 0.25) and one run
+# alone made 1174 steps in 330 s where two side by side made 856 each in 270 s.
 for name in ${RUNS:-qat_1e-2}; do
   case $name in
     e2e_scales) run "$name" --methods awq-autoround-gen,awq-autoround-gen-e2e & ;;

@@ -412,7 +412,7 @@ def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
     import os
 
     from tandem.model.loader import load_model
-    from tandem.quant.checkpoint import read_quantization, save_quantized
+    from tandem.quant.checkpoint import info_of, read_quantization, save_quantized
     from tandem.quant.cli import quantize_model, tune_end_to_end
     from tandem.quant.recipe import Recipe
 
@@ -428,7 +428,7 @@ def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
     save_quantized(str(out1), loaded.config, w1, loaded.tokenizer, info1)
     meta1 = read_quantization(str(out1))
     back = load_model(str(out1), torch.float32)
-    base = {k: v for k, v in meta1.items() if k not in ("format", "version", "layers")}
+    base = info_of(meta1)
     w2, info2 = tune_end_to_end(loaded, back.weights, base, 4, codes=True, generated=0, **opts)
     assert info2["method"] == "rtn+e2e+e2e"
     assert info2["e2e"]["previous"] == meta1["e2e"] and "previous" not in meta1["e2e"]

@@ -15,9 +15,11 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    which saves a launch and its wait on the critical path of a decode step; with
    TANDEM_DECODE_MERGE=0 by a second kernel, one program per (sequence, query head).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
-skipped. With TANDEM_PDL_PREWAIT=1 (`pdl.prewait`; not the default: not yet measured), stage 1 reads
-the context length and asks L2 for the K/V of its positions before the newest token's cache
-block before its PDL wait, while the previous kernel (which writes the newest token) finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA graph.
+skipped. With TANDEM_PDL_PREWAIT=1 (`pdl.prewait`; not the default: not yet measured), stage 1
+reads the context length and asks L2 for the K/V of its positions before the newest token's
+cache block before its PDL wait, while the previous kernel (which writes the newest token)
+finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA
+graph.
 """
 
 from __future__ import annotations

@@ -917,7 +917,7 @@ def _tiles_of(w: QuantizedWeight, block_n: int) -> GemvTiles | None:
     tiles = getattr(w, "_gemv_tiles", None)
     if tiles is None or tiles.block_n != block_n:
         tiles = tile_major(w, block_n)
-        object.__setattr__(w, "_gemv_tiles", tiles)
+        w._gemv_tiles = tiles
     return tiles
 
 
@@ -1253,12 +1253,17 @@ class _SplitLaunch:
     split: int  # programs along K (each with >= 1 group)
     blocks: int  # column blocks
 
-    def args(self, x: torch.Tensor, w: QuantizedWeight) -> tuple:
-        """The kernels' leading positional arguments, x to the output's row stride."""
+    def args(self, x: torch.Tensor, w: QuantizedWeight, tiles: GemvTiles | None = None) -> tuple:
+        """The kernels' leading positional arguments, x to the output's row stride; with
+        `tiles`, w's codes, scales and zero points from those (rows one tile wide)."""
         m, k = x.shape
-        return (x, w.qweight, w.scales, w.mins, self.out, self.ws, self.counters, m,
-                w.out_features, k, self.groups, self.per_split, self.split, x.stride(0),
-                w.qweight.stride(1), w.scales.stride(1), self.out.stride(0))  # fmt: skip
+        codes, scales, mins = (w.qweight, w.scales, w.mins) if tiles is None else (
+            tiles.codes, tiles.scales, tiles.mins)  # fmt: skip
+        rows = (w.qweight.stride(1), w.scales.stride(1)) if tiles is None else (
+            tiles.block_n, tiles.block_n)  # fmt: skip
+        return (x, codes, scales, mins, self.out, self.ws, self.counters, m, w.out_features, k,
+                self.groups, self.per_split, self.split, x.stride(0), *rows,
+                self.out.stride(0))  # fmt: skip
 
 
 def _split_launch(
@@ -1346,7 +1351,6 @@ def launch_gemv_h2(
                 raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
             if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
                 x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
-    args = sl.args(x, w)
     tiled = {}
     if tiles is not None:
         kw, g = w.qweight.shape[1], w.scales.shape[1]
@@ -1356,12 +1360,9 @@ def launch_gemv_h2(
                 f"GemvTiles of shape {tuple(tiles.codes.shape)} do not fit this weight at "
                 f"block_n {config.block_n} (want {want})"
             )
-        # codes, scales, zero points and their row strides: one tile's width
-        args = (args[0], tiles.codes, tiles.scales, tiles.mins, *args[4:14], config.block_n,
-                config.block_n, args[16])  # fmt: skip
         tiled = {"TILED": True, "stride_qb": kw * config.block_n, "stride_sb": g * config.block_n}
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
-        *args,
+        *sl.args(x, w, tiles),
         xs,
         XPREP=xq is not None,
         GROUP=w.group_size,

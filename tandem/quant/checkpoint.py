@@ -98,6 +98,12 @@ def save_quantized(
     tokenizer.hf.save_pretrained(out_dir)
 
 
+def info_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's quantization.json without what `save_quantized` adds itself (format,
+    version, the per-layer table): the `info` that wrote it, to tune it further and save again."""
+    return {k: v for k, v in meta.items() if k not in ("format", "version", "layers")}
+
+
 def read_quantization(path: str) -> dict[str, Any] | None:
     """The parsed quantization.json of a model directory, or None when it has none."""
     fp = os.path.join(path, QUANT_FILE)

@@ -541,7 +541,7 @@ def _tune_again(args: argparse.Namespace, loaded):
     import torch
 
     from tandem.model.loader import load_model
-    from tandem.quant.checkpoint import read_quantization
+    from tandem.quant.checkpoint import info_of, read_quantization
 
     if not args.e2e_steps:
         raise ValueError("--from tunes a checkpoint again: give --e2e-steps N (> 0)")
@@ -554,13 +554,12 @@ def _tune_again(args: argparse.Namespace, loaded):
     if dataclasses.replace(base.config, name=loaded.config.name) != loaded.config:
         model = args.model or "the default model"
         raise ValueError(f"--from {args.start_from}: its model config differs from {model}'s")
-    dev = loaded.weights["model.embed_tokens.weight"].device
-    weights = {k: v.to(dev) for k, v in base.weights.items()}
-    info = {k: v for k, v in meta.items() if k not in ("format", "version", "layers")}
+    if args.device != "cpu":
+        on_device(base, args.device)
     return tune_end_to_end(
         loaded,
-        weights,
-        info,
+        base.weights,
+        info_of(meta),
         args.e2e_steps,
         lr=args.e2e_lr,
         batch=args.e2e_batch,

@@ -292,6 +292,8 @@ def test_training_codes_moves_codes_and_packs_what_it_trained(model_factory, tmp
     assert gp.c.grad is not None and gp.c.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="codes lr must be > 0"):
         e2e_tune(float_w, weights, cfg, calib, steps=1, val_seqs=2, codes=True, codes_lr=0.0)
+    with pytest.raises(ValueError, match="cuda_graph needs the weights on a CUDA device"):
+        e2e_tune(float_w, weights, cfg, calib, steps=1, val_seqs=2, cuda_graph=True)
 
 
 def test_cli_device_is_checked(model_factory, tmp_path, capsys) -> None:

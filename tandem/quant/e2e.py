@@ -55,6 +55,8 @@ from tandem.quant.autoround import decoder_layer
 from tandem.quant.format import QuantizedWeight, pack
 from tandem.quant.walk import _rms_norm
 
+_GRAPH_WARMUP_STEPS = 3  # eager steps before the training step is captured as a CUDA graph
+
 
 @dataclass
 class E2EReport:
@@ -251,6 +253,7 @@ def e2e_tune(
     codes_lr: float = 1e-3,
     cosine: bool = False,
     time_limit_s: float | None = None,
+    cuda_graph: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor | QuantizedWeight], E2EReport]:
     """`quantized` with the scales and zero points of its decoder-layer QuantizedWeights tuned to
     bring its next-token distribution to `float_weights`' on `calib`; see the module docstring.
@@ -258,7 +261,11 @@ def e2e_tune(
     `val_seqs` sequences of `calib` are held out for early stopping. `codes`: train the codes
     too, their latents at `codes_lr`. `cosine`: the learning rates decay to 0 along a half cosine
     over `steps`, or over `time_limit_s` where that ends first (else constant). `time_limit_s`: stop after the first evaluation past this many
-    seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`."""
+    seconds of tuning (the best state so far is kept). Runs on the device of `float_weights`.
+    `cuda_graph` (default: on CUDA): after a few eager warm-up steps, each training step (forward,
+    backward and the Adam update) is one CUDA graph replay: a step is ~10k small kernels, and
+    eager PyTorch spent most of a step launching them (the GPU idle). The same arithmetic, in the
+    same order."""
     check_options(steps, lr, batch, val_seqs, eval_every)
     if codes and not codes_lr > 0:
         raise ValueError(f"e2e codes lr must be > 0, got {codes_lr!r}")
@@ -271,6 +278,9 @@ def e2e_tune(
     t_start = time.monotonic()
     teacher = {k: v.float() for k, v in float_weights.items() if isinstance(v, torch.Tensor)}
     dev = teacher["model.embed_tokens.weight"].device
+    graphed = dev.type == "cuda" if cuda_graph is None else cuda_graph
+    if graphed and dev.type != "cuda":
+        raise ValueError(f"e2e cuda_graph needs the weights on a CUDA device, they are on {dev}")
     calib = calib.to(dev)
     train, val = calib[: s - val_seqs], calib[s - val_seqs :]
     fixed = {}
@@ -282,11 +292,15 @@ def e2e_tune(
             fixed[k] = v.dequantize(torch.float32).to(dev)
         else:
             fixed[k] = v.float().to(dev)
-    groups = [{"params": [t for gp in params.values() for t in gp.grid_params()], "lr": lr}]
+    base_lrs = [lr] + ([codes_lr] if codes else [])
+    # Captured in a graph, Adam keeps its step count on the device and reads its learning rate
+    # from a tensor, which the schedule then sets in place.
+    groups = [{"params": [t for gp in params.values() for t in gp.grid_params()]}]
     if codes:
-        groups.append({"params": [gp.c for gp in params.values()], "lr": codes_lr})
-    opt = torch.optim.Adam(groups)
-    base_lrs = [g["lr"] for g in opt.param_groups]
+        groups.append({"params": [gp.c for gp in params.values()]})
+    for g, lr0 in zip(groups, base_lrs, strict=True):
+        g["lr"] = torch.tensor(lr0, device=dev) if graphed else lr0
+    opt = torch.optim.Adam(groups, capturable=graphed)
 
     def decay(step: int, elapsed: float) -> None:
         """Cosine decay to 0 at `steps`, or at the time limit if that comes first (so a run
@@ -296,7 +310,10 @@ def e2e_tune(
             done = max(done, elapsed / time_limit_s) if time_limit_s > 0 else 1.0
         f = 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
         for g, lr0 in zip(opt.param_groups, base_lrs, strict=True):
-            g["lr"] = lr0 * f
+            if graphed:
+                g["lr"].fill_(lr0 * f)
+            else:
+                g["lr"] = lr0 * f
         report.lr_factor = f
 
     cs = cos_sin_table(cfg, n, dev)
@@ -334,6 +351,48 @@ def e2e_tune(
     def state() -> list[torch.Tensor]:
         return [t.detach().clone() for gp in params.values() for t in gp.params()]
 
+    def loss_of(ids: torch.Tensor) -> torch.Tensor:
+        return kl(student_logits(ids), teacher_logp(ids))
+
+    def update(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+
+    graph = static_ids = static_loss = side = None
+    if graphed:
+        static_ids = torch.empty((batch, n), dtype=calib.dtype, device=dev)
+        side = torch.cuda.Stream(dev)
+
+    def train_step(step: int, ids: torch.Tensor) -> torch.Tensor:
+        """Step `step` (from 1) on `ids`; its loss (a device tensor, not synchronised)."""
+        nonlocal graph, static_loss
+        if not graphed:
+            loss = loss_of(ids)
+            opt.zero_grad(set_to_none=True)
+            update(loss)
+            return loss
+        static_ids.copy_(ids)
+        if step <= _GRAPH_WARMUP_STEPS:
+            # Eager on a side stream first (as torch.cuda.graphs asks): lazy initialisation of
+            # cuBLAS, autograd and Adam's state must not happen inside the capture.
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                loss = loss_of(static_ids)
+                opt.zero_grad(set_to_none=True)
+                update(loss)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return loss
+        if graph is None:
+            # Gradients start from None in the capture, so the replayed backward writes them
+            # (never accumulates); a capture runs nothing, so the replay below is this step.
+            graph = torch.cuda.CUDAGraph()
+            opt.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                static_loss = loss_of(static_ids)
+                update(static_loss)
+        graph.replay()
+        return static_loss
+
     report = E2EReport(train_seqs=len(train), val_seqs=len(val))
     report.start_kl = report.best_kl = val_kl()
     report.history.append((0, report.start_kl))
@@ -348,10 +407,9 @@ def e2e_tune(
             order, pos = torch.randperm(len(train), generator=gen), 0
         ids = train[order[pos : pos + batch]]
         pos += batch
-        loss = kl(student_logits(ids), teacher_logp(ids))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss = train_step(step, ids)
+        if graphed:
+            torch.cuda.current_stream(dev).synchronize()  # the clock below counts finished steps
         elapsed = time.monotonic() - t_start
         if cosine:
             decay(step, elapsed)

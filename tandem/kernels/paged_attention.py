@@ -197,6 +197,7 @@ def _decode_partition_kernel(
     KV_SCALED: tl.constexpr,  # FP8 / INT8 codes times per-(block, head) scales
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
+    PREFETCH_LINES: tl.constexpr = 1,  # 128-byte lines per K/V row (a power of 2), for PREWAIT
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -212,8 +213,7 @@ def _decode_partition_kernel(
         _prefetch_partition(
             k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
             block_tables_ptr + seq * stride_btb, stride_btn, part * PARTITION_SIZE, context_len,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE,
-            HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 1024,
+            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE, PREFETCH_LINES,
         )  # fmt: skip
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -554,6 +554,8 @@ def paged_attention_decode_triton(
         DOT_FP32=dot_fp32,
         KV_SCALED=scaled,
         PREWAIT=pdl.prewait(q),
+        # A row shorter than a line (FP8 at head dim 64: 64 bytes) is still one line to fetch.
+        PREFETCH_LINES=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
         num_warps=4,
         **pdl.launch_options(q),
     )

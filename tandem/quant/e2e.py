@@ -370,7 +370,7 @@ def e2e_tune(
             loss = loss_of(ids)
             opt.zero_grad(set_to_none=True)
             update(loss)
-            return loss
+            return loss.detach()  # (the step's autograd graph is not kept alive into the next)
         static_ids.copy_(ids)
         if step <= _GRAPH_WARMUP_STEPS:
             # Eager on a side stream first (as torch.cuda.graphs asks): lazy initialisation of
@@ -381,7 +381,7 @@ def e2e_tune(
                 opt.zero_grad(set_to_none=True)
                 update(loss)
             torch.cuda.current_stream(dev).wait_stream(side)
-            return loss
+            return loss.detach()
         if graph is None:
             # Gradients start from None in the capture, so the replayed backward writes them
             # (never accumulates); a capture runs nothing, so the replay below is this step.
@@ -390,6 +390,7 @@ def e2e_tune(
             with torch.cuda.graph(graph):
                 static_loss = loss_of(static_ids)
                 update(static_loss)
+            static_loss = static_loss.detach()
         graph.replay()
         return static_loss
 

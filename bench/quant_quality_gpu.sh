@@ -15,7 +15,8 @@
 # $BASE_DIR (default build/qbase/awq-autoround-gen, kept if it is there already) and reused by every
 # run (`--checkpoint`). Each run then distills from the float model end to end on the calibration
 # file plus $E2E_GENERATED sequences sampled from it (16 held out for early stopping), batch 8,
-# cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS, whichever ends first;
+# cosine learning-rate decay over $E2E_STEPS steps or $E2E_MAX_SECONDS, whichever ends first
+# (defaults 100000 and 230 s: the clock);
 # matrix products in TF32 unless E2E_TF32=0. The decode pass scores $DECODE_WINDOWS windows (the
 # CPU table's 8 are the first 8 of them; each row also reports its ratio over those), $EVAL_BATCH
 # windows at a time (one token per forward made a 16-window decode pass take ~43 s a row on the
@@ -34,9 +35,9 @@ if [ ! -f "$base/quantization.json" ]; then
   echo "base: written in $(( $(date +%s) - t0 ))s"
 fi
 tf32=(); [ "${E2E_TF32:-1}" = 1 ] && tf32=(--e2e-tf32)
-common=(--device cuda --eval-file "$eval_file" --e2e-steps "${E2E_STEPS:-3000}" --e2e-batch 8
-        --e2e-generated "${E2E_GENERATED:-2048}" --e2e-val-seqs 16 --e2e-eval-every 100
-        --e2e-lr 3e-4 --e2e-cosine --e2e-max-seconds "${E2E_MAX_SECONDS:-300}" "${tf32[@]}"
+common=(--device cuda --eval-file "$eval_file" --e2e-steps "${E2E_STEPS:-100000}" --e2e-batch 8
+        --e2e-generated "${E2E_GENERATED:-6144}" --e2e-val-seqs 16 --e2e-eval-every 100
+        --e2e-lr 3e-4 --e2e-cosine --e2e-max-seconds "${E2E_MAX_SECONDS:-230}" "${tf32[@]}"
         --decode-windows "${DECODE_WINDOWS:-32}" --eval-batch "${EVAL_BATCH:-16}"
         --checkpoint "awq-autoround-gen=$base")
 run() {
@@ -50,9 +51,12 @@ run() {
 # their latents at learning rate LR) and qat2_LR (QAT again, a fresh schedule, from the QAT
 # checkpoint in $QAT_FROM, e.g. build/qat/qat_1e-2/awq-autoround-gen-qat of an earlier call: a
 # call is at most 10 minutes, and in session 10 the held-out KL was still falling at its end).
-# Default qat_1e-2 alone: on 2026-12-01 2e-2 diverged (held-out KL 0.105 -> 0.25) and one run
-# alone made 1174 steps in 330 s where two side by side made 856 each in 270 s.
-for name in ${RUNS:-qat_1e-2}; do
+# Default qat_5e-3 alone (session 11, 2026-12-02: 1.0409 / 1.0436 on the eval text): with each
+# training step one CUDA graph replay, one run makes ~16 steps/s, so 230 s is ~3700 steps, ~5
+# passes over 6144 sampled sequences. At 1e-2 for that many steps (and 2048 sequences) the
+# held-out KL rose after step 300 (run 1 of quant_quality_h200_qat_session11.json); on
+# 2026-12-01, eager steps, 2e-2 diverged (held-out KL 0.105 -> 0.25).
+for name in ${RUNS:-qat_5e-3}; do
   case $name in
     e2e_scales) run "$name" --methods awq-autoround-gen,awq-autoround-gen-e2e & ;;
     qat_*) run "$name" --methods awq-autoround-gen,awq-autoround-gen-qat \

@@ -75,8 +75,7 @@ def main() -> int:
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
             # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
-            # (GemvH2Config.addr, 0 or 1; default: its own), maxnreg (0: ptxas's choice) and
-            # tiled (1: codes, scales and zero points tile-major, `wk.tile_major`, made untimed)
+            # (GemvH2Config.addr, 0 or 1; default: its own) and maxnreg (0: ptxas's choice)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
             opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
@@ -90,13 +89,9 @@ def main() -> int:
                 else wk.GemvH2Config.maxnreg,
             )
             xq_of_x = wk.gemv_x_ref(x, 128) if spec.startswith("h2x:") else None
-            tiles = {}
-            if int(opts.get("tiled", 0)):  # one tile set per weight copy, keyed by its codes
-                tiles = {c.qweight.data_ptr(): wk.tile_major(c, bn) for c in ws}
 
-            def launch(x, w, cfg, xq=xq_of_x, tiles=tiles):
-                # x as its producer writes it (GemvX, h2x:), made untimed
-                return wk.launch_gemv_h2(x, w, cfg, xq, tiles.get(w.qweight.data_ptr()))
+            def launch(x, w, cfg, xq=xq_of_x):  # x as its producer writes it (GemvX, h2x:)
+                return wk.launch_gemv_h2(x, w, cfg, xq)
 
         elif spec.startswith("gemm:"):  # tl.dot kernel: gemm:bm,bn,bk,split_k,num_warps,stages
             cfg = wk.GemmConfig(*(int(v) for v in spec[5:].split(",")))

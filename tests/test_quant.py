@@ -522,27 +522,6 @@ def test_packed_half_gemv_addressing_is_bit_equal() -> None:
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_packed_half_gemv_tile_major_is_bit_equal() -> None:
-    """Codes, scales and zero points stored tile-major (`tile_major`) change only where they
-    are read from: outputs equal the N-major kernel's bit for bit, with a partial last column
-    block (padded tiles), uneven splits, x or its GemvX form, both addressings; a tile set of
-    another block width is refused by name."""
-    g = torch.Generator().manual_seed(11)
-    for n, k, group, block_n, split in ((40, 384, 64, 16, 4), (64, 512, 128, 32, 3)):
-        qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
-        tiles = wk.tile_major(qw, block_n)
-        assert tiles.codes.shape == (-(-n // block_n), qw.qweight.shape[1], block_n)
-        x = torch.randn(1, k, generator=g).to(torch.bfloat16).float()
-        for addr in (False, True):
-            cfg = wk.GemvH2Config(block_n=block_n, split_k=split, addr=addr)
-            for xq in (None, wk.gemv_x_ref(x, group)):
-                want, _ = wk.launch_gemv_h2(x, qw, cfg, xq)
-                got, _ = wk.launch_gemv_h2(x, qw, cfg, xq, tiles)
-                torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="GemvTiles of shape"):
-        wk.launch_gemv_h2(x, qw, wk.GemvH2Config(block_n=16), None, tiles)
-
-
 def test_packed_half_gemv_refuses_partial_groups() -> None:
     qw = wk.n_major(quantize_rtn(torch.randn(32, 200), 4, 64))  # K = 200: the last group partial
     x = torch.randn(1, 200)

@@ -490,9 +490,6 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
-    TILED: tl.constexpr = False,  # codes, scales, zero points tile-major (`GemvTiles`)
-    stride_qb=0,  # TILED: words between column blocks of the codes
-    stride_sb=0,  # TILED: entries between column blocks of the scales and zero points
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -515,14 +512,6 @@ def _gemv_h2_kernel(
     written it in that form (`GemvX`, `store_gemv_x`) and the loop reads four words per word.
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
-    if TILED:
-        # A column block's codes (scales, zero points) are one contiguous tile: moving the bases
-        # by the block's place lets the N-major addressing below (offs_n, row strides of one
-        # block's width) find them unchanged.
-        shift = tl.program_id(0).to(tl.int64)
-        qw_ptr += shift * (stride_qb - BLOCK_N)
-        s_ptr += shift * (stride_sb - BLOCK_N)
-        mn_ptr += shift * (stride_sb - BLOCK_N)
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
         _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
     )
@@ -881,46 +870,6 @@ class GemvH2Config:
     maxnreg: int | None = None
 
 
-@dataclass
-class GemvTiles:
-    """An INT4 N-major weight's codes, scales and zero points stored tile-major for
-    `_gemv_h2_kernel` (`tile_major`): column block b (`block_n` output rows) holds its codes as
-    one contiguous [KW, block_n] tile, `codes[b]`, and its scales and zero points as [G, block_n]
-    tiles, so a program's groups are one contiguous run of memory rather than block_n-wide
-    pieces of rows N words apart. The last block is padded with zeros past N."""
-
-    codes: torch.Tensor  # int32 [blocks, KW, block_n]
-    scales: torch.Tensor  # fp16 [blocks, G, block_n]
-    mins: torch.Tensor  # fp16 [blocks, G, block_n]
-    block_n: int
-
-
-def tile_major(w: QuantizedWeight, block_n: int = 32) -> GemvTiles:
-    """`w`'s codes, scales and zero points as `GemvTiles` of `block_n` output rows."""
-    n = w.out_features
-    blocks = triton.cdiv(n, block_n)
-
-    def tiles(a: torch.Tensor) -> torch.Tensor:  # [N, C] -> [blocks, C, block_n]
-        pad = torch.zeros((blocks * block_n, a.shape[1]), dtype=a.dtype, device=a.device)
-        pad[:n] = a
-        return pad.view(blocks, block_n, a.shape[1]).transpose(1, 2).contiguous()
-
-    return GemvTiles(tiles(w.qweight), tiles(w.scales), tiles(w.mins), block_n)
-
-
-def _tiles_of(w: QuantizedWeight, block_n: int) -> GemvTiles | None:
-    """With TANDEM_GEMV_TILED=1 (a measurement switch, not the default: it keeps a second,
-    tile-major copy of every INT4 weight the M = 1 GEMV reads, made at its first call), that
-    copy; else None."""
-    if os.environ.get("TANDEM_GEMV_TILED", "0") != "1" or not w.qweight.is_cuda:
-        return None
-    tiles = getattr(w, "_gemv_tiles", None)
-    if tiles is None or tiles.block_n != block_n:
-        tiles = tile_major(w, block_n)
-        w._gemv_tiles = tiles
-    return tiles
-
-
 @dataclass(frozen=True)
 class GemvTCConfig:
     """`_gemv_tc_kernel`: INT4, N-major codes, tensor cores, `block_m` rows of x per program."""
@@ -1166,7 +1115,7 @@ def w4a16_matmul_triton(
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config, xq, _tiles_of(w, config.block_n))[0]
+        return launch_gemv_h2(x, w, config, xq)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1253,17 +1202,12 @@ class _SplitLaunch:
     split: int  # programs along K (each with >= 1 group)
     blocks: int  # column blocks
 
-    def args(self, x: torch.Tensor, w: QuantizedWeight, tiles: GemvTiles | None = None) -> tuple:
-        """The kernels' leading positional arguments, x to the output's row stride; with
-        `tiles`, w's codes, scales and zero points from those (rows one tile wide)."""
+    def args(self, x: torch.Tensor, w: QuantizedWeight) -> tuple:
+        """The kernels' leading positional arguments, x to the output's row stride."""
         m, k = x.shape
-        codes, scales, mins = (w.qweight, w.scales, w.mins) if tiles is None else (
-            tiles.codes, tiles.scales, tiles.mins)  # fmt: skip
-        rows = (w.qweight.stride(1), w.scales.stride(1)) if tiles is None else (
-            tiles.block_n, tiles.block_n)  # fmt: skip
-        return (x, codes, scales, mins, self.out, self.ws, self.counters, m, w.out_features, k,
-                self.groups, self.per_split, self.split, x.stride(0), *rows,
-                self.out.stride(0))  # fmt: skip
+        return (x, w.qweight, w.scales, w.mins, self.out, self.ws, self.counters, m,
+                w.out_features, k, self.groups, self.per_split, self.split, x.stride(0),
+                w.qweight.stride(1), w.scales.stride(1), self.out.stride(0))  # fmt: skip
 
 
 def _split_launch(
@@ -1316,15 +1260,10 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
 
 
 def launch_gemv_h2(
-    x: torch.Tensor,
-    w: QuantizedWeight,
-    config: GemvH2Config,
-    xq: GemvX | None = None,
-    tiles: GemvTiles | None = None,
+    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
-    from its producer) the kernel reads that instead of x; with `tiles` (`tile_major(w,
-    config.block_n)`) it reads w's codes, scales and zero points from those."""
+    from its producer) the kernel reads that instead of x."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
@@ -1351,18 +1290,8 @@ def launch_gemv_h2(
                 raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
             if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
                 x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
-    tiled = {}
-    if tiles is not None:
-        kw, g = w.qweight.shape[1], w.scales.shape[1]
-        want = (sl.blocks, kw, config.block_n)
-        if tiles.block_n != config.block_n or tuple(tiles.codes.shape) != want:
-            raise ValueError(
-                f"GemvTiles of shape {tuple(tiles.codes.shape)} do not fit this weight at "
-                f"block_n {config.block_n} (want {want})"
-            )
-        tiled = {"TILED": True, "stride_qb": kw * config.block_n, "stride_sb": g * config.block_n}
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
-        *sl.args(x, w, tiles),
+        *sl.args(x, w),
         xs,
         XPREP=xq is not None,
         GROUP=w.group_size,
@@ -1372,7 +1301,6 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
-        **tiled,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -159,37 +159,6 @@ def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
         assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
-@pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
-def test_packed_half_gemv_tile_major_on_cuda(wk, n, k, split) -> None:
-    """Tile-major codes, scales and zero points (`tile_major`) on the GPU: bit-equal to N-major,
-    reading x and its GemvX form, both addressings; (3000, 1152, 3): a padded last tile and a
-    split that does not divide the 9 groups."""
-    qw = wk.n_major(_weight(n, k, 4, 128, seed=n + 3 * split))
-    tiles = wk.tile_major(qw, 32)
-    x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
-    for addr in (False, True):
-        cfg = wk.GemvH2Config(block_n=32, split_k=split, addr=addr)
-        for xq in (None, wk.gemv_x_ref(x, 128)):
-            want, _ = wk.launch_gemv_h2(x, qw, cfg, xq)
-            assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
-            got, _ = wk.launch_gemv_h2(x, qw, cfg, xq, tiles)
-            assert torch.equal(got, want), (addr, xq is not None)
-
-
-def test_tiled_switch_on_cuda(wk, monkeypatch) -> None:
-    """TANDEM_GEMV_TILED=1: the M = 1 packed-fp16 GEMV reads a tile-major copy made at its
-    first call (kept on the weight), with the same output bit for bit."""
-    qw = wk.n_major(_weight(6144, 4096, 4, 128, seed=5))
-    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
-    xq = wk.gemv_x_ref(x, 128)
-    want, want_x = wk.w4a16_matmul_triton(x, qw), wk.w4a16_matmul_triton(x, qw, xq=xq)
-    assert not hasattr(qw, "_gemv_tiles")
-    monkeypatch.setenv("TANDEM_GEMV_TILED", "1")
-    assert torch.equal(wk.w4a16_matmul_triton(x, qw), want)
-    assert qw._gemv_tiles.codes.shape == (6144 // 32, 512, 32)
-    assert torch.equal(wk.w4a16_matmul_triton(x, qw, xq=xq), want_x)
-
-
 def test_gemv_x_from_producers_on_cuda(wk) -> None:
     """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
     the torch reference of that form, and the GEMV reading it within one bf16 rounding of the

@@ -253,6 +253,67 @@ def _finish_row(
 
 
 @triton.jit
+def _norm_epilogue(
+    y,  # [BLOCK_N] float32: the output columns' sums over all of K
+    out,  # [BLOCK_N] pointers into the output row (not written with RES_OUT)
+    n_mask,
+    scale,  # NORM_IN: rsqrt(mean square + eps) of the row x came from
+    r,  # RES_OUT: [BLOCK_N] float32 residual, loaded
+    r_ptrs,  # RES_OUT: its pointers (the sum is written back there)
+    g,  # RES_OUT: [BLOCK_N] float32 weight of the RMSNorm after the sum
+    xw_ptrs,  # RES_OUT: [BLOCK_N] pointers into the next GEMV's x (sum times g)
+    ssq_ptr,  # RES_OUT: this column block's sum of squares of the sum
+    NORM_IN: tl.constexpr,
+    RES_OUT: tl.constexpr,
+):
+    """What a GEMV with an RMSNorm folded in stores (`NormIn`, `ResOut`). NORM_IN: x was the
+    normalised row before its 1 / rms, so the sums are scaled by it here. RES_OUT: the output
+    (rounded to its dtype) is added to the residual as the unfused residual add + RMSNorm does,
+    and what RMSNorm would then read is written instead of the output: the new residual, it
+    times the norm weight (the next GEMV's x, NORM_IN there) and the column block's part of its
+    sum of squares (the next GEMV adds the parts up, in order)."""
+    if NORM_IN:
+        y = y * scale
+    y = y.to(out.dtype.element_ty)
+    if RES_OUT:
+        sm = (y.to(tl.float32) + r).to(r_ptrs.dtype.element_ty)
+        tl.store(r_ptrs, sm, mask=n_mask)
+        sf = tl.where(n_mask, sm.to(tl.float32), 0.0)
+        tl.store(ssq_ptr, tl.sum(sf * sf, axis=0))
+        tl.store(xw_ptrs, (sf * g).to(xw_ptrs.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(out, y, mask=n_mask)
+
+
+@triton.jit
+def _finish_row_norm(
+    acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT, scale, r, r_ptrs, g,
+    xw_ptrs, ssq_ptr, REDUCE: tl.constexpr, SPLIT_P2: tl.constexpr, NORM_IN: tl.constexpr,
+    RES_OUT: tl.constexpr,
+):  # fmt: skip
+    """`_finish_row` with `_norm_epilogue` in place of the store."""
+    if REDUCE:
+        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+        tl.store(ws, acc, mask=n_mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            sk = tl.arange(0, SPLIT_P2)
+            parts = tl.load(
+                ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+                mask=(sk < SPLIT)[:, None] & n_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            _norm_epilogue(tl.sum(parts, axis=0), out, n_mask, scale, r, r_ptrs, g, xw_ptrs,
+                           ssq_ptr, NORM_IN, RES_OUT)  # fmt: skip
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    else:
+        _norm_epilogue(acc, out, n_mask, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, NORM_IN, RES_OUT)
+
+
+@triton.jit
 def _gemv_nmajor_kernel(
     x_ptr,  # [M, K] activations
     qw_ptr,  # packed codes, word w of row n at qw_ptr + w * stride_qw + n (N-major storage)
@@ -490,6 +551,17 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
+    NORM_IN: tl.constexpr = False,  # x is an RMSNorm's output before its 1 / rms (`NormIn`)
+    RES_OUT: tl.constexpr = False,  # residual add + the next RMSNorm's inputs out (`ResOut`)
+    ssq_in_ptr=0,  # NORM_IN: float32 [M, ssq_count] parts of each row's sum of squares
+    ssq_count=1,
+    inv_k=1.0,  # NORM_IN: 1 / the normalised row's length
+    eps=0.0,
+    res_ptr=0,  # RES_OUT: [M, N] residual, updated in place
+    g_ptr=0,  # RES_OUT: [N] weight of the next RMSNorm
+    xw_ptr=0,  # RES_OUT: [M, N] the next GEMV's x
+    ssq_out_ptr=0,  # RES_OUT: float32 [M, column blocks] parts of the new residual's squares
+    SSQ_P2: tl.constexpr = 1,  # NORM_IN: ssq_count padded to a power of 2
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -523,8 +595,22 @@ def _gemv_h2_kernel(
         q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
     else:
         q_next = q_first
+    if RES_OUT:  # a weight: no kernel writes it
+        g_norm = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
+    # NORM_IN / RES_OUT read what earlier kernels wrote, so after the wait; they are used only
+    # at the end, so their loads overlap the loop.
+    scale = 1.0
+    if NORM_IN:
+        pc = tl.arange(0, SSQ_P2)
+        ssq = tl.load(ssq_in_ptr + m.to(tl.int64) * ssq_count + pc, mask=pc < ssq_count, other=0.0)
+        scale = tl.rsqrt(tl.sum(ssq, axis=0) * inv_k + eps)
+    if RES_OUT:
+        r_ptrs = res_ptr + m.to(tl.int64) * N + offs_n
+        r = tl.load(r_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        xw_ptrs = xw_ptr + m.to(tl.int64) * N + offs_n
+        ssq_out = ssq_out_ptr + m * tl.num_programs(0) + pid_n
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
@@ -586,8 +672,17 @@ def _gemv_h2_kernel(
             total = tl.sum(lo + hi, axis=0)
         acc += s * (total * unscale) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                REDUCE, SPLIT_P2, EVEN)  # fmt: skip
+    if RES_OUT:
+        _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                         scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, REDUCE, SPLIT_P2, NORM_IN,
+                         RES_OUT)  # fmt: skip
+    elif NORM_IN:
+        _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                         scale, 0.0, out, 0.0, out, out, REDUCE, SPLIT_P2, NORM_IN,
+                         RES_OUT)  # fmt: skip
+    else:
+        _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                    REDUCE, SPLIT_P2, EVEN)  # fmt: skip
 
 
 @triton.jit
@@ -1260,13 +1355,39 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
 
 
 def launch_gemv_h2(
-    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    config: GemvH2Config,
+    xq: GemvX | None = None,
+    norm_in: NormIn | None = None,
+    res_out: ResOut | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
-    from its producer) the kernel reads that instead of x."""
+    from its producer) the kernel reads that instead of x. `norm_in` / `res_out`: an RMSNorm
+    folded in before / after (see `gemv_normed`, `gemv_add_residual`); with `res_out` the
+    output is its x (the output itself is not written)."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
+    fused = {}
+    if norm_in is not None:
+        if xq is not None:
+            raise ValueError("NormIn reads x as it is: no GemvX with it")
+        parts = norm_in.ssq.shape[1]
+        if norm_in.ssq.shape[0] != m or norm_in.ssq.dtype != torch.float32:
+            raise ValueError(f"NormIn.ssq must be float32 [{m}, parts], got {norm_in.ssq.shape}")
+        fused.update(NORM_IN=True, ssq_in_ptr=norm_in.ssq.contiguous(), ssq_count=parts,
+                     inv_k=1.0 / k, eps=float(norm_in.eps), SSQ_P2=triton.next_power_of_2(parts))  # fmt: skip
+    if res_out is not None:
+        r, g = res_out.residual, res_out.weight
+        if r.shape != (m, n) or not r.is_contiguous() or g.shape != (n,):
+            raise ValueError(
+                f"ResOut: residual must be a contiguous [{m}, {n}] and its norm weight [{n}], got "
+                f"{tuple(r.shape)} and {tuple(g.shape)}"
+            )
+        res_out.x = torch.empty((m, n), dtype=r.dtype, device=x.device)
+        res_out.ssq = torch.empty((m, sl.blocks), dtype=torch.float32, device=x.device)
+        fused.update(RES_OUT=True, res_ptr=r, g_ptr=g, xw_ptr=res_out.x, ssq_out_ptr=res_out.ssq)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1301,6 +1422,7 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
+        **fused,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
@@ -1329,6 +1451,68 @@ def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
         **pdl.launch_options(x),
     )
     return sl.out, kernel
+
+
+@dataclass
+class NormIn:
+    """x of an M = 1 GEMV is an RMSNorm's output before its 1 / rms (residual times the norm
+    weight), as the GEMV before it wrote it (`gemv_add_residual`); `ssq` [M, parts] (float32),
+    the parts of the residual's sum of squares that GEMV wrote."""
+
+    ssq: torch.Tensor
+    eps: float
+
+
+@dataclass
+class ResOut:
+    """An M = 1 GEMV's output added to `residual` ([M, N], updated in place) as the residual
+    add before an RMSNorm of weight `weight` [N]; the launch fills in `x` (the new residual
+    times the weight, the next GEMV's x) and `ssq` ([M, column blocks] float32 parts of the new
+    residual's sum of squares)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    x: torch.Tensor | None = None
+    ssq: torch.Tensor | None = None
+
+
+def norm_foldable(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device) -> bool:
+    """Whether a one-row product with `w` can have an RMSNorm folded into it (`gemv_normed`,
+    `gemv_add_residual`): the packed-fp16 GEMV serves it."""
+    if not isinstance(w, QuantizedWeight) or w.qweight.device.type != torch.device(device).type:
+        return False
+    k = w.in_features
+    return isinstance(default_config(1, w.out_features, k, torch.device(device), w, x_dtype),
+                      GemvH2Config)  # fmt: skip
+
+
+def _h2_config(x: torch.Tensor, w: QuantizedWeight, what: str) -> GemvH2Config:
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != w.in_features or x.stride(1) != 1:
+        raise ValueError(f"{what}: x must be one contiguous row of {w.in_features}, got {x.shape}")
+    config = default_config(1, w.out_features, w.in_features, x.device, w, x.dtype)
+    if not isinstance(config, GemvH2Config):
+        raise ValueError(f"{what} needs the packed-fp16 GEMV (see norm_foldable)")
+    return config
+
+
+def gemv_normed(x: torch.Tensor, w: QuantizedWeight, norm_in: NormIn) -> torch.Tensor:
+    """RMSNorm(residual) @ W^T for one row, from x = residual * norm weight (`ResOut.x`) and the
+    parts of residual's sum of squares: the GEMV scales its sums by 1 / rms at the end."""
+    return launch_gemv_h2(x, w, _h2_config(x, w, "gemv_normed"), None, norm_in)[0]
+
+
+def gemv_add_residual(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    res_out: ResOut,
+    xq: GemvX | None = None,
+    norm_in: NormIn | None = None,
+) -> ResOut:
+    """residual += x @ W^T for one row (rounded as the unfused residual add), writing the next
+    RMSNorm's inputs (`res_out.x`, `res_out.ssq`) instead of the product; `xq`: x's GemvX form;
+    `norm_in`: x is itself a folded RMSNorm's (`gemv_normed`)."""
+    launch_gemv_h2(x, w, _h2_config(x, w, "gemv_add_residual"), xq, norm_in, res_out)
+    return res_out
 
 
 def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight, xq: GemvX | None = None) -> torch.Tensor:

@@ -22,7 +22,16 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import GemvX, gemv_x_group, n_major
+from tandem.kernels.w4a16 import (
+    GemvX,
+    NormIn,
+    ResOut,
+    gemv_add_residual,
+    gemv_normed,
+    gemv_x_group,
+    n_major,
+    norm_foldable,
+)
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -190,6 +199,19 @@ def _silu_mul(gu, consumer, one_row: bool):
     return silu_and_mul_gemv_x(gu, group)
 
 
+def _fold_norms(layers, dtype: torch.dtype, device: torch.device) -> bool:
+    """TANDEM_GEMV_NORM=1 (a measurement switch, off by default until measured on a GPU): at
+    one row, every RMSNorm after the first folded into the INT4 GEMVs around it (`ResOut`,
+    `NormIn`) when every decoder GEMV can take it."""
+    if os.environ.get("TANDEM_GEMV_NORM", "0") != "1":
+        return False
+    return all(
+        norm_foldable(w, dtype, device)
+        for lw in layers
+        for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
+    )
+
+
 class LlamaModel:
     """Weights plus the forward pass; no KV allocation, no scheduling."""
 
@@ -352,9 +374,16 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
+        fold = one_row and _fold_norms(self.layers, h.dtype, h.device)
+        folded: ResOut | None = None  # fold: the previous down GEMV's residual add
         for i, lw in enumerate(self.layers):
-            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
-            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
+            if folded is None:
+                x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
+                qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
+            else:
+                qkv = gemv_normed(folded.x, lw.qkv, NormIn(folded.ssq, eps))
+                if lw.qkv_bias is not None:
+                    qkv = qkv + lw.qkv_bias
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
             if k_scale is None:
@@ -412,6 +441,19 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
+            if fold:
+                # The residual (a fresh tensor of this forward) is updated in place.
+                ro = gemv_add_residual(
+                    attn.reshape(t, hq * d), lw.o, ResOut(residual, lw.post_norm)
+                )
+                gu = gemv_normed(ro.x, lw.gate_up, NormIn(ro.ssq, eps))
+                act, aq = _silu_mul(gu, lw.down, one_row)
+                if i + 1 < len(self.layers):
+                    nxt = ResOut(residual, self.layers[i + 1].input_norm)
+                    folded = gemv_add_residual(act, lw.down, nxt, xq=aq)
+                    continue
+                h = _cuda_linear(act, lw.down, xq=aq)
+                break
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
             x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
             act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)

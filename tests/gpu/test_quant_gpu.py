@@ -232,6 +232,75 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     assert logits["1"].argmax() == logits["0"].argmax()
 
 
+def test_decode_step_with_folded_norms_matches_unfused(monkeypatch) -> None:
+    """TANDEM_GEMV_NORM=1: every RMSNorm after the first folded into the INT4 GEMVs around it
+    (the o and down GEMVs add the residual and write the next norm's inputs, the qkv and
+    gate/up GEMVs scale by 1 / rms). The logits against the unfused step, the folded GEMVs
+    counted, and the step in a CUDA graph equal to it eager."""
+    from tandem.kv.cache import KVCache
+    from tandem.model import llama
+    from tandem.model.config import ModelConfig
+    from tandem.model.synthetic import random_llama_weights
+    from tandem.quant.recipe import LayerSpec, linear_layer_names
+    from tandem.quant.weights import quantize_weights
+
+    cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=512,
+                      intermediate_size=1536, num_layers=3, num_heads=8, num_kv_heads=2,
+                      head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      eos_token_ids=[1])  # fmt: skip
+    w = random_llama_weights(cfg, DEV, torch.bfloat16, std=0.05, embed_std=1.0, norm_std=0.05)
+    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
+    model = llama.LlamaModel(cfg, quantize_weights(w, specs), torch.bfloat16, DEV, 64)
+    kv = KVCache.allocate(
+        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEV
+    )
+    kv.data.normal_()
+    meta = llama.AttentionMetadata(
+        slot_mapping=torch.tensor([20], device=DEV),
+        block_tables=torch.tensor([[0, 1]], device=DEV),
+        context_lens=torch.tensor([21], device=DEV),
+        context_lens_list=[21],
+        query_start_loc=[0, 1],
+        decode_only=True,
+    )
+    ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+    calls = {"normed": 0, "residual": 0}
+    normed, add = llama.gemv_normed, llama.gemv_add_residual
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(llama, "gemv_normed", count("normed", normed))
+    monkeypatch.setattr(llama, "gemv_add_residual", count("residual", add))
+
+    def step():
+        return model.logits(model.forward(ids, pos, kv, meta))
+
+    logits = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TANDEM_GEMV_NORM", flag)
+        with torch.inference_mode():
+            logits[flag] = step().double()
+    # 3 layers: gate/up of each and qkv of the last two scaled; o of each and down of the first
+    # two add the residual.
+    assert calls == {"normed": 5, "residual": 5}, calls
+    assert _rel_err(logits["1"], logits["0"]) < 5e-3
+    assert logits["1"].argmax() == logits["0"].argmax()
+    with torch.inference_mode():
+        step()  # warm-up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        g.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out.double(), logits["1"])
+
+
 @pytest.mark.parametrize("m", [1, 16, 100])
 @pytest.mark.parametrize("group", [32, 128])
 def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:

@@ -568,6 +568,35 @@ def test_gemv_with_rmsnorm_folded_in(split) -> None:
     assert torch.equal(ro2.residual, got)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_with_silu_folded_in(split) -> None:
+    """The gate/up GEMV storing silu(gate) * up itself (`gemv_silu`): each program's columns are
+    a block of gate's and the same of up's, so the output equals the unfused GEMV then the
+    silu_and_mul kernel bit for bit (the same sums, rounded the same way), with and without a
+    folded RMSNorm before it, split along K or not; gate/up not of whole blocks is refused."""
+    from tandem.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+
+    g = torch.Generator().manual_seed(22)
+    h, inter = 384, 208  # 208: 13 half blocks of 16
+    w_gu = wk.n_major(quantize_rtn(torch.randn(2 * inter, h, generator=g) / 10, 4, 128))
+    x = torch.randn(1, h, generator=g)
+    cfg = wk.GemvH2Config(block_n=32, split_k=split)
+    gu = wk.launch_gemv_h2(x, w_gu, cfg)[0]
+    act = wk.launch_gemv_h2(x, w_gu, cfg, silu_out=True)[0]
+    assert act.shape == (1, inter)
+    assert torch.equal(act, silu_and_mul_triton(gu))  # the unfused kernel, interpreted too
+    torch.testing.assert_close(act, silu_and_mul_ref(gu), rtol=1e-5, atol=1e-6)
+    ssq = torch.rand(1, 12, generator=g) * 30
+    norm_in = wk.NormIn(ssq, 1e-5)
+    gu_n = wk.launch_gemv_h2(x, w_gu, cfg, norm_in=norm_in)[0]
+    act_n = wk.launch_gemv_h2(x, w_gu, cfg, norm_in=norm_in, silu_out=True)[0]
+    assert torch.equal(act_n, silu_and_mul_triton(gu_n))
+    with pytest.raises(ValueError, match="silu_out needs"):
+        wk.launch_gemv_h2(
+            x, wk.n_major(quantize_rtn(torch.randn(40, h), 4, 128)), cfg, silu_out=True
+        )
+
+
 def test_folded_rmsnorm_refuses_what_it_cannot_do() -> None:
     qw = wk.n_major(quantize_rtn(torch.randn(64, 256), 4, 128))
     x = torch.randn(1, 256)

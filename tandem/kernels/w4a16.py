@@ -177,16 +177,24 @@ def _group_words(
 @triton.jit
 def _row_program(
     x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N: tl.constexpr,
-    WPG: tl.constexpr,
+    WPG: tl.constexpr, PAIRED: tl.constexpr = False, half=0,
 ):  # fmt: skip
     """A 1-row GEMV program's place (grid: column blocks, K splits, rows of x) and its first
     group's code words, loaded: (pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols,
-    g_start, g_end, w_end, q_next)."""
+    g_start, g_end, w_end, q_next). PAIRED: the columns are BLOCK_N / 2 of the first `half`
+    rows and the same ones of the second half (gate and up, for SILU_OUT)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    if PAIRED:
+        HB: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        first = pid_n * HB + j % HB
+        offs_n = tl.where(j < HB, first, half + first)
+        n_mask = first < half
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     offs_w = tl.arange(0, WPG)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     q_cols = qw_ptr + offs_n[None, :]
@@ -263,19 +271,29 @@ def _norm_epilogue(
     g,  # RES_OUT: [BLOCK_N] float32 weight of the RMSNorm after the sum
     xw_ptrs,  # RES_OUT: [BLOCK_N] pointers into the next GEMV's x (sum times g)
     ssq_ptr,  # RES_OUT: this column block's sum of squares of the sum
+    act_ptrs,  # SILU_OUT: [BLOCK_N / 2] pointers into the output silu(gate) * up
     NORM_IN: tl.constexpr,
     RES_OUT: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """What a GEMV with an RMSNorm folded in stores (`NormIn`, `ResOut`). NORM_IN: x was the
     normalised row before its 1 / rms, so the sums are scaled by it here. RES_OUT: the output
     (rounded to its dtype) is added to the residual as the unfused residual add + RMSNorm does,
     and what RMSNorm would then read is written instead of the output: the new residual, it
     times the norm weight (the next GEMV's x, NORM_IN there) and the column block's part of its
-    sum of squares (the next GEMV adds the parts up, in order)."""
+    sum of squares (the next GEMV adds the parts up, in order). SILU_OUT: the columns are gate
+    and up (`_row_program` PAIRED): silu(gate) * up is stored, rounded as the unfused
+    `silu_and_mul` rounds."""
     if NORM_IN:
         y = y * scale
     y = y.to(out.dtype.element_ty)
-    if RES_OUT:
+    if SILU_OUT:
+        gate, up = tl.split(tl.permute(tl.reshape(y.to(tl.float32), (2, BLOCK_N // 2)), (1, 0)))
+        dt = act_ptrs.dtype.element_ty
+        sg = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        tl.store(act_ptrs, (sg * up).to(dt))  # (the launcher checks I is whole column blocks)
+    elif RES_OUT:
         sm = (y.to(tl.float32) + r).to(r_ptrs.dtype.element_ty)
         tl.store(r_ptrs, sm, mask=n_mask)
         sf = tl.where(n_mask, sm.to(tl.float32), 0.0)
@@ -288,8 +306,8 @@ def _norm_epilogue(
 @triton.jit
 def _finish_row_norm(
     acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT, scale, r, r_ptrs, g,
-    xw_ptrs, ssq_ptr, REDUCE: tl.constexpr, SPLIT_P2: tl.constexpr, NORM_IN: tl.constexpr,
-    RES_OUT: tl.constexpr,
+    xw_ptrs, ssq_ptr, act_ptrs, REDUCE: tl.constexpr, SPLIT_P2: tl.constexpr,
+    NORM_IN: tl.constexpr, RES_OUT: tl.constexpr, SILU_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """`_finish_row` with `_norm_epilogue` in place of the store."""
     if REDUCE:
@@ -307,10 +325,11 @@ def _finish_row_norm(
                 cache_modifier=".cg",
             )
             _norm_epilogue(tl.sum(parts, axis=0), out, n_mask, scale, r, r_ptrs, g, xw_ptrs,
-                           ssq_ptr, NORM_IN, RES_OUT)  # fmt: skip
+                           ssq_ptr, act_ptrs, NORM_IN, RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     else:
-        _norm_epilogue(acc, out, n_mask, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, NORM_IN, RES_OUT)
+        _norm_epilogue(acc, out, n_mask, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, act_ptrs, NORM_IN,
+                       RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -562,6 +581,9 @@ def _gemv_h2_kernel(
     xw_ptr=0,  # RES_OUT: [M, N] the next GEMV's x
     ssq_out_ptr=0,  # RES_OUT: float32 [M, column blocks] parts of the new residual's squares
     SSQ_P2: tl.constexpr = 1,  # NORM_IN: ssq_count padded to a power of 2
+    SILU_OUT: tl.constexpr = False,  # silu(gate) * up out instead of [gate, up] (`gemv_silu`)
+    half=0,  # SILU_OUT: I, the rows of gate (then as many of up)
+    act_ptr=0,  # SILU_OUT: [M, I] the output
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -585,7 +607,19 @@ def _gemv_h2_kernel(
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
-        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
+        _row_program(
+            x_ptr,
+            qw_ptr,
+            N,
+            G,
+            groups_per_split,
+            stride_xm,
+            stride_qw,
+            BLOCK_N,
+            WPG,
+            SILU_OUT,
+            half,
+        )  # fmt: skip
     )
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -672,14 +706,19 @@ def _gemv_h2_kernel(
             total = tl.sum(lo + hi, axis=0)
         acc += s * (total * unscale) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    if RES_OUT:
+    act = 0
+    if SILU_OUT:
+        act = act_ptr + m.to(tl.int64) * half + pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    if RES_OUT or SILU_OUT:
+        if not RES_OUT:
+            r, r_ptrs, g_norm, xw_ptrs, ssq_out = 0.0, out, 0.0, out, out
         _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                         scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, REDUCE, SPLIT_P2, NORM_IN,
-                         RES_OUT)  # fmt: skip
+                         scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, act, REDUCE, SPLIT_P2,
+                         NORM_IN, RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
     elif NORM_IN:
         _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                         scale, 0.0, out, 0.0, out, out, REDUCE, SPLIT_P2, NORM_IN,
-                         RES_OUT)  # fmt: skip
+                         scale, 0.0, out, 0.0, out, out, act, REDUCE, SPLIT_P2, NORM_IN, RES_OUT,
+                         SILU_OUT, BLOCK_N)  # fmt: skip
     else:
         _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
                     REDUCE, SPLIT_P2, EVEN)  # fmt: skip
@@ -1361,11 +1400,13 @@ def launch_gemv_h2(
     xq: GemvX | None = None,
     norm_in: NormIn | None = None,
     res_out: ResOut | None = None,
+    silu_out: bool = False,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
     from its producer) the kernel reads that instead of x. `norm_in` / `res_out`: an RMSNorm
     folded in before / after (see `gemv_normed`, `gemv_add_residual`); with `res_out` the
-    output is its x (the output itself is not written)."""
+    output is its x (the output itself is not written). `silu_out`: w is [gate; up] and the
+    output is silu(gate) * up (`gemv_silu`)."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
@@ -1388,6 +1429,16 @@ def launch_gemv_h2(
         res_out.x = torch.empty((m, n), dtype=r.dtype, device=x.device)
         res_out.ssq = torch.empty((m, sl.blocks), dtype=torch.float32, device=x.device)
         fused.update(RES_OUT=True, res_ptr=r, g_ptr=g, xw_ptr=res_out.x, ssq_out_ptr=res_out.ssq)
+    if silu_out:
+        if res_out is not None:
+            raise ValueError("silu_out and res_out are two outputs: one at a time")
+        if n % 2 or (n // 2) % (config.block_n // 2):
+            raise ValueError(
+                f"silu_out needs [gate; up] of whole half column blocks: N {n}, block_n "
+                f"{config.block_n}"
+            )
+        act = torch.empty((m, n // 2), dtype=sl.out.dtype, device=x.device)
+        fused.update(SILU_OUT=True, half=n // 2, act_ptr=act)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1428,7 +1479,7 @@ def launch_gemv_h2(
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
         **pdl.launch_options(x),
     )
-    return sl.out, kernel
+    return (act if silu_out else sl.out), kernel
 
 
 def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
@@ -1476,14 +1527,19 @@ class ResOut:
     ssq: torch.Tensor | None = None
 
 
-def norm_foldable(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device) -> bool:
+def norm_foldable(
+    w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device, silu: bool = False
+) -> bool:
     """Whether a one-row product with `w` can have an RMSNorm folded into it (`gemv_normed`,
-    `gemv_add_residual`): the packed-fp16 GEMV serves it."""
+    `gemv_add_residual`): the packed-fp16 GEMV serves it; `silu`: and `gemv_silu` (gate and up
+    of whole half column blocks)."""
     if not isinstance(w, QuantizedWeight) or w.qweight.device.type != torch.device(device).type:
         return False
-    k = w.in_features
-    return isinstance(default_config(1, w.out_features, k, torch.device(device), w, x_dtype),
-                      GemvH2Config)  # fmt: skip
+    k, n = w.in_features, w.out_features
+    config = default_config(1, n, k, torch.device(device), w, x_dtype)
+    if not isinstance(config, GemvH2Config):
+        return False
+    return not silu or (n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0)
 
 
 def _h2_config(x: torch.Tensor, w: QuantizedWeight, what: str) -> GemvH2Config:
@@ -1499,6 +1555,20 @@ def gemv_normed(x: torch.Tensor, w: QuantizedWeight, norm_in: NormIn) -> torch.T
     """RMSNorm(residual) @ W^T for one row, from x = residual * norm weight (`ResOut.x`) and the
     parts of residual's sum of squares: the GEMV scales its sums by 1 / rms at the end."""
     return launch_gemv_h2(x, w, _h2_config(x, w, "gemv_normed"), None, norm_in)[0]
+
+
+def gemv_silu(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    norm_in: NormIn | None = None,
+    xq: GemvX | None = None,
+) -> torch.Tensor:
+    """silu(gate) * up for one row, where x @ W^T = [gate, up] (the fused gate/up projection),
+    in the GEMV: each program computes a block of gate's columns and the same ones of up, and
+    the last to arrive stores silu(gate) * up, rounded as `silu_and_mul` rounds. `norm_in`: x
+    is a folded RMSNorm's (`gemv_normed`); `xq`: x's GemvX form."""
+    config = _h2_config(x, w, "gemv_silu")
+    return launch_gemv_h2(x, w, config, xq, norm_in, silu_out=True)[0]
 
 
 def gemv_add_residual(

@@ -28,6 +28,7 @@ from tandem.kernels.w4a16 import (
     ResOut,
     gemv_add_residual,
     gemv_normed,
+    gemv_silu,
     gemv_x_group,
     n_major,
     norm_foldable,
@@ -199,17 +200,32 @@ def _silu_mul(gu, consumer, one_row: bool):
     return silu_and_mul_gemv_x(gu, group)
 
 
-def _fold_norms(layers, dtype: torch.dtype, device: torch.device) -> bool:
-    """TANDEM_GEMV_NORM=1 (a measurement switch, off by default until measured on a GPU): at
-    one row, every RMSNorm after the first folded into the INT4 GEMVs around it (`ResOut`,
-    `NormIn`) when every decoder GEMV can take it."""
-    if os.environ.get("TANDEM_GEMV_NORM", "0") != "1":
-        return False
-    return all(
+def _folds(layers, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    """Measurement switches, off by default until measured on a GPU, for a one-row step:
+    TANDEM_GEMV_NORM=1 folds every RMSNorm after the first into the INT4 GEMVs around it
+    (`ResOut`, `NormIn`), TANDEM_GEMV_SILU=1 silu * up into the gate/up GEMV (`gemv_silu`),
+    each when every layer's GEMVs can take it: (norms, silu)."""
+    norms = os.environ.get("TANDEM_GEMV_NORM", "0") == "1" and all(
         norm_foldable(w, dtype, device)
         for lw in layers
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
     )
+    silu = os.environ.get("TANDEM_GEMV_SILU", "0") == "1" and all(
+        norm_foldable(lw.gate_up, dtype, device, silu=True) for lw in layers
+    )
+    return norms, silu
+
+
+def _mlp_act(x, lw, one_row: bool, silu: bool, xq=None, norm_in=None):
+    """silu(gate) * up of a layer's MLP input x, and its GemvX form for the down GEMV where the
+    silu * up kernel writes one: in the gate/up GEMV (`silu`), else after it."""
+    if silu:
+        return gemv_silu(x, lw.gate_up, norm_in, xq), None
+    if norm_in is not None:
+        gu = gemv_normed(x, lw.gate_up, norm_in)
+    else:
+        gu = _cuda_linear(x, lw.gate_up, xq=xq)
+    return _silu_mul(gu, lw.down, one_row)
 
 
 class LlamaModel:
@@ -374,7 +390,7 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
-        fold = one_row and _fold_norms(self.layers, h.dtype, h.device)
+        fold, silu = _folds(self.layers, h.dtype, h.device) if one_row else (False, False)
         folded: ResOut | None = None  # fold: the previous down GEMV's residual add
         for i, lw in enumerate(self.layers):
             if folded is None:
@@ -446,8 +462,7 @@ class LlamaModel:
                 ro = gemv_add_residual(
                     attn.reshape(t, hq * d), lw.o, ResOut(residual, lw.post_norm)
                 )
-                gu = gemv_normed(ro.x, lw.gate_up, NormIn(ro.ssq, eps))
-                act, aq = _silu_mul(gu, lw.down, one_row)
+                act, aq = _mlp_act(ro.x, lw, one_row, silu, norm_in=NormIn(ro.ssq, eps))
                 if i + 1 < len(self.layers):
                     nxt = ResOut(residual, self.layers[i + 1].input_norm)
                     folded = gemv_add_residual(act, lw.down, nxt, xq=aq)
@@ -456,7 +471,7 @@ class LlamaModel:
                 break
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
             x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
-            act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)
+            act, aq = _mlp_act(x, lw, one_row, silu, xq=xq)
             h = _cuda_linear(act, lw.down, xq=aq)
         return rmsnorm(h, self.norm, eps, residual)[0]
 

@@ -232,11 +232,13 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     assert logits["1"].argmax() == logits["0"].argmax()
 
 
-def test_decode_step_with_folded_norms_matches_unfused(monkeypatch) -> None:
+@pytest.mark.parametrize("norm, silu", [("1", "0"), ("0", "1"), ("1", "1")])
+def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu) -> None:
     """TANDEM_GEMV_NORM=1: every RMSNorm after the first folded into the INT4 GEMVs around it
     (the o and down GEMVs add the residual and write the next norm's inputs, the qkv and
-    gate/up GEMVs scale by 1 / rms). The logits against the unfused step, the folded GEMVs
-    counted, and the step in a CUDA graph equal to it eager."""
+    gate/up GEMVs scale by 1 / rms); TANDEM_GEMV_SILU=1: silu * up stored by the gate/up GEMV.
+    The logits against the unfused step, the folded GEMVs counted, and the step in a CUDA graph
+    equal to it eager."""
     from tandem.kv.cache import KVCache
     from tandem.model import llama
     from tandem.model.config import ModelConfig
@@ -265,8 +267,8 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch) -> None:
         decode_only=True,
     )
     ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
-    calls = {"normed": 0, "residual": 0}
-    normed, add = llama.gemv_normed, llama.gemv_add_residual
+    calls = {"normed": 0, "residual": 0, "silu": 0}
+    normed, add, gsilu = llama.gemv_normed, llama.gemv_add_residual, llama.gemv_silu
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -277,20 +279,25 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch) -> None:
 
     monkeypatch.setattr(llama, "gemv_normed", count("normed", normed))
     monkeypatch.setattr(llama, "gemv_add_residual", count("residual", add))
+    monkeypatch.setattr(llama, "gemv_silu", count("silu", gsilu))
 
     def step():
         return model.logits(model.forward(ids, pos, kv, meta))
 
     logits = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TANDEM_GEMV_NORM", flag)
+    for name, flags in (("unfused", ("0", "0")), ("folded", (norm, silu))):
+        monkeypatch.setenv("TANDEM_GEMV_NORM", flags[0])
+        monkeypatch.setenv("TANDEM_GEMV_SILU", flags[1])
         with torch.inference_mode():
-            logits[flag] = step().double()
+            logits[name] = step().double()
     # 3 layers: gate/up of each and qkv of the last two scaled; o of each and down of the first
-    # two add the residual.
-    assert calls == {"normed": 5, "residual": 5}, calls
-    assert _rel_err(logits["1"], logits["0"]) < 5e-3
-    assert logits["1"].argmax() == logits["0"].argmax()
+    # two add the residual; with silu, gate/up of each through gemv_silu.
+    folded = norm == "1"
+    want = {"normed": 2 * folded + 3 * (folded and silu == "0"), "residual": 5 * folded,
+            "silu": 3 * (silu == "1")}  # fmt: skip
+    assert calls == want, calls
+    assert _rel_err(logits["folded"], logits["unfused"]) < 5e-3
+    assert logits["folded"].argmax() == logits["unfused"].argmax()
     with torch.inference_mode():
         step()  # warm-up outside the capture
         g = torch.cuda.CUDAGraph()
@@ -298,7 +305,7 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch) -> None:
             out = step()
         g.replay()
         torch.cuda.synchronize()
-    assert torch.equal(out.double(), logits["1"])
+    assert torch.equal(out.double(), logits["folded"])
 
 
 @pytest.mark.parametrize("m", [1, 16, 100])

@@ -472,7 +472,9 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # faster than the default for int4_all on its own in session 11 (2.05, 2.08 and h2 2.09 ms vs
     # 2.15): the combined rows measure them together. "norm": the RMSNorms after the first
     # folded into the GEMVs around them (TANDEM_GEMV_NORM=1); "silu": silu * up stored by the
-    # gate/up GEMV (TANDEM_GEMV_SILU=1).
+    # gate/up GEMV (TANDEM_GEMV_SILU=1); "rope": the rotary + KV write by the q/k/v GEMV
+    # (TANDEM_GEMV_ROPE=1); "folds": all three.
+    FOLDS = {"TANDEM_GEMV_NORM": "1", "TANDEM_GEMV_SILU": "1", "TANDEM_GEMV_ROPE": "1"}
     modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"},
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"},
              "prewait": {"TANDEM_PDL_PREWAIT": "1"},
@@ -481,24 +483,20 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "h2+merge_kernel+prewait": {"TANDEM_GEMV_XPREP": "0", "TANDEM_DECODE_MERGE": "0",
                                          "TANDEM_PDL_PREWAIT": "1"},
              "norm": {"TANDEM_GEMV_NORM": "1"},
-             "norm+merge_kernel": {"TANDEM_GEMV_NORM": "1", "TANDEM_DECODE_MERGE": "0"},
-             "norm+merge_kernel+prewait": {"TANDEM_GEMV_NORM": "1", "TANDEM_DECODE_MERGE": "0",
-                                           "TANDEM_PDL_PREWAIT": "1"},
              "silu": {"TANDEM_GEMV_SILU": "1"},
-             "norm+silu+merge_kernel": {"TANDEM_GEMV_NORM": "1", "TANDEM_GEMV_SILU": "1",
-                                        "TANDEM_DECODE_MERGE": "0"},
-             "norm+silu+merge_kernel+prewait": {"TANDEM_GEMV_NORM": "1", "TANDEM_GEMV_SILU": "1",
-                                                "TANDEM_DECODE_MERGE": "0",
-                                                "TANDEM_PDL_PREWAIT": "1"}}  # fmt: skip
+             "rope": {"TANDEM_GEMV_ROPE": "1"},
+             "folds": dict(FOLDS),
+             "folds+merge_kernel": {**FOLDS, "TANDEM_DECODE_MERGE": "0"},
+             "folds+merge_kernel+prewait": {**FOLDS, "TANDEM_DECODE_MERGE": "0",
+                                            "TANDEM_PDL_PREWAIT": "1"}}  # fmt: skip
     order = [("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
              ("int4_all", "merge_kernel"), ("int4_all", "h2"), ("int4_all", "ffma"),
              ("int4", "h2+gemv_x"), ("int4", "ffma"), ("bf16", "prewait"),
              ("int4_all", "prewait"), ("int4_all", "h2+merge_kernel"),
              ("bf16", "merge_kernel+prewait"), ("int4_all", "merge_kernel+prewait"),
              ("int4_all", "h2+merge_kernel+prewait"), ("int4_all", "norm"),
-             ("int4_all", "norm+merge_kernel"), ("int4_all", "norm+merge_kernel+prewait"),
-             ("int4_all", "silu"), ("int4_all", "norm+silu+merge_kernel"),
-             ("int4_all", "norm+silu+merge_kernel+prewait")]  # fmt: skip
+             ("int4_all", "silu"), ("int4_all", "rope"), ("int4_all", "folds"),
+             ("int4_all", "folds+merge_kernel"), ("int4_all", "folds+merge_kernel+prewait")]  # fmt: skip
     # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows
     # run QUANT_H200_REPEAT passes (3 unless --smoke), every other one in reverse order; each row
     # reports every pass's time, their median (step_ms) and the kernel profile of its first.

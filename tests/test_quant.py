@@ -597,6 +597,41 @@ def test_gemv_with_silu_folded_in(split) -> None:
         )
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_with_rotary_and_cache_write_folded_in(split) -> None:
+    """The q/k/v GEMV rotating q and k and writing k and v into the cache itself (`gemv_rope`):
+    each program holds dims i and i + D/2 of one head, so q and the cache rows equal the
+    unfused GEMV then the rotary + cache-write kernel bit for bit; a negative slot writes
+    nothing; with a folded RMSNorm before it too."""
+    from tandem.kernels.rotary import rope_cache_write_triton
+
+    g = torch.Generator().manual_seed(23)
+    hq, hkv, d, k = 4, 2, 64, 256
+    w_qkv = wk.n_major(quantize_rtn(torch.randn((hq + 2 * hkv) * d, k, generator=g) / 10, 4, 128))
+    x = torch.randn(1, k, generator=g)
+    cos_sin = torch.rand(16, d, generator=g) * 2 - 1
+    cfg = wk.GemvH2Config(block_n=32, split_k=split)
+    for slot, norm_in in (
+        (6, None),
+        (-1, None),
+        (9, wk.NormIn(torch.rand(1, 8, generator=g), 1e-5)),
+    ):
+        pos, slots = torch.tensor([5]), torch.tensor([slot])
+        caches = [torch.randn(3, 4, hkv, d, generator=g) for _ in range(2)]
+        want_k, want_v = (c.clone() for c in caches)
+        qkv = wk.launch_gemv_h2(x, w_qkv, cfg, norm_in=norm_in)[0]
+        want_q = rope_cache_write_triton(qkv, pos, cos_sin, slots, want_k, want_v, hq, hkv)
+        ro = wk.RopeOut(pos, cos_sin, slots, caches[0], caches[1], hq, hkv)
+        q = wk.launch_gemv_h2(x, w_qkv, cfg, norm_in=norm_in, rope_out=ro)[0]
+        assert torch.equal(q, want_q)
+        assert torch.equal(caches[0], want_k) and torch.equal(caches[1], want_v)
+        if slot >= 0:
+            assert not torch.equal(caches[0][slot // 4, slot % 4], torch.zeros(hkv, d))
+    with pytest.raises(ValueError, match="does not fit"):
+        wk.launch_gemv_h2(x, w_qkv, cfg, rope_out=wk.RopeOut(pos, cos_sin, slots, caches[0],
+                                                             caches[1], hq + 1, hkv))  # fmt: skip
+
+
 def test_folded_rmsnorm_refuses_what_it_cannot_do() -> None:
     qw = wk.n_major(quantize_rtn(torch.randn(64, 256), 4, 128))
     x = torch.randn(1, 256)

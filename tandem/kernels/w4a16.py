@@ -30,6 +30,7 @@ import triton.language as tl
 
 from tandem.kernels import pdl
 from tandem.kernels.arrival import arrival_counters
+from tandem.kernels.rotary import _rotate
 from tandem.quant.format import QuantizedWeight
 
 
@@ -181,17 +182,19 @@ def _row_program(
 ):  # fmt: skip
     """A 1-row GEMV program's place (grid: column blocks, K splits, rows of x) and its first
     group's code words, loaded: (pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols,
-    g_start, g_end, w_end, q_next). PAIRED: the columns are BLOCK_N / 2 of the first `half`
-    rows and the same ones of the second half (gate and up, for SILU_OUT)."""
+    g_start, g_end, w_end, q_next). PAIRED: the rows come in groups of 2 `half` (all of [gate;
+    up] for SILU_OUT, a head for ROPE_OUT), and a program's columns are BLOCK_N / 2 of a
+    group's first half and the same ones of its second."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
-    if PAIRED:
+    if PAIRED:  # (the launcher checks the groups are whole half blocks)
         HB: tl.constexpr = BLOCK_N // 2
+        per = half // HB  # programs per group
         j = tl.arange(0, BLOCK_N)
-        first = pid_n * HB + j % HB
+        first = (pid_n // per) * (2 * half) + (pid_n % per) * HB + j % HB
         offs_n = tl.where(j < HB, first, half + first)
-        n_mask = first < half
+        n_mask = first < N
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -261,38 +264,96 @@ def _finish_row(
 
 
 @triton.jit
-def _norm_epilogue(
-    y,  # [BLOCK_N] float32: the output columns' sums over all of K
-    out,  # [BLOCK_N] pointers into the output row (not written with RES_OUT)
-    n_mask,
-    scale,  # NORM_IN: rsqrt(mean square + eps) of the row x came from
-    r,  # RES_OUT: [BLOCK_N] float32 residual, loaded
-    r_ptrs,  # RES_OUT: its pointers (the sum is written back there)
-    g,  # RES_OUT: [BLOCK_N] float32 weight of the RMSNorm after the sum
-    xw_ptrs,  # RES_OUT: [BLOCK_N] pointers into the next GEMV's x (sum times g)
-    ssq_ptr,  # RES_OUT: this column block's sum of squares of the sum
-    act_ptrs,  # SILU_OUT: [BLOCK_N / 2] pointers into the output silu(gate) * up
-    NORM_IN: tl.constexpr,
-    RES_OUT: tl.constexpr,
-    SILU_OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """What a GEMV with an RMSNorm folded in stores (`NormIn`, `ResOut`). NORM_IN: x was the
-    normalised row before its 1 / rms, so the sums are scaled by it here. RES_OUT: the output
-    (rounded to its dtype) is added to the residual as the unfused residual add + RMSNorm does,
-    and what RMSNorm would then read is written instead of the output: the new residual, it
-    times the norm weight (the next GEMV's x, NORM_IN there) and the column block's part of its
-    sum of squares (the next GEMV adds the parts up, in order). SILU_OUT: the columns are gate
-    and up (`_row_program` PAIRED): silu(gate) * up is stored, rounded as the unfused
-    `silu_and_mul` rounds."""
+def _row_sums(
+    acc, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT, REDUCE: tl.constexpr,
+    SPLIT_P2: tl.constexpr,
+):  # fmt: skip
+    """(the output columns' sums over all of K, whether this program holds them): `_finish_row`
+    up to the store, for the epilogues that store something else (the last program to arrive
+    holds the sums; the others' are zeros)."""
+    if REDUCE:
+        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
+        tl.store(ws, acc, mask=n_mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT - 1
+        sk = tl.arange(0, SPLIT_P2)
+        # Others read nothing (the mask as a vector: the interpreter rejects a scalar in it).
+        read = (sk < SPLIT) & ((sk * 0 + arrived) == SPLIT - 1)
+        parts = tl.load(
+            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
+            mask=read[:, None] & n_mask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        if last:
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        return tl.sum(parts, axis=0), last
+    else:
+        return acc, pid_n >= 0
+
+
+@triton.jit
+def _fused_epilogue(
+    y, out, n_mask, pid_n, m, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, half, act_ptr, pos_ptr,
+    slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, num_q_heads, num_kv_heads,
+    cache_block, stride_qo_t, stride_qo_h, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, BLOCK_N: tl.constexpr, NORM_IN: tl.constexpr, RES_OUT: tl.constexpr,
+    SILU_OUT: tl.constexpr, ROPE_OUT: tl.constexpr,
+):  # fmt: skip
+    """What a one-row GEMV with its neighbour folded in stores, from y, its columns' sums over
+    all of K (rounded first to the output dtype, as the unfused output is stored):
+
+    - NORM_IN: x was an RMSNorm's output before its 1 / rms (`NormIn`): y is scaled by it.
+    - RES_OUT: y is added to the residual as the unfused residual add + RMSNorm does, and what
+      RMSNorm would read is written instead of y: the new residual, it times the norm weight
+      (the next GEMV's x) and the column block's part of its sum of squares (`ResOut`).
+    - SILU_OUT: the columns are gate and up (`_row_program` PAIRED): silu(gate) * up is stored,
+      rounded as the unfused `silu_and_mul` rounds (`gemv_silu`).
+    - ROPE_OUT: the columns are a head's dims i and i + half (PAIRED, a group per head of
+      q, k, v): q and k rotated and q stored, k and v written into the cache at the token's
+      slot, rounded as the unfused rotary kernel rounds (`gemv_rope`)."""
+    HB: tl.constexpr = BLOCK_N // 2
     if NORM_IN:
         y = y * scale
     y = y.to(out.dtype.element_ty)
+    if SILU_OUT or ROPE_OUT:
+        a, b = tl.split(tl.permute(tl.reshape(y.to(tl.float32), (2, HB)), (1, 0)))
     if SILU_OUT:
-        gate, up = tl.split(tl.permute(tl.reshape(y.to(tl.float32), (2, BLOCK_N // 2)), (1, 0)))
-        dt = act_ptrs.dtype.element_ty
-        sg = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        tl.store(act_ptrs, (sg * up).to(dt))  # (the launcher checks I is whole column blocks)
+        act = act_ptr + m.to(tl.int64) * half + pid_n * HB + tl.arange(0, HB)
+        dt = act_ptr.dtype.element_ty
+        sg = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
+        tl.store(act, (sg * b).to(dt))
+    elif ROPE_OUT:
+        per = half // HB
+        head = pid_n // per
+        i = (pid_n % per) * HB + tl.arange(0, HB)
+        dt = q_out_ptr.dtype.element_ty
+        pos = tl.load(pos_ptr + m).to(tl.int64)
+        slot_raw = tl.load(slot_ptr + m).to(tl.int64)
+        slot = tl.maximum(slot_raw, 0)
+        blk, off = slot // cache_block, slot % cache_block
+        cos = tl.load(cos_sin_ptr + pos * (2 * half) + i).to(dt).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * (2 * half) + half + i).to(dt).to(tl.float32)
+        # Masks as vectors: the interpreter rejects a scalar-and-vector boolean mask.
+        keep = (i * 0 + slot_raw) >= 0
+        if head < num_q_heads + num_kv_heads:
+            lo, hi = _rotate(a, b, cos, sin, dt)
+            if head < num_q_heads:
+                dst = q_out_ptr + m.to(tl.int64) * stride_qo_t + head * stride_qo_h + i
+                tl.store(dst, lo)
+                tl.store(dst + half, hi)
+            else:
+                kh = head - num_q_heads
+                dst = k_cache_ptr + blk * stride_kb + off * stride_kt + kh * stride_kh + i
+                tl.store(dst, lo.to(k_cache_ptr.dtype.element_ty), mask=keep)
+                tl.store(dst + half, hi.to(k_cache_ptr.dtype.element_ty), mask=keep)
+        else:
+            vh = head - num_q_heads - num_kv_heads
+            dst = v_cache_ptr + blk * stride_vb + off * stride_vt + vh * stride_vh + i
+            tl.store(dst, a.to(v_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(dst + half, b.to(v_cache_ptr.dtype.element_ty), mask=keep)
     elif RES_OUT:
         sm = (y.to(tl.float32) + r).to(r_ptrs.dtype.element_ty)
         tl.store(r_ptrs, sm, mask=n_mask)
@@ -301,35 +362,6 @@ def _norm_epilogue(
         tl.store(xw_ptrs, (sf * g).to(xw_ptrs.dtype.element_ty), mask=n_mask)
     else:
         tl.store(out, y, mask=n_mask)
-
-
-@triton.jit
-def _finish_row_norm(
-    acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT, scale, r, r_ptrs, g,
-    xw_ptrs, ssq_ptr, act_ptrs, REDUCE: tl.constexpr, SPLIT_P2: tl.constexpr,
-    NORM_IN: tl.constexpr, RES_OUT: tl.constexpr, SILU_OUT: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """`_finish_row` with `_norm_epilogue` in place of the store."""
-    if REDUCE:
-        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
-        tl.store(ws, acc, mask=n_mask)
-        tl.debug_barrier()
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            sk = tl.arange(0, SPLIT_P2)
-            parts = tl.load(
-                ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
-                mask=(sk < SPLIT)[:, None] & n_mask[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            _norm_epilogue(tl.sum(parts, axis=0), out, n_mask, scale, r, r_ptrs, g, xw_ptrs,
-                           ssq_ptr, act_ptrs, NORM_IN, RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-    else:
-        _norm_epilogue(acc, out, n_mask, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, act_ptrs, NORM_IN,
-                       RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -582,8 +614,26 @@ def _gemv_h2_kernel(
     ssq_out_ptr=0,  # RES_OUT: float32 [M, column blocks] parts of the new residual's squares
     SSQ_P2: tl.constexpr = 1,  # NORM_IN: ssq_count padded to a power of 2
     SILU_OUT: tl.constexpr = False,  # silu(gate) * up out instead of [gate, up] (`gemv_silu`)
-    half=0,  # SILU_OUT: I, the rows of gate (then as many of up)
+    half=0,  # SILU_OUT: I, the rows of gate (then as many of up); ROPE_OUT: head_dim / 2
     act_ptr=0,  # SILU_OUT: [M, I] the output
+    ROPE_OUT: tl.constexpr = False,  # rotary q, k and the KV-cache write out (`gemv_rope`)
+    rope_ptrs=0,  # ROPE_OUT: positions [M], flat cache slots [M] (< 0: no write)
+    slot_ptr=0,
+    cos_sin_ptr=0,  # ROPE_OUT: float32 [P, 2 half]: cos, then sin
+    q_out_ptr=0,  # ROPE_OUT: [M, Hq, 2 half] rotated q
+    k_cache_ptr=0,  # ROPE_OUT: [blocks, block size, Hkv, 2 half]
+    v_cache_ptr=0,
+    num_q_heads=1,
+    num_kv_heads=1,
+    cache_block=1,  # tokens per cache block
+    stride_qo_t=0,
+    stride_qo_h=0,
+    stride_kb=0,
+    stride_kt=0,
+    stride_kh=0,
+    stride_vb=0,
+    stride_vt=0,
+    stride_vh=0,
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -617,9 +667,9 @@ def _gemv_h2_kernel(
             stride_qw,
             BLOCK_N,
             WPG,
-            SILU_OUT,
+            SILU_OUT or ROPE_OUT,
             half,
-        )  # fmt: skip
+        )
     )
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -636,6 +686,9 @@ def _gemv_h2_kernel(
     # NORM_IN / RES_OUT read what earlier kernels wrote, so after the wait; they are used only
     # at the end, so their loads overlap the loop.
     scale = 1.0
+    if not RES_OUT:  # (placeholders: the epilogue takes them, reads them only with RES_OUT)
+        r, g_norm = 0.0, 0.0
+        r_ptrs, xw_ptrs, ssq_out = out_ptr, out_ptr, out_ptr
     if NORM_IN:
         pc = tl.arange(0, SSQ_P2)
         ssq = tl.load(ssq_in_ptr + m.to(tl.int64) * ssq_count + pc, mask=pc < ssq_count, other=0.0)
@@ -706,19 +759,17 @@ def _gemv_h2_kernel(
             total = tl.sum(lo + hi, axis=0)
         acc += s * (total * unscale) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    act = 0
-    if SILU_OUT:
-        act = act_ptr + m.to(tl.int64) * half + pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    if RES_OUT or SILU_OUT:
-        if not RES_OUT:
-            r, r_ptrs, g_norm, xw_ptrs, ssq_out = 0.0, out, 0.0, out, out
-        _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                         scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, act, REDUCE, SPLIT_P2,
-                         NORM_IN, RES_OUT, SILU_OUT, BLOCK_N)  # fmt: skip
-    elif NORM_IN:
-        _finish_row_norm(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                         scale, 0.0, out, 0.0, out, out, act, REDUCE, SPLIT_P2, NORM_IN, RES_OUT,
-                         SILU_OUT, BLOCK_N)  # fmt: skip
+    if NORM_IN or RES_OUT or SILU_OUT or ROPE_OUT:
+        y, last = _row_sums(acc, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                            REDUCE, SPLIT_P2)  # fmt: skip
+        if last:
+            _fused_epilogue(
+                y, out, n_mask, pid_n, m, scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, half,
+                act_ptr, rope_ptrs, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                num_q_heads, num_kv_heads, cache_block, stride_qo_t, stride_qo_h, stride_kb,
+                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_N, NORM_IN, RES_OUT,
+                SILU_OUT, ROPE_OUT,
+            )  # fmt: skip
     else:
         _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
                     REDUCE, SPLIT_P2, EVEN)  # fmt: skip
@@ -1401,12 +1452,14 @@ def launch_gemv_h2(
     norm_in: NormIn | None = None,
     res_out: ResOut | None = None,
     silu_out: bool = False,
+    rope_out: RopeOut | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
     from its producer) the kernel reads that instead of x. `norm_in` / `res_out`: an RMSNorm
     folded in before / after (see `gemv_normed`, `gemv_add_residual`); with `res_out` the
     output is its x (the output itself is not written). `silu_out`: w is [gate; up] and the
-    output is silu(gate) * up (`gemv_silu`)."""
+    output is silu(gate) * up (`gemv_silu`); `rope_out`: w is the fused q/k/v projection and
+    the output is the rotated q (k and v go into the cache, `gemv_rope`)."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
@@ -1439,6 +1492,10 @@ def launch_gemv_h2(
             )
         act = torch.empty((m, n // 2), dtype=sl.out.dtype, device=x.device)
         fused.update(SILU_OUT=True, half=n // 2, act_ptr=act)
+    if rope_out is not None:
+        if res_out is not None or silu_out:
+            raise ValueError("rope_out is an output of its own: no res_out or silu_out with it")
+        act = _rope_args(rope_out, m, n, config.block_n, sl.out.dtype, fused)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1479,7 +1536,41 @@ def launch_gemv_h2(
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
         **pdl.launch_options(x),
     )
-    return (act if silu_out else sl.out), kernel
+    return (act if silu_out or rope_out is not None else sl.out), kernel
+
+
+def _rope_args(ro: RopeOut, m: int, n: int, block_n: int, dtype, fused: dict) -> torch.Tensor:
+    """The kernel arguments of a `RopeOut` (into `fused`); returns the q it writes."""
+    kc, vc = ro.k_cache, ro.v_cache
+    d = kc.shape[-1]
+    hq, hkv = ro.num_q_heads, ro.num_kv_heads
+    if n != (hq + 2 * hkv) * d or kc.shape != vc.shape or kc.shape[2] != hkv:
+        raise ValueError(
+            f"RopeOut: a q/k/v weight of {n} rows does not fit {hq} q heads, {hkv} kv heads and "
+            f"a cache of shape {tuple(kc.shape)}"
+        )
+    if (d // 2) % (block_n // 2) or kc.dtype != dtype or vc.dtype != dtype:
+        raise ValueError(
+            f"RopeOut needs half a head ({d // 2}) of whole half column blocks ({block_n // 2}) "
+            f"and a {dtype} cache (got {kc.dtype}; an FP8 / INT8 cache is not folded)"
+        )
+    if kc.stride(-1) != 1 or vc.stride(-1) != 1:
+        raise ValueError("RopeOut: the caches need a contiguous last dimension")
+    cs = ro.cos_sin
+    if cs.dtype != torch.float32 or not cs.is_contiguous() or cs.shape[1] != d:
+        raise ValueError(f"RopeOut: cos_sin must be a contiguous float32 [P, {d}] table")
+    if ro.positions.shape != (m,) or ro.slot_mapping.shape != (m,):
+        raise ValueError(f"RopeOut: positions and slot_mapping need {m} entries")
+    q = torch.empty((m, hq, d), dtype=dtype, device=kc.device)
+    fused.update(
+        ROPE_OUT=True, half=d // 2, rope_ptrs=ro.positions, slot_ptr=ro.slot_mapping,
+        cos_sin_ptr=cs, q_out_ptr=q, k_cache_ptr=kc, v_cache_ptr=vc, num_q_heads=hq,
+        num_kv_heads=hkv, cache_block=kc.shape[1], stride_qo_t=q.stride(0),
+        stride_qo_h=q.stride(1), stride_kb=kc.stride(0), stride_kt=kc.stride(1),
+        stride_kh=kc.stride(2), stride_vb=vc.stride(0), stride_vt=vc.stride(1),
+        stride_vh=vc.stride(2),
+    )  # fmt: skip
+    return q
 
 
 def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
@@ -1527,19 +1618,36 @@ class ResOut:
     ssq: torch.Tensor | None = None
 
 
+@dataclass
+class RopeOut:
+    """Where a one-row fused q/k/v GEMV puts its output instead of storing it: q and k rotated
+    (the cos/sin table [P, head_dim], float32, at `positions`), q returned as [M, Hq, D], k and
+    v written into their (16-bit) caches at `slot_mapping` (< 0: not written), as
+    `tandem.kernels.rotary.rope_cache_write` does after an unfused GEMV."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+
+
 def norm_foldable(
-    w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device, silu: bool = False
+    w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device, pair_half: int | None = None
 ) -> bool:
-    """Whether a one-row product with `w` can have an RMSNorm folded into it (`gemv_normed`,
-    `gemv_add_residual`): the packed-fp16 GEMV serves it; `silu`: and `gemv_silu` (gate and up
-    of whole half column blocks)."""
+    """Whether a one-row product with `w` can have its neighbours folded into it (`gemv_normed`,
+    `gemv_add_residual`): the packed-fp16 GEMV serves it; `pair_half`: and its rows pair up in
+    groups of 2 `pair_half` for `gemv_silu` (N / 2) or `gemv_rope` (head_dim / 2)."""
     if not isinstance(w, QuantizedWeight) or w.qweight.device.type != torch.device(device).type:
         return False
     k, n = w.in_features, w.out_features
     config = default_config(1, n, k, torch.device(device), w, x_dtype)
     if not isinstance(config, GemvH2Config):
         return False
-    return not silu or (n % 2 == 0 and (n // 2) % (config.block_n // 2) == 0)
+    hb = config.block_n // 2
+    return pair_half is None or (pair_half % hb == 0 and n % (2 * pair_half) == 0)
 
 
 def _h2_config(x: torch.Tensor, w: QuantizedWeight, what: str) -> GemvH2Config:
@@ -1569,6 +1677,20 @@ def gemv_silu(
     is a folded RMSNorm's (`gemv_normed`); `xq`: x's GemvX form."""
     config = _h2_config(x, w, "gemv_silu")
     return launch_gemv_h2(x, w, config, xq, norm_in, silu_out=True)[0]
+
+
+def gemv_rope(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    rope_out: RopeOut,
+    norm_in: NormIn | None = None,
+    xq: GemvX | None = None,
+) -> torch.Tensor:
+    """The fused q/k/v projection of one row with the rotary embedding and the KV-cache write
+    in its epilogue: each program computes dims i and i + D/2 of one head, so the last to arrive
+    can rotate them; returns q [1, Hq, D] (`RopeOut`). `norm_in` / `xq`: as `gemv_silu`."""
+    config = _h2_config(x, w, "gemv_rope")
+    return launch_gemv_h2(x, w, config, xq, norm_in, rope_out=rope_out)[0]
 
 
 def gemv_add_residual(

@@ -26,8 +26,10 @@ from tandem.kernels.w4a16 import (
     GemvX,
     NormIn,
     ResOut,
+    RopeOut,
     gemv_add_residual,
     gemv_normed,
+    gemv_rope,
     gemv_silu,
     gemv_x_group,
     n_major,
@@ -200,20 +202,26 @@ def _silu_mul(gu, consumer, one_row: bool):
     return silu_and_mul_gemv_x(gu, group)
 
 
-def _folds(layers, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+def _folds(layers, cfg, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool, bool]:
     """Measurement switches, off by default until measured on a GPU, for a one-row step:
     TANDEM_GEMV_NORM=1 folds every RMSNorm after the first into the INT4 GEMVs around it
     (`ResOut`, `NormIn`), TANDEM_GEMV_SILU=1 silu * up into the gate/up GEMV (`gemv_silu`),
-    each when every layer's GEMVs can take it: (norms, silu)."""
+    TANDEM_GEMV_ROPE=1 the rotary + KV-cache write into the q/k/v GEMV where the cache is
+    16-bit (`gemv_rope`; not with a q/k/v bias), each when every layer's GEMVs can take it:
+    (norms, silu, rope)."""
     norms = os.environ.get("TANDEM_GEMV_NORM", "0") == "1" and all(
         norm_foldable(w, dtype, device)
         for lw in layers
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
     )
     silu = os.environ.get("TANDEM_GEMV_SILU", "0") == "1" and all(
-        norm_foldable(lw.gate_up, dtype, device, silu=True) for lw in layers
+        norm_foldable(lw.gate_up, dtype, device, lw.gate_up.out_features // 2) for lw in layers
     )
-    return norms, silu
+    rope = os.environ.get("TANDEM_GEMV_ROPE", "0") == "1" and all(
+        lw.qkv_bias is None and norm_foldable(lw.qkv, dtype, device, cfg.head_dim // 2)
+        for lw in layers
+    )
+    return norms, silu, rope
 
 
 def _mlp_act(x, lw, one_row: bool, silu: bool, xq=None, norm_in=None):
@@ -390,43 +398,45 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
-        fold, silu = _folds(self.layers, h.dtype, h.device) if one_row else (False, False)
+        fold, silu, rope = (
+            _folds(self.layers, cfg, h.dtype, h.device) if one_row else (False, False, False)
+        )
         folded: ResOut | None = None  # fold: the previous down GEMV's residual add
         for i, lw in enumerate(self.layers):
+            norm_in = None
             if folded is None:
                 x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
-                qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
             else:
-                qkv = gemv_normed(folded.x, lw.qkv, NormIn(folded.ssq, eps))
-                if lw.qkv_bias is not None:
-                    qkv = qkv + lw.qkv_bias
+                x, xq, norm_in = folded.x, None, NormIn(folded.ssq, eps)
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
-            if k_scale is None:
-                q = rope_cache_write(
-                    qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
-                )
-            elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one fused launch
-                q = rope_cache_write_scaled(
-                    qkv,
-                    positions,
-                    self.cos_sin,
-                    meta.slot_mapping,
-                    k_cache,
-                    v_cache,
-                    k_scale,
-                    v_scale,
-                    hq,
-                    hkv,
-                )
-            else:  # FP8 / INT8 cache: quantize on write, per-block scales
-                if cos is None:
-                    cs = self.cos_sin.index_select(0, positions).to(self.dtype)
-                    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
-                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                q = apply_rotary(q.view(t, hq, d), cos, sin)
-                k = apply_rotary(k.view(t, hkv, d), cos, sin)
-                kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
+            if rope and k_scale is None:  # rotated and written into the cache by the GEMV
+                ro = RopeOut(positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv)
+                q = gemv_rope(x, lw.qkv, ro, norm_in, xq)
+            else:
+                if norm_in is None:
+                    qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
+                else:
+                    qkv = gemv_normed(x, lw.qkv, norm_in)
+                    if lw.qkv_bias is not None:
+                        qkv = qkv + lw.qkv_bias
+                if k_scale is None:
+                    q = rope_cache_write(
+                        qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
+                    )
+                elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one launch
+                    q = rope_cache_write_scaled(
+                        qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache,
+                        k_scale, v_scale, hq, hkv,
+                    )  # fmt: skip
+                else:  # FP8 / INT8 cache: quantize on write, per-block scales
+                    if cos is None:
+                        cs = self.cos_sin.index_select(0, positions).to(self.dtype)
+                        cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
+                    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                    q = apply_rotary(q.view(t, hq, d), cos, sin)
+                    k = apply_rotary(k.view(t, hkv, d), cos, sin)
+                    kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
             if meta.decode_only:
                 attn = paged_attention_decode_triton(
                     q,

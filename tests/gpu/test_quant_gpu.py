@@ -232,11 +232,14 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     assert logits["1"].argmax() == logits["0"].argmax()
 
 
-@pytest.mark.parametrize("norm, silu", [("1", "0"), ("0", "1"), ("1", "1")])
-def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu) -> None:
+@pytest.mark.parametrize(
+    "norm, silu, rope", [("1", "0", "0"), ("0", "1", "0"), ("0", "0", "1"), ("1", "1", "1")]
+)
+def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu, rope) -> None:
     """TANDEM_GEMV_NORM=1: every RMSNorm after the first folded into the INT4 GEMVs around it
     (the o and down GEMVs add the residual and write the next norm's inputs, the qkv and
-    gate/up GEMVs scale by 1 / rms); TANDEM_GEMV_SILU=1: silu * up stored by the gate/up GEMV.
+    gate/up GEMVs scale by 1 / rms); TANDEM_GEMV_SILU=1: silu * up stored by the gate/up GEMV;
+    TANDEM_GEMV_ROPE=1: the rotary embedding and the KV-cache write by the q/k/v GEMV.
     The logits against the unfused step, the folded GEMVs counted, and the step in a CUDA graph
     equal to it eager."""
     from tandem.kv.cache import KVCache
@@ -267,8 +270,9 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu) 
         decode_only=True,
     )
     ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
-    calls = {"normed": 0, "residual": 0, "silu": 0}
+    calls = {"normed": 0, "residual": 0, "silu": 0, "rope": 0}
     normed, add, gsilu = llama.gemv_normed, llama.gemv_add_residual, llama.gemv_silu
+    grope = llama.gemv_rope
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -280,21 +284,24 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu) 
     monkeypatch.setattr(llama, "gemv_normed", count("normed", normed))
     monkeypatch.setattr(llama, "gemv_add_residual", count("residual", add))
     monkeypatch.setattr(llama, "gemv_silu", count("silu", gsilu))
+    monkeypatch.setattr(llama, "gemv_rope", count("rope", grope))
 
     def step():
         return model.logits(model.forward(ids, pos, kv, meta))
 
     logits = {}
-    for name, flags in (("unfused", ("0", "0")), ("folded", (norm, silu))):
+    for name, flags in (("unfused", ("0", "0", "0")), ("folded", (norm, silu, rope))):
         monkeypatch.setenv("TANDEM_GEMV_NORM", flags[0])
         monkeypatch.setenv("TANDEM_GEMV_SILU", flags[1])
+        monkeypatch.setenv("TANDEM_GEMV_ROPE", flags[2])
         with torch.inference_mode():
             logits[name] = step().double()
     # 3 layers: gate/up of each and qkv of the last two scaled; o of each and down of the first
-    # two add the residual; with silu, gate/up of each through gemv_silu.
-    folded = norm == "1"
-    want = {"normed": 2 * folded + 3 * (folded and silu == "0"), "residual": 5 * folded,
-            "silu": 3 * (silu == "1")}  # fmt: skip
+    # two add the residual; with silu, gate/up of each through gemv_silu; with rope, q/k/v of
+    # each through gemv_rope.
+    folded, s, r = norm == "1", silu == "1", rope == "1"
+    want = {"normed": 2 * (folded and not r) + 3 * (folded and not s), "residual": 5 * folded,
+            "silu": 3 * s, "rope": 3 * r}  # fmt: skip
     assert calls == want, calls
     assert _rel_err(logits["folded"], logits["unfused"]) < 5e-3
     assert logits["folded"].argmax() == logits["unfused"].argmax()

@@ -1697,12 +1697,12 @@ def gemv_add_residual(
     x: torch.Tensor,
     w: QuantizedWeight,
     res_out: ResOut,
-    xq: GemvX | None = None,
     norm_in: NormIn | None = None,
+    xq: GemvX | None = None,
 ) -> ResOut:
     """residual += x @ W^T for one row (rounded as the unfused residual add), writing the next
-    RMSNorm's inputs (`res_out.x`, `res_out.ssq`) instead of the product; `xq`: x's GemvX form;
-    `norm_in`: x is itself a folded RMSNorm's (`gemv_normed`)."""
+    RMSNorm's inputs (`res_out.x`, `res_out.ssq`) instead of the product. `norm_in` / `xq`: as
+    `gemv_silu`."""
     launch_gemv_h2(x, w, _h2_config(x, w, "gemv_add_residual"), xq, norm_in, res_out)
     return res_out
 

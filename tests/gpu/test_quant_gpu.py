@@ -188,9 +188,9 @@ def test_gemv_x_from_producers_on_cuda(wk) -> None:
         assert _rel_err(got, y.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
-def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
-    """An INT4 decode step (one row) where RMSNorm and silu*up hand the GEMVs x in GemvX form,
-    against the same step with the GEMVs preparing x themselves (TANDEM_GEMV_XPREP=0)."""
+def _one_row_step():
+    """A 3-layer INT4 g128 model (bf16) and one decode step's inputs: (model, kv, meta, ids,
+    pos), the step's token at position 20 of a 2-block cache of random K/V."""
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -218,7 +218,13 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
         query_start_loc=[0, 1],
         decode_only=True,
     )
-    ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+    return model, kv, meta, torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+
+
+def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
+    """An INT4 decode step (one row) where RMSNorm and silu*up hand the GEMVs x in GemvX form,
+    against the same step with the GEMVs preparing x themselves (TANDEM_GEMV_XPREP=0)."""
+    model, kv, meta, ids, pos = _one_row_step()
     from tandem.kernels import w4a16 as wk
 
     assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
@@ -242,34 +248,9 @@ def test_decode_step_with_folded_norms_matches_unfused(monkeypatch, norm, silu, 
     TANDEM_GEMV_ROPE=1: the rotary embedding and the KV-cache write by the q/k/v GEMV.
     The logits against the unfused step, the folded GEMVs counted, and the step in a CUDA graph
     equal to it eager."""
-    from tandem.kv.cache import KVCache
     from tandem.model import llama
-    from tandem.model.config import ModelConfig
-    from tandem.model.synthetic import random_llama_weights
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
 
-    cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=512,
-                      intermediate_size=1536, num_layers=3, num_heads=8, num_kv_heads=2,
-                      head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      max_position_embeddings=4096, tie_word_embeddings=False,
-                      eos_token_ids=[1])  # fmt: skip
-    w = random_llama_weights(cfg, DEV, torch.bfloat16, std=0.05, embed_std=1.0, norm_std=0.05)
-    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
-    model = llama.LlamaModel(cfg, quantize_weights(w, specs), torch.bfloat16, DEV, 64)
-    kv = KVCache.allocate(
-        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEV
-    )
-    kv.data.normal_()
-    meta = llama.AttentionMetadata(
-        slot_mapping=torch.tensor([20], device=DEV),
-        block_tables=torch.tensor([[0, 1]], device=DEV),
-        context_lens=torch.tensor([21], device=DEV),
-        context_lens_list=[21],
-        query_start_loc=[0, 1],
-        decode_only=True,
-    )
-    ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+    model, kv, meta, ids, pos = _one_row_step()
     calls = {"normed": 0, "residual": 0, "silu": 0, "rope": 0}
     normed, add, gsilu = llama.gemv_normed, llama.gemv_add_residual, llama.gemv_silu
     grope = llama.gemv_rope

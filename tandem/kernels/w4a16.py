@@ -617,7 +617,7 @@ def _gemv_h2_kernel(
     half=0,  # SILU_OUT: I, the rows of gate (then as many of up); ROPE_OUT: head_dim / 2
     act_ptr=0,  # SILU_OUT: [M, I] the output
     ROPE_OUT: tl.constexpr = False,  # rotary q, k and the KV-cache write out (`gemv_rope`)
-    rope_ptrs=0,  # ROPE_OUT: positions [M], flat cache slots [M] (< 0: no write)
+    positions_ptr=0,  # ROPE_OUT: positions [M], flat cache slots [M] (< 0: no write)
     slot_ptr=0,
     cos_sin_ptr=0,  # ROPE_OUT: float32 [P, 2 half]: cos, then sin
     q_out_ptr=0,  # ROPE_OUT: [M, Hq, 2 half] rotated q
@@ -765,7 +765,7 @@ def _gemv_h2_kernel(
         if last:
             _fused_epilogue(
                 y, out, n_mask, pid_n, m, scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, half,
-                act_ptr, rope_ptrs, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                act_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                 num_q_heads, num_kv_heads, cache_block, stride_qo_t, stride_qo_h, stride_kb,
                 stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_N, NORM_IN, RES_OUT,
                 SILU_OUT, ROPE_OUT,
@@ -1563,7 +1563,7 @@ def _rope_args(ro: RopeOut, m: int, n: int, block_n: int, dtype, fused: dict) ->
         raise ValueError(f"RopeOut: positions and slot_mapping need {m} entries")
     q = torch.empty((m, hq, d), dtype=dtype, device=kc.device)
     fused.update(
-        ROPE_OUT=True, half=d // 2, rope_ptrs=ro.positions, slot_ptr=ro.slot_mapping,
+        ROPE_OUT=True, half=d // 2, positions_ptr=ro.positions, slot_ptr=ro.slot_mapping,
         cos_sin_ptr=cs, q_out_ptr=q, k_cache_ptr=kc, v_cache_ptr=vc, num_q_heads=hq,
         num_kv_heads=hkv, cache_block=kc.shape[1], stride_qo_t=q.stride(0),
         stride_qo_h=q.stride(1), stride_kb=kc.stride(0), stride_kt=kc.stride(1),

@@ -657,19 +657,8 @@ def _gemv_h2_kernel(
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
-        _row_program(
-            x_ptr,
-            qw_ptr,
-            N,
-            G,
-            groups_per_split,
-            stride_xm,
-            stride_qw,
-            BLOCK_N,
-            WPG,
-            SILU_OUT or ROPE_OUT,
-            half,
-        )
+        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG,
+                     SILU_OUT or ROPE_OUT, half)  # fmt: skip
     )
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -683,12 +672,12 @@ def _gemv_h2_kernel(
         g_norm = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    # NORM_IN / RES_OUT read what earlier kernels wrote, so after the wait; they are used only
-    # at the end, so their loads overlap the loop.
     scale = 1.0
     if not RES_OUT:  # (placeholders: the epilogue takes them, reads them only with RES_OUT)
         r, g_norm = 0.0, 0.0
         r_ptrs, xw_ptrs, ssq_out = out_ptr, out_ptr, out_ptr
+    # NORM_IN / RES_OUT read what earlier kernels wrote, so after the wait; they are used only
+    # at the end, so their loads overlap the loop.
     if NORM_IN:
         pc = tl.arange(0, SSQ_P2)
         ssq = tl.load(ssq_in_ptr + m.to(tl.int64) * ssq_count + pc, mask=pc < ssq_count, other=0.0)
@@ -1634,7 +1623,7 @@ class RopeOut:
     num_kv_heads: int
 
 
-def norm_foldable(
+def gemv_foldable(
     w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device, pair_half: int | None = None
 ) -> bool:
     """Whether a one-row product with `w` can have its neighbours folded into it (`gemv_normed`,
@@ -1655,7 +1644,7 @@ def _h2_config(x: torch.Tensor, w: QuantizedWeight, what: str) -> GemvH2Config:
         raise ValueError(f"{what}: x must be one contiguous row of {w.in_features}, got {x.shape}")
     config = default_config(1, w.out_features, w.in_features, x.device, w, x.dtype)
     if not isinstance(config, GemvH2Config):
-        raise ValueError(f"{what} needs the packed-fp16 GEMV (see norm_foldable)")
+        raise ValueError(f"{what} needs the packed-fp16 GEMV (see gemv_foldable)")
     return config
 
 

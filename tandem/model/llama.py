@@ -28,12 +28,12 @@ from tandem.kernels.w4a16 import (
     ResOut,
     RopeOut,
     gemv_add_residual,
+    gemv_foldable,
     gemv_normed,
     gemv_rope,
     gemv_silu,
     gemv_x_group,
     n_major,
-    norm_foldable,
 )
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
@@ -210,15 +210,15 @@ def _folds(layers, cfg, dtype: torch.dtype, device: torch.device) -> tuple[bool,
     16-bit (`gemv_rope`; not with a q/k/v bias), each when every layer's GEMVs can take it:
     (norms, silu, rope)."""
     norms = os.environ.get("TANDEM_GEMV_NORM", "0") == "1" and all(
-        norm_foldable(w, dtype, device)
+        gemv_foldable(w, dtype, device)
         for lw in layers
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
     )
     silu = os.environ.get("TANDEM_GEMV_SILU", "0") == "1" and all(
-        norm_foldable(lw.gate_up, dtype, device, lw.gate_up.out_features // 2) for lw in layers
+        gemv_foldable(lw.gate_up, dtype, device, lw.gate_up.out_features // 2) for lw in layers
     )
     rope = os.environ.get("TANDEM_GEMV_ROPE", "0") == "1" and all(
-        lw.qkv_bias is None and norm_foldable(lw.qkv, dtype, device, cfg.head_dim // 2)
+        lw.qkv_bias is None and gemv_foldable(lw.qkv, dtype, device, cfg.head_dim // 2)
         for lw in layers
     )
     return norms, silu, rope

@@ -657,8 +657,19 @@ def _gemv_h2_kernel(
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
-        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG,
-                     SILU_OUT or ROPE_OUT, half)  # fmt: skip
+        _row_program(
+            x_ptr,
+            qw_ptr,
+            N,
+            G,
+            groups_per_split,
+            stride_xm,
+            stride_qw,
+            BLOCK_N,
+            WPG,
+            SILU_OUT or ROPE_OUT,
+            half,
+        )  # fmt: skip
     )
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)

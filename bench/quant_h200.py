@@ -460,43 +460,28 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     out["speedup_vs_bf16_same_pdl"] = speedups
     print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
 
-    # Batch 1, INT4 + INT4 head, bf16 KV, PDL, one row after another, same weights: the M = 1
-    # GEMV in packed fp16 reading x as RMSNorm and silu*up wrote it (GemvX; the default), the
-    # same GEMV preparing x itself (TANDEM_GEMV_XPREP=0), and the FFMA GEMV (TANDEM_GEMV_H2=0).
+    # Batch 1, bf16 KV, PDL, one row after another, same weights. "default": as the engine runs
+    # (INT4: the RMSNorms after the first, silu * up and the rotary + KV write folded into the
+    # packed-fp16 GEMVs, the attention's partitions merged by a kernel of their own, the
+    # attention's L2 prefetch before its PDL wait); each other row turns something back, with
+    # every switch it does not name at the default: "no_prewait" (TANDEM_PDL_PREWAIT=0),
+    # "no_folds" (TANDEM_GEMV_NORM/_SILU/_ROPE=0, the last partition merging), "no_folds+
+    # merge_kernel", "folds+merge_last" (TANDEM_DECODE_MERGE=1), "h2" (no GemvX: the GEMVs that
+    # read x unfolded prepare it themselves, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
+    # TANDEM_GEMV_H2=0: nothing folds), "session11" (session 11's default: no folds, no prewait).
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
-    # "merge_kernel": the default but for the attention's partitions merged by a second kernel
-    # (TANDEM_DECODE_MERGE=0) instead of by the last partition's program; "prewait": the
-    # attention's L2 prefetch of stable K/V before its PDL wait (TANDEM_PDL_PREWAIT=1). Each was
-    # faster than the default for int4_all on its own in session 11 (2.05, 2.08 and h2 2.09 ms vs
-    # 2.15): the combined rows measure them together. "norm": the RMSNorms after the first
-    # folded into the GEMVs around them (TANDEM_GEMV_NORM=1); "silu": silu * up stored by the
-    # gate/up GEMV (TANDEM_GEMV_SILU=1); "rope": the rotary + KV write by the q/k/v GEMV
-    # (TANDEM_GEMV_ROPE=1); "folds": all three.
-    FOLDS = {"TANDEM_GEMV_NORM": "1", "TANDEM_GEMV_SILU": "1", "TANDEM_GEMV_ROPE": "1"}
-    modes = {"h2+gemv_x": {}, "h2": {"TANDEM_GEMV_XPREP": "0"}, "ffma": {"TANDEM_GEMV_H2": "0"},
-             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"},
-             "prewait": {"TANDEM_PDL_PREWAIT": "1"},
-             "h2+merge_kernel": {"TANDEM_GEMV_XPREP": "0", "TANDEM_DECODE_MERGE": "0"},
-             "merge_kernel+prewait": {"TANDEM_DECODE_MERGE": "0", "TANDEM_PDL_PREWAIT": "1"},
-             "h2+merge_kernel+prewait": {"TANDEM_GEMV_XPREP": "0", "TANDEM_DECODE_MERGE": "0",
-                                         "TANDEM_PDL_PREWAIT": "1"},
-             "norm": {"TANDEM_GEMV_NORM": "1"},
-             "silu": {"TANDEM_GEMV_SILU": "1"},
-             "rope": {"TANDEM_GEMV_ROPE": "1"},
-             "folds": dict(FOLDS),
-             "folds+merge_kernel": {**FOLDS, "TANDEM_DECODE_MERGE": "0"},
-             "folds+merge_kernel+prewait": {**FOLDS, "TANDEM_DECODE_MERGE": "0",
-                                            "TANDEM_PDL_PREWAIT": "1"}}  # fmt: skip
-    order = [("bf16", "h2+gemv_x"), ("int4_all", "h2+gemv_x"), ("bf16", "merge_kernel"),
-             ("int4_all", "merge_kernel"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4", "h2+gemv_x"), ("int4", "ffma"), ("bf16", "prewait"),
-             ("int4_all", "prewait"), ("int4_all", "h2+merge_kernel"),
-             ("bf16", "merge_kernel+prewait"), ("int4_all", "merge_kernel+prewait"),
-             ("int4_all", "h2+merge_kernel+prewait"), ("int4_all", "norm"),
-             ("int4_all", "silu"), ("int4_all", "rope"), ("int4_all", "folds"),
-             ("int4_all", "folds+merge_kernel"), ("int4_all", "folds+merge_kernel+prewait")]  # fmt: skip
+    no_folds = {"TANDEM_GEMV_NORM": "0", "TANDEM_GEMV_SILU": "0", "TANDEM_GEMV_ROPE": "0"}
+    modes = {"default": {}, "no_prewait": {"TANDEM_PDL_PREWAIT": "0"}, "no_folds": no_folds,
+             "no_folds+merge_kernel": {**no_folds, "TANDEM_DECODE_MERGE": "0"},
+             "folds+merge_last": {"TANDEM_DECODE_MERGE": "1"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
+             "ffma": {"TANDEM_GEMV_H2": "0"},
+             "session11": {**no_folds, "TANDEM_PDL_PREWAIT": "0"}}  # fmt: skip
+    order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
+             ("int4_all", "session11"), ("int4_all", "no_folds"), ("int4_all", "no_prewait"),
+             ("int4_all", "no_folds+merge_kernel"), ("int4_all", "folds+merge_last"),
+             ("int4_all", "h2"), ("int4_all", "ffma"), ("int4", "default"), ("int4", "ffma")]  # fmt: skip
     # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows
     # run QUANT_H200_REPEAT passes (3 unless --smoke), every other one in reverse order; each row
     # reports every pass's time, their median (step_ms) and the kernel profile of its first.
@@ -530,7 +515,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     for row in grows["rows"]:
         print(f"decode batch 1 { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
     base = next((r.get("tokens_per_s") for r in grows["rows"]
-                 if r["weights"] == "bf16" and r["gemv"] == "h2+gemv_x"), None)  # fmt: skip
+                 if r["weights"] == "bf16" and r["gemv"] == "default"), None)  # fmt: skip
     if base:
         grows["speedup_vs_bf16"] = {f"{r['weights']}/{r['gemv']}": r["tokens_per_s"] / base
                                     for r in grows["rows"] if "tokens_per_s" in r}  # fmt: skip

@@ -167,6 +167,11 @@ def test_decode_merge_by_the_last_partition(monkeypatch) -> None:
     assert not arrival_counters(q.device, 8)[:8].any()
     monkeypatch.setenv("TANDEM_DECODE_MERGE", "0")
     two = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=16)
+    monkeypatch.delenv("TANDEM_DECODE_MERGE")  # the caller's choice, as the model makes it
+    asked = pa.paged_attention_decode_triton(
+        q, kc, vc, table, ctx, 0.125, partition_size=16, merge_last=False
+    )
+    assert torch.equal(asked, two)
     expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
     torch.testing.assert_close(fused.double(), expect, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused, two, atol=1e-6, rtol=1e-6)

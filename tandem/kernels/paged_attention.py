@@ -13,9 +13,11 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
 2. the partitions are merged with a log-sum-exp reduction: by the program of stage 1 that
    finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
    which saves a launch and its wait on the critical path of a decode step; with
-   TANDEM_DECODE_MERGE=0 by a second kernel, one program per (sequence, query head).
+   by a second kernel, one program per (sequence, query head) (`merge_last=False`, which the
+   model asks for when its INT4 GEMVs have their neighbours folded in: measured faster there;
+   TANDEM_DECODE_MERGE=1 / 0 forces the one or the other).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
-skipped. With TANDEM_PDL_PREWAIT=1 (`pdl.prewait`; not the default: not yet measured), stage 1
+skipped. With PDL (`pdl.prewait`; TANDEM_PDL_PREWAIT=0 turns it off), stage 1
 reads the context length and asks L2 for the K/V of its positions before the newest token's
 cache block before its PDL wait, while the previous kernel (which writes the newest token)
 finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA
@@ -465,6 +467,7 @@ def paged_attention_decode_triton(
     max_context_len: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
     v_scale: torch.Tensor | None = None,
+    merge_last: bool = True,
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
 
@@ -509,8 +512,9 @@ def paged_attention_decode_triton(
     # 16-bit dot runs on the tensor cores. fp32 inputs always take the fp32 dot.
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
     direct = num_parts == 1
-    # The last partition to finish merges (one launch); TANDEM_DECODE_MERGE=0: the second kernel.
-    merge = not direct and os.environ.get("TANDEM_DECODE_MERGE", "1") != "0"
+    # The last partition to finish merges (one launch), or the second kernel.
+    forced = os.environ.get("TANDEM_DECODE_MERGE")
+    merge = not direct and (merge_last if forced is None else forced != "0")
     counters = arrival_counters(q.device, b * num_kv_heads) if merge else out
     if direct:
         m = l_ = acc = out  # unused by the kernel when DIRECT_OUT

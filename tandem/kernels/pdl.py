@@ -74,8 +74,9 @@ def prewait(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device read more of their inputs before the wait than their
     weights: what the host copies in before a step (positions, slots, context lengths, block
     tables) and, in the decode attention, an L2 prefetch of K/V that the step does not write.
-    `TANDEM_PDL_PREWAIT=1`, with PDL only; off by default until measured on a GPU."""
-    return use_pdl(t) and os.environ.get("TANDEM_PDL_PREWAIT", "0") == "1"
+    With PDL only; on unless `TANDEM_PDL_PREWAIT=0` (measured faster on the H200 for bf16 and
+    INT4 decode steps: bench/results/h200_session12.json)."""
+    return use_pdl(t) and os.environ.get("TANDEM_PDL_PREWAIT", "1") != "0"
 
 
 def launch_options(t: torch.Tensor) -> dict:

@@ -203,21 +203,26 @@ def _silu_mul(gu, consumer, one_row: bool):
 
 
 def _folds(layers, cfg, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool, bool]:
-    """Measurement switches, off by default until measured on a GPU, for a one-row step:
-    TANDEM_GEMV_NORM=1 folds every RMSNorm after the first into the INT4 GEMVs around it
-    (`ResOut`, `NormIn`), TANDEM_GEMV_SILU=1 silu * up into the gate/up GEMV (`gemv_silu`),
-    TANDEM_GEMV_ROPE=1 the rotary + KV-cache write into the q/k/v GEMV where the cache is
-    16-bit (`gemv_rope`; not with a q/k/v bias), each when every layer's GEMVs can take it:
-    (norms, silu, rope)."""
-    norms = os.environ.get("TANDEM_GEMV_NORM", "0") == "1" and all(
+    """What a one-row step folds into its INT4 GEMVs, each where every layer's GEMVs can take it
+    (the packed-fp16 GEMV; see `gemv_foldable`): every RMSNorm after the first into the GEMVs
+    around it (`ResOut`, `NormIn`), silu * up into the gate/up GEMV (`gemv_silu`), the rotary +
+    KV-cache write into the q/k/v GEMV where the cache is 16-bit (`gemv_rope`; not with a q/k/v
+    bias): (norms, silu, rope). All on by default (an INT4 Llama-3-8B-shaped decode step 9%
+    faster on the H200, bench/results/h200_session12.json); TANDEM_GEMV_NORM / TANDEM_GEMV_SILU
+    / TANDEM_GEMV_ROPE = 0 turn one off."""
+
+    def on(var: str) -> bool:
+        return os.environ.get(var, "1") != "0"
+
+    norms = on("TANDEM_GEMV_NORM") and all(
         gemv_foldable(w, dtype, device)
         for lw in layers
         for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
     )
-    silu = os.environ.get("TANDEM_GEMV_SILU", "0") == "1" and all(
+    silu = on("TANDEM_GEMV_SILU") and all(
         gemv_foldable(lw.gate_up, dtype, device, lw.gate_up.out_features // 2) for lw in layers
     )
-    rope = os.environ.get("TANDEM_GEMV_ROPE", "0") == "1" and all(
+    rope = on("TANDEM_GEMV_ROPE") and all(
         lw.qkv_bias is None and gemv_foldable(lw.qkv, dtype, device, cfg.head_dim // 2)
         for lw in layers
     )
@@ -448,6 +453,9 @@ class LlamaModel:
                     partition_size=decode_partition_size(t, hkv),
                     k_scale=k_scale,
                     v_scale=v_scale,
+                    # With folded GEMVs the partitions merge faster in a kernel of their own
+                    # (bench/results/h200_session12.json); else the last partition merges.
+                    merge_last=not (fold or silu or rope),
                 )
             else:
                 kind = varlen_attention_kind(meta.query_start_loc, meta.context_lens_list)

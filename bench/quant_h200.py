@@ -461,27 +461,24 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     print(f"speedups vs bf16 (bf16 KV, same PDL setting): {speedups}")
 
     # Batch 1, bf16 KV, PDL, one row after another, same weights. "default": as the engine runs
-    # (INT4: the RMSNorms after the first, silu * up and the rotary + KV write folded into the
-    # packed-fp16 GEMVs, the attention's partitions merged by a kernel of their own, the
-    # attention's L2 prefetch before its PDL wait); each other row turns something back, with
-    # every switch it does not name at the default: "no_prewait" (TANDEM_PDL_PREWAIT=0),
-    # "no_folds" (TANDEM_GEMV_NORM/_SILU/_ROPE=0, the last partition merging), "no_folds+
-    # merge_kernel", "folds+merge_last" (TANDEM_DECODE_MERGE=1), "h2" (no GemvX: the GEMVs that
-    # read x unfolded prepare it themselves, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
-    # TANDEM_GEMV_H2=0: nothing folds), "session11" (session 11's default: no folds, no prewait).
+    # (INT4: the M = 1 packed-fp16 GEMV reading x as RMSNorm and silu*up wrote it (GemvX), the
+    # attention's partitions merged by a kernel of their own; bf16: by the last partition; both:
+    # the attention's L2 prefetch before its PDL wait). Each other row changes one thing:
+    # "no_prewait" (TANDEM_PDL_PREWAIT=0), "merge_last" / "merge_kernel" (TANDEM_DECODE_MERGE=1
+    # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
+    # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait).
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
-    no_folds = {"TANDEM_GEMV_NORM": "0", "TANDEM_GEMV_SILU": "0", "TANDEM_GEMV_ROPE": "0"}
-    modes = {"default": {}, "no_prewait": {"TANDEM_PDL_PREWAIT": "0"}, "no_folds": no_folds,
-             "no_folds+merge_kernel": {**no_folds, "TANDEM_DECODE_MERGE": "0"},
-             "folds+merge_last": {"TANDEM_DECODE_MERGE": "1"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
+    modes = {"default": {}, "no_prewait": {"TANDEM_PDL_PREWAIT": "0"},
+             "merge_last": {"TANDEM_DECODE_MERGE": "1"},
+             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
              "ffma": {"TANDEM_GEMV_H2": "0"},
-             "session11": {**no_folds, "TANDEM_PDL_PREWAIT": "0"}}  # fmt: skip
+             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
-             ("int4_all", "session11"), ("int4_all", "no_folds"), ("int4_all", "no_prewait"),
-             ("int4_all", "no_folds+merge_kernel"), ("int4_all", "folds+merge_last"),
-             ("int4_all", "h2"), ("int4_all", "ffma"), ("int4", "default"), ("int4", "ffma")]  # fmt: skip
+             ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
+             ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
+             ("int4", "default"), ("int4", "ffma")]  # fmt: skip
     # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows
     # run QUANT_H200_REPEAT passes (3 unless --smoke), every other one in reverse order; each row
     # reports every pass's time, their median (step_ms) and the kernel profile of its first.

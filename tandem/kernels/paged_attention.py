@@ -14,8 +14,8 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
    which saves a launch and its wait on the critical path of a decode step; with
    by a second kernel, one program per (sequence, query head) (`merge_last=False`, which the
-   model asks for when its INT4 GEMVs have their neighbours folded in: measured faster there;
-   TANDEM_DECODE_MERGE=1 / 0 forces the one or the other).
+   model asks for in one-row steps of INT4 weights: measured faster there; TANDEM_DECODE_MERGE=1
+   / 0 forces the one or the other).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
 skipped. With PDL (`pdl.prewait`; TANDEM_PDL_PREWAIT=0 turns it off), stage 1
 reads the context length and asks L2 for the K/V of its positions before the newest token's

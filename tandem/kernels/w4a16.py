@@ -30,7 +30,6 @@ import triton.language as tl
 
 from tandem.kernels import pdl
 from tandem.kernels.arrival import arrival_counters
-from tandem.kernels.rotary import _rotate
 from tandem.quant.format import QuantizedWeight
 
 
@@ -178,26 +177,16 @@ def _group_words(
 @triton.jit
 def _row_program(
     x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N: tl.constexpr,
-    WPG: tl.constexpr, PAIRED: tl.constexpr = False, half=0,
+    WPG: tl.constexpr,
 ):  # fmt: skip
     """A 1-row GEMV program's place (grid: column blocks, K splits, rows of x) and its first
     group's code words, loaded: (pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols,
-    g_start, g_end, w_end, q_next). PAIRED: the rows come in groups of 2 `half` (all of [gate;
-    up] for SILU_OUT, a head for ROPE_OUT), and a program's columns are BLOCK_N / 2 of a
-    group's first half and the same ones of its second."""
+    g_start, g_end, w_end, q_next)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.program_id(2)
-    if PAIRED:  # (the launcher checks the groups are whole half blocks)
-        HB: tl.constexpr = BLOCK_N // 2
-        per = half // HB  # programs per group
-        j = tl.arange(0, BLOCK_N)
-        first = (pid_n // per) * (2 * half) + (pid_n % per) * HB + j % HB
-        offs_n = tl.where(j < HB, first, half + first)
-        n_mask = first < N
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     offs_w = tl.arange(0, WPG)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     q_cols = qw_ptr + offs_n[None, :]
@@ -261,107 +250,6 @@ def _finish_row(
         tl.store(out, acc.to(out.dtype.element_ty))
     else:
         tl.store(out, acc.to(out.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _row_sums(
-    acc, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT, REDUCE: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
-):  # fmt: skip
-    """(the output columns' sums over all of K, whether this program holds them): `_finish_row`
-    up to the store, for the epilogues that store something else (the last program to arrive
-    holds the sums; the others' are zeros)."""
-    if REDUCE:
-        ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
-        tl.store(ws, acc, mask=n_mask)
-        tl.debug_barrier()
-        cnt = cnt_ptr + m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        last = arrived == SPLIT - 1
-        sk = tl.arange(0, SPLIT_P2)
-        # Others read nothing (the mask as a vector: the interpreter rejects a scalar in it).
-        read = (sk < SPLIT) & ((sk * 0 + arrived) == SPLIT - 1)
-        parts = tl.load(
-            ws_ptr + (sk[:, None] * M + m).to(tl.int64) * N + offs_n[None, :],
-            mask=read[:, None] & n_mask[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        if last:
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-        return tl.sum(parts, axis=0), last
-    else:
-        return acc, pid_n >= 0
-
-
-@triton.jit
-def _fused_epilogue(
-    y, out, n_mask, pid_n, m, scale, r, r_ptrs, g, xw_ptrs, ssq_ptr, half, act_ptr, pos_ptr,
-    slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, num_q_heads, num_kv_heads,
-    cache_block, stride_qo_t, stride_qo_h, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-    stride_vh, BLOCK_N: tl.constexpr, NORM_IN: tl.constexpr, RES_OUT: tl.constexpr,
-    SILU_OUT: tl.constexpr, ROPE_OUT: tl.constexpr,
-):  # fmt: skip
-    """What a one-row GEMV with its neighbour folded in stores, from y, its columns' sums over
-    all of K (rounded first to the output dtype, as the unfused output is stored):
-
-    - NORM_IN: x was an RMSNorm's output before its 1 / rms (`NormIn`): y is scaled by it.
-    - RES_OUT: y is added to the residual as the unfused residual add + RMSNorm does, and what
-      RMSNorm would read is written instead of y: the new residual, it times the norm weight
-      (the next GEMV's x) and the column block's part of its sum of squares (`ResOut`).
-    - SILU_OUT: the columns are gate and up (`_row_program` PAIRED): silu(gate) * up is stored,
-      rounded as the unfused `silu_and_mul` rounds (`gemv_silu`).
-    - ROPE_OUT: the columns are a head's dims i and i + half (PAIRED, a group per head of
-      q, k, v): q and k rotated and q stored, k and v written into the cache at the token's
-      slot, rounded as the unfused rotary kernel rounds (`gemv_rope`)."""
-    HB: tl.constexpr = BLOCK_N // 2
-    if NORM_IN:
-        y = y * scale
-    y = y.to(out.dtype.element_ty)
-    if SILU_OUT or ROPE_OUT:
-        a, b = tl.split(tl.permute(tl.reshape(y.to(tl.float32), (2, HB)), (1, 0)))
-    if SILU_OUT:
-        act = act_ptr + m.to(tl.int64) * half + pid_n * HB + tl.arange(0, HB)
-        dt = act_ptr.dtype.element_ty
-        sg = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
-        tl.store(act, (sg * b).to(dt))
-    elif ROPE_OUT:
-        per = half // HB
-        head = pid_n // per
-        i = (pid_n % per) * HB + tl.arange(0, HB)
-        dt = q_out_ptr.dtype.element_ty
-        pos = tl.load(pos_ptr + m).to(tl.int64)
-        slot_raw = tl.load(slot_ptr + m).to(tl.int64)
-        slot = tl.maximum(slot_raw, 0)
-        blk, off = slot // cache_block, slot % cache_block
-        cos = tl.load(cos_sin_ptr + pos * (2 * half) + i).to(dt).to(tl.float32)
-        sin = tl.load(cos_sin_ptr + pos * (2 * half) + half + i).to(dt).to(tl.float32)
-        # Masks as vectors: the interpreter rejects a scalar-and-vector boolean mask.
-        keep = (i * 0 + slot_raw) >= 0
-        if head < num_q_heads + num_kv_heads:
-            lo, hi = _rotate(a, b, cos, sin, dt)
-            if head < num_q_heads:
-                dst = q_out_ptr + m.to(tl.int64) * stride_qo_t + head * stride_qo_h + i
-                tl.store(dst, lo)
-                tl.store(dst + half, hi)
-            else:
-                kh = head - num_q_heads
-                dst = k_cache_ptr + blk * stride_kb + off * stride_kt + kh * stride_kh + i
-                tl.store(dst, lo.to(k_cache_ptr.dtype.element_ty), mask=keep)
-                tl.store(dst + half, hi.to(k_cache_ptr.dtype.element_ty), mask=keep)
-        else:
-            vh = head - num_q_heads - num_kv_heads
-            dst = v_cache_ptr + blk * stride_vb + off * stride_vt + vh * stride_vh + i
-            tl.store(dst, a.to(v_cache_ptr.dtype.element_ty), mask=keep)
-            tl.store(dst + half, b.to(v_cache_ptr.dtype.element_ty), mask=keep)
-    elif RES_OUT:
-        sm = (y.to(tl.float32) + r).to(r_ptrs.dtype.element_ty)
-        tl.store(r_ptrs, sm, mask=n_mask)
-        sf = tl.where(n_mask, sm.to(tl.float32), 0.0)
-        tl.store(ssq_ptr, tl.sum(sf * sf, axis=0))
-        tl.store(xw_ptrs, (sf * g).to(xw_ptrs.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(out, y, mask=n_mask)
 
 
 @triton.jit
@@ -602,38 +490,6 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
-    NORM_IN: tl.constexpr = False,  # x is an RMSNorm's output before its 1 / rms (`NormIn`)
-    RES_OUT: tl.constexpr = False,  # residual add + the next RMSNorm's inputs out (`ResOut`)
-    ssq_in_ptr=0,  # NORM_IN: float32 [M, ssq_count] parts of each row's sum of squares
-    ssq_count=1,
-    inv_k=1.0,  # NORM_IN: 1 / the normalised row's length
-    eps=0.0,
-    res_ptr=0,  # RES_OUT: [M, N] residual, updated in place
-    g_ptr=0,  # RES_OUT: [N] weight of the next RMSNorm
-    xw_ptr=0,  # RES_OUT: [M, N] the next GEMV's x
-    ssq_out_ptr=0,  # RES_OUT: float32 [M, column blocks] parts of the new residual's squares
-    SSQ_P2: tl.constexpr = 1,  # NORM_IN: ssq_count padded to a power of 2
-    SILU_OUT: tl.constexpr = False,  # silu(gate) * up out instead of [gate, up] (`gemv_silu`)
-    half=0,  # SILU_OUT: I, the rows of gate (then as many of up); ROPE_OUT: head_dim / 2
-    act_ptr=0,  # SILU_OUT: [M, I] the output
-    ROPE_OUT: tl.constexpr = False,  # rotary q, k and the KV-cache write out (`gemv_rope`)
-    positions_ptr=0,  # ROPE_OUT: positions [M], flat cache slots [M] (< 0: no write)
-    slot_ptr=0,
-    cos_sin_ptr=0,  # ROPE_OUT: float32 [P, 2 half]: cos, then sin
-    q_out_ptr=0,  # ROPE_OUT: [M, Hq, 2 half] rotated q
-    k_cache_ptr=0,  # ROPE_OUT: [blocks, block size, Hkv, 2 half]
-    v_cache_ptr=0,
-    num_q_heads=1,
-    num_kv_heads=1,
-    cache_block=1,  # tokens per cache block
-    stride_qo_t=0,
-    stride_qo_h=0,
-    stride_kb=0,
-    stride_kt=0,
-    stride_kh=0,
-    stride_vb=0,
-    stride_vt=0,
-    stride_vh=0,
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -657,19 +513,7 @@ def _gemv_h2_kernel(
     """
     WPG: tl.constexpr = GROUP // 8  # words per group
     pid_n, pid_k, m, offs_n, n_mask, offs_w, x_row, q_cols, g_start, g_end, w_end, q_first = (
-        _row_program(
-            x_ptr,
-            qw_ptr,
-            N,
-            G,
-            groups_per_split,
-            stride_xm,
-            stride_qw,
-            BLOCK_N,
-            WPG,
-            SILU_OUT or ROPE_OUT,
-            half,
-        )  # fmt: skip
+        _row_program(x_ptr, qw_ptr, N, G, groups_per_split, stride_xm, stride_qw, BLOCK_N, WPG)
     )
     offs_k = tl.arange(0, GROUP)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -679,25 +523,8 @@ def _gemv_h2_kernel(
         q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
     else:
         q_next = q_first
-    if RES_OUT:  # a weight: no kernel writes it
-        g_norm = tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    scale = 1.0
-    if not RES_OUT:  # (placeholders: the epilogue takes them, reads them only with RES_OUT)
-        r, g_norm = 0.0, 0.0
-        r_ptrs, xw_ptrs, ssq_out = out_ptr, out_ptr, out_ptr
-    # NORM_IN / RES_OUT read what earlier kernels wrote, so after the wait; they are used only
-    # at the end, so their loads overlap the loop.
-    if NORM_IN:
-        pc = tl.arange(0, SSQ_P2)
-        ssq = tl.load(ssq_in_ptr + m.to(tl.int64) * ssq_count + pc, mask=pc < ssq_count, other=0.0)
-        scale = tl.rsqrt(tl.sum(ssq, axis=0) * inv_k + eps)
-    if RES_OUT:
-        r_ptrs = res_ptr + m.to(tl.int64) * N + offs_n
-        r = tl.load(r_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-        xw_ptrs = xw_ptr + m.to(tl.int64) * N + offs_n
-        ssq_out = ssq_out_ptr + m * tl.num_programs(0) + pid_n
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
@@ -759,20 +586,8 @@ def _gemv_h2_kernel(
             total = tl.sum(lo + hi, axis=0)
         acc += s * (total * unscale) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    if NORM_IN or RES_OUT or SILU_OUT or ROPE_OUT:
-        y, last = _row_sums(acc, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                            REDUCE, SPLIT_P2)  # fmt: skip
-        if last:
-            _fused_epilogue(
-                y, out, n_mask, pid_n, m, scale, r, r_ptrs, g_norm, xw_ptrs, ssq_out, half,
-                act_ptr, positions_ptr, slot_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                num_q_heads, num_kv_heads, cache_block, stride_qo_t, stride_qo_h, stride_kb,
-                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, BLOCK_N, NORM_IN, RES_OUT,
-                SILU_OUT, ROPE_OUT,
-            )  # fmt: skip
-    else:
-        _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                    REDUCE, SPLIT_P2, EVEN)  # fmt: skip
+    _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                REDUCE, SPLIT_P2, EVEN)  # fmt: skip
 
 
 @triton.jit
@@ -1445,57 +1260,13 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
 
 
 def launch_gemv_h2(
-    x: torch.Tensor,
-    w: QuantizedWeight,
-    config: GemvH2Config,
-    xq: GemvX | None = None,
-    norm_in: NormIn | None = None,
-    res_out: ResOut | None = None,
-    silu_out: bool = False,
-    rope_out: RopeOut | None = None,
+    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
-    from its producer) the kernel reads that instead of x. `norm_in` / `res_out`: an RMSNorm
-    folded in before / after (see `gemv_normed`, `gemv_add_residual`); with `res_out` the
-    output is its x (the output itself is not written). `silu_out`: w is [gate; up] and the
-    output is silu(gate) * up (`gemv_silu`); `rope_out`: w is the fused q/k/v projection and
-    the output is the rotated q (k and v go into the cache, `gemv_rope`)."""
+    from its producer) the kernel reads that instead of x."""
     m, k = x.shape
     n = w.out_features
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
-    fused = {}
-    if norm_in is not None:
-        if xq is not None:
-            raise ValueError("NormIn reads x as it is: no GemvX with it")
-        parts = norm_in.ssq.shape[1]
-        if norm_in.ssq.shape[0] != m or norm_in.ssq.dtype != torch.float32:
-            raise ValueError(f"NormIn.ssq must be float32 [{m}, parts], got {norm_in.ssq.shape}")
-        fused.update(NORM_IN=True, ssq_in_ptr=norm_in.ssq.contiguous(), ssq_count=parts,
-                     inv_k=1.0 / k, eps=float(norm_in.eps), SSQ_P2=triton.next_power_of_2(parts))  # fmt: skip
-    if res_out is not None:
-        r, g = res_out.residual, res_out.weight
-        if r.shape != (m, n) or not r.is_contiguous() or g.shape != (n,):
-            raise ValueError(
-                f"ResOut: residual must be a contiguous [{m}, {n}] and its norm weight [{n}], got "
-                f"{tuple(r.shape)} and {tuple(g.shape)}"
-            )
-        res_out.x = torch.empty((m, n), dtype=r.dtype, device=x.device)
-        res_out.ssq = torch.empty((m, sl.blocks), dtype=torch.float32, device=x.device)
-        fused.update(RES_OUT=True, res_ptr=r, g_ptr=g, xw_ptr=res_out.x, ssq_out_ptr=res_out.ssq)
-    if silu_out:
-        if res_out is not None:
-            raise ValueError("silu_out and res_out are two outputs: one at a time")
-        if n % 2 or (n // 2) % (config.block_n // 2):
-            raise ValueError(
-                f"silu_out needs [gate; up] of whole half column blocks: N {n}, block_n "
-                f"{config.block_n}"
-            )
-        act = torch.empty((m, n // 2), dtype=sl.out.dtype, device=x.device)
-        fused.update(SILU_OUT=True, half=n // 2, act_ptr=act)
-    if rope_out is not None:
-        if res_out is not None or silu_out:
-            raise ValueError("rope_out is an output of its own: no res_out or silu_out with it")
-        act = _rope_args(rope_out, m, n, config.block_n, sl.out.dtype, fused)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1530,47 +1301,12 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
-        **fused,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
         **pdl.launch_options(x),
     )
-    return (act if silu_out or rope_out is not None else sl.out), kernel
-
-
-def _rope_args(ro: RopeOut, m: int, n: int, block_n: int, dtype, fused: dict) -> torch.Tensor:
-    """The kernel arguments of a `RopeOut` (into `fused`); returns the q it writes."""
-    kc, vc = ro.k_cache, ro.v_cache
-    d = kc.shape[-1]
-    hq, hkv = ro.num_q_heads, ro.num_kv_heads
-    if n != (hq + 2 * hkv) * d or kc.shape != vc.shape or kc.shape[2] != hkv:
-        raise ValueError(
-            f"RopeOut: a q/k/v weight of {n} rows does not fit {hq} q heads, {hkv} kv heads and "
-            f"a cache of shape {tuple(kc.shape)}"
-        )
-    if (d // 2) % (block_n // 2) or kc.dtype != dtype or vc.dtype != dtype:
-        raise ValueError(
-            f"RopeOut needs half a head ({d // 2}) of whole half column blocks ({block_n // 2}) "
-            f"and a {dtype} cache (got {kc.dtype}; an FP8 / INT8 cache is not folded)"
-        )
-    if kc.stride(-1) != 1 or vc.stride(-1) != 1:
-        raise ValueError("RopeOut: the caches need a contiguous last dimension")
-    cs = ro.cos_sin
-    if cs.dtype != torch.float32 or not cs.is_contiguous() or cs.shape[1] != d:
-        raise ValueError(f"RopeOut: cos_sin must be a contiguous float32 [P, {d}] table")
-    if ro.positions.shape != (m,) or ro.slot_mapping.shape != (m,):
-        raise ValueError(f"RopeOut: positions and slot_mapping need {m} entries")
-    q = torch.empty((m, hq, d), dtype=dtype, device=kc.device)
-    fused.update(
-        ROPE_OUT=True, half=d // 2, positions_ptr=ro.positions, slot_ptr=ro.slot_mapping,
-        cos_sin_ptr=cs, q_out_ptr=q, k_cache_ptr=kc, v_cache_ptr=vc, num_q_heads=hq,
-        num_kv_heads=hkv, cache_block=kc.shape[1], stride_qo_t=q.stride(0),
-        stride_qo_h=q.stride(1), stride_kb=kc.stride(0), stride_kt=kc.stride(1),
-        stride_kh=kc.stride(2), stride_vb=vc.stride(0), stride_vt=vc.stride(1),
-        stride_vh=vc.stride(2),
-    )  # fmt: skip
-    return q
+    return sl.out, kernel
 
 
 def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
@@ -1593,118 +1329,6 @@ def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
         **pdl.launch_options(x),
     )
     return sl.out, kernel
-
-
-@dataclass
-class NormIn:
-    """x of an M = 1 GEMV is an RMSNorm's output before its 1 / rms (residual times the norm
-    weight), as the GEMV before it wrote it (`gemv_add_residual`); `ssq` [M, parts] (float32),
-    the parts of the residual's sum of squares that GEMV wrote."""
-
-    ssq: torch.Tensor
-    eps: float
-
-
-@dataclass
-class ResOut:
-    """An M = 1 GEMV's output added to `residual` ([M, N], updated in place) as the residual
-    add before an RMSNorm of weight `weight` [N]; the launch fills in `x` (the new residual
-    times the weight, the next GEMV's x) and `ssq` ([M, column blocks] float32 parts of the new
-    residual's sum of squares)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    x: torch.Tensor | None = None
-    ssq: torch.Tensor | None = None
-
-
-@dataclass
-class RopeOut:
-    """Where a one-row fused q/k/v GEMV puts its output instead of storing it: q and k rotated
-    (the cos/sin table [P, head_dim], float32, at `positions`), q returned as [M, Hq, D], k and
-    v written into their (16-bit) caches at `slot_mapping` (< 0: not written), as
-    `tandem.kernels.rotary.rope_cache_write` does after an unfused GEMV."""
-
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    slot_mapping: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    num_q_heads: int
-    num_kv_heads: int
-
-
-def gemv_foldable(
-    w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, device, pair_half: int | None = None
-) -> bool:
-    """Whether a one-row product with `w` can have its neighbours folded into it (`gemv_normed`,
-    `gemv_add_residual`): the packed-fp16 GEMV serves it; `pair_half`: and its rows pair up in
-    groups of 2 `pair_half` for `gemv_silu` (N / 2) or `gemv_rope` (head_dim / 2)."""
-    if not isinstance(w, QuantizedWeight) or w.qweight.device.type != torch.device(device).type:
-        return False
-    k, n = w.in_features, w.out_features
-    config = default_config(1, n, k, torch.device(device), w, x_dtype)
-    if not isinstance(config, GemvH2Config):
-        return False
-    hb = config.block_n // 2
-    return pair_half is None or (pair_half % hb == 0 and n % (2 * pair_half) == 0)
-
-
-def _h2_config(x: torch.Tensor, w: QuantizedWeight, what: str) -> GemvH2Config:
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != w.in_features or x.stride(1) != 1:
-        raise ValueError(f"{what}: x must be one contiguous row of {w.in_features}, got {x.shape}")
-    config = default_config(1, w.out_features, w.in_features, x.device, w, x.dtype)
-    if not isinstance(config, GemvH2Config):
-        raise ValueError(f"{what} needs the packed-fp16 GEMV (see gemv_foldable)")
-    return config
-
-
-def gemv_normed(x: torch.Tensor, w: QuantizedWeight, norm_in: NormIn) -> torch.Tensor:
-    """RMSNorm(residual) @ W^T for one row, from x = residual * norm weight (`ResOut.x`) and the
-    parts of residual's sum of squares: the GEMV scales its sums by 1 / rms at the end."""
-    return launch_gemv_h2(x, w, _h2_config(x, w, "gemv_normed"), None, norm_in)[0]
-
-
-def gemv_silu(
-    x: torch.Tensor,
-    w: QuantizedWeight,
-    norm_in: NormIn | None = None,
-    xq: GemvX | None = None,
-) -> torch.Tensor:
-    """silu(gate) * up for one row, where x @ W^T = [gate, up] (the fused gate/up projection),
-    in the GEMV: each program computes a block of gate's columns and the same ones of up, and
-    the last to arrive stores silu(gate) * up, rounded as `silu_and_mul` rounds. `norm_in`: x
-    is a folded RMSNorm's (`gemv_normed`); `xq`: x's GemvX form."""
-    config = _h2_config(x, w, "gemv_silu")
-    return launch_gemv_h2(x, w, config, xq, norm_in, silu_out=True)[0]
-
-
-def gemv_rope(
-    x: torch.Tensor,
-    w: QuantizedWeight,
-    rope_out: RopeOut,
-    norm_in: NormIn | None = None,
-    xq: GemvX | None = None,
-) -> torch.Tensor:
-    """The fused q/k/v projection of one row with the rotary embedding and the KV-cache write
-    in its epilogue: each program computes dims i and i + D/2 of one head, so the last to arrive
-    can rotate them; returns q [1, Hq, D] (`RopeOut`). `norm_in` / `xq`: as `gemv_silu`."""
-    config = _h2_config(x, w, "gemv_rope")
-    return launch_gemv_h2(x, w, config, xq, norm_in, rope_out=rope_out)[0]
-
-
-def gemv_add_residual(
-    x: torch.Tensor,
-    w: QuantizedWeight,
-    res_out: ResOut,
-    norm_in: NormIn | None = None,
-    xq: GemvX | None = None,
-) -> ResOut:
-    """residual += x @ W^T for one row (rounded as the unfused residual add), writing the next
-    RMSNorm's inputs (`res_out.x`, `res_out.ssq`) instead of the product. `norm_in` / `xq`: as
-    `gemv_silu`."""
-    launch_gemv_h2(x, w, _h2_config(x, w, "gemv_add_residual"), xq, norm_in, res_out)
-    return res_out
 
 
 def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight, xq: GemvX | None = None) -> torch.Tensor:

@@ -22,19 +22,7 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import (
-    GemvX,
-    NormIn,
-    ResOut,
-    RopeOut,
-    gemv_add_residual,
-    gemv_foldable,
-    gemv_normed,
-    gemv_rope,
-    gemv_silu,
-    gemv_x_group,
-    n_major,
-)
+from tandem.kernels.w4a16 import GemvX, gemv_x_group, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -202,45 +190,6 @@ def _silu_mul(gu, consumer, one_row: bool):
     return silu_and_mul_gemv_x(gu, group)
 
 
-def _folds(layers, cfg, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool, bool]:
-    """What a one-row step folds into its INT4 GEMVs, each where every layer's GEMVs can take it
-    (the packed-fp16 GEMV; see `gemv_foldable`): every RMSNorm after the first into the GEMVs
-    around it (`ResOut`, `NormIn`), silu * up into the gate/up GEMV (`gemv_silu`), the rotary +
-    KV-cache write into the q/k/v GEMV where the cache is 16-bit (`gemv_rope`; not with a q/k/v
-    bias): (norms, silu, rope). All on by default (an INT4 Llama-3-8B-shaped decode step 9%
-    faster on the H200, bench/results/h200_session12.json); TANDEM_GEMV_NORM / TANDEM_GEMV_SILU
-    / TANDEM_GEMV_ROPE = 0 turn one off."""
-
-    def on(var: str) -> bool:
-        return os.environ.get(var, "1") != "0"
-
-    norms = on("TANDEM_GEMV_NORM") and all(
-        gemv_foldable(w, dtype, device)
-        for lw in layers
-        for w in (lw.qkv, lw.o, lw.gate_up, lw.down)
-    )
-    silu = on("TANDEM_GEMV_SILU") and all(
-        gemv_foldable(lw.gate_up, dtype, device, lw.gate_up.out_features // 2) for lw in layers
-    )
-    rope = on("TANDEM_GEMV_ROPE") and all(
-        lw.qkv_bias is None and gemv_foldable(lw.qkv, dtype, device, cfg.head_dim // 2)
-        for lw in layers
-    )
-    return norms, silu, rope
-
-
-def _mlp_act(x, lw, one_row: bool, silu: bool, xq=None, norm_in=None):
-    """silu(gate) * up of a layer's MLP input x, and its GemvX form for the down GEMV where the
-    silu * up kernel writes one: in the gate/up GEMV (`silu`), else after it."""
-    if silu:
-        return gemv_silu(x, lw.gate_up, norm_in, xq), None
-    if norm_in is not None:
-        gu = gemv_normed(x, lw.gate_up, norm_in)
-    else:
-        gu = _cuda_linear(x, lw.gate_up, xq=xq)
-    return _silu_mul(gu, lw.down, one_row)
-
-
 class LlamaModel:
     """Weights plus the forward pass; no KV allocation, no scheduling."""
 
@@ -403,45 +352,36 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
-        fold, silu, rope = (
-            _folds(self.layers, cfg, h.dtype, h.device) if one_row else (False, False, False)
-        )
-        folded: ResOut | None = None  # fold: the previous down GEMV's residual add
         for i, lw in enumerate(self.layers):
-            norm_in = None
-            if folded is None:
-                x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
-            else:
-                x, xq, norm_in = folded.x, None, NormIn(folded.ssq, eps)
+            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
+            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
-            if rope and k_scale is None:  # rotated and written into the cache by the GEMV
-                ro = RopeOut(positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv)
-                q = gemv_rope(x, lw.qkv, ro, norm_in, xq)
-            else:
-                if norm_in is None:
-                    qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
-                else:
-                    qkv = gemv_normed(x, lw.qkv, norm_in)
-                    if lw.qkv_bias is not None:
-                        qkv = qkv + lw.qkv_bias
-                if k_scale is None:
-                    q = rope_cache_write(
-                        qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
-                    )
-                elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one launch
-                    q = rope_cache_write_scaled(
-                        qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache,
-                        k_scale, v_scale, hq, hkv,
-                    )  # fmt: skip
-                else:  # FP8 / INT8 cache: quantize on write, per-block scales
-                    if cos is None:
-                        cs = self.cos_sin.index_select(0, positions).to(self.dtype)
-                        cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
-                    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                    q = apply_rotary(q.view(t, hq, d), cos, sin)
-                    k = apply_rotary(k.view(t, hkv, d), cos, sin)
-                    kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
+            if k_scale is None:
+                q = rope_cache_write(
+                    qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
+                )
+            elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one fused launch
+                q = rope_cache_write_scaled(
+                    qkv,
+                    positions,
+                    self.cos_sin,
+                    meta.slot_mapping,
+                    k_cache,
+                    v_cache,
+                    k_scale,
+                    v_scale,
+                    hq,
+                    hkv,
+                )
+            else:  # FP8 / INT8 cache: quantize on write, per-block scales
+                if cos is None:
+                    cs = self.cos_sin.index_select(0, positions).to(self.dtype)
+                    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
+                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+                q = apply_rotary(q.view(t, hq, d), cos, sin)
+                k = apply_rotary(k.view(t, hkv, d), cos, sin)
+                kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
             if meta.decode_only:
                 attn = paged_attention_decode_triton(
                     q,
@@ -453,9 +393,10 @@ class LlamaModel:
                     partition_size=decode_partition_size(t, hkv),
                     k_scale=k_scale,
                     v_scale=v_scale,
-                    # With folded GEMVs the partitions merge faster in a kernel of their own
-                    # (bench/results/h200_session12.json); else the last partition merges.
-                    merge_last=not (fold or silu or rope),
+                    # One row of INT4 weights: the partitions merge faster in a kernel of their
+                    # own (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights
+                    # by the last partition (4.54 against 4.59). bench/results/h200_session12.json
+                    merge_last=not (one_row and isinstance(lw.o, QuantizedWeight)),
                 )
             else:
                 kind = varlen_attention_kind(meta.query_start_loc, meta.context_lens_list)
@@ -475,21 +416,9 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            if fold:
-                # The residual (a fresh tensor of this forward) is updated in place.
-                ro = gemv_add_residual(
-                    attn.reshape(t, hq * d), lw.o, ResOut(residual, lw.post_norm)
-                )
-                act, aq = _mlp_act(ro.x, lw, one_row, silu, norm_in=NormIn(ro.ssq, eps))
-                if i + 1 < len(self.layers):
-                    nxt = ResOut(residual, self.layers[i + 1].input_norm)
-                    folded = gemv_add_residual(act, lw.down, nxt, xq=aq)
-                    continue
-                h = _cuda_linear(act, lw.down, xq=aq)
-                break
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
             x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
-            act, aq = _mlp_act(x, lw, one_row, silu, xq=xq)
+            act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)
             h = _cuda_linear(act, lw.down, xq=aq)
         return rmsnorm(h, self.norm, eps, residual)[0]
 

@@ -67,18 +67,11 @@ def pdl():
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
-@pytest.mark.parametrize("switch", ["", "prewait", "folds", "prewait+folds"])
-def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, switch, monkeypatch) -> None:
-    """prewait (TANDEM_PDL_PREWAIT): the decode attention's context length and L2 prefetch
-    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits.
-    folds (TANDEM_GEMV_NORM, _SILU and _ROPE, INT4 weights): the RMSNorms, silu * up and,
-    with a bf16 cache, the rotary + cache write folded into the GEMVs, step after step (and the
-    attention's partitions merged by a second kernel). Each on and off; both are the default."""
-    if "folds" in switch and weights == "bf16":
-        pytest.skip("the folds are INT4 GEMV epilogues")
-    monkeypatch.setenv("TANDEM_PDL_PREWAIT", "1" if "prewait" in switch else "0")
-    for name in ("NORM", "SILU", "ROPE"):
-        monkeypatch.setenv(f"TANDEM_GEMV_{name}", "1" if "folds" in switch else "0")
+@pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
+def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
+    """prewait (TANDEM_PDL_PREWAIT=1): the decode attention's context length and L2 prefetch
+    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits."""
+    monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 

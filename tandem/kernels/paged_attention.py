@@ -12,8 +12,8 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    output) for its partition;
 2. the partitions are merged with a log-sum-exp reduction: by the program of stage 1 that
    finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
-   which saves a launch and its wait on the critical path of a decode step; with
-   by a second kernel, one program per (sequence, query head) (`merge_last=False`, which the
+   which saves a launch and its wait on the critical path of a decode step; or by a second
+   kernel, one program per (sequence, query head) (`merge_last=False`, which the
    model asks for in one-row steps of INT4 weights: measured faster there; TANDEM_DECODE_MERGE=1
    / 0 forces the one or the other).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is

@@ -469,7 +469,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait); "l2_*":
     # weights prefetched into L2 while the DRAM is otherwise idle (TANDEM_L2_PREFETCH, see
     # tandem.model.llama). QUANT_H200_L2="spec;spec;..." adds a row "l2[spec]" per spec, and
-    # QUANT_H200_M1_ROWS="weights/mode,..." runs only those rows (quick comparisons).
+    # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons).
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
@@ -489,7 +489,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
         modes[f"l2[{spec}]"] = {"TANDEM_L2_PREFETCH": spec}
         order.append(("int4_all", f"l2[{spec}]"))
     if os.environ.get("QUANT_H200_M1_ROWS"):
-        order = [tuple(r.split("/", 1)) for r in os.environ["QUANT_H200_M1_ROWS"].split(",")]
+        order = [tuple(r.split("/", 1)) for r in os.environ["QUANT_H200_M1_ROWS"].split()]
     # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows
     # run QUANT_H200_REPEAT passes (3 unless --smoke), every other one in reverse order; each row
     # reports every pass's time, their median (step_ms) and the kernel profile of its first.

@@ -75,7 +75,8 @@ def main() -> int:
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
             # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
-            # (GemvH2Config.addr, 0 or 1; default: its own) and maxnreg (0: ptxas's choice)
+            # (GemvH2Config.addr, 0 or 1; default: its own), maxnreg (0: ptxas's choice) and
+            # ahead (GemvH2Config.ahead, 0 or 1)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
             opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
@@ -87,6 +88,7 @@ def main() -> int:
                 maxnreg=int(opts["maxnreg"]) or None
                 if "maxnreg" in opts
                 else wk.GemvH2Config.maxnreg,
+                ahead=bool(int(opts.get("ahead", 0))),
             )
             xq_of_x = wk.gemv_x_ref(x, 128) if spec.startswith("h2x:") else None
 

@@ -469,7 +469,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait); "l2_*":
     # weights prefetched into L2 while the DRAM is otherwise idle (TANDEM_L2_PREFETCH, see
     # tandem.model.llama). QUANT_H200_L2="spec;spec;..." adds a row "l2[spec]" per spec, and
-    # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons).
+    # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
+    # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
@@ -485,6 +486,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
              ("int4_all", "l2_off"), ("int4_all", "l2_o"), ("int4_all", "l2_o_gate_up"),
              ("bf16", "l2_o"), ("int4", "default"), ("int4", "ffma")]  # fmt: skip
+    modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
     for spec in filter(None, os.environ.get("QUANT_H200_L2", "").split(";")):
         modes[f"l2[{spec}]"] = {"TANDEM_L2_PREFETCH": spec}
         order.append(("int4_all", f"l2[{spec}]"))

@@ -505,9 +505,10 @@ def test_gemv_x_written_by_producers() -> None:
 
 
 def test_packed_half_gemv_addressing_is_bit_equal() -> None:
-    """Code-word addresses from a base per group (`addr`) change only how words are found, so
-    outputs equal the plain addressing's bit for bit, reading x or its GemvX form, with uneven
-    splits; by default it is used where x is read as it is."""
+    """Code-word addresses from a base per group (`addr`) change only how words are found, and
+    scales a group ahead (`ahead`) only when they are loaded, so outputs equal the plain
+    kernel's bit for bit, reading x or its GemvX form, with uneven splits; by default `addr` is
+    used where x is read as it is."""
     g = torch.Generator().manual_seed(7)
     for n, k, group, block_n, split in ((48, 384, 64, 16, 4), (40, 512, 128, 16, 4)):
         qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, group))
@@ -515,9 +516,10 @@ def test_packed_half_gemv_addressing_is_bit_equal() -> None:
         plain = wk.GemvH2Config(block_n=block_n, split_k=split, addr=False)
         based = wk.GemvH2Config(block_n=block_n, split_k=split, addr=True)
         auto = wk.GemvH2Config(block_n=block_n, split_k=split)
+        ahead = wk.GemvH2Config(block_n=block_n, split_k=split, ahead=True)
         for xq in (None, wk.gemv_x_ref(x, group)):
             want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
-            for cfg in (based, auto):
+            for cfg in (based, auto, ahead):
                 got = wk.w4a16_matmul_triton(x, qw, cfg, xq=xq)
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
 

@@ -491,6 +491,7 @@ def _gemv_h2_kernel(
     PDL: tl.constexpr,
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
+    AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -524,8 +525,14 @@ def _gemv_h2_kernel(
         q_next = _group_words(qw_ptr, woff, g_start, g_end, stride_qw, n_mask, WPG, EVEN)
     else:
         q_next = q_first
+    if AHEAD:  # scales and zero points are weights too: the first group's before the wait
+        s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, g_start, stride_sg, offs_n, n_mask, EVEN)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
+    if AHEAD and XPREP:
+        xs_row = xs_ptr + m.to(tl.int64) * G * 2
+        unscale_next = tl.load(xs_row + g_start * 2)
+        x_sum_next = tl.load(xs_row + g_start * 2 + 1)
     for g in range(g_start, g_end):
         q = q_next
         wi = g * WPG + offs_w
@@ -533,14 +540,26 @@ def _gemv_h2_kernel(
             q_next = _group_words(qw_ptr, woff, g + 1, g_end, stride_qw, n_mask, WPG, EVEN)
         else:
             q_next = _code_words(q_cols, wi + WPG, w_end, n_mask, stride_qw)
-        s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
+        if AHEAD:
+            # This group's came with the one before; the next one's (the last group's again at
+            # the end: an address in range) now, so no DRAM round trip waits inside a group.
+            gn = tl.minimum(g + 1, g_end - 1)
+            s, mn = s_next, mn_next
+            s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, gn, stride_sg, offs_n, n_mask, EVEN)
+        else:
+            s, mn = _scales_of_group(s_ptr, mn_ptr, g, stride_sg, offs_n, n_mask, EVEN)
         if XPREP:
             # x as its producer wrote it (`GemvX`): scaled fp16 x, paired here by two byte
             # permutes per two pairs, and the group's 2**24 / scale and sum of x.
             xw = (x_row + g * GROUP).to(tl.pointer_type(tl.int32)) + offs_w * 4
-            xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
-            unscale = tl.load(xs)
-            x_sum = tl.load(xs + 1)
+            if AHEAD:
+                unscale, x_sum = unscale_next, x_sum_next
+                unscale_next = tl.load(xs_row + gn * 2)
+                x_sum_next = tl.load(xs_row + gn * 2 + 1)
+            else:
+                xs = xs_ptr + (m.to(tl.int64) * G + g) * 2
+                unscale = tl.load(xs)
+                x_sum = tl.load(xs + 1)
         else:
             xg = tl.load(x_row + g * GROUP + offs_k).to(tl.float32)
             x_sum = tl.sum(xg, axis=0)
@@ -869,6 +888,11 @@ class GemvH2Config:
     num_stages: int = 1
     addr: bool | None = None
     maxnreg: int | None = None
+    # Scales and zero points (and GemvX's scalars) loaded a group ahead. Measured on the H200
+    # (bench/results/h200_session13.json): with maxnreg=72, 14336 x 4096 10.72 / 10.64 us against
+    # 10.98 / 10.81 and 28672 x 4096 18.83 against 20.16 / 19.07, but 4096 x 14336 11.36 against
+    # 11.24 and the decode step unchanged (2.108 ms against 2.110): not the default.
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -1352,6 +1376,7 @@ def launch_gemv_h2(
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
+        AHEAD=config.ahead,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -466,9 +466,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # the attention's L2 prefetch before its PDL wait). Each other row changes one thing:
     # "no_prewait" (TANDEM_PDL_PREWAIT=0), "merge_last" / "merge_kernel" (TANDEM_DECODE_MERGE=1
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
-    # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait); "l2_*":
-    # weights prefetched into L2 while the DRAM is otherwise idle (TANDEM_L2_PREFETCH, see
-    # tandem.model.llama). QUANT_H200_L2="spec;spec;..." adds a row "l2[spec]" per spec, and
+    # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait).
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
@@ -478,18 +476,12 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "merge_last": {"TANDEM_DECODE_MERGE": "1"},
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
              "ffma": {"TANDEM_GEMV_H2": "0"},
-             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
-             "l2_off": {"TANDEM_L2_PREFETCH": "0"}, "l2_o": {"TANDEM_L2_PREFETCH": "o=1"},
-             "l2_o_gate_up": {"TANDEM_L2_PREFETCH": "o=1,gate_up=0.25"}}  # fmt: skip
+             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "l2_off"), ("int4_all", "l2_o"), ("int4_all", "l2_o_gate_up"),
-             ("bf16", "l2_o"), ("int4", "default"), ("int4", "ffma")]  # fmt: skip
+             ("int4", "default"), ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
-    for spec in filter(None, os.environ.get("QUANT_H200_L2", "").split(";")):
-        modes[f"l2[{spec}]"] = {"TANDEM_L2_PREFETCH": spec}
-        order.append(("int4_all", f"l2[{spec}]"))
     if os.environ.get("QUANT_H200_M1_ROWS"):
         order = [tuple(r.split("/", 1)) for r in os.environ["QUANT_H200_M1_ROWS"].split()]
     # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows

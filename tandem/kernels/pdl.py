@@ -5,9 +5,7 @@ one kernel's last block and the next one's first useful load is a large part of 
 PDL a kernel is launched while its predecessor still runs: its blocks start, do what does not
 depend on the predecessor (a GEMV loads its weights, which no kernel writes), then wait for the
 predecessor to finish (`wait`) before they read its output. Each kernel lets its successor launch
-(`launch_dependents`) once it has passed its own wait, so at most two kernels overlap. The one
-exception is the L2 prefetch kernel (`tandem.kernels.prefetch`): it writes nothing and reads only
-weights, so it lets its successor launch first and waits last.
+(`launch_dependents`) once it has passed its own wait, so at most two kernels overlap.
 
 The ordering rule that keeps this correct: every kernel launched with PDL calls `wait` before it
 reads anything an earlier kernel wrote, and calls it unconditionally (a kernel that skipped it

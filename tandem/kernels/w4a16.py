@@ -20,7 +20,6 @@ added with float32 atomics into a zeroed buffer that is cast to the activation d
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -947,56 +946,6 @@ def n_major(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(
         t(w.qweight), t(w.scales), t(w.mins), w.bits, w.group_size, w.in_features, w.zero_point
     )
-
-
-def _span(t: torch.Tensor, r0: int, r1: int) -> tuple[int, int]:
-    """(address, bytes) of rows r0 .. r1 of the [rows, n] storage behind an N-major [n, rows]
-    view t (row r at t.data_ptr() + r * t.stride(1) elements), up to the last row's end."""
-    if r1 <= r0:
-        return t.data_ptr(), 0
-    es = t.element_size()
-    start = t.data_ptr() + r0 * t.stride(1) * es
-    return start, ((r1 - 1 - r0) * t.stride(1) + t.shape[0]) * es
-
-
-def gemv_prefetch_ranges(
-    w: QuantizedWeight | torch.Tensor, fraction: float, split: int = 1
-) -> list[tuple[int, int]]:
-    """Byte ranges (address, size) of `w` for an L2 prefetch (`tandem.kernels.prefetch`) ahead of
-    its M = 1 product: the first `fraction` of the groups of each of the `split` K ranges the
-    GEMV's programs read in parallel (every program starts on its range's first groups, so those
-    are read first), codes, scales and zero points; fraction >= 1 is all of it. A weight that is
-    not INT4 N-major (a float tensor, row-major codes) gives the first `fraction` of each of its
-    tensors' bytes."""
-    if not 0 <= fraction:
-        raise ValueError(f"prefetch fraction must be >= 0, got {fraction}")
-    if fraction == 0:
-        return []
-    if isinstance(w, torch.Tensor):
-        return [(w.data_ptr(), int(w.numel() * w.element_size() * min(fraction, 1.0)))]
-    if not (w.bits == 4 and is_n_major(w)):
-        return [(t.data_ptr(), int(t.numel() * t.element_size() * min(fraction, 1.0)))
-                for t in (w.qweight, w.scales, w.mins)]  # fmt: skip
-    groups = w.scales.shape[1]
-    wpg = w.group_size // 8  # code words per group
-    per_split = -(-groups // max(split, 1))
-    take = max(1, min(per_split, math.ceil(fraction * per_split - 1e-9)))  # groups per range
-    out = []
-    for g0 in range(0, groups, per_split):
-        g1 = min(g0 + take, groups)
-        out.append(_span(w.qweight, g0 * wpg, g1 * wpg))
-        out.append(_span(w.scales, g0, g1))
-        out.append(_span(w.mins, g0, g1))
-    return out
-
-
-def gemv_split(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype, m: int = 1) -> int:
-    """The K split of `w`'s product with m rows at its default launch (1 where it does not
-    split)."""
-    if not isinstance(w, QuantizedWeight):
-        return 1
-    cfg = default_config(m, w.out_features, w.in_features, w.qweight.device, w, x_dtype)
-    return getattr(cfg, "split_k", 1)
 
 
 @dataclass

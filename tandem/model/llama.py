@@ -20,11 +20,9 @@ from tandem.kernels.paged_attention import (
     paged_attention_varlen_ref,
     paged_attention_varlen_triton,
 )
-from tandem.kernels.prefetch import L2Prefetch
-from tandem.kernels.prefetch import available as l2_available
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import GemvX, gemv_prefetch_ranges, gemv_split, gemv_x_group, n_major
+from tandem.kernels.w4a16 import GemvX, gemv_x_group, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -192,40 +190,6 @@ def _silu_mul(gu, consumer, one_row: bool):
     return silu_and_mul_gemv_x(gu, group)
 
 
-# Decode steps on the GPU: which weights are prefetched into L2 ahead of their GEMV, and how much
-# of each (`TANDEM_L2_PREFETCH`, e.g. "o=1,gate_up=0.25": a fraction of each K range the GEMV's
-# programs read; "" or "0" for none). The prefetch runs where the DRAM is otherwise idle: o and
-# gate_up's during the attention (after the rotary + KV write), down's during silu * up, q/k/v's
-# during the layer's input RMSNorm. `tandem.kernels.prefetch`.
-L2_PREFETCH_WEIGHTS = {"qkv": "norm", "o": "attn", "gate_up": "attn", "down": "mlp"}
-
-
-def l2_prefetch_spec(spec: str | None = None) -> dict[str, float]:
-    """`TANDEM_L2_PREFETCH` (or `spec`) parsed: {weight: fraction}, with a clear error for a bad
-    entry."""
-    spec = os.environ.get("TANDEM_L2_PREFETCH", "") if spec is None else spec
-    out: dict[str, float] = {}
-    if spec.strip() in ("", "0", "off", "none"):
-        return out
-    for item in spec.split(","):
-        name, sep, frac = item.strip().partition("=")
-        if name not in L2_PREFETCH_WEIGHTS or not sep:
-            raise ValueError(
-                f"TANDEM_L2_PREFETCH entry {item!r}: expected NAME=FRACTION with NAME one of "
-                f"{', '.join(L2_PREFETCH_WEIGHTS)}"
-            )
-        try:
-            f = float(frac)
-        except ValueError:
-            raise ValueError(
-                f"TANDEM_L2_PREFETCH entry {item!r}: {frac!r} is not a number"
-            ) from None
-        if not 0 <= f <= 1:
-            raise ValueError(f"TANDEM_L2_PREFETCH entry {item!r}: fraction must be in [0, 1]")
-        out[name] = f
-    return out
-
-
 class LlamaModel:
     """Weights plus the forward pass; no KV allocation, no scheduling."""
 
@@ -297,7 +261,6 @@ class LlamaModel:
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_table(cfg, self.max_positions, self.device)
         self.scale = cfg.head_dim**-0.5
-        self._l2_plans: dict = {}  # `_l2_prefetch_plan`'s, by setting
 
     def forward(
         self,
@@ -367,31 +330,6 @@ class LlamaModel:
             h = h + cpu_linear(F.silu(gate) * up, lw.down)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
-    def _l2_prefetch_plan(self, t: int) -> dict[tuple[str, int], L2Prefetch]:
-        """{(point, layer): L2Prefetch} for a decode step of t tokens (`L2_PREFETCH_WEIGHTS`),
-        built once per setting (the weights never move) and reused by every step and graph."""
-        spec = l2_prefetch_spec()
-        if not spec or not l2_available(self.device):
-            return {}
-        key = (tuple(sorted(spec.items())), t)
-        cache = self._l2_plans
-        if key not in cache:
-            plan = {}
-            for i, lw in enumerate(self.layers):
-                ranges: dict[str, list] = {}
-                for name, frac in spec.items():
-                    w = getattr(lw, name)
-                    split = gemv_split(w, self.dtype, t)
-                    ranges.setdefault(L2_PREFETCH_WEIGHTS[name], []).extend(
-                        gemv_prefetch_ranges(w, frac, split)
-                    )
-                for point, rs in ranges.items():
-                    pf = L2Prefetch(rs, self.device)
-                    if pf.enabled:
-                        plan[(point, i)] = pf
-            cache[key] = plan
-        return cache[key]
-
     def _forward_cuda(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -414,16 +352,8 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
-        prefetch = self._l2_prefetch_plan(t) if meta.decode_only else {}
-
-        def l2_prefetch(point: str, i: int) -> None:
-            pf = prefetch.get((point, i))
-            if pf is not None:
-                pf.launch()
-
         for i, lw in enumerate(self.layers):
             x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
-            l2_prefetch("norm", i)
             qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
@@ -453,7 +383,6 @@ class LlamaModel:
                 k = apply_rotary(k.view(t, hkv, d), cos, sin)
                 kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
             if meta.decode_only:
-                l2_prefetch("attn", i)
                 attn = paged_attention_decode_triton(
                     q,
                     k_cache,
@@ -490,7 +419,6 @@ class LlamaModel:
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
             x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
             act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)
-            l2_prefetch("mlp", i)
             h = _cuda_linear(act, lw.down, xq=aq)
         return rmsnorm(h, self.norm, eps, residual)[0]
 

@@ -67,15 +67,11 @@ def pdl():
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
-@pytest.mark.parametrize("prewait", ["0", "1", "l2"], ids=["", "prewait", "prewait-l2"])
+@pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
 def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
     """prewait (TANDEM_PDL_PREWAIT=1): the decode attention's context length and L2 prefetch
-    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits; l2:
-    that and every weight prefetched into L2 (TANDEM_L2_PREFETCH; its kernel lets its successor
-    launch before its own wait), in the PDL graph and in the eager steps alike."""
-    monkeypatch.setenv("TANDEM_PDL_PREWAIT", "0" if prewait == "0" else "1")
-    if prewait == "l2":
-        monkeypatch.setenv("TANDEM_L2_PREFETCH", "qkv=0.5,o=1,gate_up=0.5,down=0.25")
+    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits."""
+    monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 
@@ -146,8 +142,6 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
             graph.replay()
             assert torch.equal(out, want[p]), f"step {p}: PDL graph differs from eager"
     assert isinstance(model.lm_head, torch.Tensor) == (weights == "bf16")
-    plan = model._l2_prefetch_plan(1)
-    assert (len(plan) == 3 * cfg.num_layers) == (prewait == "l2")
 
 
 def test_quantized_head_and_embedding_match_cpu_float() -> None:

@@ -75,8 +75,8 @@ def main() -> int:
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
             # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
-            # (GemvH2Config.addr, 0 or 1; default: its own), maxnreg (0: ptxas's choice) and
-            # ahead (GemvH2Config.ahead, 0 or 1)
+            # (GemvH2Config.addr, 0 or 1; default: its own), maxnreg (0: ptxas's choice),
+            # ahead (GemvH2Config.ahead, 0 or 1) and atomic (see below)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
             opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
@@ -92,8 +92,22 @@ def main() -> int:
             )
             xq_of_x = wk.gemv_x_ref(x, 128) if spec.startswith("h2x:") else None
 
-            def launch(x, w, cfg, xq=xq_of_x):  # x as its producer writes it (GemvX, h2x:)
-                return wk.launch_gemv_h2(x, w, cfg, xq)
+            atomic = int(opts.get("atomic", 0))
+            # atomic=1: the programs add into a float32 row with float atomics (`accumulate`),
+            # one zeroed row per weight copy, never re-zeroed while timing (the sums grow; the
+            # time is the kernel's); atomic=2: the same with each row zeroed by its own launch
+            # before each call (what a caller without a fused zeroing pays).
+            accs = {id(c): torch.zeros(args.m, n, device=dev) for c in ws} if atomic else {}
+            fresh = [True]
+
+            def launch(x, w, cfg, xq=xq_of_x, atomic=atomic, accs=accs, fresh=fresh):
+                if not atomic:  # x as its producer writes it (GemvX, h2x:)
+                    return wk.launch_gemv_h2(x, w, cfg, xq)
+                acc = accs[id(w)]
+                if atomic == 2 or fresh[0]:
+                    acc.zero_()
+                    fresh[0] = False
+                return wk.launch_gemv_h2(x, w, cfg, xq, accumulate=acc)
 
         elif spec.startswith("gemm:"):  # tl.dot kernel: gemm:bm,bn,bk,split_k,num_warps,stages
             cfg = wk.GemmConfig(*(int(v) for v in spec[5:].split(",")))
@@ -107,6 +121,7 @@ def main() -> int:
             launch = wk.launch_gemv_nmajor
         try:
             y, kern = launch(x, w, cfg)
+            y = y.clone()  # an `atomic` row goes on accumulating while timed
             for i in range(args.iters if not rows else 0):
                 launch(x, ws[i % COPIES], cfg)
             torch.cuda.synchronize()

@@ -28,6 +28,7 @@ def _silu_mul_kernel(
     PDL: tl.constexpr,
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
+    ACC_IN: tl.constexpr = False,  # x: a GEMV's float32 accumulator, rounded here, then zeroed
 ):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -39,8 +40,17 @@ def _silu_mul_kernel(
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     dt = out_ptr.dtype.element_ty
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    if ACC_IN:  # rounded as the GEMV would have stored them; zeroed once every lane has read
+        g = g.to(dt)
+        u = u.to(dt)
+        tl.debug_barrier()
+        zero = tl.zeros(cols.shape, tl.float32)
+        tl.store(x_ptr + row * stride_x + cols, zero, mask=mask)
+        tl.store(x_ptr + row * stride_x + n_cols + cols, zero, mask=mask)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     y = (s * u).to(dt)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
@@ -61,25 +71,33 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return _silu_mul_launch(x, None)[0]
 
 
-def silu_and_mul_gemv_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, GemvX]:
+def silu_and_mul_gemv_x(
+    x: torch.Tensor, group: int, acc_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, GemvX]:
     """`silu_and_mul_triton` that also writes its output in the GemvX form of the INT4 GEMV that
-    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
+    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass. `acc_dtype`: x is an INT4
+    GEMV's float32 accumulator (`w4a16.gemv_accumulates`), rounded to this dtype as the GEMV
+    would have stored it (the output's dtype too), and left zeroed."""
     n = x.shape[-1] // 2
     if x.dim() != 2 or n % group or group & (group - 1) or group > 1024:
         raise ValueError(f"GemvX needs [T, 2 I] rows of whole groups: x {tuple(x.shape)}, "
                          f"group {group}")  # fmt: skip
-    return _silu_mul_launch(x, GemvX.empty(x.shape[0], n, group, x.device))
+    return _silu_mul_launch(x, GemvX.empty(x.shape[0], n, group, x.device), acc_dtype)
 
 
-def _silu_mul_launch(x: torch.Tensor, xq: GemvX | None) -> tuple[torch.Tensor, GemvX | None]:
+def _silu_mul_launch(
+    x: torch.Tensor, xq: GemvX | None, acc_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, GemvX | None]:
     width = x.shape[-1]
     if width % 2:
         raise ValueError(f"last dimension {width} is not even (gate and up halves)")
+    if acc_dtype is not None and (x.dtype != torch.float32 or not x.is_contiguous()):
+        raise ValueError(f"acc_dtype needs a contiguous float32 accumulator, got {x.dtype}")
     n = width // 2
     x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=acc_dtype or x.dtype, device=x.device)
     o2 = out.view(-1, n)
     rows = x2.shape[0]
     if rows == 0 or n == 0:
@@ -97,6 +115,7 @@ def _silu_mul_launch(x: torch.Tensor, xq: GemvX | None) -> tuple[torch.Tensor, G
         BLOCK=block,
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
+        ACC_IN=acc_dtype is not None,
         num_warps=4,
         **pdl.launch_options(x2),
     )

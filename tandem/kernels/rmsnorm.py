@@ -38,6 +38,7 @@ def _rmsnorm_kernel(
     PDL: tl.constexpr,
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
+    ACC_IN: tl.constexpr = False,  # x: a GEMV's float32 accumulator, rounded here, then zeroed
 ):
     row = tl.program_id(0).to(tl.int64)
     if XQ:  # the row as [groups, GROUP] tiles, the shape the GemvX epilogue works in
@@ -49,7 +50,14 @@ def _rmsnorm_kernel(
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
 
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ACC_IN:
+        # Rounded as the GEMV would have stored it; zeroed for the GEMV's next call once every
+        # lane has read its part.
+        h = h.to(new_residual_ptr.dtype.element_ty)
+        tl.debug_barrier()
+        tl.store(x_ptr + row * stride_x + cols, tl.zeros(cols.shape, tl.float32), mask=mask)
+    h = h.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         # Round the sum to the stored dtype before normalising it, as the unfused add does.
@@ -91,9 +99,12 @@ def rmsnorm_triton(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., H]
+    acc_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add then Llama RMSNorm in one Triton pass; returns (out, new_residual)."""
-    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, None)
+    """Residual add then Llama RMSNorm in one Triton pass; returns (out, new_residual).
+    `acc_input`: x is an INT4 GEMV's float32 accumulator (`w4a16.gemv_accumulates`): it is
+    rounded to the residual's dtype as the GEMV would have stored it, and left zeroed."""
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, None, acc_input)
     return out, new_residual
 
 
@@ -103,6 +114,7 @@ def rmsnorm_gemv_x(
     eps: float,
     residual: torch.Tensor | None,
     group: int,
+    acc_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, GemvX]:
     """`rmsnorm_triton` that also writes its output in the GemvX form of the INT4 GEMV that
     reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
@@ -111,16 +123,22 @@ def rmsnorm_gemv_x(
         raise ValueError(f"GemvX needs [T, H] rows of whole groups: x {tuple(x.shape)}, "
                          f"group {group}")  # fmt: skip
     xq = GemvX.empty(x.shape[0], hidden, group, x.device)
-    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq)
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq, acc_input)
     return out, new_residual, xq
 
 
-def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
+def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool = False):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden {hidden}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    if acc_input and (residual is None or x.dtype != torch.float32 or not x.is_contiguous()):
+        raise ValueError(
+            "acc_input needs a contiguous float32 accumulator and a residual (whose dtype it is "
+            f"rounded to), got x {x.dtype} contiguous={x.is_contiguous()}, residual "
+            f"{None if residual is None else residual.dtype}"
+        )
 
     if weight.stride(0) != 1:
         weight = weight.contiguous()
@@ -129,7 +147,7 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if residual is not None:
-        new_dtype = torch.promote_types(x.dtype, residual.dtype)
+        new_dtype = residual.dtype if acc_input else torch.promote_types(x.dtype, residual.dtype)
         r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
@@ -168,6 +186,7 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None):
         BLOCK=block,
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
+        ACC_IN=acc_input,
         num_warps=num_warps,
         **pdl.launch_options(x2),
     )
@@ -179,8 +198,12 @@ def rmsnorm(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [..., H]
+    acc_input: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual-add + RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere."""
+    """Fused residual-add + RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere
+    (`acc_input`: see `rmsnorm_triton`; CUDA only)."""
     if x.is_cuda:
-        return rmsnorm_triton(x, weight, eps, residual)
+        return rmsnorm_triton(x, weight, eps, residual, acc_input)
+    if acc_input:
+        raise ValueError("acc_input is for CUDA tensors")
     return rmsnorm_ref(x, weight, eps, residual)

@@ -92,6 +92,7 @@ def _rope_cache_kernel(
     BLOCK_KV: tl.constexpr,  # Hkv padded to a power of 2
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # the token's position, slot and cos/sin before the wait
+    ACC_IN: tl.constexpr = False,  # qkv: a GEMV's float32 accumulator, rounded here, then zeroed
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
@@ -105,8 +106,20 @@ def _rope_cache_kernel(
     valid = heads < NUM_Q_HEADS + NUM_KV_HEADS
     row = qkv_ptr + tok * stride_qkv
     src = row + heads[:, None] * (2 * HALF) + offs[None, :]
-    x1 = tl.load(src, mask=valid[:, None], other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+    x1 = tl.load(src, mask=valid[:, None], other=0.0).to(dt).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=valid[:, None], other=0.0).to(dt).to(tl.float32)
+    vh = tl.arange(0, BLOCK_KV)
+    offs_d = tl.arange(0, 2 * HALF)
+    v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS) * (2 * HALF) + vh[:, None] * (2 * HALF)
+    if ACC_IN:  # every value read (v in full, whatever the slot), then the row zeroed
+        v = tl.load(v_src + offs_d[None, :], mask=(vh < NUM_KV_HEADS)[:, None], other=0.0)
+        v = v.to(dt)
+        tl.debug_barrier()
+        zero = tl.zeros([BLOCK_HEADS, HALF], tl.float32)
+        tl.store(src, zero, mask=valid[:, None])
+        tl.store(src + HALF, zero, mask=valid[:, None])
+        tl.store(v_src + offs_d[None, :], tl.zeros([BLOCK_KV, 2 * HALF], tl.float32),
+                 mask=(vh < NUM_KV_HEADS)[:, None])  # fmt: skip
     lo, hi = _rotate(x1, x2, cos, sin, dt)
 
     is_q = heads < NUM_Q_HEADS
@@ -124,11 +137,9 @@ def _rope_cache_kernel(
     tl.store(k_dst, lo.to(kdt), mask=is_k[:, None])
     tl.store(k_dst + HALF, hi.to(kdt), mask=is_k[:, None])
 
-    vh = tl.arange(0, BLOCK_KV)
     is_v = (vh < NUM_KV_HEADS) & ((vh * 0 + slot_raw) >= 0)
-    offs_d = tl.arange(0, 2 * HALF)
-    v_src = row + (NUM_Q_HEADS + NUM_KV_HEADS) * (2 * HALF) + vh[:, None] * (2 * HALF)
-    v = tl.load(v_src + offs_d[None, :], mask=is_v[:, None], other=0.0)
+    if not ACC_IN:
+        v = tl.load(v_src + offs_d[None, :], mask=is_v[:, None], other=0.0)
     v_dst = v_cache_ptr + blk * stride_vb + off * stride_vt + vh[:, None] * stride_vh
     tl.store(v_dst + offs_d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=is_v[:, None])
 
@@ -184,16 +195,21 @@ def rope_cache_write_triton(
     v_cache: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    acc_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Rotate q and k, write k and v into their cache slots in one pass; returns q [T, Hq, D]."""
+    """Rotate q and k, write k and v into their cache slots in one pass; returns q [T, Hq, D].
+    `acc_dtype`: qkv is an INT4 GEMV's float32 accumulator (`w4a16.gemv_accumulates`), rounded
+    to this dtype as the GEMV would have stored it (q's dtype too), and left zeroed."""
     t, d = _check(qkv, k_cache, num_q_heads, num_kv_heads)
+    if acc_dtype is not None and (qkv.dtype != torch.float32 or not qkv.is_contiguous()):
+        raise ValueError(f"acc_dtype needs a contiguous float32 accumulator, got {qkv.dtype}")
     if d < 2 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of 2, got {d}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("qkv and the caches need a contiguous last dimension")
     if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous() or cos_sin.shape[1] != d:
         raise ValueError(f"cos_sin must be a contiguous float32 [P, {d}] table")
-    q = torch.empty((t, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((t, num_q_heads, d), dtype=acc_dtype or qkv.dtype, device=qkv.device)
     if t == 0:
         return q
     _rope_cache_kernel[(t,)](
@@ -224,6 +240,7 @@ def rope_cache_write_triton(
         # (with contraction the compiler merges a product into the sum, one rounding fewer).
         enable_fp_fusion=False,
         PREWAIT=pdl.prewait(qkv),
+        ACC_IN=acc_dtype is not None,
         **pdl.launch_options(qkv),
     )
     return q
@@ -238,10 +255,18 @@ def rope_cache_write(
     v_cache: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    acc_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Rotary q/k plus the KV-cache write: the Triton kernel on CUDA, the eager ops elsewhere."""
-    fn = rope_cache_write_triton if qkv.is_cuda else rope_cache_write_ref
-    return fn(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, num_q_heads, num_kv_heads)
+    """Rotary q/k plus the KV-cache write: the Triton kernel on CUDA, the eager ops elsewhere
+    (`acc_dtype`: see `rope_cache_write_triton`; CUDA only)."""
+    if qkv.is_cuda:
+        return rope_cache_write_triton(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache,
+                                       num_q_heads, num_kv_heads, acc_dtype)  # fmt: skip
+    if acc_dtype is not None:
+        raise ValueError("acc_dtype is for CUDA tensors")
+    return rope_cache_write_ref(
+        qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, num_q_heads, num_kv_heads
+    )
 
 
 # ---- FP8 / INT8 caches: rotary + quantize-on-write, for decode steps ---------------------------

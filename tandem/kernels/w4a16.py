@@ -491,6 +491,7 @@ def _gemv_h2_kernel(
     XPREP: tl.constexpr,  # x_ptr holds `GemvX.scaled` (x scaled by its producer)
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
     AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
+    ATOMIC: tl.constexpr = False,  # out_ptr: a zeroed float32 row each program adds into
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -605,8 +606,11 @@ def _gemv_h2_kernel(
             total = tl.sum(lo + hi, axis=0)
         acc += s * (total * unscale) + mn * x_sum
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
-    _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                REDUCE, SPLIT_P2, EVEN)  # fmt: skip
+    if ATOMIC:  # float32 adds at L2, fire and forget: no partials, counter or last program
+        tl.atomic_add(out, acc, mask=n_mask, sem="relaxed", scope="gpu")
+    else:
+        _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
+                    REDUCE, SPLIT_P2, EVEN)  # fmt: skip
 
 
 @triton.jit
@@ -1024,6 +1028,22 @@ def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int
     return w.group_size
 
 
+def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> bool:
+    """Whether `w`'s one-row product on the GPU adds into a zeroed float32 row with float
+    atomics (`w4a16_matmul(accumulate=)`) rather than summing its K split through partials, an
+    arrival counter and a last program (a fence and two round trips to L2 at the end of every
+    call). Only for the packed-fp16 GEMV, on compiled CUDA, unless `TANDEM_GEMV_ATOMIC=0`. The
+    adds come in any order, so the float32 sums, and rarely their rounding to x's dtype, vary
+    in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps."""
+    if os.environ.get("TANDEM_GEMV_ATOMIC", "0") in ("0", "false", "off"):
+        return False
+    if not isinstance(w, QuantizedWeight) or not w.qweight.is_cuda:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return h2_eligible(w, w.in_features, x_dtype, w.qweight.device)
+
+
 def h2_eligible(
     w: QuantizedWeight, k: int, x_dtype: torch.dtype | None, device: torch.device
 ) -> bool:
@@ -1045,8 +1065,10 @@ def default_config(
     device: torch.device,
     w: QuantizedWeight | None = None,
     x_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
 ) -> GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig:
-    """A launch configuration by shape: enough programs in flight to cover every SM."""
+    """A launch configuration by shape: enough programs in flight to cover every SM
+    (`accumulate`: the packed-fp16 GEMV adding into a float32 row, `gemv_accumulates`)."""
     sms = _num_sms(device)
     if (
         2 <= m <= 32
@@ -1097,6 +1119,10 @@ def default_config(
                 )
             ):
                 split *= 2
+            if accumulate and os.environ.get("TANDEM_GEMV_AHEAD", "1") != "0":
+                # Adding into a float32 row, the scales a group ahead (capped at 72 registers,
+                # no spills) took 14336 x 4096 from 10.5 to 9.3 us (bench/results/h200_session13.json).
+                return GemvH2Config(32, split, 1, ahead=True, maxnreg=72)
             return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
@@ -1120,10 +1146,13 @@ def w4a16_matmul_triton(
     w: QuantizedWeight,
     config: GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig | None = None,
     xq: GemvX | None = None,
+    accumulate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype. `xq`, x's
     GemvX form from its producer, is read instead of x when the launch is the packed-fp16 GEMV
-    (it must fit x and w; other launches do not read it)."""
+    (it must fit x and w; other launches do not read it). `accumulate` (packed-fp16 GEMV only,
+    see `gemv_accumulates`): a zeroed float32 [M, N] tensor the product is added into and
+    returned as it is (its reader rounds it to x's dtype and zeroes it again)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
     if x.stride(1) != 1:
@@ -1133,13 +1162,15 @@ def w4a16_matmul_triton(
     per = 32 // w.bits
     kw = w.qweight.shape[1]
     if config is None:
-        config = default_config(m, n, k, x.device, w, x.dtype)
+        config = default_config(m, n, k, x.device, w, x.dtype, accumulate is not None)
+    if accumulate is not None and not isinstance(config, GemvH2Config):
+        raise ValueError(f"accumulate needs the packed-fp16 GEMV (GemvH2Config), not {config}")
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config, xq)[0]
+        return launch_gemv_h2(x, w, config, xq, accumulate)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1235,7 +1266,13 @@ class _SplitLaunch:
 
 
 def _split_launch(
-    x: torch.Tensor, w: QuantizedWeight, block_n: int, split_k: int, row_blocks: int, name: str
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    block_n: int,
+    split_k: int,
+    row_blocks: int,
+    name: str,
+    atomic: bool = False,  # the caller's float32 output is added into: no workspace
 ) -> _SplitLaunch:
     if w.bits != 4 or not is_n_major(w):
         raise ValueError(f"{name} needs INT4 codes stored N-major (see n_major)")
@@ -1246,8 +1283,8 @@ def _split_launch(
     per_split = triton.cdiv(groups, split_k)
     split = triton.cdiv(groups, per_split)
     blocks = triton.cdiv(n, block_n)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if split > 1:
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if not atomic else x
+    if split > 1 and not atomic:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, row_blocks * blocks)
     else:
@@ -1284,13 +1321,30 @@ def launch_gemv_nmajor(x: torch.Tensor, w: QuantizedWeight, config: GemvNConfig)
 
 
 def launch_gemv_h2(
-    x: torch.Tensor, w: QuantizedWeight, config: GemvH2Config, xq: GemvX | None = None
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    config: GemvH2Config,
+    xq: GemvX | None = None,
+    accumulate: torch.Tensor | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
-    from its producer) the kernel reads that instead of x."""
+    from its producer) the kernel reads that instead of x. `accumulate`: a float32 [M, N]
+    tensor, zero on entry, that every program adds its part into with float atomics (returned
+    as the output): no split-K partials, arrival counters or last program, but the order of the
+    adds, and so the last bits of the sums, varies from call to call."""
     m, k = x.shape
     n = w.out_features
-    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config")
+    if accumulate is not None and (
+        accumulate.dtype != torch.float32 or accumulate.shape != (m, n) or accumulate.stride(1) != 1
+    ):
+        raise ValueError(
+            f"accumulate must be a float32 [{m}, {n}] tensor with unit column stride, got "
+            f"{accumulate.dtype} {tuple(accumulate.shape)}"
+        )
+    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config",
+                       accumulate is not None)  # fmt: skip
+    if accumulate is not None:
+        sl.out = accumulate
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1320,12 +1374,13 @@ def launch_gemv_h2(
         XPREP=xq is not None,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
-        REDUCE=sl.split > 1,
+        REDUCE=sl.split > 1 and accumulate is None,
         SPLIT_P2=triton.next_power_of_2(sl.split),
         EVEN=n % config.block_n == 0,
         ASM=asm,
         ADDR=addr,
         AHEAD=config.ahead,
+        ATOMIC=accumulate is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
@@ -1356,11 +1411,18 @@ def launch_gemv_tc(x: torch.Tensor, w: QuantizedWeight, config: GemvTCConfig):
     return sl.out, kernel
 
 
-def w4a16_matmul(x: torch.Tensor, w: QuantizedWeight, xq: GemvX | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere. `xq`: see
-    `w4a16_matmul_triton`."""
+def w4a16_matmul(
+    x: torch.Tensor,
+    w: QuantizedWeight,
+    xq: GemvX | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere. `xq`,
+    `accumulate`: see `w4a16_matmul_triton`."""
     if not x.is_cuda:
+        if accumulate is not None:
+            raise ValueError("accumulate is for the CUDA GEMV")
         return w4a16_matmul_ref(x, w)
     lead = x.shape[:-1]
-    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq)
+    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq, accumulate=accumulate)
     return y.view(*lead, w.out_features)

@@ -22,7 +22,7 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import GemvX, gemv_x_group, n_major
+from tandem.kernels.w4a16 import GemvX, gemv_accumulates, gemv_x_group, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -166,28 +166,31 @@ def _cuda_linear(
     w: torch.Tensor | QuantizedWeight,
     bias: torch.Tensor | None = None,
     xq: GemvX | None = None,
+    accumulate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`linear` on CUDA: a single row times a float weight goes through the Triton GEMV."""
     if isinstance(w, torch.Tensor):
         return linear_rows(x, w, bias)
-    return linear(x, w, bias, xq)
+    return linear(x, w, bias, xq, accumulate)
 
 
-def _norm(h, weight, eps, residual, consumer, one_row: bool):
+def _norm(h, weight, eps, residual, consumer, one_row: bool, acc_input: bool = False):
     """Residual add + RMSNorm, also writing the GemvX form its consumer's INT4 GEMV reads
-    when there is one (a single row): (out, new_residual, GemvX or None)."""
-    group = gemv_x_group(consumer, h.dtype) if one_row else None
+    when there is one (a single row): (out, new_residual, GemvX or None). `acc_input`: h is a
+    GEMV's float32 accumulator, rounded and zeroed by the norm."""
+    group = gemv_x_group(consumer, residual.dtype if acc_input else h.dtype) if one_row else None
     if group is None:
-        return (*rmsnorm(h, weight, eps, residual), None)
-    return rmsnorm_gemv_x(h, weight, eps, residual, group)
+        return (*rmsnorm(h, weight, eps, residual, acc_input), None)
+    return rmsnorm_gemv_x(h, weight, eps, residual, group, acc_input)
 
 
-def _silu_mul(gu, consumer, one_row: bool):
-    """silu(gate) * up, with the GemvX form for its consumer as `_norm`."""
-    group = gemv_x_group(consumer, gu.dtype) if one_row else None
+def _silu_mul(gu, consumer, one_row: bool, acc_dtype: torch.dtype | None = None):
+    """silu(gate) * up, with the GemvX form for its consumer as `_norm` (`acc_dtype`: gu is a
+    GEMV's float32 accumulator, rounded to it and zeroed; only with the GemvX form)."""
+    group = gemv_x_group(consumer, acc_dtype or gu.dtype) if one_row else None
     if group is None:
         return silu_and_mul(gu), None
-    return silu_and_mul_gemv_x(gu, group)
+    return silu_and_mul_gemv_x(gu, group, acc_dtype)
 
 
 class LlamaModel:
@@ -261,6 +264,18 @@ class LlamaModel:
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.cos_sin = cos_sin_table(cfg, self.max_positions, self.device)
         self.scale = cfg.head_dim**-0.5
+        # One-row decode steps: each INT4 GEMV adds into a float32 row of its own (see
+        # `w4a16.gemv_accumulates`) that its reader rounds and zeroes again, so they are zero
+        # between steps; allocated here, outside any CUDA graph capture.
+        self._gemv_acc: dict[str, list[torch.Tensor]] = {}
+        if self.device.type == "cuda" and dtype == torch.bfloat16:
+            for f in ("qkv", "o", "gate_up", "down"):
+                ws = [getattr(lw, f) for lw in self.layers]
+                if all(isinstance(wq, QuantizedWeight) for wq in ws):
+                    self._gemv_acc[f] = [
+                        torch.zeros(1, wq.out_features, dtype=torch.float32, device=self.device)
+                        for wq in ws
+                    ]
 
     def forward(
         self,
@@ -352,15 +367,27 @@ class LlamaModel:
         cos = sin = None
         # One row: RMSNorm and silu*up also write x in the form the INT4 GEMV reads (GemvX).
         one_row = t == 1 and h.is_cuda
+        dt = h.dtype
+
+        def acc(name: str, i: int) -> torch.Tensor | None:
+            """The float32 row layer i's `name` GEMV adds into, if it does."""
+            if not one_row or name not in self._gemv_acc:
+                return None
+            w = getattr(self.layers[i], name)
+            return self._gemv_acc[name][i] if gemv_accumulates(w, dt) else None
+
+        h_acc = False  # h is the previous layer's down accumulator
         for i, lw in enumerate(self.layers):
-            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row)
-            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq)
+            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc)
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
+            qkv_acc = acc("qkv", i) if k_scale is None and lw.qkv_bias is None else None
+            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc)
             if k_scale is None:
                 q = rope_cache_write(
-                    qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv
-                )
+                    qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv,
+                    dt if qkv_acc is not None else None,
+                )  # fmt: skip
             elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one fused launch
                 q = rope_cache_write_scaled(
                     qkv,
@@ -416,11 +443,19 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            o = _cuda_linear(attn.reshape(t, hq * d), lw.o)
-            x, residual, xq = _norm(o, lw.post_norm, eps, residual, lw.gate_up, one_row)
-            act, aq = _silu_mul(_cuda_linear(x, lw.gate_up, xq=xq), lw.down, one_row)
-            h = _cuda_linear(act, lw.down, xq=aq)
-        return rmsnorm(h, self.norm, eps, residual)[0]
+            o_acc = acc("o", i)
+            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc)
+            x, residual, xq = _norm(
+                o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None
+            )
+            # gate/up's reader takes its accumulator only where it writes down's GemvX form.
+            gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
+            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
+            act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
+            down_acc = acc("down", i)
+            h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc)
+            h_acc = down_acc is not None
+        return rmsnorm(h, self.norm, eps, residual, h_acc)[0]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, H] in the model dtype; a quantized table (a recipe can quantize

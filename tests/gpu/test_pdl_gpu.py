@@ -70,8 +70,11 @@ def pdl():
 @pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
 def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
     """prewait (TANDEM_PDL_PREWAIT=1): the decode attention's context length and L2 prefetch
-    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits."""
+    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits. The
+    INT4 GEMVs sum their K split through the arrival counter (TANDEM_GEMV_ATOMIC=0), so the
+    steps are deterministic; the float atomics are tested below."""
     monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
+    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
 
@@ -142,6 +145,71 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
             graph.replay()
             assert torch.equal(out, want[p]), f"step {p}: PDL graph differs from eager"
     assert isinstance(model.lm_head, torch.Tensor) == (weights == "bf16")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
+def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None:
+    """One-row INT4 steps whose GEMVs add into float32 rows that their readers round and zero
+    (the default, `w4a16.gemv_accumulates`), in a PDL graph, against eager steps that sum the K
+    split through the arrival counter (TANDEM_GEMV_ATOMIC=0): logits equal up to the order of
+    the float32 adds, and every row zero again after each step."""
+    from tandem.kv.cache import KVCache
+    from tandem.model.llama import AttentionMetadata, LlamaModel
+
+    cfg = _cfg()
+    model = LlamaModel(cfg, _quantized(_weights(cfg, torch.bfloat16, DEV), cfg), torch.bfloat16,
+                       DEV, max_positions=512)  # fmt: skip
+    assert set(model._gemv_acc) == {"qkv", "o", "gate_up", "down"}
+    rows = [r for rs in model._gemv_acc.values() for r in rs]
+    bs, nb, steps = 16, 8, 40
+    tables = torch.arange(nb, device=DEV)[None]
+    ids = torch.randint(0, cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(2))
+
+    def kv_cache():
+        kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)
+        kv.data.zero_()
+        if kv.scales is not None:
+            kv.scales.zero_()
+        return kv
+
+    def meta(slot, ctx):
+        return AttentionMetadata(slot_mapping=slot, block_tables=tables, context_lens=ctx,
+                                 context_lens_list=None, query_start_loc=[0, 1],
+                                 decode_only=True)  # fmt: skip
+
+    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
+    kv = kv_cache()
+    want = []
+    with torch.inference_mode():
+        for p in range(steps):
+            m = meta(torch.tensor([p], device=DEV), torch.tensor([p + 1], device=DEV))
+            t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
+            want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
+    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "1")
+    kv = kv_cache()
+    s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
+    s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
+    m = meta(s_slot, s_ctx)
+    with torch.inference_mode():
+        s_ctx.fill_(1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model.logits(model.forward(s_ids, s_pos, kv_cache(), m))
+        torch.cuda.current_stream().wait_stream(side)
+        assert all(torch.count_nonzero(r) == 0 for r in rows), "a row was not zeroed"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.logits(model.forward(s_ids, s_pos, kv, m))
+        for p in range(steps):
+            s_ids.fill_(int(ids[p]))
+            s_pos.fill_(p)
+            s_slot.fill_(p)
+            s_ctx.fill_(p + 1)
+            graph.replay()
+            err = ((out.double() - want[p].double()).norm() / want[p].double().norm()).item()
+            assert err < 2e-2, f"step {p}: {err}"
+            assert all(torch.count_nonzero(r) == 0 for r in rows), f"step {p}: a row not zeroed"
 
 
 def test_quantized_head_and_embedding_match_cpu_float() -> None:

@@ -892,9 +892,11 @@ class GemvH2Config:
     addr: bool | None = None
     maxnreg: int | None = None
     # Scales and zero points (and GemvX's scalars) loaded a group ahead. Measured on the H200
-    # (bench/results/h200_session13.json): with maxnreg=72, 14336 x 4096 10.72 / 10.64 us against
-    # 10.98 / 10.81 and 28672 x 4096 18.83 against 20.16 / 19.07, but 4096 x 14336 11.36 against
-    # 11.24 and the decode step unchanged (2.108 ms against 2.110): not the default.
+    # (bench/results/h200_session13.json): summing the K split by the arrival counter, with
+    # maxnreg=72, 14336 x 4096 10.72 / 10.64 us against 10.98 / 10.81, 4096 x 14336 11.36 against
+    # 11.24, the decode step unchanged; adding into a float32 row (`accumulate`), 9.02 / 9.07
+    # against 10.20 and 9.37 / 9.42 against 10.58, the decode step 1.807 against 1.881 ms. So
+    # `default_config` uses it (at 72 registers) with `accumulate` only.
     ahead: bool = False
 
 
@@ -1034,8 +1036,10 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
     arrival counter and a last program (a fence and two round trips to L2 at the end of every
     call). Only for the packed-fp16 GEMV, on compiled CUDA, unless `TANDEM_GEMV_ATOMIC=0`. The
     adds come in any order, so the float32 sums, and rarely their rounding to x's dtype, vary
-    in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps."""
-    if os.environ.get("TANDEM_GEMV_ATOMIC", "0") in ("0", "false", "off"):
+    in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps.
+    Measured on the H200 (bench/results/h200_session13.json): the INT4 + INT4-head decode step
+    of a Llama-3-8B shape 1.807 / 1.807 / 1.803 ms against 2.023 / 2.029 with the counter."""
+    if os.environ.get("TANDEM_GEMV_ATOMIC", "1") in ("0", "false", "off"):
         return False
     if not isinstance(w, QuantizedWeight) or not w.qweight.is_cuda:
         return False
@@ -1121,7 +1125,7 @@ def default_config(
                 split *= 2
             if accumulate and os.environ.get("TANDEM_GEMV_AHEAD", "1") != "0":
                 # Adding into a float32 row, the scales a group ahead (capped at 72 registers,
-                # no spills) took 14336 x 4096 from 10.5 to 9.3 us (bench/results/h200_session13.json).
+                # no spills): see GemvH2Config.ahead; TANDEM_GEMV_AHEAD=0 turns them off.
                 return GemvH2Config(32, split, 1, ahead=True, maxnreg=72)
             return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)

@@ -54,6 +54,45 @@ def _quantized(weights, cfg):
     return quantize_weights(weights, specs)
 
 
+def _kv_cache(cfg, nb: int, bs: int, kv_dtype):
+    """A zeroed paged cache of nb blocks of bs tokens (and zeroed scales for 8-bit ones)."""
+    from tandem.kv.cache import KVCache
+
+    kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)
+    kv.data.zero_()
+    if kv.scales is not None:
+        kv.scales.zero_()
+    return kv
+
+
+def _decode_meta(slot, ctx, tables):
+    """One decode token's attention metadata (slot and context length as device tensors)."""
+    from tandem.model.llama import AttentionMetadata
+
+    return AttentionMetadata(slot_mapping=slot, block_tables=tables, context_lens=ctx,
+                             context_lens_list=None, query_start_loc=[0, 1],
+                             decode_only=True)  # fmt: skip
+
+
+def _captured_step(model, kv, scratch, tables):
+    """A decode step captured in a CUDA graph, after a warm-up step (it compiles) on the scratch
+    cache on a side stream: (graph, its logits, and its static ids, position, slot, context)."""
+    s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
+    s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
+    m = _decode_meta(s_slot, s_ctx, tables)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        s_ctx.fill_(1)
+        with torch.cuda.stream(side):
+            model.logits(model.forward(s_ids, s_pos, scratch, m))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model.logits(model.forward(s_ids, s_pos, kv, m))
+    return graph, out, s_ids, s_pos, s_slot, s_ctx
+
+
 @pytest.fixture(scope="module")
 def pdl():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -75,8 +114,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
     steps are deterministic; the float atomics are tested below."""
     monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
     monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
-    from tandem.kv.cache import KVCache
-    from tandem.model.llama import AttentionMetadata, LlamaModel
+    from tandem.model.llama import LlamaModel
 
     cfg = _cfg()
     w = _weights(cfg, torch.bfloat16, DEV)
@@ -86,24 +124,13 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
     bs, nb, steps = 16, 8, 90  # 90 tokens over 6 blocks: partitions, block edges
 
     def kv_cache():
-        kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)
-        kv.data.zero_()
-        if kv.scales is not None:
-            kv.scales.zero_()
-        return kv
+        return _kv_cache(cfg, nb, bs, kv_dtype)
 
     ids = torch.randint(0, cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(1))
     tables = torch.randperm(nb, device=DEV)[None]  # blocks out of order
 
     def meta(slot, ctx):
-        return AttentionMetadata(
-            slot_mapping=slot,
-            block_tables=tables,
-            context_lens=ctx,
-            context_lens_list=None,
-            query_start_loc=[0, 1],
-            decode_only=True,
-        )
+        return _decode_meta(slot, ctx, tables)
 
     def slot_of(p: int) -> int:
         return int(tables[0, p // bs]) * bs + p % bs
@@ -122,21 +149,8 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
         pdl.ENABLED = True
 
     # One captured step with PDL, replayed with new inputs.
-    kv = kv_cache()
-    s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
-    s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
-    m = meta(s_slot, s_ctx)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv_cache(), kv_cache(), tables)
     with torch.inference_mode():
-        s_ctx.fill_(1)
-        with torch.cuda.stream(side):  # warm-up (compiles) on a scratch cache
-            scratch = kv_cache()
-            model.logits(model.forward(s_ids, s_pos, scratch, m))
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model.logits(model.forward(s_ids, s_pos, kv, m))
         for p in range(steps):
             s_ids.fill_(int(ids[p]))
             s_pos.fill_(p)
@@ -153,8 +167,7 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
     (the default, `w4a16.gemv_accumulates`), in a PDL graph, against eager steps that sum the K
     split through the arrival counter (TANDEM_GEMV_ATOMIC=0): logits equal up to the order of
     the float32 adds, and every row zero again after each step."""
-    from tandem.kv.cache import KVCache
-    from tandem.model.llama import AttentionMetadata, LlamaModel
+    from tandem.model.llama import LlamaModel
 
     cfg = _cfg()
     model = LlamaModel(cfg, _quantized(_weights(cfg, torch.bfloat16, DEV), cfg), torch.bfloat16,
@@ -166,16 +179,10 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
     ids = torch.randint(0, cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(2))
 
     def kv_cache():
-        kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, DEV)
-        kv.data.zero_()
-        if kv.scales is not None:
-            kv.scales.zero_()
-        return kv
+        return _kv_cache(cfg, nb, bs, kv_dtype)
 
     def meta(slot, ctx):
-        return AttentionMetadata(slot_mapping=slot, block_tables=tables, context_lens=ctx,
-                                 context_lens_list=None, query_start_loc=[0, 1],
-                                 decode_only=True)  # fmt: skip
+        return _decode_meta(slot, ctx, tables)
 
     monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
     kv = kv_cache()
@@ -186,21 +193,9 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
             t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
             want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
     monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "1")
-    kv = kv_cache()
-    s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
-    s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
-    m = meta(s_slot, s_ctx)
+    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv_cache(), kv_cache(), tables)
+    assert all(torch.count_nonzero(r) == 0 for r in rows), "the warm-up step left a row unzeroed"
     with torch.inference_mode():
-        s_ctx.fill_(1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            model.logits(model.forward(s_ids, s_pos, kv_cache(), m))
-        torch.cuda.current_stream().wait_stream(side)
-        assert all(torch.count_nonzero(r) == 0 for r in rows), "a row was not zeroed"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model.logits(model.forward(s_ids, s_pos, kv, m))
         for p in range(steps):
             s_ids.fill_(int(ids[p]))
             s_pos.fill_(p)

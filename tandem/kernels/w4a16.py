@@ -1039,13 +1039,28 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
     in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps.
     Measured on the H200 (bench/results/h200_session13.json): the INT4 + INT4-head decode step
     of a Llama-3-8B shape 1.807 / 1.807 / 1.803 ms against 2.023 / 2.029 with the counter."""
-    if os.environ.get("TANDEM_GEMV_ATOMIC", "1") in ("0", "false", "off"):
-        return False
     if not isinstance(w, QuantizedWeight) or not w.qweight.is_cuda:
+        return False
+    return gemv_atomic_enabled(x_dtype) and h2_weight(w, w.in_features)
+
+
+def gemv_atomic_enabled(x_dtype: torch.dtype) -> bool:
+    """The settings' part of `gemv_accumulates` (the same for every weight): compiled CUDA, bf16
+    x, the packed-fp16 GEMV on, `TANDEM_GEMV_ATOMIC` not 0."""
+    if os.environ.get("TANDEM_GEMV_ATOMIC", "1") in ("0", "false", "off"):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return h2_eligible(w, w.in_features, x_dtype, w.qweight.device)
+    return x_dtype == torch.bfloat16 and os.environ.get("TANDEM_GEMV_H2", "1") not in (
+        "0",
+        "false",
+        "off",
+    )
+
+
+def h2_weight(w: QuantizedWeight, k: int) -> bool:
+    """The weight's part of `h2_eligible`: INT4 codes stored N-major, K whole groups."""
+    return w.bits == 4 and is_n_major(w) and k == w.scales.shape[1] * w.group_size
 
 
 def h2_eligible(
@@ -1056,7 +1071,7 @@ def h2_eligible(
     `TANDEM_GEMV_H2=0`."""
     if os.environ.get("TANDEM_GEMV_H2", "1") in ("0", "false", "off"):
         return False
-    if w.bits != 4 or not is_n_major(w) or k != w.scales.shape[1] * w.group_size:
+    if not h2_weight(w, k):
         return False
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     return x_dtype == torch.bfloat16 or (interpreted and device.type != "cuda")

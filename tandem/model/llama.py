@@ -22,7 +22,7 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import GemvX, gemv_accumulates, gemv_x_group, n_major
+from tandem.kernels.w4a16 import GemvX, gemv_atomic_enabled, gemv_x_group, h2_weight, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -267,15 +267,17 @@ class LlamaModel:
         # One-row decode steps: each INT4 GEMV adds into a float32 row of its own (see
         # `w4a16.gemv_accumulates`) that its reader rounds and zeroes again, so they are zero
         # between steps; allocated here, outside any CUDA graph capture.
-        self._gemv_acc: dict[str, list[torch.Tensor]] = {}
+        self._gemv_acc: dict[str, list[torch.Tensor | None]] = {}
         if self.device.type == "cuda" and dtype == torch.bfloat16:
             for f in ("qkv", "o", "gate_up", "down"):
-                ws = [getattr(lw, f) for lw in self.layers]
-                if all(isinstance(wq, QuantizedWeight) for wq in ws):
-                    self._gemv_acc[f] = [
-                        torch.zeros(1, wq.out_features, dtype=torch.float32, device=self.device)
-                        for wq in ws
-                    ]
+                rows = [
+                    torch.zeros(1, wq.out_features, dtype=torch.float32, device=self.device)
+                    if isinstance(wq, QuantizedWeight) and h2_weight(wq, wq.in_features)
+                    else None
+                    for wq in (getattr(lw, f) for lw in self.layers)
+                ]
+                if any(r is not None for r in rows):
+                    self._gemv_acc[f] = rows
 
     def forward(
         self,
@@ -286,7 +288,18 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Run every layer over the packed tokens, writing their KV; returns final hidden [T, H]."""
         if self.device.type == "cuda":
-            return self._forward_cuda(input_ids, positions, kv, meta)
+            try:
+                return self._forward_cuda(input_ids, positions, kv, meta)
+            except BaseException:
+                # A step that stopped between a GEMV and its reader would leave a float32 row
+                # non-zero, and every later step would add onto it: zero them all (a capture
+                # that failed ran nothing).
+                if self._gemv_acc and not torch.cuda.is_current_stream_capturing():
+                    for rows in self._gemv_acc.values():
+                        for r in rows:
+                            if r is not None:
+                                r.zero_()
+                raise
         cfg = self.cfg
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = input_ids.shape[0]
@@ -369,12 +382,13 @@ class LlamaModel:
         one_row = t == 1 and h.is_cuda
         dt = h.dtype
 
+        atomic = one_row and bool(self._gemv_acc) and gemv_atomic_enabled(dt)
+
         def acc(name: str, i: int) -> torch.Tensor | None:
-            """The float32 row layer i's `name` GEMV adds into, if it does."""
-            if not one_row or name not in self._gemv_acc:
-                return None
-            w = getattr(self.layers[i], name)
-            return self._gemv_acc[name][i] if gemv_accumulates(w, dt) else None
+            """The float32 row layer i's `name` GEMV adds into, if it does
+            (`w4a16.gemv_accumulates`: the settings checked once a step, the weight at load)."""
+            rows = self._gemv_acc.get(name) if atomic else None
+            return rows[i] if rows is not None else None
 
         h_acc = False  # h is the previous layer's down accumulator
         for i, lw in enumerate(self.layers):

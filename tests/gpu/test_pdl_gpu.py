@@ -174,6 +174,7 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
                        DEV, max_positions=512)  # fmt: skip
     assert set(model._gemv_acc) == {"qkv", "o", "gate_up", "down"}
     rows = [r for rs in model._gemv_acc.values() for r in rs]
+    assert all(r is not None for r in rows)
     bs, nb, steps = 16, 8, 40
     tables = torch.arange(nb, device=DEV)[None]
     ids = torch.randint(0, cfg.vocab_size, (steps,), generator=torch.Generator().manual_seed(2))

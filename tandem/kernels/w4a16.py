@@ -3,10 +3,15 @@
 y[M, N] = x[M, K] @ W^T with W held as per-group integer codes (see `tandem.quant.format`):
     W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]
 
-Four kernels, all dequantizing in registers (the weight is read from memory once, packed):
-- `_gemv_nmajor_kernel` for M = 1 with INT4 codes stored N-major (`n_major`; how the GPU model
-  stores them): codes become floats by a shift and a LOP3 under a float exponent, and split-K
-  partials are added by the last program to arrive (no zero-fill or cast launches).
+Five kernels, all dequantizing in registers (the weight is read from memory once, packed):
+- `_gemv_h2_kernel`, the default for M = 1 with bf16 x and INT4 codes stored N-major (`n_major`;
+  how the GPU model stores them): codes left in place under a mask are fp16 subnormals, and two
+  are multiplied and added per packed-fp16 instruction. Its K split is summed either by the last
+  program to arrive, or, in one-row decode steps (`gemv_accumulates`), by float atomics into a
+  zeroed float32 row that the kernel reading it rounds and zeroes again.
+- `_gemv_nmajor_kernel`, the same layout in float32 FMAs (`TANDEM_GEMV_H2=0`): codes become
+  floats by a shift and a LOP3 under a float exponent, and split-K partials are added by the
+  last program to arrive (no zero-fill or cast launches).
 - `_gemv_tc_kernel` for 2 <= M <= 32 (bf16 x, INT4 N-major, groups of 64 or more): the same
   codes become bf16 pairs, one LOP3 per two codes, and the tensor cores multiply them by x.
 - `_gemv_kernel` for M = 1 on row-major codes (and INT8): one program per BLOCK_N output rows

@@ -468,7 +468,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
+    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead;
+    # "zero_gemv": the rows zeroed by the next GEMV instead of their readers (TANDEM_GEMV_ZERO).
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
@@ -479,11 +480,13 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
              "ffma": {"TANDEM_GEMV_H2": "0"},
              "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
-             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"}, "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
+             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"}, "no_ahead": {"TANDEM_GEMV_AHEAD": "0"},
+             "zero_gemv": {"TANDEM_GEMV_ZERO": "gemv"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"), ("int4", "default"),
+             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"), ("int4_all", "zero_gemv"),
+             ("int4", "default"),
              ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
     if os.environ.get("QUANT_H200_M1_ROWS"):

@@ -1308,7 +1308,7 @@ def _split_launch(
     split_k: int,
     row_blocks: int,
     name: str,
-    atomic: bool = False,  # the caller's float32 output is added into: no workspace
+    out: torch.Tensor | None = None,  # the caller's float32 row, added into: no workspace
 ) -> _SplitLaunch:
     if w.bits != 4 or not is_n_major(w):
         raise ValueError(f"{name} needs INT4 codes stored N-major (see n_major)")
@@ -1319,7 +1319,9 @@ def _split_launch(
     per_split = triton.cdiv(groups, split_k)
     split = triton.cdiv(groups, per_split)
     blocks = triton.cdiv(n, block_n)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if not atomic else x
+    atomic = out is not None
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if split > 1 and not atomic:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, row_blocks * blocks)
@@ -1382,10 +1384,7 @@ def launch_gemv_h2(
             f"accumulate must be a float32 [{m}, {n}] tensor with unit column stride, got "
             f"{accumulate.dtype} {tuple(accumulate.shape)}"
         )
-    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config",
-                       accumulate is not None)  # fmt: skip
-    if accumulate is not None:
-        sl.out = accumulate
+    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config", accumulate)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None

@@ -76,7 +76,8 @@ def _decode_meta(slot, ctx, tables):
 
 def _captured_step(model, kv, scratch, tables):
     """A decode step captured in a CUDA graph, after a warm-up step (it compiles) on the scratch
-    cache on a side stream: (graph, its logits, and its static ids, position, slot, context)."""
+    cache on a side stream: (graph, its logits, and its static ids, position, slot, context).
+    The caller keeps `kv` alive while it replays the graph (the graph holds its address only)."""
     s_ids = torch.zeros(1, dtype=torch.long, device=DEV)
     s_pos, s_slot, s_ctx = (torch.zeros(1, dtype=torch.long, device=DEV) for _ in range(3))
     m = _decode_meta(s_slot, s_ctx, tables)
@@ -149,7 +150,8 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
         pdl.ENABLED = True
 
     # One captured step with PDL, replayed with new inputs.
-    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv_cache(), kv_cache(), tables)
+    kv = kv_cache()  # held here: the graph writes into it on every replay
+    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv, kv_cache(), tables)
     with torch.inference_mode():
         for p in range(steps):
             s_ids.fill_(int(ids[p]))
@@ -197,7 +199,8 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, zero, monkeypatch) -
             t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
             want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
     monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "1")
-    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv_cache(), kv_cache(), tables)
+    kv = kv_cache()  # held here: the graph writes into it on every replay
+    graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv, kv_cache(), tables)
     assert all(torch.count_nonzero(r) == 0 for r in rows), "the warm-up step left a row unzeroed"
     with torch.inference_mode():
         for p in range(steps):

@@ -49,6 +49,7 @@ from tandem.kernels.w4a16 import (  # noqa: E402
     GemvH2Config,
     GemvNConfig,
     default_config,
+    gemv_x_ref,
     n_major,
     w4a16_matmul_triton,
 )
@@ -159,12 +160,20 @@ def int4pack(w_codes: torch.Tensor, qw: QuantizedWeight):
 
 def gemm_section(dev: str, smoke: bool, copy_bw: float, results: dict, save=None) -> None:
     """The issue's two shapes at every M, then the decode model's other INT4 shapes (fused
-    q/k/v, o, fused gate/up) at M = 1. Row-major and N-major code storage side by side."""
+    q/k/v, o, fused gate/up) at M = 1. Row-major and N-major code storage side by side.
+    QUANT_H200_GEMM_SHAPES="NxK ..." keeps only those shapes; QUANT_H200_GEMM_SWEEP=0 skips
+    the config sweeps (the defaults, int4pack and cuBLAS only)."""
     if smoke:
         plan = [(256, 512, [1, 8]), (512, 256, [1, 8])]
     else:
         plan = [(14336, 4096, [1, 8, 32, 128]), (4096, 14336, [1, 8, 32, 128]),
                 (6144, 4096, [1]), (4096, 4096, [1]), (28672, 4096, [1])]  # fmt: skip
+    if os.environ.get("QUANT_H200_GEMM_SHAPES"):
+        keep = {
+            tuple(int(v) for v in s.split("x"))
+            for s in os.environ["QUANT_H200_GEMM_SHAPES"].split()
+        }
+        plan = [p for p in plan if (p[0], p[1]) in keep]
     for n, k, ms in plan:
         _gemm_shape(dev, smoke, copy_bw, results, save, n, k, ms)
 
@@ -235,12 +244,31 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
                 t = timed(lambda i, cf=cf, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cf),
                           copies)  # fmt: skip
                 rec("tandem_w4a16_nmajor_ffma", t, q_bytes, y, config=repr(cf))
+            if tag and m == 1 and dev == "cuda":
+                # As the decode step runs it: x in the GemvX form its producer writes, then also
+                # the K split added with float atomics into a float32 row (the decode step's
+                # launch config). That row is not re-zeroed while timed: in the decode step its
+                # reader zeroes it, and the decode rows include that cost.
+                xq = gemv_x_ref(x, group)
+                y = w4a16_matmul_triton(x, ws[0], cfg, xq=xq)
+                t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg,
+                                                                         xq=xq), copies)  # fmt: skip
+                rec("tandem_w4a16_nmajor_gemv_x", t, q_bytes, y, config=repr(cfg))
+                ca = default_config(m, n, k, torch.device(dev), ws[0], dtype, True)
+                acc_row = torch.zeros(1, n, device=dev, dtype=torch.float32)
+                y = w4a16_matmul_triton(x, ws[0], ca, xq=xq, accumulate=acc_row).clone()
+                t = timed(lambda i, ws=ws: w4a16_matmul_triton(x, ws[i % copies], ca, xq=xq,
+                                                                accumulate=acc_row), copies)  # fmt: skip
+                rec("tandem_w4a16_nmajor_decode_atomic", t, q_bytes, y, config=repr(ca),
+                    note="GemvX x, float atomics into a float32 row not re-zeroed while timed")  # fmt: skip
             if m == 1:
                 sweep = GEMVN_SWEEP + GEMVH2_SWEEP if tag else GEMV_SWEEP
             else:
                 sweep = GEMM_SWEEP.get(m, [])
             if smoke:
                 sweep = sweep[:2]
+            if os.environ.get("QUANT_H200_GEMM_SWEEP") == "0":
+                sweep = []
             best = None
             tried = []
             for c in sweep:
@@ -468,8 +496,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead;
-    # "zero_gemv": the rows zeroed by the next GEMV instead of their readers (TANDEM_GEMV_ZERO).
+    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
@@ -480,12 +507,12 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
              "ffma": {"TANDEM_GEMV_H2": "0"},
              "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
-             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"}, "no_ahead": {"TANDEM_GEMV_AHEAD": "0"},
-             "zero_gemv": {"TANDEM_GEMV_ZERO": "gemv"}}  # fmt: skip
+             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"},
+             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"), ("int4_all", "zero_gemv"),
+             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"),
              ("int4", "default"),
              ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
@@ -607,6 +634,8 @@ def main() -> int:
     results: dict = {
         "benchmark": "quant_h200",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        # The settings the command ran with (its rows and modes, and any TANDEM_* switches).
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("QUANT_H200_", "TANDEM_"))},
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,

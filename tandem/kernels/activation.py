@@ -29,7 +29,6 @@ def _silu_mul_kernel(
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
     ACC_IN: tl.constexpr = False,  # x: a GEMV's float32 accumulator, rounded here, then zeroed
-    ZERO_IN: tl.constexpr = True,  # with ACC_IN: zero it here (else a later GEMV does)
 ):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
@@ -46,11 +45,10 @@ def _silu_mul_kernel(
     if ACC_IN:  # rounded as the GEMV would have stored them; zeroed once every lane has read
         g = g.to(dt)
         u = u.to(dt)
-        if ZERO_IN:
-            tl.debug_barrier()
-            zero = tl.zeros(cols.shape, tl.float32)
-            tl.store(x_ptr + row * stride_x + cols, zero, mask=mask)
-            tl.store(x_ptr + row * stride_x + n_cols + cols, zero, mask=mask)
+        tl.debug_barrier()
+        zero = tl.zeros(cols.shape, tl.float32)
+        tl.store(x_ptr + row * stride_x + cols, zero, mask=mask)
+        tl.store(x_ptr + row * stride_x + n_cols + cols, zero, mask=mask)
     g = g.to(tl.float32)
     u = u.to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -74,25 +72,21 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_gemv_x(
-    x: torch.Tensor, group: int, acc_dtype: torch.dtype | None = None, zero_input: bool = True
+    x: torch.Tensor, group: int, acc_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, GemvX]:
     """`silu_and_mul_triton` that also writes its output in the GemvX form of the INT4 GEMV that
     reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass. `acc_dtype`: x is an INT4
     GEMV's float32 accumulator (`w4a16.gemv_accumulates`), rounded to this dtype as the GEMV
-    would have stored it (the output's dtype too), and left zeroed unless `zero_input` is False
-    (a later GEMV zeroes it: `w4a16.launch_gemv_h2(zero=)`)."""
+    would have stored it (the output's dtype too), and left zeroed."""
     n = x.shape[-1] // 2
     if x.dim() != 2 or n % group or group & (group - 1) or group > 1024:
         raise ValueError(f"GemvX needs [T, 2 I] rows of whole groups: x {tuple(x.shape)}, "
                          f"group {group}")  # fmt: skip
-    return _silu_mul_launch(x, GemvX.empty(x.shape[0], n, group, x.device), acc_dtype, zero_input)
+    return _silu_mul_launch(x, GemvX.empty(x.shape[0], n, group, x.device), acc_dtype)
 
 
 def _silu_mul_launch(
-    x: torch.Tensor,
-    xq: GemvX | None,
-    acc_dtype: torch.dtype | None = None,
-    zero_input: bool = True,
+    x: torch.Tensor, xq: GemvX | None, acc_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, GemvX | None]:
     width = x.shape[-1]
     if width % 2:
@@ -122,7 +116,6 @@ def _silu_mul_launch(
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
         ACC_IN=acc_dtype is not None,
-        ZERO_IN=zero_input,
         num_warps=4,
         **pdl.launch_options(x2),
     )

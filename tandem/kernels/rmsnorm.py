@@ -39,7 +39,6 @@ def _rmsnorm_kernel(
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
     ACC_IN: tl.constexpr = False,  # x: a GEMV's float32 accumulator, rounded here, then zeroed
-    ZERO_IN: tl.constexpr = True,  # with ACC_IN: zero it here (else a later GEMV does)
 ):
     row = tl.program_id(0).to(tl.int64)
     if XQ:  # the row as [groups, GROUP] tiles, the shape the GemvX epilogue works in
@@ -56,9 +55,8 @@ def _rmsnorm_kernel(
         # Rounded as the GEMV would have stored it; zeroed for the GEMV's next call once every
         # lane has read its part.
         h = h.to(new_residual_ptr.dtype.element_ty)
-        if ZERO_IN:
-            tl.debug_barrier()
-            tl.store(x_ptr + row * stride_x + cols, tl.zeros(cols.shape, tl.float32), mask=mask)
+        tl.debug_barrier()
+        tl.store(x_ptr + row * stride_x + cols, tl.zeros(cols.shape, tl.float32), mask=mask)
     h = h.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -102,13 +100,11 @@ def rmsnorm_triton(
     eps: float,
     residual: torch.Tensor | None = None,  # [..., H]
     acc_input: bool = False,
-    zero_input: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then Llama RMSNorm in one Triton pass; returns (out, new_residual).
     `acc_input`: x is an INT4 GEMV's float32 accumulator (`w4a16.gemv_accumulates`): it is
-    rounded to the residual's dtype as the GEMV would have stored it, and left zeroed unless
-    `zero_input` is False (a later GEMV zeroes it: `w4a16.launch_gemv_h2(zero=)`)."""
-    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, None, acc_input, zero_input)
+    rounded to the residual's dtype as the GEMV would have stored it, and left zeroed."""
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, None, acc_input)
     return out, new_residual
 
 
@@ -119,7 +115,6 @@ def rmsnorm_gemv_x(
     residual: torch.Tensor | None,
     group: int,
     acc_input: bool = False,
-    zero_input: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, GemvX]:
     """`rmsnorm_triton` that also writes its output in the GemvX form of the INT4 GEMV that
     reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
@@ -128,13 +123,11 @@ def rmsnorm_gemv_x(
         raise ValueError(f"GemvX needs [T, H] rows of whole groups: x {tuple(x.shape)}, "
                          f"group {group}")  # fmt: skip
     xq = GemvX.empty(x.shape[0], hidden, group, x.device)
-    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq, acc_input, zero_input)
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq, acc_input)
     return out, new_residual, xq
 
 
-def _rmsnorm_launch(
-    x, weight, eps, residual, xq: GemvX | None, acc_input: bool = False, zero_input: bool = True
-):
+def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool = False):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden {hidden}")
@@ -194,7 +187,6 @@ def _rmsnorm_launch(
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
         ACC_IN=acc_input,
-        ZERO_IN=zero_input,
         num_warps=num_warps,
         **pdl.launch_options(x2),
     )
@@ -207,12 +199,11 @@ def rmsnorm(
     eps: float,
     residual: torch.Tensor | None = None,  # [..., H]
     acc_input: bool = False,
-    zero_input: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual-add + RMSNorm: the Triton kernel on CUDA, the torch reference elsewhere
-    (`acc_input`, `zero_input`: see `rmsnorm_triton`; CUDA only)."""
+    (`acc_input`: see `rmsnorm_triton`; CUDA only)."""
     if x.is_cuda:
-        return rmsnorm_triton(x, weight, eps, residual, acc_input, zero_input)
+        return rmsnorm_triton(x, weight, eps, residual, acc_input)
     if acc_input:
         raise ValueError("acc_input is for CUDA tensors")
     return rmsnorm_ref(x, weight, eps, residual)

@@ -93,7 +93,6 @@ def _rope_cache_kernel(
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # the token's position, slot and cos/sin before the wait
     ACC_IN: tl.constexpr = False,  # qkv: a GEMV's float32 accumulator, rounded here, then zeroed
-    ZERO_IN: tl.constexpr = True,  # with ACC_IN: zero it here (else a later GEMV does)
 ):
     tok = tl.program_id(0).to(tl.int64)
     dt = q_out_ptr.dtype.element_ty
@@ -115,13 +114,12 @@ def _rope_cache_kernel(
     if ACC_IN:  # every value read (v in full, whatever the slot), then the row zeroed
         v = tl.load(v_src + offs_d[None, :], mask=(vh < NUM_KV_HEADS)[:, None], other=0.0)
         v = v.to(dt)
-        if ZERO_IN:
-            tl.debug_barrier()
-            zero = tl.zeros([BLOCK_HEADS, HALF], tl.float32)
-            tl.store(src, zero, mask=valid[:, None])
-            tl.store(src + HALF, zero, mask=valid[:, None])
-            tl.store(v_src + offs_d[None, :], tl.zeros([BLOCK_KV, 2 * HALF], tl.float32),
-                     mask=(vh < NUM_KV_HEADS)[:, None])  # fmt: skip
+        tl.debug_barrier()
+        zero = tl.zeros([BLOCK_HEADS, HALF], tl.float32)
+        tl.store(src, zero, mask=valid[:, None])
+        tl.store(src + HALF, zero, mask=valid[:, None])
+        tl.store(v_src + offs_d[None, :], tl.zeros([BLOCK_KV, 2 * HALF], tl.float32),
+                 mask=(vh < NUM_KV_HEADS)[:, None])  # fmt: skip
     lo, hi = _rotate(x1, x2, cos, sin, dt)
 
     is_q = heads < NUM_Q_HEADS
@@ -198,12 +196,10 @@ def rope_cache_write_triton(
     num_q_heads: int,
     num_kv_heads: int,
     acc_dtype: torch.dtype | None = None,
-    zero_input: bool = True,
 ) -> torch.Tensor:
     """Rotate q and k, write k and v into their cache slots in one pass; returns q [T, Hq, D].
     `acc_dtype`: qkv is an INT4 GEMV's float32 accumulator (`w4a16.gemv_accumulates`), rounded
-    to this dtype as the GEMV would have stored it (q's dtype too), and left zeroed unless
-    `zero_input` is False (a later GEMV zeroes it: `w4a16.launch_gemv_h2(zero=)`)."""
+    to this dtype as the GEMV would have stored it (q's dtype too), and left zeroed."""
     t, d = _check(qkv, k_cache, num_q_heads, num_kv_heads)
     if acc_dtype is not None and (qkv.dtype != torch.float32 or not qkv.is_contiguous()):
         raise ValueError(f"acc_dtype needs a contiguous float32 accumulator, got {qkv.dtype}")
@@ -245,7 +241,6 @@ def rope_cache_write_triton(
         enable_fp_fusion=False,
         PREWAIT=pdl.prewait(qkv),
         ACC_IN=acc_dtype is not None,
-        ZERO_IN=zero_input,
         **pdl.launch_options(qkv),
     )
     return q
@@ -261,14 +256,12 @@ def rope_cache_write(
     num_q_heads: int,
     num_kv_heads: int,
     acc_dtype: torch.dtype | None = None,
-    zero_input: bool = True,
 ) -> torch.Tensor:
     """Rotary q/k plus the KV-cache write: the Triton kernel on CUDA, the eager ops elsewhere
-    (`acc_dtype`, `zero_input`: see `rope_cache_write_triton`; CUDA only)."""
+    (`acc_dtype`: see `rope_cache_write_triton`; CUDA only)."""
     if qkv.is_cuda:
         return rope_cache_write_triton(qkv, positions, cos_sin, slot_mapping, k_cache, v_cache,
-                                       num_q_heads, num_kv_heads, acc_dtype,
-                                       zero_input)  # fmt: skip
+                                       num_q_heads, num_kv_heads, acc_dtype)  # fmt: skip
     if acc_dtype is not None:
         raise ValueError("acc_dtype is for CUDA tensors")
     return rope_cache_write_ref(

@@ -486,8 +486,6 @@ def _gemv_h2_kernel(
     stride_sg,
     stride_om,
     xs_ptr,  # XPREP: float32 [M, G, 2] per group: 2**24 / scale, sum of x
-    zero_ptr,  # ZERO: a float32 tensor of zero_n values this launch zeroes after its wait
-    zero_n,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     REDUCE: tl.constexpr,
@@ -499,8 +497,6 @@ def _gemv_h2_kernel(
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
     AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
     ATOMIC: tl.constexpr = False,  # out_ptr: a zeroed float32 row each program adds into
-    ZERO: tl.constexpr = False,  # zero ZBLOCK values of zero_ptr per program (see the launcher)
-    ZBLOCK: tl.constexpr = 16,
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -538,10 +534,6 @@ def _gemv_h2_kernel(
         s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, g_start, stride_sg, offs_n, n_mask, EVEN)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    if ZERO:  # a row whose reader has finished (it ran before the wait): this program's slice
-        zid = (m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n
-        zo = zid * ZBLOCK + tl.arange(0, ZBLOCK)
-        tl.store(zero_ptr + zo, tl.zeros([ZBLOCK], tl.float32), mask=zo < zero_n)
     if AHEAD and XPREP:
         xs_row = xs_ptr + m.to(tl.int64) * G * 2
         unscale_next = tl.load(xs_row + g_start * 2)
@@ -1179,14 +1171,12 @@ def w4a16_matmul_triton(
     config: GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig | None = None,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
-    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype. `xq`, x's
     GemvX form from its producer, is read instead of x when the launch is the packed-fp16 GEMV
     (it must fit x and w; other launches do not read it). `accumulate` (packed-fp16 GEMV only,
     see `gemv_accumulates`): a zeroed float32 [M, N] tensor the product is added into and
-    returned as it is (its reader rounds it to x's dtype and zeroes it again, or a later GEMV
-    does: `zero`, packed-fp16 GEMV only, see `launch_gemv_h2`)."""
+    returned as it is (its reader rounds it to x's dtype and zeroes it again)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
     if x.stride(1) != 1:
@@ -1197,16 +1187,14 @@ def w4a16_matmul_triton(
     kw = w.qweight.shape[1]
     if config is None:
         config = default_config(m, n, k, x.device, w, x.dtype, accumulate is not None)
-    if (accumulate is not None or zero is not None) and not isinstance(config, GemvH2Config):
-        raise ValueError(
-            f"accumulate and zero need the packed-fp16 GEMV (GemvH2Config), not {config}"
-        )
+    if accumulate is not None and not isinstance(config, GemvH2Config):
+        raise ValueError(f"accumulate needs the packed-fp16 GEMV (GemvH2Config), not {config}")
     if m == 0:
         return torch.empty((0, n), dtype=x.dtype, device=x.device)
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
     if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config, xq, accumulate, zero)[0]
+        return launch_gemv_h2(x, w, config, xq, accumulate)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1364,19 +1352,14 @@ def launch_gemv_h2(
     config: GemvH2Config,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
-    zero: torch.Tensor | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
     from its producer) the kernel reads that instead of x. `accumulate`: a float32 [M, N]
     tensor, zero on entry, that every program adds its part into with float atomics (returned
     as the output): no split-K partials, arrival counters or last program, but the order of the
-    adds, and so the last bits of the sums, varies from call to call. `zero`: a contiguous
-    float32 tensor the programs zero after their PDL wait, a slice each (another GEMV's row,
-    read by a kernel that ran before this one), so that its reader need not."""
+    adds, and so the last bits of the sums, varies from call to call."""
     m, k = x.shape
     n = w.out_features
-    if zero is not None and (zero.dtype != torch.float32 or not zero.is_contiguous()):
-        raise ValueError(f"zero must be a contiguous float32 tensor, got {zero.dtype}")
     if accumulate is not None and (
         accumulate.dtype != torch.float32 or accumulate.shape != (m, n) or accumulate.stride(1) != 1
     ):
@@ -1408,19 +1391,9 @@ def launch_gemv_h2(
                 raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
             if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
                 x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
-    programs = sl.blocks * sl.split * m
-    zblock = (
-        max(16, triton.next_power_of_2(triton.cdiv(zero.numel(), programs)))
-        if zero is not None
-        else 16
-    )
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
         *sl.args(x, w),
         xs,
-        zero if zero is not None else xs,
-        zero.numel() if zero is not None else 0,
-        ZERO=zero is not None,
-        ZBLOCK=zblock,
         XPREP=xq is not None,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,
@@ -1466,14 +1439,13 @@ def w4a16_matmul(
     w: QuantizedWeight,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
-    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere. `xq`,
-    `accumulate`, `zero`: see `w4a16_matmul_triton`."""
+    `accumulate`: see `w4a16_matmul_triton`."""
     if not x.is_cuda:
-        if accumulate is not None or zero is not None:
-            raise ValueError("accumulate and zero are for the CUDA GEMV")
+        if accumulate is not None:
+            raise ValueError("accumulate is for the CUDA GEMV")
         return w4a16_matmul_ref(x, w)
     lead = x.shape[:-1]
-    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq, accumulate=accumulate, zero=zero)
+    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq, accumulate=accumulate)
     return y.view(*lead, w.out_features)

@@ -167,32 +167,30 @@ def _cuda_linear(
     bias: torch.Tensor | None = None,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
-    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`linear` on CUDA: a single row times a float weight goes through the Triton GEMV."""
     if isinstance(w, torch.Tensor):
         return linear_rows(x, w, bias)
-    return linear(x, w, bias, xq, accumulate, zero)
+    return linear(x, w, bias, xq, accumulate)
 
 
-def _norm(h, weight, eps, residual, consumer, one_row: bool, acc_input=False, zero_input=True):
+def _norm(h, weight, eps, residual, consumer, one_row: bool, acc_input: bool = False):
     """Residual add + RMSNorm, also writing the GemvX form its consumer's INT4 GEMV reads
     when there is one (a single row): (out, new_residual, GemvX or None). `acc_input`: h is a
-    GEMV's float32 accumulator, rounded by the norm and zeroed by it (`zero_input`) or later."""
+    GEMV's float32 accumulator, rounded and zeroed by the norm."""
     group = gemv_x_group(consumer, residual.dtype if acc_input else h.dtype) if one_row else None
     if group is None:
-        return (*rmsnorm(h, weight, eps, residual, acc_input, zero_input), None)
-    return rmsnorm_gemv_x(h, weight, eps, residual, group, acc_input, zero_input)
+        return (*rmsnorm(h, weight, eps, residual, acc_input), None)
+    return rmsnorm_gemv_x(h, weight, eps, residual, group, acc_input)
 
 
-def _silu_mul(gu, consumer, one_row: bool, acc_dtype=None, zero_input=True):
+def _silu_mul(gu, consumer, one_row: bool, acc_dtype: torch.dtype | None = None):
     """silu(gate) * up, with the GemvX form for its consumer as `_norm` (`acc_dtype`: gu is a
-    GEMV's float32 accumulator, rounded to it and zeroed here (`zero_input`) or later; only
-    with the GemvX form)."""
+    GEMV's float32 accumulator, rounded to it and zeroed; only with the GemvX form)."""
     group = gemv_x_group(consumer, acc_dtype or gu.dtype) if one_row else None
     if group is None:
         return silu_and_mul(gu), None
-    return silu_and_mul_gemv_x(gu, group, acc_dtype, zero_input)
+    return silu_and_mul_gemv_x(gu, group, acc_dtype)
 
 
 class LlamaModel:
@@ -385,13 +383,6 @@ class LlamaModel:
         dt = h.dtype
 
         atomic = one_row and bool(self._gemv_acc) and gemv_atomic_enabled(dt)
-        # Who zeroes a row once it is read: its reader (after a barrier), or with
-        # TANDEM_GEMV_ZERO=gemv the next GEMV's programs after their wait, where that GEMV adds
-        # into a row of its own (the final norm's row is always zeroed by the norm).
-        zero_mode = os.environ.get("TANDEM_GEMV_ZERO", "reader")
-        if zero_mode not in ("reader", "gemv"):
-            raise ValueError(f"TANDEM_GEMV_ZERO must be reader or gemv, got {zero_mode!r}")
-        by_gemv = atomic and zero_mode == "gemv"
 
         def acc(name: str, i: int) -> torch.Tensor | None:
             """The float32 row layer i's `name` GEMV adds into, if it does
@@ -405,16 +396,12 @@ class LlamaModel:
             k_scale, v_scale = kv.layer_scales(i)
             qkv_acc = acc("qkv", i) if k_scale is None and lw.qkv_bias is None else None
             o_acc = acc("o", i)
-            zero_h = by_gemv and h_acc and qkv_acc is not None  # q/k/v's GEMV zeroes h's row
-            x, residual, xq = _norm(
-                h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc, not zero_h
-            )
-            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc, h if zero_h else None)
-            zero_qkv = by_gemv and qkv_acc is not None and o_acc is not None  # o's GEMV does
+            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc)
+            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc)
             if k_scale is None:
                 q = rope_cache_write(
                     qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv,
-                    dt if qkv_acc is not None else None, not zero_qkv,
+                    dt if qkv_acc is not None else None,
                 )  # fmt: skip
             elif meta.decode_only:  # FP8 / INT8 cache, one token per block: one fused launch
                 q = rope_cache_write_scaled(
@@ -471,22 +458,16 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc,
-                             zero=qkv if zero_qkv else None)  # fmt: skip
+            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc)
             # gate/up's reader takes its accumulator only where it writes down's GemvX form.
             gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
-            zero_o = by_gemv and o_acc is not None and gu_acc is not None  # gate/up's GEMV does
             x, residual, xq = _norm(
-                o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None, not zero_o
+                o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None
             )
-            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc, zero=o if zero_o else None)
+            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
+            act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
             down_acc = acc("down", i)
-            zero_gu = by_gemv and gu_acc is not None and down_acc is not None  # down's GEMV does
-            act, aq = _silu_mul(
-                gu, lw.down, one_row, dt if gu_acc is not None else None, not zero_gu
-            )
-            h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc,
-                             zero=gu if zero_gu else None)  # fmt: skip
+            h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc)
             h_acc = down_acc is not None
         return rmsnorm(h, self.norm, eps, residual, h_acc)[0]
 

@@ -163,15 +163,12 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
     assert isinstance(model.lm_head, torch.Tensor) == (weights == "bf16")
 
 
-@pytest.mark.parametrize("zero", ["reader", "gemv"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
-def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, zero, monkeypatch) -> None:
+def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None:
     """One-row INT4 steps whose GEMVs add into float32 rows that their readers round and zero
-    (the default, `w4a16.gemv_accumulates`; with TANDEM_GEMV_ZERO=gemv the next GEMV zeroes
-    them), in a PDL graph, against eager steps that sum the K split through the arrival counter
-    (TANDEM_GEMV_ATOMIC=0): logits equal up to the order of the float32 adds, and every row
-    zero again after each step."""
-    monkeypatch.setenv("TANDEM_GEMV_ZERO", zero)
+    (the default, `w4a16.gemv_accumulates`), in a PDL graph, against eager steps that sum the K
+    split through the arrival counter (TANDEM_GEMV_ATOMIC=0): logits equal up to the order of
+    the float32 adds, and every row zero again after each step."""
     from tandem.model.llama import LlamaModel
 
     cfg = _cfg()

@@ -178,6 +178,116 @@ def test_decode_merge_by_the_last_partition(monkeypatch) -> None:
     assert torch.equal(fused[3], torch.zeros_like(fused[3]))
 
 
+@pytest.mark.parametrize("group, ps", [(64, 16), (32, 512)])  # several partitions, or one
+def test_decode_merge_writes_the_o_projections_gemv_x(group: int, ps: int) -> None:
+    """With `gemv_x` the merge kernel also writes its output in the INT4 GEMV's GemvX form
+    (x per group scaled by a power of two, as fp16, and per group 2**24 / scale and the sum):
+    equal to the torch reference of that form of the output, the output itself unchanged, a
+    single partition included (the merge kernel runs then too)."""
+    from tandem.kernels import w4a16 as wk
+
+    lens = [150, 1, 0]
+    q, kc, vc, table, ctx = make_paged(lens, 4, 2, 64, 16, torch.bfloat16, extra_table_cols=1)
+    b, k = len(lens), 4 * 64
+    want = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps,
+                                            merge_last=False)  # fmt: skip
+    xq = wk.GemvX.empty(b, k, group, q.device)
+    got = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps,
+                                           gemv_x=xq)  # fmt: skip
+    assert torch.equal(got, want)  # one partition: stage 1 wrote `want` itself, the same sums
+    ref = wk.gemv_x_ref(got.reshape(b, k), group)
+    assert torch.equal(xq.scaled, ref.scaled)
+    assert torch.equal(xq.scalars[..., 0], ref.scalars[..., 0])  # 2**24 / scale
+    torch.testing.assert_close(xq.scalars[..., 1], ref.scalars[..., 1])  # sums, any order
+    assert torch.equal(xq.scaled[2], torch.zeros(k, dtype=torch.float16))  # the empty context
+    for bad, msg in (
+        (wk.GemvX.empty(b, k, 128, q.device), "group 128 must be a power of 2 dividing"),
+        (wk.GemvX.empty(b - 1, k, group, q.device), "gemv_x.scaled must be float16"),
+        (wk.GemvX(xq.scaled, xq.scalars[:, :-1], group), "gemv_x.scalars must be float32"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, gemv_x=bad)
+
+
+DT = torch.float16  # the rotary tests' activation dtype
+
+
+def _rope_case(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype):
+    """A decode step's inputs for the rotary + KV write + attention: caches, tables, and per
+    sequence a q/k/v row, the new token's position (its context - 1) and its slot (-1 for an
+    empty context, a padding row)."""
+    q, kc, vc, table, ctx = make_paged(lens, hq, hkv, d, bs, dtype, extra_table_cols=1)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g)
+    pos = torch.tensor([max(n - 1, 0) for n in lens])
+    slots = torch.tensor(
+        [int(table[i, (n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for i, n in enumerate(lens)]
+    )
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    freqs = torch.arange(512, dtype=torch.float64)[:, None] * inv[None, :]
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    return qkv, pos, slots, cos_sin, kc, vc, table, ctx
+
+
+@pytest.mark.parametrize("ps, merge_last", [(16, True), (16, False), (512, True)])
+def test_decode_rope_in_the_attention_equals_rotary_kernel_then_attention(ps, merge_last) -> None:
+    """The attention rotating q and k itself and writing the new K/V (the program of the newest
+    position's partition) gives the rotary + KV-write kernel's cache and then the attention's
+    output, bit for bit: several partitions, one, a context ending on a partition's last
+    position (64), a single token, and an empty context (a padding row: slot -1)."""
+    from tandem.kernels import rotary as rot
+
+    hq, hkv, d, bs = 4, 2, 32, 16
+    lens = [150, 64, 1, 0]
+    qkv, pos, slots, cos_sin, kc, vc, table, ctx = _rope_case(lens, hq, hkv, d, bs, DT)
+    qkv = qkv.to(DT)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = rot.rope_cache_write_triton(qkv, pos, cos_sin, slots, kc_ref, vc_ref, hq, hkv)
+    want = pa.paged_attention_decode_triton(q, kc_ref, vc_ref, table, ctx, 0.125,
+                                            partition_size=ps, merge_last=merge_last)  # fmt: skip
+    got = pa.paged_attention_decode_rope(qkv, pos, cos_sin, slots, kc, vc, table, ctx, 0.125, hq,
+                                         partition_size=ps, merge_last=merge_last)  # fmt: skip
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert torch.equal(got, want)
+    expect = attention_decode_f64(q, kc_ref, vc_ref, table, lens, 0.125)
+    torch.testing.assert_close(got.double(), expect, atol=2e-3, rtol=2e-3)
+
+
+def test_decode_rope_from_a_gemv_row_zeroes_it() -> None:
+    """From an INT4 GEMV's float32 q/k/v row (`acc_dtype`): read rounded to the cache's dtype,
+    as the rotary kernel reads it, the merge kernel writing the o projection's GemvX form too,
+    and the row zero afterwards; bad inputs named."""
+    from tandem.kernels import rotary as rot
+    from tandem.kernels import w4a16 as wk
+
+    hq, hkv, d, bs = 4, 2, 64, 16
+    lens = [100, 3]
+    qkv, pos, slots, cos_sin, kc, vc, table, ctx = _rope_case(lens, hq, hkv, d, bs, DT)
+    row = qkv.clone()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q = rot.rope_cache_write_triton(qkv.clone(), pos, cos_sin, slots, kc_ref, vc_ref, hq, hkv,
+                                    acc_dtype=DT)  # fmt: skip
+    want = pa.paged_attention_decode_triton(q, kc_ref, vc_ref, table, ctx, 0.125,
+                                            partition_size=32, merge_last=False)  # fmt: skip
+    xq = wk.GemvX.empty(len(lens), hq * d, 64, row.device)
+    got = pa.paged_attention_decode_rope(row, pos, cos_sin, slots, kc, vc, table, ctx, 0.125, hq,
+                                         partition_size=32, gemv_x=xq, acc_dtype=DT)  # fmt: skip
+    assert torch.equal(got, want) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert torch.equal(xq.scaled, wk.gemv_x_ref(got.reshape(len(lens), -1), 64).scaled)
+    assert torch.count_nonzero(row) == 0
+    args = (pos, cos_sin, slots, kc, vc, table, ctx, 0.125, hq)
+    with pytest.raises(ValueError, match="acc_dtype needs a float32 qkv row"):
+        pa.paged_attention_decode_rope(qkv.to(DT), *args, acc_dtype=DT)
+    with pytest.raises(ValueError, match="dtypes differ: qkv torch.float32"):
+        pa.paged_attention_decode_rope(qkv, *args)
+    with pytest.raises(ValueError, match="qkv width 320 is not"):
+        pa.paged_attention_decode_rope(qkv[:, :320].to(DT), *args)
+    fp8 = kc.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs an unscaled cache"):
+        pa.paged_attention_decode_rope(qkv.to(DT), pos, cos_sin, slots, fp8, fp8, table, ctx,
+                                       0.125, hq)  # fmt: skip
+
+
 def test_decode_triton_max_context_len_bounds_partitions() -> None:
     # A wide table (room for 256 tokens) but a host-known bound of 70: 3 partitions of 32.
     lens = [70, 2, 33]

@@ -496,32 +496,23 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead;
-    # "no_attn_x": the o GEMV preparing x itself, not the attention's merge kernel writing its
-    # GemvX form (TANDEM_ATTN_GEMV_X=0; merge_last and session11 need it off to merge last);
-    # "no_attn_rope": the rotary + KV write in a kernel of its own, not done by the attention
-    # (TANDEM_ATTN_ROPE=0); "session13": both off.
+    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
     modes = {"default": {}, "no_prewait": {"TANDEM_PDL_PREWAIT": "0"},
-             "merge_last": {"TANDEM_DECODE_MERGE": "1", "TANDEM_ATTN_GEMV_X": "0"},
+             "merge_last": {"TANDEM_DECODE_MERGE": "1"},
              "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
              "ffma": {"TANDEM_GEMV_H2": "0"},
-             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0",
-                           "TANDEM_ATTN_GEMV_X": "0"},
-             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"}, "no_ahead": {"TANDEM_GEMV_AHEAD": "0"},
-             "no_attn_x": {"TANDEM_ATTN_GEMV_X": "0"},
-             "no_attn_rope": {"TANDEM_ATTN_ROPE": "0"},
-             "session13": {"TANDEM_ATTN_GEMV_X": "0", "TANDEM_ATTN_ROPE": "0"}}  # fmt: skip
+             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
+             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"},
+             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
              ("int4_all", "no_atomic"), ("int4_all", "no_ahead"),
-             ("int4_all", "no_attn_x"), ("int4_all", "no_attn_rope"), ("int4_all", "session13"),
-             ("bf16", "no_attn_rope"),
              ("int4", "default"),
              ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}

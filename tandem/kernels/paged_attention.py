@@ -15,8 +15,7 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    which saves a launch and its wait on the critical path of a decode step; or by a second
    kernel, one program per (sequence, query head) (`merge_last=False`, which the
    model asks for in one-row steps of INT4 weights: measured faster there; TANDEM_DECODE_MERGE=1
-   / 0 forces the one or the other). The second kernel can also write its output in the
-   GemvX form the o projection's one-row INT4 GEMV reads (`gemv_x`).
+   / 0 forces the one or the other).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
 skipped. With PDL (`pdl.prewait`; TANDEM_PDL_PREWAIT=0 turns it off), stage 1
 reads the context length and asks L2 for the K/V of its positions before the newest token's
@@ -36,8 +35,6 @@ import triton.language as tl
 
 from tandem.kernels import pdl
 from tandem.kernels.arrival import arrival_counters
-from tandem.kernels.rotary import _rotate, _token_rope
-from tandem.kernels.w4a16 import GemvX, store_gemv_x
 
 _LOG2E = 1.4426950408889634
 
@@ -203,22 +200,12 @@ def _decode_partition_kernel(
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
     PREFETCH_LINES: tl.constexpr = 1,  # 128-byte lines per K/V row (a power of 2), for PREWAIT
-    positions_ptr=None,  # ROPE: [B] the new tokens' positions
-    slot_ptr=None,  # ROPE: [B] their cache slots (< 0: nothing written)
-    cos_sin_ptr=None,  # ROPE: [P, D] float32 cos | sin
-    ROPE: tl.constexpr = False,  # q_ptr is the q/k/v projection row: rotary and KV write here
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    DT: tl.constexpr = k_ptr.dtype.element_ty  # the activation dtype (ROPE: an unscaled cache)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    if ROPE and PREWAIT:  # positions and slots come from the host before the step
-        slot_raw, blk_new, off_new, cos, sin = _token_rope(
-            positions_ptr, slot_ptr, cos_sin_ptr, seq, DT, HALF, BLOCK_SIZE
-        )
     if PREWAIT:
         # Before the wait, what no kernel of this decode step writes: the context length (copied
         # from the host before the step), and into L2 the K/V lines of the partition's positions
@@ -234,10 +221,6 @@ def _decode_partition_kernel(
     pdl.launch_dependents(PDL)
     if not PREWAIT:
         context_len = tl.load(context_lens_ptr + seq)
-        if ROPE:
-            slot_raw, blk_new, off_new, cos, sin = _token_rope(
-                positions_ptr, slot_ptr, cos_sin_ptr, seq, DT, HALF, BLOCK_SIZE
-            )
     start = part * PARTITION_SIZE
     # Partitions past the context have nothing to do and stage 2 never reads them, so they write
     # nothing (the grid is sized for the longest context). Partition 0 always runs, so an empty
@@ -252,35 +235,11 @@ def _decode_partition_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
 
-    if ROPE:
-        # `rope_cache_write`'s arithmetic (the row rounded to the activation dtype first: a
-        # GEMV's float32 row is read as the GEMV would have stored it), for this group's query
-        # heads; the program holding the newest position also writes its k and v.
-        row = q_ptr + seq * stride_qb
-        offs_hf = tl.arange(0, HALF)
-        src = row + heads[:, None] * HEAD_DIM + offs_hf[None, :]
-        x1 = tl.load(src, mask=head_mask[:, None], other=0.0).to(DT).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=head_mask[:, None], other=0.0).to(DT).to(tl.float32)
-        lo, hi = _rotate(x1, x2, cos, sin, DT)
-        q = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_H, HEAD_DIM))
-        if (part == (context_len - 1) // PARTITION_SIZE) & (slot_raw >= 0):
-            ksrc = row + (num_q_heads + kv_head) * HEAD_DIM + offs_hf[None, :]
-            k1 = tl.load(ksrc).to(DT).to(tl.float32)
-            k2 = tl.load(ksrc + HALF).to(DT).to(tl.float32)
-            k_lo, k_hi = _rotate(k1, k2, cos, sin, DT)
-            k_dst = k_ptr + blk_new * stride_kb + off_new * stride_kt + kv_head * stride_kh
-            tl.store(k_dst + offs_hf[None, :] * stride_kd, k_lo)
-            tl.store(k_dst + (HALF + offs_hf[None, :]) * stride_kd, k_hi)
-            vsrc = row + (num_q_heads + tl.num_programs(1) + kv_head) * HEAD_DIM + offs_d
-            v_dst = v_ptr + blk_new * stride_vb + off_new * stride_vt + kv_head * stride_vh
-            tl.store(v_dst + offs_d * stride_vd, tl.load(vsrc).to(DT))
-        tl.debug_barrier()  # the new row is written before any thread of the program reads it
-    else:
-        q = tl.load(
-            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-            mask=head_mask[:, None],
-            other=0.0,
-        )  # [BLOCK_H, D]
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=head_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D]
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -452,25 +411,12 @@ def _decode_reduce_kernel(
     NUM_PARTITIONS: tl.constexpr,  # P, the partition axis of the workspace
     BLOCK_P: tl.constexpr,  # partitions merged per iteration
     PDL: tl.constexpr,
-    xq_scaled_ptr=None,  # XQ: GemvX.scaled [B, Hq * D] fp16
-    xq_scal_ptr=None,  # XQ: GemvX.scalars [B, Hq * D / GROUP, 2] float32
-    XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
-    GROUP: tl.constexpr = 128,  # GemvX's group, a divisor of HEAD_DIM
-    zero_ptr=None,  # ZERO: [B, zero_n] float32 rows stage 1 read (a GEMV's row), zeroed here
-    zero_n=0,
-    zero_chunk=0,  # values of a row each program zeroes
-    ZERO: tl.constexpr = False,
-    ZBLOCK: tl.constexpr = 16,  # a power of 2 >= zero_chunk
 ):
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
-    if ZERO:  # stage 1 has finished (the wait above): its input row is no longer read
-        zo = head * zero_chunk + tl.arange(0, ZBLOCK)
-        zmask = (tl.arange(0, ZBLOCK) < zero_chunk) & (zo < zero_n)
-        tl.store(zero_ptr + seq * zero_n + zo, tl.zeros([ZBLOCK], tl.float32), mask=zmask)
 
     context_len = tl.load(context_lens_ptr + seq)
     # Only the partitions stage 1 wrote: at least one, so an empty context reads zeros, and never
@@ -503,14 +449,11 @@ def _decode_reduce_kernel(
         )  # [BLOCK_P, D]
         acc += tl.sum(w[:, None] * a, axis=0)
     l_sum = tl.sum(l_run, axis=0)
-    out = (acc / tl.where(l_sum > 0, l_sum, 1.0)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od, out)
-    if XQ:  # the head's groups of the o projection's input, from the rounded output
-        k = num_q_heads * HEAD_DIM
-        ng: tl.constexpr = HEAD_DIM // GROUP
-        store_gemv_x(tl.reshape(out.to(tl.float32), (ng, GROUP)), head * ng, k,
-                     xq_scaled_ptr + seq * k, xq_scal_ptr + seq * (k // GROUP) * 2,
-                     GROUP)  # fmt: skip
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+    )
 
 
 def paged_attention_decode_triton(
@@ -525,7 +468,6 @@ def paged_attention_decode_triton(
     k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
     v_scale: torch.Tensor | None = None,
     merge_last: bool = True,
-    gemv_x: GemvX | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
 
@@ -533,104 +475,16 @@ def paged_attention_decode_triton(
     workspace; without it the bound is block_tables.shape[1] * block_size, which needs no sync
     and keeps the launch shape fixed for CUDA graphs. It must be >= every context length: tokens
     past it are not attended. A context of length 0 yields zeros.
-
-    gemv_x (`GemvX.empty(B, Hq * D, group)`, group a divisor of D): also write the output in
-    the form the one-row INT4 GEMV of the o projection reads (`w4a16.gemv_x_group`), as
-    RMSNorm and silu * up do for theirs, so that GEMV does not prepare x itself; the merge then
-    runs in the second kernel, which writes it (for any number of partitions).
     """
     b, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, k_dim = k_cache.shape
     if k_cache.shape != v_cache.shape or k_dim != head_dim:
         raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not fit q {q.shape}")
     scaled = k_scale is not None
-    if v_cache.dtype != k_cache.dtype or (not scaled and q.dtype != k_cache.dtype):
-        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    return _decode_triton(q, q.dtype, k_cache, v_cache, block_tables, context_lens, scale,
-                          partition_size, max_context_len, k_scale, v_scale, merge_last, gemv_x,
-                          None)  # fmt: skip
-
-
-def paged_attention_decode_rope(
-    qkv: torch.Tensor,  # [B, (Hq + 2 Hkv) * D]: the activation dtype, or a float32 GEMV row
-    positions: torch.Tensor,  # [B] the new tokens' positions
-    cos_sin: torch.Tensor,  # [P, D] float32 (cos | sin)
-    slot_mapping: torch.Tensor,  # [B] their cache slots; < 0 writes nothing
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] in the activation dtype
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,  # [B], the new token included
-    scale: float,
-    num_q_heads: int,
-    partition_size: int = 512,
-    max_context_len: int | None = None,
-    gemv_x: GemvX | None = None,
-    acc_dtype: torch.dtype | None = None,
-    merge_last: bool = True,
-) -> torch.Tensor:
-    """A decode step's rotary embedding, KV write and attention in one kernel pair: the decode
-    attention's first kernel rotates q itself from the q/k/v projection row, and the program
-    whose partition holds the newest position rotates k and writes it and v into the cache
-    slot before it reads its partition (`rope_cache_write`'s arithmetic, and no kernel and
-    launch of its own on the step's critical path).
-
-    `acc_dtype`: qkv is an INT4 GEMV's float32 row (`w4a16.gemv_accumulates`), read rounded to
-    this dtype (the caches'), and zeroed by the merge kernel once the first has finished (the
-    merge then runs in that kernel). Returns [B, Hq, D]; `gemv_x`, `merge_last` as in
-    `paged_attention_decode_triton`.
-    """
-    b, width = qkv.shape
-    _, block_size, num_kv_heads, d = k_cache.shape
-    dt = k_cache.dtype
-    if k_cache.shape != v_cache.shape or v_cache.dtype != dt:
-        raise ValueError(f"cache shapes or dtypes differ: {k_cache.shape} {dt}, "
-                         f"{v_cache.shape} {v_cache.dtype}")  # fmt: skip
-    if dt not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"paged_attention_decode_rope needs an unscaled cache, got {dt}")
-    if width != (num_q_heads + 2 * num_kv_heads) * d:
-        raise ValueError(f"qkv width {width} is not (Hq + 2 Hkv) * D = "
-                         f"({num_q_heads} + 2 * {num_kv_heads}) * {d}")  # fmt: skip
-    if acc_dtype is not None and (qkv.dtype != torch.float32 or acc_dtype != dt):
-        raise ValueError(f"acc_dtype needs a float32 qkv row and the caches' dtype, got qkv "
-                         f"{qkv.dtype}, acc_dtype {acc_dtype}, cache {dt}")  # fmt: skip
-    if acc_dtype is None and qkv.dtype != dt:
-        raise ValueError(f"dtypes differ: qkv {qkv.dtype}, cache {dt}")
-    if qkv.stride(1) != 1 or (acc_dtype is not None and not qkv.is_contiguous()):
-        raise ValueError("qkv needs contiguous rows")
-    if d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim must be a power of 2 >= 16, got {d}")
-    if positions.shape != (b,) or slot_mapping.shape != (b,):
-        raise ValueError("positions and slot_mapping need one entry per row of qkv")
-    if cos_sin.dtype != torch.float32 or cos_sin.dim() != 2 or cos_sin.shape[1] != d:
-        raise ValueError(f"cos_sin must be float32 [positions, {d}]")
-    q = qkv[:, : num_q_heads * d].view(b, num_q_heads, d)  # the kernel reads the row from here
-    rope = (qkv, positions, cos_sin.contiguous(), slot_mapping, acc_dtype is not None)
-    return _decode_triton(q, dt, k_cache, v_cache, block_tables, context_lens, scale,
-                          partition_size, max_context_len, None, None, merge_last, gemv_x,
-                          rope)  # fmt: skip
-
-
-def _decode_triton(
-    q: torch.Tensor,  # [B, Hq, D] (with `rope`: a view of the qkv row's q part)
-    act_dtype: torch.dtype,  # the output's dtype
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    partition_size: int,
-    max_context_len: int | None,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    merge_last: bool,
-    gemv_x: GemvX | None,
-    rope: tuple | None,  # (qkv, positions, cos_sin, slot_mapping, zero qkv after)
-) -> torch.Tensor:
-    b, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    scaled = k_scale is not None
     if scaled != (v_scale is not None):
         raise ValueError("k_scale and v_scale come together")
+    if v_cache.dtype != k_cache.dtype or (not scaled and q.dtype != k_cache.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if scaled:
         want = (k_cache.shape[0], k_cache.shape[2])
         if k_scale.shape != want or v_scale.shape != want or k_scale.stride() != v_scale.stride():
@@ -646,9 +500,7 @@ def _decode_triton(
     if block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError("block_tables and context_lens need one row per query")
 
-    if gemv_x is not None:
-        _check_gemv_x(gemv_x, b, num_q_heads, head_dim)
-    out = torch.empty((b, num_q_heads, head_dim), dtype=act_dtype, device=q.device)
+    out = torch.empty((b, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -658,13 +510,11 @@ def _decode_triton(
     # The Triton interpreter (CPU tensors) stores bf16 as raw uint16 and its tl.dot multiplies
     # the bit patterns (triton-lang/triton#11584), so bf16 is upcast there; on CUDA the native
     # 16-bit dot runs on the tensor cores. fp32 inputs always take the fp32 dot.
-    dot_fp32 = act_dtype == torch.float32 or (act_dtype == torch.bfloat16 and not q.is_cuda)
-    # The second kernel writes gemv_x and zeroes a GEMV's qkv row.
-    second = gemv_x is not None or (rope is not None and rope[4])
-    direct = num_parts == 1 and not second
+    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
+    direct = num_parts == 1
     # The last partition to finish merges (one launch), or the second kernel.
     forced = os.environ.get("TANDEM_DECODE_MERGE")
-    merge = not direct and not second and (merge_last if forced is None else forced != "0")
+    merge = not direct and (merge_last if forced is None else forced != "0")
     counters = arrival_counters(q.device, b * num_kv_heads) if merge else out
     if direct:
         m = l_ = acc = out  # unused by the kernel when DIRECT_OUT
@@ -710,16 +560,10 @@ def _decode_triton(
         PREWAIT=pdl.prewait(q),
         # A row shorter than a line (FP8 at head dim 64: 64 bytes) is still one line to fetch.
         PREFETCH_LINES=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
-        positions_ptr=rope[1] if rope is not None else None,
-        slot_ptr=rope[3] if rope is not None else None,
-        cos_sin_ptr=rope[2] if rope is not None else None,
-        ROPE=rope is not None,
         num_warps=4,
         **pdl.launch_options(q),
     )
     if not direct and not merge:
-        zero_row = rope[0] if rope is not None and rope[4] else None
-        zchunk = triton.cdiv(zero_row.shape[1], num_q_heads) if zero_row is not None else 0
         _decode_reduce_kernel[(b, num_q_heads)](
             out,
             m,
@@ -731,34 +575,10 @@ def _decode_triton(
             PARTITION_SIZE=partition_size,
             NUM_PARTITIONS=num_parts,
             BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
-            xq_scaled_ptr=gemv_x.scaled if gemv_x is not None else None,
-            xq_scal_ptr=gemv_x.scalars if gemv_x is not None else None,
-            XQ=gemv_x is not None,
-            GROUP=gemv_x.group if gemv_x is not None else 128,
-            zero_ptr=zero_row,
-            zero_n=zero_row.shape[1] if zero_row is not None else 0,
-            zero_chunk=zchunk,
-            ZERO=zero_row is not None,
-            ZBLOCK=triton.next_power_of_2(max(zchunk, 16)),
             num_warps=4,
             **pdl.launch_options(q),
         )
     return out
-
-
-def _check_gemv_x(xq: GemvX, b: int, num_q_heads: int, head_dim: int) -> None:
-    k = num_q_heads * head_dim
-    g = xq.group
-    if g < 1 or g & (g - 1) or head_dim % g:
-        raise ValueError(f"gemv_x's group {g} must be a power of 2 dividing head_dim {head_dim}")
-    if xq.scaled.shape != (b, k) or xq.scaled.dtype != torch.float16:
-        raise ValueError(f"gemv_x.scaled must be float16 [{b}, {k}], got {xq.scaled.dtype} "
-                         f"{tuple(xq.scaled.shape)}")  # fmt: skip
-    if xq.scalars.shape != (b, k // g, 2) or xq.scalars.dtype != torch.float32:
-        raise ValueError(f"gemv_x.scalars must be float32 [{b}, {k // g}, 2], got "
-                         f"{xq.scalars.dtype} {tuple(xq.scalars.shape)}")  # fmt: skip
-    if not (xq.scaled.is_contiguous() and xq.scalars.is_contiguous()):
-        raise ValueError("gemv_x's tensors must be contiguous")
 
 
 def paged_attention_decode(

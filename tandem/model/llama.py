@@ -16,7 +16,6 @@ from tandem.kernels.activation import silu_and_mul, silu_and_mul_gemv_x
 from tandem.kernels.gemv import linear_rows
 from tandem.kernels.paged_attention import (
     paged_attention_decode,
-    paged_attention_decode_rope,
     paged_attention_decode_triton,
     paged_attention_varlen_ref,
     paged_attention_varlen_triton,
@@ -384,12 +383,6 @@ class LlamaModel:
         dt = h.dtype
 
         atomic = one_row and bool(self._gemv_acc) and gemv_atomic_enabled(dt)
-        # The decode attention writes the o projection's GemvX form (TANDEM_ATTN_GEMV_X=0: the
-        # o GEMV prepares x itself, and TANDEM_DECODE_MERGE applies).
-        attn_x = one_row and meta.decode_only and os.environ.get("TANDEM_ATTN_GEMV_X", "1") != "0"
-        # Decode steps into a bf16 / fp16 cache: the attention rotates q and k and writes the new
-        # K/V itself (`paged_attention_decode_rope`; TANDEM_ATTN_ROPE=0: a kernel of its own).
-        attn_rope = meta.decode_only and os.environ.get("TANDEM_ATTN_ROPE", "1") != "0"
 
         def acc(name: str, i: int) -> torch.Tensor | None:
             """The float32 row layer i's `name` GEMV adds into, if it does
@@ -405,11 +398,7 @@ class LlamaModel:
             o_acc = acc("o", i)
             x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc)
             qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc)
-            # The attention does the rotary + KV write (and zeroes a GEMV's qkv row).
-            fused = attn_rope and k_scale is None
-            if fused:
-                q = None
-            elif k_scale is None:
+            if k_scale is None:
                 q = rope_cache_write(
                     qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv,
                     dt if qkv_acc is not None else None,
@@ -435,24 +424,7 @@ class LlamaModel:
                 q = apply_rotary(q.view(t, hq, d), cos, sin)
                 k = apply_rotary(k.view(t, hkv, d), cos, sin)
                 kv.write_quantized(i, meta.slot_mapping, k, v.view(t, hkv, d), meta.decode_only)
-            # One decode row into an INT4 o projection: the attention's merge kernel writes x in
-            # the GemvX form that GEMV reads, where each head holds whole groups of it.
-            o_group = gemv_x_group(lw.o, dt) if attn_x else None
-            ax = None
-            if o_group is not None and d % o_group == 0:
-                ax = GemvX.empty(t, hq * d, o_group, h.device)
-            # One row of INT4 weights: the partitions merge faster in a kernel of their own
-            # (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights by the last
-            # partition (4.54 against 4.59). bench/results/h200_session12.json
-            merge_last = not (one_row and isinstance(lw.o, QuantizedWeight))
-            if fused:
-                attn = paged_attention_decode_rope(
-                    qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache,
-                    meta.block_tables, meta.context_lens, self.scale, hq,
-                    partition_size=decode_partition_size(t, hkv), gemv_x=ax,
-                    acc_dtype=dt if qkv_acc is not None else None, merge_last=merge_last,
-                )  # fmt: skip
-            elif meta.decode_only:
+            if meta.decode_only:
                 attn = paged_attention_decode_triton(
                     q,
                     k_cache,
@@ -463,8 +435,10 @@ class LlamaModel:
                     partition_size=decode_partition_size(t, hkv),
                     k_scale=k_scale,
                     v_scale=v_scale,
-                    merge_last=merge_last,
-                    gemv_x=ax,
+                    # One row of INT4 weights: the partitions merge faster in a kernel of their
+                    # own (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights
+                    # by the last partition (4.54 against 4.59). bench/results/h200_session12.json
+                    merge_last=not (one_row and isinstance(lw.o, QuantizedWeight)),
                 )
             else:
                 kind = varlen_attention_kind(meta.query_start_loc, meta.context_lens_list)
@@ -484,7 +458,7 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, xq=ax, accumulate=o_acc)
+            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc)
             # gate/up's reader takes its accumulator only where it writes down's GemvX form.
             gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
             x, residual, xq = _norm(

@@ -399,6 +399,51 @@ def kernel_profile(step: Callable[[], object], steps: int = 5, layers: int = 0) 
     return out
 
 
+def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
+    """Where a step's time goes when it runs as it is timed: captured in a CUDA graph (with
+    PDL, kernels overlap), replayed under torch.profiler. For one replay (the middle), by
+    kernel name: launches, summed duration, and the exposed time (how far each kernel moves the
+    latest finish of the kernels before it: the exposed times add up to the replay's span)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+            torch.cuda.synchronize()  # replays apart, so they split by time
+    del g
+    evs = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
+    if len(evs) < replays:
+        return {"error": f"{len(evs)} kernel events under the profiler (graph kernels not traced?)"}
+    per = len(evs) // replays
+    one = evs[per * (replays // 2) : per * (replays // 2 + 1)]
+    by: dict[str, list] = {}
+    last_end = one[0][0]
+    overlap = 0.0
+    for start, end, name in one:
+        r = by.setdefault(name, [0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += end - start
+        r[2] += max(0.0, end - max(last_end, start))  # the frontier's advance (us)
+        overlap += max(0.0, last_end - start)
+        last_end = max(last_end, end)
+    rows = [{"kernel": k, "launches": v[0], "sum_us": v[1], "exposed_us": v[2]}
+            for k, v in by.items()]  # fmt: skip
+    rows.sort(key=lambda r: -r["exposed_us"])
+    return {"span_us": one[-1][1] - one[0][0] if one else 0.0, "kernels_per_replay": per,
+            "overlap_us": overlap, "by_kernel": rows}  # fmt: skip
+
+
 def decode_section(dev: str, smoke: bool, results: dict) -> None:
     """Rows: weights (bf16; int4 = every decoder linear INT4 g128, LM head and embedding bf16;
     int4_all = also the LM head INT4 g128 and the embedding INT8 g128) x KV dtype x PDL on/off.
@@ -498,7 +543,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
     # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
-    # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings.
+    # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings;
+    # QUANT_H200_TIMELINE="weights/mode ..." adds those rows' `graph_timeline`.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
@@ -536,6 +582,15 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                 row["pass_ms"].append(t * 1e3)
                 row["step_ms"] = statistics.median(row["pass_ms"])
                 row["tokens_per_s"] = 1e3 / row["step_ms"]
+                if (
+                    dev == "cuda"
+                    and f"{name}/{mode}" in os.environ.get("QUANT_H200_TIMELINE", "").split()
+                    and "graph_timeline" not in row
+                ):
+                    with torch.inference_mode():
+                        row["graph_timeline"] = graph_timeline(
+                            lambda model=model, kv=kv: model.logits(model.forward(ids, pos, kv, meta))
+                        )  # fmt: skip
                 profile = dev == "cuda" and not smoke and name == "int4_all" and mode != "ffma"
                 if profile and "kernels" not in row:
                     with torch.inference_mode():

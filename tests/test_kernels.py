@@ -156,20 +156,22 @@ def test_decode_triton_matches_f64(
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_merge_by_the_last_partition(monkeypatch) -> None:
+@pytest.mark.parametrize("ps", [16, 32])
+def test_decode_merge_by_the_last_partition(monkeypatch, ps: int) -> None:
     """The merge done by stage 1's last program (default) equals the second kernel's, over more
-    partitions than one merge step takes (19 of 16 tokens), and leaves its counters at zero."""
+    partitions than one merge step takes (20 of 16 tokens: the second kernel's loop) and over
+    fewer (10 of 32: its single tile), and leaves its counters at zero."""
     from tandem.kernels.arrival import arrival_counters
 
     lens = [300, 5, 129, 0]
     q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=1)
-    fused = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=16)
+    fused = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps)
     assert not arrival_counters(q.device, 8)[:8].any()
     monkeypatch.setenv("TANDEM_DECODE_MERGE", "0")
-    two = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=16)
+    two = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps)
     monkeypatch.delenv("TANDEM_DECODE_MERGE")  # the caller's choice, as the model makes it
     asked = pa.paged_attention_decode_triton(
-        q, kc, vc, table, ctx, 0.125, partition_size=16, merge_last=False
+        q, kc, vc, table, ctx, 0.125, partition_size=ps, merge_last=False
     )
     assert torch.equal(asked, two)
     expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
@@ -376,3 +378,33 @@ def test_rmsnorm_dispatch_uses_reference_on_cpu() -> None:
     got = rn.rmsnorm(x, w, 1e-6, res)
     ref = rn.rmsnorm_ref(x, w, 1e-6, res)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("bits, group, n_major", [(8, 128, False), (4, 32, True), (4, 64, False)])
+def test_embedding_lookup_of_a_quantized_table_equals_torch_dequantize(bits, group, n_major):
+    """The one-pass lookup of a quantized embedding (`embed_dequant_triton`) gives the torch
+    path's rows bit for bit (gather, code * scale, + min, cast), row-major or N-major codes, a
+    row width that is not a multiple of the block, repeated ids; ids past the table give zero
+    rows; bad inputs are named."""
+    from tandem.kernels.embedding import embed_dequant_triton
+    from tandem.kernels.w4a16 import n_major as to_n_major
+    from tandem.quant.format import permute_rows, quantize_rtn
+
+    g = torch.Generator().manual_seed(bits + group)
+    w = quantize_rtn(torch.randn(50, 1216, generator=g), bits, group)
+    if n_major:
+        w = to_n_major(w)
+    ids = torch.tensor([3, 49, 0, 3, 17])
+    for dtype in (torch.float16, torch.float32):
+        got = embed_dequant_triton(w, ids, dtype)
+        want = permute_rows(w, ids).dequantize(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+    ref = w.dequantize(torch.float64)[ids]  # and the values themselves
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    out = embed_dequant_triton(w, torch.tensor([50, 2]), torch.float32)
+    assert torch.equal(out[0], torch.zeros(1216))
+    assert torch.equal(out[1], permute_rows(w, torch.tensor([2])).dequantize(torch.float32)[0])
+    empty = embed_dequant_triton(w, torch.tensor([], dtype=torch.long), torch.float32)
+    assert empty.shape == (0, 1216)
+    with pytest.raises(ValueError, match="ids must be a 1-D integer tensor"):
+        embed_dequant_triton(w, ids.float(), torch.float32)

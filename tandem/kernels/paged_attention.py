@@ -411,14 +411,17 @@ def _decode_reduce_kernel(
     NUM_PARTITIONS: tl.constexpr,  # P, the partition axis of the workspace
     BLOCK_P: tl.constexpr,  # partitions merged per iteration
     PDL: tl.constexpr,
+    PREWAIT: tl.constexpr = False,  # the context length (copied in before the step) first
 ):
-    pdl.wait(PDL)
-    pdl.launch_dependents(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
-
-    context_len = tl.load(context_lens_ptr + seq)
+    if PREWAIT:
+        context_len = tl.load(context_lens_ptr + seq)
+    pdl.wait(PDL)
+    pdl.launch_dependents(PDL)
+    if not PREWAIT:
+        context_len = tl.load(context_lens_ptr + seq)
     # Only the partitions stage 1 wrote: at least one, so an empty context reads zeros, and never
     # past the workspace row, even if a caller's max_context_len was too small.
     num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), NUM_PARTITIONS)
@@ -426,29 +429,46 @@ def _decode_reduce_kernel(
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
 
-    m_run = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for p0 in range(0, num_used, BLOCK_P):
-        p_mask = p0 + offs_p < num_used
-        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
-        m_run = tl.maximum(m_run, m)
-    # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
-    m_max = tl.max(m_run, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-
-    l_run = tl.zeros([BLOCK_P], dtype=tl.float32)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for p0 in range(0, num_used, BLOCK_P):
-        p_mask = p0 + offs_p < num_used
-        m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
-        w = tl.exp2(m - m_max)  # [BLOCK_P], 0 for masked partitions (m = -inf)
-        l_run += w * tl.load(l_ptr + row0 + p0 + offs_p, mask=p_mask, other=0.0)
+    if NUM_PARTITIONS <= BLOCK_P:
+        # One tile: max, sums and output loaded together, so the merge waits on one round trip
+        # to L2 after the PDL wait rather than two (the same sums as the loops below).
+        p_mask = offs_p < num_used
+        m = tl.load(m_ptr + row0 + offs_p, mask=p_mask, other=float("-inf"))
+        l_p = tl.load(l_ptr + row0 + offs_p, mask=p_mask, other=0.0)
         a = tl.load(
-            acc_ptr + (row0 + p0 + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+            acc_ptr + (row0 + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
             mask=p_mask[:, None],
             other=0.0,
         )  # [BLOCK_P, D]
-        acc += tl.sum(w[:, None] * a, axis=0)
-    l_sum = tl.sum(l_run, axis=0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # see below
+        w = tl.exp2(m - m_max)
+        l_sum = tl.sum(w * l_p, axis=0)
+        acc = tl.sum(w[:, None] * a, axis=0)
+    else:
+        m_run = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+        for p0 in range(0, num_used, BLOCK_P):
+            p_mask = p0 + offs_p < num_used
+            m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+            m_run = tl.maximum(m_run, m)
+        # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
+        m_max = tl.max(m_run, axis=0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+
+        l_run = tl.zeros([BLOCK_P], dtype=tl.float32)
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        for p0 in range(0, num_used, BLOCK_P):
+            p_mask = p0 + offs_p < num_used
+            m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
+            w = tl.exp2(m - m_max)  # [BLOCK_P], 0 for masked partitions (m = -inf)
+            l_run += w * tl.load(l_ptr + row0 + p0 + offs_p, mask=p_mask, other=0.0)
+            a = tl.load(
+                acc_ptr + (row0 + p0 + offs_p)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=p_mask[:, None],
+                other=0.0,
+            )  # [BLOCK_P, D]
+            acc += tl.sum(w[:, None] * a, axis=0)
+        l_sum = tl.sum(l_run, axis=0)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
@@ -575,6 +595,7 @@ def paged_attention_decode_triton(
             PARTITION_SIZE=partition_size,
             NUM_PARTITIONS=num_parts,
             BLOCK_P=min(16, triton.next_power_of_2(num_parts)),
+            PREWAIT=pdl.prewait(q),
             num_warps=4,
             **pdl.launch_options(q),
         )

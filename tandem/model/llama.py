@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_gemv_x
+from tandem.kernels.embedding import embed_dequant_triton
 from tandem.kernels.gemv import linear_rows
 from tandem.kernels.paged_attention import (
     paged_attention_decode,
@@ -475,6 +476,8 @@ class LlamaModel:
         """[T] token ids -> [T, H] in the model dtype; a quantized table (a recipe can quantize
         `model.embed_tokens`) is gathered row by row and only those rows are dequantized."""
         if isinstance(self.embed, QuantizedWeight):
+            if input_ids.is_cuda:  # one launch (with PDL) instead of ~10 torch ops
+                return embed_dequant_triton(self.embed, input_ids, self.dtype)
             return permute_rows(self.embed, input_ids).dequantize(self.dtype)
         return F.embedding(input_ids, self.embed)
 

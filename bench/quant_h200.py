@@ -99,19 +99,28 @@ GEMM_SWEEP = {
 }  # fmt: skip
 
 
+def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after a warm-up call (it compiles) on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def timed(fn: Callable[[int], object], copies: int, reps: int = 20) -> float:
     """Seconds per call of fn(i) (i cycling over the weight copies), GPU time."""
     if torch.cuda.is_available():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+
+        def calls() -> None:
             for i in range(copies):
                 fn(i)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(copies):
-                fn(i)
+
+        g = captured(calls)
         g.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -406,14 +415,7 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
     latest finish of the kernels before it: the exposed times add up to the replay's span)."""
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = captured(step)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

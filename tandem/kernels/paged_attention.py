@@ -441,8 +441,9 @@ def _decode_reduce_kernel(
             other=0.0,
         )  # [BLOCK_P, D]
         m_max = tl.max(m, axis=0)
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # see below
-        w = tl.exp2(m - m_max)
+        # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        w = tl.exp2(m - m_max)  # 0 for masked partitions (m = -inf)
         l_sum = tl.sum(w * l_p, axis=0)
         acc = tl.sum(w[:, None] * a, axis=0)
     else:
@@ -451,9 +452,8 @@ def _decode_reduce_kernel(
             p_mask = p0 + offs_p < num_used
             m = tl.load(m_ptr + row0 + p0 + offs_p, mask=p_mask, other=float("-inf"))
             m_run = tl.maximum(m_run, m)
-        # -inf only for an empty context; 0 then keeps exp2(m - m_max) at 0 instead of NaN.
         m_max = tl.max(m_run, axis=0)
-        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # as above
 
         l_run = tl.zeros([BLOCK_P], dtype=tl.float32)
         acc = tl.zeros([HEAD_DIM], dtype=tl.float32)

@@ -14,6 +14,8 @@ them:
              g128); bf16 KV vs FP8 KV; programmatic dependent launch on and off. Beside the
              bf16-KV rows, the step's GPU time by kernel (torch.profiler, eager launches).
   memory     weight bytes of each, vs bf16
+  e2e        single-stream decode tokens/s through the engine (scheduler, graph, sampling, the
+             token to the host), bf16 vs int4_all, with and without async scheduling
   admission  2k-token sequences the engine's pool sizing admits at one memory budget, FP8 vs bf16
 
     python bench/quant_h200.py            # writes bench/results/h200_quant.json
@@ -652,6 +654,73 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     del kv
 
 
+def e2e_section(dev: str, smoke: bool, results: dict) -> None:
+    """End-to-end single-stream decode through the engine (`LLMEngine.step`: the scheduler, the
+    captured decode graph, greedy sampling, the token back on the host), bf16 weights against
+    int4_all on the same random weights: one sequence, a `prompt`-token prompt, `new` tokens.
+    With async scheduling (step t + 1 launched before step t's token is read, as gpt-fast's
+    generate loop runs, so the graph launch overlaps the step before) and without (each step's
+    token read before the next is launched). Passes alternate in order; each row reports every
+    pass's decode tokens/s (first token to last) and their median."""
+    import llama_random as lr
+
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.model.loader import LoadedModel
+    from tandem.quant.recipe import LayerSpec, linear_layer_names
+    from tandem.quant.weights import quantize_weights
+
+    cfg = llama_config(smoke)
+    cuda = dev == "cuda"
+    prompt_len, new = (32, 16) if smoke else (1024, 256)
+    weights = random_weights(cfg, dev, torch.bfloat16 if cuda else torch.float32)
+    specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
+    specs["lm_head"] = LayerSpec(4, 128, True)
+    specs["model.embed_tokens"] = LayerSpec(8, 128, True)
+    options = dict(device=dev, dtype="bfloat16" if cuda else "float32",
+                   max_model_len=prompt_len + new + 16, kv_cache_memory_gb=2.0 if cuda else 0.05,
+                   max_num_seqs=1, cuda_graphs=True)  # fmt: skip
+    engines = {}
+    for name in ("bf16", "int4_all"):
+        w = weights if name == "bf16" else quantize_weights(weights, specs)
+        loaded = LoadedModel(cfg, w, lr._NoTokenizer(), "random-llama")
+        engines[name] = LLMEngine(loaded, EngineConfig(**options))
+    del weights, w, loaded
+    prompt = lr.random_prompts(1, prompt_len, cfg.vocab_size)
+    out = results.setdefault("e2e", {"batch": 1, "prompt_tokens": prompt_len, "new_tokens": new,
+                                     "options": options, "rows": []})  # fmt: skip
+    order = [(n, a) for a in (True, False) for n in engines]
+    repeat = max(1, int(os.environ.get("QUANT_H200_REPEAT", "1" if smoke else "3")))
+    out["passes"] = repeat
+    by_key: dict[tuple[str, bool], dict] = {}
+    for engine in engines.values():
+        lr.run_engine(engine, prompt, 8)  # warm-up: compiles the kernels, captures the graph
+    for rep in range(repeat):
+        for name, use in order if rep % 2 == 0 else order[::-1]:
+            engine = engines[name]
+            engine.config.async_scheduling = use
+            run = lr.run_engine(engine, prompt, new)
+            row = by_key.setdefault((name, use), {"weights": name, "async_scheduling": use,
+                                                  "pass_tokens_per_s": []})  # fmt: skip
+            row["pass_tokens_per_s"].append(run.decode_tokens / run.decode_s)
+            row["decode_tokens_per_s"] = statistics.median(row["pass_tokens_per_s"])
+            row["ms_per_token"] = 1e3 / row["decode_tokens_per_s"]
+            print(f"e2e pass {rep} {name} async={use}: "
+                  f"{row['pass_tokens_per_s'][-1]:.1f} tok/s", flush=True)  # fmt: skip
+    out["rows"] = [by_key[k] for k in order]
+    out["speedup_vs_bf16"] = {
+        f"async={use}": by_key[("int4_all", use)]["decode_tokens_per_s"]
+        / by_key[("bf16", use)]["decode_tokens_per_s"]
+        for use in (True, False)
+    }
+    for row in out["rows"]:
+        print(f"e2e {row}", flush=True)
+    print(f"e2e speedups (int4_all vs bf16): {out['speedup_vs_bf16']}", flush=True)
+    del engines
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def admission_section(smoke: bool, results: dict) -> None:
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -711,6 +780,7 @@ def main() -> int:
         ("copy", lambda: results.__setitem__("copy", copy_bandwidth(dev, args.smoke))),
         ("admission", lambda: admission_section(args.smoke, results)),
         ("decode", lambda: decode_section(dev, args.smoke, results)),
+        ("e2e", lambda: e2e_section(dev, args.smoke, results)),
         (
             "gemm",
             lambda: gemm_section(dev, args.smoke, results["copy"]["bytes_per_s"], results, save),

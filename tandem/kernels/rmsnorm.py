@@ -51,6 +51,8 @@ def _rmsnorm_kernel(
     pdl.launch_dependents(PDL)
 
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # issued beside h's load: with ACC_IN, not after the barrier below
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     if ACC_IN:
         # Rounded as the GEMV would have stored it; zeroed for the GEMV's next call once every
         # lane has read its part.
@@ -59,7 +61,6 @@ def _rmsnorm_kernel(
         tl.store(x_ptr + row * stride_x + cols, tl.zeros(cols.shape, tl.float32), mask=mask)
     h = h.to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         # Round the sum to the stored dtype before normalising it, as the unfused add does.
         s = (h + r).to(new_residual_ptr.dtype.element_ty)
         tl.store(new_residual_ptr + row * stride_nr + cols, s, mask=mask)

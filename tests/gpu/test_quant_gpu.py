@@ -147,18 +147,28 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
 
 @pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
 def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
-    """Code-word addresses from a base per group (`addr`, the default where x is read as it is)
-    and scales a group ahead (`ahead`, with the register cap it was measured at) on the GPU:
+    """Code-word addresses from a base per group (`addr`, the default where x is read as it is),
+    scales a group ahead (`ahead`, with the register cap it was measured at) and the L2 prefetch
+    of later groups before the PDL wait (`prefetch`; ragged N: clamped columns) on the GPU:
     bit-equal to the plain kernel, reading x and its GemvX form."""
+    from tandem.kernels import pdl
+
+    assert pdl.use_pdl(torch.empty(1, device=DEV)), "the prefetch runs only with PDL"
     qw = wk.n_major(_weight(n, k, 4, 128, seed=n + split))
     x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
     plain = wk.GemvH2Config(block_n=32, split_k=split, addr=False)
     based = wk.GemvH2Config(block_n=32, split_k=split, addr=True)
     ahead = wk.GemvH2Config(block_n=32, split_k=split, ahead=True, maxnreg=72)
+    fetched = [
+        wk.GemvH2Config(block_n=32, split_k=split, ahead=True, maxnreg=72, prefetch=p)
+        for p in (1, 2, 4)
+    ]
     for xq in (None, wk.gemv_x_ref(x, 128)):
         want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
         assert torch.equal(wk.w4a16_matmul_triton(x, qw, based, xq=xq), want)
         assert torch.equal(wk.w4a16_matmul_triton(x, qw, ahead, xq=xq), want)
+        for cfg in fetched:
+            assert torch.equal(wk.w4a16_matmul_triton(x, qw, cfg, xq=xq), want), cfg
         assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 

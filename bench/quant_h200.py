@@ -431,10 +431,20 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
         return {"error": f"{len(evs)} kernel events under the profiler (graph kernels not traced?)"}
     per = len(evs) // replays
     one = evs[per * (replays // 2) : per * (replays // 2 + 1)]
+    rows, overlap = exposed_by_name(one, one[0][0])
+    return {"span_us": one[-1][1] - one[0][0] if one else 0.0, "kernels_per_replay": per,
+            "overlap_us": overlap, "by_kernel": rows}  # fmt: skip
+
+
+def exposed_by_name(events: list[tuple[float, float, str]], t0: float) -> tuple[list[dict], float]:
+    """Device events (start, end, name), sorted by start, from time t0: by name, launches,
+    summed duration and exposed time (how far each event moves the latest finish so far: with
+    the idle time, the exposed times add up to the span), most exposed first; and the summed
+    overlap."""
     by: dict[str, list] = {}
-    last_end = one[0][0]
+    last_end = t0
     overlap = 0.0
-    for start, end, name in one:
+    for start, end, name in events:
         r = by.setdefault(name, [0, 0.0, 0.0])
         r[0] += 1
         r[1] += end - start
@@ -444,8 +454,45 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
     rows = [{"kernel": k, "launches": v[0], "sum_us": v[1], "exposed_us": v[2]}
             for k, v in by.items()]  # fmt: skip
     rows.sort(key=lambda r: -r["exposed_us"])
-    return {"span_us": one[-1][1] - one[0][0] if one else 0.0, "kernels_per_replay": per,
-            "overlap_us": overlap, "by_kernel": rows}  # fmt: skip
+    return rows, overlap
+
+
+def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
+    """Where a decode step's time goes inside the engine's loop: `new` tokens generated under
+    torch.profiler; the decode steps after the first `skip`, each from its first host-to-device
+    copy (a step copies its inputs in, replays its graph, samples, copies the token out), but
+    the last; per step, by name (graph kernels, copies, sampling), launches and exposed time
+    (`exposed_by_name`), and the idle time: the device waiting with nothing to run."""
+    import llama_random as lr
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lr.run_engine(engine, prompt, new)
+    evs = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
+    starts, prev = [], ""
+    for i, (_, _, name) in enumerate(evs):
+        if "HtoD" in name and "HtoD" not in prev:
+            starts.append(i)
+        prev = name
+    steps = list(zip(starts[skip:-1], starts[skip + 1 :], strict=False))
+    if not steps:
+        return {"error": f"{len(starts)} steps found under the profiler, need > {skip + 1}"}
+    by: dict[str, list] = {}
+    periods, idles = [], []
+    for a, b in steps:
+        rows, _ = exposed_by_name(evs[a:b], evs[a][0])
+        period = evs[b][0] - evs[a][0]
+        periods.append(period)
+        idles.append(period - sum(r["exposed_us"] for r in rows))
+        for r in rows:
+            acc = by.setdefault(r["kernel"], [0.0, 0.0])
+            acc[0] += r["launches"] / len(steps)
+            acc[1] += r["exposed_us"] / len(steps)
+    rows = [{"kernel": k, "launches": v[0], "exposed_us": v[1]} for k, v in by.items()]
+    rows.sort(key=lambda r: -r["exposed_us"])
+    return {"steps": len(steps), "period_us": statistics.median(periods),
+            "idle_us": statistics.median(idles), "by_name": rows}  # fmt: skip
 
 
 def decode_section(dev: str, smoke: bool, results: dict) -> None:
@@ -716,6 +763,19 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     for row in out["rows"]:
         print(f"e2e {row}", flush=True)
     print(f"e2e speedups (int4_all vs bf16): {out['speedup_vs_bf16']}", flush=True)
+    if cuda and not smoke:  # async scheduling: where a step's time goes in the loop
+        for name, engine in engines.items():
+            engine.config.async_scheduling = True
+            try:
+                tl = engine_timeline(engine, prompt, 40)
+            except Exception as e:  # noqa: BLE001 - keep the rows measured above
+                traceback.print_exc()
+                tl = {"error": repr(e)[:400]}
+            by_key[(name, True)]["timeline"] = tl
+            print(f"e2e timeline {name}: period {tl.get('period_us', 0):.1f} us, idle "
+                  f"{tl.get('idle_us', 0):.1f} us {tl.get('error', '')}", flush=True)  # fmt: skip
+            for r in tl.get("by_name", [])[:16]:
+                print(f"    {r['kernel'][:50]:<50} {r['launches']:6.1f} {r['exposed_us']:8.1f}")
     del engines
     if cuda:
         torch.cuda.empty_cache()

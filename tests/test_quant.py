@@ -464,31 +464,6 @@ def test_triton_packed_half_gemv_matches_f64(n, k, group, config, x_scale, outli
     assert not arrival_counters(x.device, 1).any()
 
 
-def test_gemv_prefetch_setting(monkeypatch) -> None:
-    """TANDEM_GEMV_PREFETCH sets how many later groups a packed-fp16 GEMV program asks of L2
-    before its PDL wait: capped by the groups a program holds after its first, 0 turns it off,
-    and a value that is not a power of 2 is refused by name, in the setting and the config."""
-    qw = wk.n_major(quantize_rtn(torch.randn(64, 1024, generator=torch.Generator().manual_seed(1)),
-                                 4, 128))  # fmt: skip
-    assert wk._prefetch_groups_for(2) == 1  # the default, 1
-    assert wk._prefetch_groups_for(1) == 0  # one group a program: nothing after it
-    monkeypatch.setenv("TANDEM_GEMV_PREFETCH", "8")
-    assert wk._prefetch_groups_for(4) == 4  # 3 groups after the first, as a power of 2
-    assert wk._prefetch_groups_for(16) == 8
-    monkeypatch.setenv("TANDEM_GEMV_PREFETCH", "0")
-    assert wk._prefetch_groups_for(16) == 0
-    monkeypatch.setenv("TANDEM_GEMV_PREFETCH", "3")
-    with pytest.raises(ValueError, match="TANDEM_GEMV_PREFETCH must be 0 or a power of 2, got 3"):
-        wk._prefetch_groups_for(4)
-    x = torch.randn(1, 1024)
-    with pytest.raises(ValueError, match="GemvH2Config.prefetch must be 0 or a power of 2"):
-        wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16, prefetch=3))
-    # In the interpreter (no PDL) a prefetching config computes what the plain one does.
-    plain = wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16, split_k=2))
-    fetched = wk.w4a16_matmul_triton(x, qw, wk.GemvH2Config(block_n=16, split_k=2, prefetch=2))
-    torch.testing.assert_close(fetched, plain, rtol=0, atol=0)
-
-
 def test_gemv_x_written_by_producers() -> None:
     """RMSNorm and silu*up write their output also in the packed-fp16 GEMV's GemvX form (x per
     group scaled by a power of two as fp16 pairs in the GEMV's code order, and per group the

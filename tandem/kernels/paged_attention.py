@@ -119,6 +119,20 @@ def paged_attention_varlen_ref(
 
 
 @triton.jit
+def _prefetch_l2(addr):
+    """Ask L2 for the 128-byte line holding each address (int64 tensor); nothing is returned
+    and no register is held for the data. Compiled CUDA only."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [addr],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _prefetch_partition(
     k_head, v_head, bt_row, stride_btn, start, context_len, stride_kb, stride_kt, stride_vb,
     stride_vt, BLOCK_SIZE: tl.constexpr, PARTITION_SIZE: tl.constexpr, LINES: tl.constexpr,
@@ -135,8 +149,8 @@ def _prefetch_partition(
     line = tl.arange(0, LINES) * 128  # bytes
     k_row = (k_head + blocks * stride_kb + slots * stride_kt).to(tl.pointer_type(tl.int8))
     v_row = (v_head + blocks * stride_vb + slots * stride_vt).to(tl.pointer_type(tl.int8))
-    pdl.prefetch_l2((k_row[:, None] + line[None, :]).to(tl.int64))
-    pdl.prefetch_l2((v_row[:, None] + line[None, :]).to(tl.int64))
+    _prefetch_l2((k_row[:, None] + line[None, :]).to(tl.int64))
+    _prefetch_l2((v_row[:, None] + line[None, :]).to(tl.int64))
 
 
 @triton.jit

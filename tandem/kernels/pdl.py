@@ -70,21 +70,6 @@ def launch_dependents(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(addr):
-    """Ask L2 for the 128-byte line holding each address (int64 tensor): work a kernel can do
-    before its wait on memory no kernel of the step writes (weights, a stable KV prefix). Nothing
-    is returned and no register holds the data. Compiled CUDA only (inline PTX)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [addr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 def prewait(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device read more of their inputs before the wait than their
     weights: what the host copies in before a step (positions, slots, context lengths, block

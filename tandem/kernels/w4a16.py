@@ -467,27 +467,6 @@ def _x_scale(amax):
 
 
 @triton.jit
-def _prefetch_groups(
-    qw_ptr, s_ptr, mn_ptr, pid_n, g_start, g_end, N, stride_qw, stride_sg, BLOCK_N: tl.constexpr,
-    WPG: tl.constexpr, GROUPS: tl.constexpr,
-):  # fmt: skip
-    """L2 prefetch of a 1-row program's code words, scales and zero points for its groups
-    g_start + 1 .. g_start + GROUPS (clamped to its last group), N-major: each word row's
-    BLOCK_N columns are 4 * BLOCK_N contiguous bytes, so its first column and every 32nd after,
-    and its last, name every line it touches. Columns are clamped to N - 1 (addresses inside
-    the tensors)."""
-    C: tl.constexpr = triton.next_power_of_2(BLOCK_N // 32 + 1)
-    col = pid_n * BLOCK_N + tl.minimum(tl.arange(0, C) * 32, BLOCK_N - 1)
-    col = tl.minimum(col, N - 1).to(tl.int64)
-    g = tl.minimum(g_start + 1 + tl.arange(0, GROUPS), g_end - 1).to(tl.int64)  # [GROUPS]
-    words = g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GROUPS, WPG]
-    pdl.prefetch_l2((qw_ptr + words[:, :, None] * stride_qw + col[None, None, :]).to(tl.int64))
-    s_off = g[:, None] * stride_sg + col[None, :]  # [GROUPS, C]; scales and zero points: 2 bytes
-    pdl.prefetch_l2((s_ptr + s_off).to(tl.int64))
-    pdl.prefetch_l2((mn_ptr + s_off).to(tl.int64))
-
-
-@triton.jit
 def _gemv_h2_kernel(
     x_ptr,  # [M, K] activations (bf16 when ASM)
     qw_ptr,  # packed codes, N-major (word w of row n at qw_ptr + w * stride_qw + n)
@@ -518,7 +497,6 @@ def _gemv_h2_kernel(
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
     AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
     ATOMIC: tl.constexpr = False,  # out_ptr: a zeroed float32 row each program adds into
-    PREFETCH: tl.constexpr = 0,  # groups after the first asked of L2 before the wait (ASM + PDL)
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -554,9 +532,6 @@ def _gemv_h2_kernel(
         q_next = q_first
     if AHEAD:  # scales and zero points are weights too: the first group's before the wait
         s_next, mn_next = _scales_of_group(s_ptr, mn_ptr, g_start, stride_sg, offs_n, n_mask, EVEN)
-    if PREFETCH > 0:
-        _prefetch_groups(qw_ptr, s_ptr, mn_ptr, pid_n, g_start, g_end, N, stride_qw, stride_sg,
-                         BLOCK_N, WPG, PREFETCH)  # fmt: skip
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     if AHEAD and XPREP:
@@ -928,10 +903,6 @@ class GemvH2Config:
     # against 10.20 and 9.37 / 9.42 against 10.58, the decode step 1.807 against 1.881 ms. So
     # `default_config` uses it (at 72 registers) with `accumulate` only.
     ahead: bool = False
-    # With PDL on compiled CUDA: the program's next `prefetch` groups (a power of 2, 0 for none)
-    # of codes, scales and zero points asked of L2 before the wait, beside the first group's
-    # codes, which load into registers there. `default_config`: TANDEM_GEMV_PREFETCH.
-    prefetch: int = 0
 
 
 @dataclass(frozen=True)
@@ -1111,17 +1082,6 @@ def h2_eligible(
     return x_dtype == torch.bfloat16 or (interpreted and device.type != "cuda")
 
 
-def _prefetch_groups_for(per_program: int) -> int:
-    """GemvH2Config.prefetch for programs of `per_program` groups: TANDEM_GEMV_PREFETCH (a power
-    of 2; 0 turns it off), but no more than the program's groups after its first need."""
-    want = int(os.environ.get("TANDEM_GEMV_PREFETCH", "1"))
-    if want < 0 or want & (want - 1):
-        raise ValueError(f"TANDEM_GEMV_PREFETCH must be 0 or a power of 2, got {want}")
-    if per_program <= 1 or want == 0:
-        return 0
-    return min(want, triton.next_power_of_2(per_program - 1))
-
-
 def default_config(
     m: int,
     n: int,
@@ -1183,12 +1143,11 @@ def default_config(
                 )
             ):
                 split *= 2
-            prefetch = _prefetch_groups_for(-(-groups // split))
             if accumulate and os.environ.get("TANDEM_GEMV_AHEAD", "1") != "0":
                 # Adding into a float32 row, the scales a group ahead (capped at 72 registers,
                 # no spills): see GemvH2Config.ahead; TANDEM_GEMV_AHEAD=0 turns them off.
-                return GemvH2Config(32, split, 1, ahead=True, maxnreg=72, prefetch=prefetch)
-            return GemvH2Config(block_n=32, split_k=split, num_warps=1, prefetch=prefetch)
+                return GemvH2Config(32, split, 1, ahead=True, maxnreg=72)
+            return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
         # The best of the sweep in bench/results/h200_quant.json (H200, Llama-3-8B shapes).
@@ -1408,8 +1367,6 @@ def launch_gemv_h2(
             f"accumulate must be a float32 [{m}, {n}] tensor with unit column stride, got "
             f"{accumulate.dtype} {tuple(accumulate.shape)}"
         )
-    if config.prefetch < 0 or config.prefetch & (config.prefetch - 1):
-        raise ValueError(f"GemvH2Config.prefetch must be 0 or a power of 2, got {config.prefetch}")
     sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config", accumulate)
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
@@ -1447,7 +1404,6 @@ def launch_gemv_h2(
         ADDR=addr,
         AHEAD=config.ahead,
         ATOMIC=accumulate is not None,
-        PREFETCH=config.prefetch if asm and pdl.use_pdl(x) else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),

@@ -147,28 +147,18 @@ def test_w4a16_packed_half_gemv(wk, block_n: int, split: int, warps: int, group:
 
 @pytest.mark.parametrize("n, k, split", [(14336, 4096, 8), (4096, 14336, 32), (3000, 1152, 3)])
 def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
-    """Code-word addresses from a base per group (`addr`, the default where x is read as it is),
-    scales a group ahead (`ahead`, with the register cap it was measured at) and the L2 prefetch
-    of later groups before the PDL wait (`prefetch`; ragged N: clamped columns) on the GPU:
+    """Code-word addresses from a base per group (`addr`, the default where x is read as it is)
+    and scales a group ahead (`ahead`, with the register cap it was measured at) on the GPU:
     bit-equal to the plain kernel, reading x and its GemvX form."""
-    from tandem.kernels import pdl
-
-    assert pdl.use_pdl(torch.empty(1, device=DEV)), "the prefetch runs only with PDL"
     qw = wk.n_major(_weight(n, k, 4, 128, seed=n + split))
     x = torch.randn(1, k, device=DEV).to(torch.bfloat16)
     plain = wk.GemvH2Config(block_n=32, split_k=split, addr=False)
     based = wk.GemvH2Config(block_n=32, split_k=split, addr=True)
     ahead = wk.GemvH2Config(block_n=32, split_k=split, ahead=True, maxnreg=72)
-    fetched = [
-        wk.GemvH2Config(block_n=32, split_k=split, ahead=True, maxnreg=72, prefetch=p)
-        for p in (1, 2, 4)
-    ]
     for xq in (None, wk.gemv_x_ref(x, 128)):
         want = wk.w4a16_matmul_triton(x, qw, plain, xq=xq)
         assert torch.equal(wk.w4a16_matmul_triton(x, qw, based, xq=xq), want)
         assert torch.equal(wk.w4a16_matmul_triton(x, qw, ahead, xq=xq), want)
-        for cfg in fetched:
-            assert torch.equal(wk.w4a16_matmul_triton(x, qw, cfg, xq=xq), want), cfg
         assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
@@ -203,7 +193,13 @@ def test_gemv_x_from_producers_on_cuda(wk) -> None:
 
 def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     """An INT4 decode step (one row) where RMSNorm and silu*up hand the GEMVs x in GemvX form,
-    against the same step with the GEMVs preparing x themselves (TANDEM_GEMV_XPREP=0)."""
+    against the same step with the GEMVs preparing x themselves (TANDEM_GEMV_XPREP=0), and both
+    against the step in float64 on the CPU with the same weights dequantized.
+
+    The K split is summed by the arrival counter (TANDEM_GEMV_ATOMIC=0), not by float atomics:
+    their order varies from run to run, and a last-bit change in one bf16 rounding grows to ~1 %
+    of these random logits after three layers (session 15: 0.0095 between two runs, once, where
+    the two forms are otherwise bit-equal)."""
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -218,7 +214,8 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
                       eos_token_ids=[1])  # fmt: skip
     w = random_llama_weights(cfg, DEV, torch.bfloat16, std=0.05, embed_std=1.0, norm_std=0.05)
     specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
-    model = LlamaModel(cfg, quantize_weights(w, specs), torch.bfloat16, DEV, max_positions=64)
+    qweights = quantize_weights(w, specs)
+    model = LlamaModel(cfg, qweights, torch.bfloat16, DEV, max_positions=64)
     kv = KVCache.allocate(
         cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEV
     )
@@ -235,6 +232,8 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     from tandem.kernels import w4a16 as wk
 
     assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
+    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
+    kv64 = kv.data.double().cpu()
     logits = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("TANDEM_GEMV_XPREP", flag)
@@ -243,6 +242,33 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
     assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) is None  # the flag is read
     assert _rel_err(logits["1"], logits["0"]) < 5e-3
     assert logits["1"].argmax() == logits["0"].argmax()
+
+    # The float64 reference: the quantized weights dequantized, the same cache and step.
+    ref_model = LlamaModel(
+        cfg,
+        {k: v.double().cpu() if isinstance(v, torch.Tensor) else v.dequantize(torch.float64).cpu()
+         for k, v in qweights.items()},
+        torch.float64,
+        "cpu",
+        max_positions=64,
+    )  # fmt: skip
+    kv_ref = KVCache.allocate(
+        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float64, "cpu"
+    )
+    kv_ref.data.copy_(kv64)
+    meta_ref = AttentionMetadata(
+        slot_mapping=torch.tensor([20]),
+        block_tables=torch.tensor([[0, 1]]),
+        context_lens=torch.tensor([21]),
+        context_lens_list=[21],
+        query_start_loc=[0, 1],
+        decode_only=True,
+    )
+    with torch.inference_mode():
+        ref = ref_model.logits(ref_model.forward(ids.cpu(), pos.cpu(), kv_ref, meta_ref))
+    # bf16 activations through three random layers: 0.0118 for both forms on the H200.
+    for flag in ("1", "0"):
+        assert _rel_err(logits[flag].cpu(), ref.double()) < 3e-2, flag
 
 
 @pytest.mark.parametrize("m", [1, 16, 100])

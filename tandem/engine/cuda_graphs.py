@@ -5,9 +5,10 @@ their launch latency, not memory bandwidth, sets the step time. A graph replays 
 launch. Each bucket (1, 2, 4, ... 256 sequences) is captured on first use; a batch is padded to
 the next bucket. Padding rows write no KV (slot -1) and attend to nothing (context length 0).
 
-The step's inputs travel in two host-to-device copies from pinned buffers (the small vectors,
-then the block-table rows), never from Python lists. Host buffers come in pairs: under
-asynchronous scheduling the host fills step t+1's while step t's copy may still be queued.
+The step's inputs travel in one host-to-device copy from a pinned buffer (the small vectors and
+the block-table rows side by side, each a view of one byte buffer), never from Python lists.
+Host buffers come in pairs: under asynchronous scheduling the host fills step t+1's while step
+t's copy may still be queued.
 """
 
 from __future__ import annotations
@@ -99,14 +100,18 @@ class DecodeGraphs:
         # fixed at capture); blocks past a sequence's context are masked, never read.
         self.max_blocks = -(-max_model_len // self.block_size)
         n, dev = self.max_batch, model.device
-        self.small = torch.zeros((4, n), dtype=torch.long, device=dev)
-        self.tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
-        self._small_host = [torch.zeros((4, n), dtype=torch.long).pin_memory() for _ in range(2)]
-        self._tables_host = [
-            torch.zeros((n, self.max_blocks), dtype=torch.int32).pin_memory() for _ in range(2)
-        ]
-        self._small_np = [t.numpy() for t in self._small_host]
-        self._tables_np = [t.numpy() for t in self._tables_host]
+        # [4, n] int64 (input ids, positions, slots, context lengths), then [n, max_blocks] int32
+        # block tables, in one byte buffer on each side: a step's inputs are one copy.
+        self._small_bytes = 4 * n * 8
+        self._row_bytes = self.max_blocks * 4
+        self._inputs = torch.zeros(self._small_bytes + n * self._row_bytes, dtype=torch.uint8,
+                                   device=dev)  # fmt: skip
+        self.small, self.tables = self._views(self._inputs)
+        self._inputs_host = [torch.zeros_like(self._inputs, device="cpu").pin_memory()
+                             for _ in range(2)]  # fmt: skip
+        host = [self._views(t) for t in self._inputs_host]
+        self._small_np = [sm.numpy() for sm, _ in host]
+        self._tables_np = [tb.numpy() for _, tb in host]
         # Recorded after each host buffer's copies: the host waits on it before refilling that
         # buffer, so a caller that never synchronizes cannot overwrite inputs not yet copied.
         self._copied = [torch.cuda.Event() for _ in range(2)]
@@ -114,6 +119,12 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [bucket, vocab] f32
         self._pool = None
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(small [4, n] int64, tables [n, max_blocks] int32) over one input byte buffer."""
+        small = buf[: self._small_bytes].view(torch.long).view(4, self.max_batch)
+        tables = buf[self._small_bytes :].view(torch.int32).view(self.max_batch, self.max_blocks)
+        return small, tables
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` sequences; None when none does."""
@@ -169,8 +180,8 @@ class DecodeGraphs:
         self._next ^= 1
         self._copied[k].synchronize()  # done long ago in the engine's loops; not so for any caller
         fill_decode_inputs(items, self.block_size, self._small_np[k], self._tables_np[k], bucket)
-        self.small.copy_(self._small_host[k], non_blocking=True)
-        self.tables[:bucket].copy_(self._tables_host[k][:bucket], non_blocking=True)
+        used = self._small_bytes + bucket * self._row_bytes  # the bucket's table rows come first
+        self._inputs[:used].copy_(self._inputs_host[k][:used], non_blocking=True)
         self._copied[k].record()
         write_pending_ids(self.small[0], pending)
         self.graphs[bucket].replay()

@@ -459,9 +459,9 @@ def exposed_by_name(events: list[tuple[float, float, str]], t0: float) -> tuple[
 
 def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
     """Where a decode step's time goes inside the engine's loop: `new` tokens generated under
-    torch.profiler; the decode steps after the first `skip`, each from its first host-to-device
-    copy (a step copies its inputs in, replays its graph, samples, copies the token out), but
-    the last; per step, by name (graph kernels, copies, sampling), launches and exposed time
+    torch.profiler; the decode steps after the first `skip`, each from the copy of its inputs
+    from pinned memory (a step copies its inputs in, replays its graph, samples, copies the
+    token out), but the last; per step, by name (graph kernels, copies, sampling), launches and exposed time
     (`exposed_by_name`), and the idle time: the device waiting with nothing to run."""
     import llama_random as lr
     from torch.profiler import ProfilerActivity, profile
@@ -470,11 +470,9 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
         lr.run_engine(engine, prompt, new)
     evs = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
                  if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
-    starts, prev = [], ""
-    for i, (_, _, name) in enumerate(evs):
-        if "HtoD" in name and "HtoD" not in prev:
-            starts.append(i)
-        prev = name
+    # A graph step's inputs come in one copy from pinned memory; the sampler's small tensors
+    # come from pageable memory (counting those too split each step in two: session 15).
+    starts = [i for i, (_, _, name) in enumerate(evs) if "HtoD (Pinned" in name]
     steps = list(zip(starts[skip:-1], starts[skip + 1 :], strict=False))
     if not steps:
         return {"error": f"{len(starts)} steps found under the profiler, need > {skip + 1}"}

@@ -198,8 +198,8 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
 
     The K split is summed by the arrival counter (TANDEM_GEMV_ATOMIC=0), not by float atomics:
     their order varies from run to run, and a last-bit change in one bf16 rounding grows to ~1 %
-    of these random logits after three layers (session 15: 0.0095 between two runs, once, where
-    the two forms are otherwise bit-equal)."""
+    of these random logits after three layers (session 15: the two forms 0.0095 apart once, and
+    bit-equal in every later run)."""
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel

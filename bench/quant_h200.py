@@ -16,6 +16,7 @@ them:
   memory     weight bytes of each, vs bf16
   e2e        single-stream decode tokens/s through the engine (scheduler, graph, sampling, the
              token to the host), bf16 vs int4_all, with and without async scheduling
+  argmax     the greedy sampler's argmax over 128256 logits: torch's against two stages
   admission  2k-token sequences the engine's pool sizing admits at one memory budget, FP8 vs bf16
 
     python bench/quant_h200.py            # writes bench/results/h200_quant.json
@@ -779,6 +780,40 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
         torch.cuda.empty_cache()
 
 
+def argmax_two_stage(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """argmax over the last dim of x [B, V] (V a multiple of cols) in two stages: the max of each
+    run of `cols` logits (many programs), then the argmax of those maxima. Equal to
+    torch.argmax, first maximum included: both stages return the first of equal values."""
+    b, v = x.shape
+    vals, idx = x.view(b, v // cols, cols).max(dim=2)
+    j = vals.argmax(dim=1)
+    return j * cols + idx.gather(1, j[:, None]).squeeze(1)
+
+
+def argmax_section(dev: str, smoke: bool, results: dict) -> None:
+    """The greedy sampler's argmax over one row of Llama-3's 128256 logits (float32), as the
+    engine runs it outside the step's graph: torch.argmax against `argmax_two_stage` at a few
+    run lengths (session 15's engine timeline put torch's at ~28 us a token). Each timed as 20
+    calls in one graph, us per call; every variant checked equal to torch.argmax first."""
+    v = 512 if smoke else LLAMA3_8B["vocab_size"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, v, device=dev, generator=g)
+    x[0, v // 3] = x[0, 2 * v // 3] = x.max() + 1  # a tie: the first one is the answer
+    want = torch.argmax(x, dim=-1)
+    rows = []
+    variants = {"torch.argmax": lambda i: torch.argmax(x, dim=-1)}
+    for cols in (128, 256, 384, 768):
+        if v % cols == 0:
+            variants[f"two_stage/{cols}"] = lambda i, c=cols: argmax_two_stage(x, c)
+    for name, fn in variants.items():
+        if not torch.equal(fn(0), want):
+            raise AssertionError(f"{name} disagrees with torch.argmax")
+        t = timed(fn, 20, reps=5 if smoke else 30)
+        rows.append({"variant": name, "us": t * 1e6})
+        print(f"argmax {name}: {t * 1e6:.2f} us", flush=True)
+    results["argmax"] = {"vocab": v, "rows": rows}
+
+
 def admission_section(smoke: bool, results: dict) -> None:
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -839,6 +874,7 @@ def main() -> int:
         ("admission", lambda: admission_section(args.smoke, results)),
         ("decode", lambda: decode_section(dev, args.smoke, results)),
         ("e2e", lambda: e2e_section(dev, args.smoke, results)),
+        ("argmax", lambda: argmax_section(dev, args.smoke, results)),
         (
             "gemm",
             lambda: gemm_section(dev, args.smoke, results["copy"]["bytes_per_s"], results, save),

@@ -50,15 +50,7 @@ def replay_time_s(g: torch.cuda.CUDAGraph, reps: int = 50) -> float:
 
 def graph_time_s(fn) -> float:
     """Median GPU seconds of `fn` captured in a CUDA graph (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return replay_time_s(g)
+    return replay_time_s(lr.captured(fn))
 
 
 def linears_only_s(engine, matvec) -> float:

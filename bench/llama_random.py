@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,19 @@ def run_info(argv: list[str]) -> dict[str, Any]:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def captured(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after a warm-up call (it compiles) on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:

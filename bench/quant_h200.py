@@ -43,8 +43,11 @@ from collections.abc import Callable
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for path in (ROOT, os.path.join(ROOT, "bench")):  # tandem, and llama_random beside this file
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import llama_random as lr  # noqa: E402
 
 from tandem.kernels.w4a16 import (  # noqa: E402
     GemmConfig,
@@ -102,19 +105,6 @@ GEMM_SWEEP = {
 }  # fmt: skip
 
 
-def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """fn() captured in a CUDA graph, after a warm-up call (it compiles) on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
 def timed(fn: Callable[[int], object], copies: int, reps: int = 20) -> float:
     """Seconds per call of fn(i) (i cycling over the weight copies), GPU time."""
     if torch.cuda.is_available():
@@ -123,7 +113,7 @@ def timed(fn: Callable[[int], object], copies: int, reps: int = 20) -> float:
             for i in range(copies):
                 fn(i)
 
-        g = captured(calls)
+        g = lr.captured(calls)
         g.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,10 +137,7 @@ def copy_bandwidth(dev: str, smoke: bool) -> dict:
     n = (1 << 20) if smoke else (4 << 30)  # bytes
     if dev == "cuda" and not smoke:
         # The same measurement as every other H200 benchmark (bench/llama_random.py).
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import llama_random
-
-        bw = llama_random.copy_bandwidth(n)
+        bw = lr.copy_bandwidth(n)
         return {"bytes": n, "seconds": 2 * n / bw, "bytes_per_s": bw,
                 "counts": "bytes read + written"}  # fmt: skip
     src = torch.randn(n // 4, device=dev)
@@ -418,7 +405,7 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
     latest finish of the kernels before it: the exposed times add up to the replay's span)."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = captured(step)
+    g = lr.captured(step)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -426,8 +413,7 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
             g.replay()
             torch.cuda.synchronize()  # replays apart, so they split by time
     del g
-    evs = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
-                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
+    evs = device_events(prof)
     if len(evs) < replays:
         return {"error": f"{len(evs)} kernel events under the profiler (graph kernels not traced?)"}
     per = len(evs) // replays
@@ -435,6 +421,12 @@ def graph_timeline(step: Callable[[], object], replays: int = 3) -> dict:
     rows, overlap = exposed_by_name(one, one[0][0])
     return {"span_us": one[-1][1] - one[0][0] if one else 0.0, "kernels_per_replay": per,
             "overlap_us": overlap, "by_kernel": rows}  # fmt: skip
+
+
+def device_events(prof) -> list[tuple[float, float, str]]:
+    """A torch.profiler run's device events (kernels, copies) as (start, end, name), by start."""
+    return sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                  if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
 
 
 def exposed_by_name(events: list[tuple[float, float, str]], t0: float) -> tuple[list[dict], float]:
@@ -464,13 +456,11 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
     from pinned memory (a step copies its inputs in, replays its graph, samples, copies the
     token out), but the last; per step, by name (graph kernels, copies, sampling), launches and exposed time
     (`exposed_by_name`), and the idle time: the device waiting with nothing to run."""
-    import llama_random as lr
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         lr.run_engine(engine, prompt, new)
-    evs = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
-                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)  # fmt: skip
+    evs = device_events(prof)
     # A graph step's inputs come in one copy from pinned memory; the sampler's small tensors
     # come from pageable memory (counting those too split each step in two: session 15).
     starts = [i for i, (_, _, name) in enumerate(evs) if "HtoD (Pinned" in name]
@@ -708,7 +698,6 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     generate loop runs, so the graph launch overlaps the step before) and without (each step's
     token read before the next is launched). Passes alternate in order; each row reports every
     pass's decode tokens/s (first token to last) and their median."""
-    import llama_random as lr
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine

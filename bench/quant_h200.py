@@ -29,6 +29,7 @@ them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -581,7 +582,9 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
+    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead;
+    # "silu_kernel": silu * up in a kernel of its own, not by gate/up's last adders
+    # (TANDEM_GEMV_SILU=0).
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings;
     # QUANT_H200_TIMELINE="weights/mode ..." adds those rows' `graph_timeline`.
@@ -594,11 +597,12 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "ffma": {"TANDEM_GEMV_H2": "0"},
              "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
              "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"},
-             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
+             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"},
+             "silu_kernel": {"TANDEM_GEMV_SILU": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"),
+             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"), ("int4_all", "silu_kernel"),
              ("int4", "default"),
              ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
@@ -697,7 +701,12 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     With async scheduling (step t + 1 launched before step t's token is read, as gpt-fast's
     generate loop runs, so the graph launch overlaps the step before) and without (each step's
     token read before the next is launched). Passes alternate in order; each row reports every
-    pass's decode tokens/s (first token to last) and their median."""
+    pass's decode tokens/s (first token to last) and their median.
+
+    QUANT_H200_E2E_MODES="weights/mode ..." adds engines run with environment settings (async
+    scheduling only; set while the engine is built, captured and run): "session15" (silu * up
+    in a kernel of its own, TANDEM_GEMV_SILU=0, and torch's argmax, TANDEM_ARGMAX=torch),
+    "torch_argmax" (TANDEM_ARGMAX=torch), "silu_kernel" (TANDEM_GEMV_SILU=0)."""
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -705,6 +714,10 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     from tandem.quant.recipe import LayerSpec, linear_layer_names
     from tandem.quant.weights import quantize_weights
 
+    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"},
+             "silu_kernel": {"TANDEM_GEMV_SILU": "0"},
+             "session15": {"TANDEM_GEMV_SILU": "0", "TANDEM_ARGMAX": "torch"}}  # fmt: skip
+    extra = [tuple(r.split("/", 1)) for r in os.environ.get("QUANT_H200_E2E_MODES", "").split()]
     cfg = llama_config(smoke)
     cuda = dev == "cuda"
     prompt_len, new = (32, 16) if smoke else (1024, 256)
@@ -715,51 +728,61 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     options = dict(device=dev, dtype="bfloat16" if cuda else "float32",
                    max_model_len=prompt_len + new + 16, kv_cache_memory_gb=2.0 if cuda else 0.05,
                    max_num_seqs=1, cuda_graphs=True)  # fmt: skip
+    keys = [("bf16", "default"), ("int4_all", "default"), *extra]
+    quantized = quantize_weights(weights, specs) if any(n != "bf16" for n, _ in keys) else None
     engines = {}
-    for name in ("bf16", "int4_all"):
-        w = weights if name == "bf16" else quantize_weights(weights, specs)
+    for name, mode in keys:
+        w = weights if name == "bf16" else quantized
         loaded = LoadedModel(cfg, w, lr._NoTokenizer(), "random-llama")
-        engines[name] = LLMEngine(loaded, EngineConfig(**options))
-    del weights, w, loaded
+        with _env(modes[mode]):
+            engine = LLMEngine(loaded, EngineConfig(**options))
+        engines[(name, mode)] = engine
+    del weights, quantized, w, loaded
     prompt = lr.random_prompts(1, prompt_len, cfg.vocab_size)
     out = results.setdefault("e2e", {"batch": 1, "prompt_tokens": prompt_len, "new_tokens": new,
-                                     "options": options, "rows": []})  # fmt: skip
-    order = [(n, a) for a in (True, False) for n in engines]
+                                     "options": options, "modes": modes, "rows": []})  # fmt: skip
+    order = [(k, a) for a in (True, False) for k in keys if a or k[1] == "default"]
     repeat = max(1, int(os.environ.get("QUANT_H200_REPEAT", "1" if smoke else "3")))
     out["passes"] = repeat
-    by_key: dict[tuple[str, bool], dict] = {}
-    for engine in engines.values():
-        lr.run_engine(engine, prompt, 8)  # warm-up: compiles the kernels, captures the graph
+    by_key: dict[tuple, dict] = {}
+    for key, engine in engines.items():
+        with _env(modes[key[1]]):
+            lr.run_engine(engine, prompt, 8)  # warm-up: compiles the kernels, captures the graph
     for rep in range(repeat):
-        for name, use in order if rep % 2 == 0 else order[::-1]:
-            engine = engines[name]
+        for (name, mode), use in order if rep % 2 == 0 else order[::-1]:
+            engine = engines[(name, mode)]
             engine.config.async_scheduling = use
-            run = lr.run_engine(engine, prompt, new)
-            row = by_key.setdefault((name, use), {"weights": name, "async_scheduling": use,
-                                                  "pass_tokens_per_s": []})  # fmt: skip
+            with _env(modes[mode]):
+                run = lr.run_engine(engine, prompt, new)
+            row = by_key.setdefault((name, mode, use), {"weights": name, "mode": mode,
+                                    "async_scheduling": use, "pass_tokens_per_s": []})  # fmt: skip
             row["pass_tokens_per_s"].append(run.decode_tokens / run.decode_s)
             row["decode_tokens_per_s"] = statistics.median(row["pass_tokens_per_s"])
             row["ms_per_token"] = 1e3 / row["decode_tokens_per_s"]
-            print(f"e2e pass {rep} {name} async={use}: "
+            print(f"e2e pass {rep} {name}/{mode} async={use}: "
                   f"{row['pass_tokens_per_s'][-1]:.1f} tok/s", flush=True)  # fmt: skip
-    out["rows"] = [by_key[k] for k in order]
+    out["rows"] = [by_key[(*k, a)] for k, a in order]
+    tps = {(r["weights"], r["mode"], r["async_scheduling"]): r["decode_tokens_per_s"]
+           for r in out["rows"]}  # fmt: skip
     out["speedup_vs_bf16"] = {
-        f"async={use}": by_key[("int4_all", use)]["decode_tokens_per_s"]
-        / by_key[("bf16", use)]["decode_tokens_per_s"]
-        for use in (True, False)
+        f"{name}/{mode}/async={use}": t / tps[("bf16", "default", use)]
+        for (name, mode, use), t in tps.items()
+        if name != "bf16" or mode != "default"
     }
     for row in out["rows"]:
         print(f"e2e {row}", flush=True)
-    print(f"e2e speedups (int4_all vs bf16): {out['speedup_vs_bf16']}", flush=True)
+    print(f"e2e speedups (vs bf16/default): {out['speedup_vs_bf16']}", flush=True)
     if cuda and not smoke:  # async scheduling: where a step's time goes in the loop
-        for name, engine in engines.items():
+        for (name, mode), engine in engines.items():
+            if mode != "default":
+                continue
             engine.config.async_scheduling = True
             try:
                 tl = engine_timeline(engine, prompt, 40)
             except Exception as e:  # noqa: BLE001 - keep the rows measured above
                 traceback.print_exc()
                 tl = {"error": repr(e)[:400]}
-            by_key[(name, True)]["timeline"] = tl
+            by_key[(name, mode, True)]["timeline"] = tl
             print(f"e2e timeline {name}: period {tl.get('period_us', 0):.1f} us, idle "
                   f"{tl.get('idle_us', 0):.1f} us {tl.get('error', '')}", flush=True)  # fmt: skip
             for r in tl.get("by_name", [])[:16]:
@@ -767,6 +790,21 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     del engines
     if cuda:
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _env(settings: dict[str, str]):
+    """The process environment with `settings` added, restored after."""
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def argmax_two_stage(x: torch.Tensor, cols: int) -> torch.Tensor:
@@ -782,7 +820,8 @@ def argmax_two_stage(x: torch.Tensor, cols: int) -> torch.Tensor:
 def argmax_section(dev: str, smoke: bool, results: dict) -> None:
     """The greedy sampler's argmax over one row of Llama-3's 128256 logits (float32), as the
     engine runs it outside the step's graph: torch.argmax against `argmax_two_stage` at a few
-    run lengths (session 15's engine timeline put torch's at ~28 us a token). Each timed as 20
+    run lengths and the sampler's one-launch Triton argmax at a few block sizes (session 15's
+    engine timeline put torch's at ~28 us a token). Each timed as 20
     calls in one graph, us per call; every variant checked equal to torch.argmax first."""
     v = 512 if smoke else LLAMA3_8B["vocab_size"]
     g = torch.Generator(device=dev).manual_seed(0)
@@ -794,6 +833,11 @@ def argmax_section(dev: str, smoke: bool, results: dict) -> None:
     for cols in (128, 256, 384, 768):
         if v % cols == 0:
             variants[f"two_stage/{cols}"] = lambda i, c=cols: argmax_two_stage(x, c)
+    if dev == "cuda":
+        from tandem.kernels.argmax import argmax_triton
+
+        for block in (1024, 2048, 4096, 8192):  # the sampler's: 2048
+            variants[f"triton/{block}"] = lambda i, b=block: argmax_triton(x, b)
     for name, fn in variants.items():
         if not torch.equal(fn(0), want):
             raise AssertionError(f"{name} disagrees with torch.argmax")

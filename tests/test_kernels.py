@@ -159,11 +159,12 @@ def test_decode_triton_matches_f64(
 @pytest.mark.parametrize("ps", [16, 32])
 def test_decode_merge_by_the_last_partition(monkeypatch, ps: int) -> None:
     """The merge done by stage 1's last program (default) equals the second kernel's, over more
-    partitions than one merge step takes (20 of 16 tokens: the second kernel's loop) and over
-    fewer (10 of 32: its single tile), and leaves its counters at zero."""
+    partitions than one merge step takes (over 32 of 16 tokens for the longest context: the
+    second kernel's loop) and over fewer (about 20 of 32: its single tile), and leaves its
+    counters at zero."""
     from tandem.kernels.arrival import arrival_counters
 
-    lens = [300, 5, 129, 0]
+    lens = [300, 5, 129, 0, 660]
     q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=1)
     fused = pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, partition_size=ps)
     assert not arrival_counters(q.device, 8)[:8].any()

@@ -582,9 +582,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
     # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead;
-    # "silu_kernel": silu * up in a kernel of its own, not by gate/up's last adders
-    # (TANDEM_GEMV_SILU=0).
+    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings;
     # QUANT_H200_TIMELINE="weights/mode ..." adds those rows' `graph_timeline`.
@@ -597,12 +595,11 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
              "ffma": {"TANDEM_GEMV_H2": "0"},
              "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
              "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"},
-             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"},
-             "silu_kernel": {"TANDEM_GEMV_SILU": "0"}}  # fmt: skip
+             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
     order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
              ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
              ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"), ("int4_all", "silu_kernel"),
+             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"),
              ("int4", "default"),
              ("int4", "ffma")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
@@ -704,9 +701,8 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     pass's decode tokens/s (first token to last) and their median.
 
     QUANT_H200_E2E_MODES="weights/mode ..." adds engines run with environment settings (async
-    scheduling only; set while the engine is built, captured and run): "session15" (silu * up
-    in a kernel of its own, TANDEM_GEMV_SILU=0, and torch's argmax, TANDEM_ARGMAX=torch),
-    "torch_argmax" (TANDEM_ARGMAX=torch), "silu_kernel" (TANDEM_GEMV_SILU=0)."""
+    scheduling only; set while the engine is built, captured and run): "torch_argmax", the
+    sampler's argmax by torch, not the Triton kernel (TANDEM_ARGMAX=torch)."""
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -714,9 +710,7 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     from tandem.quant.recipe import LayerSpec, linear_layer_names
     from tandem.quant.weights import quantize_weights
 
-    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"},
-             "silu_kernel": {"TANDEM_GEMV_SILU": "0"},
-             "session15": {"TANDEM_GEMV_SILU": "0", "TANDEM_ARGMAX": "torch"}}  # fmt: skip
+    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"}}
     extra = [tuple(r.split("/", 1)) for r in os.environ.get("QUANT_H200_E2E_MODES", "").split()]
     cfg = llama_config(smoke)
     cuda = dev == "cuda"

@@ -68,50 +68,6 @@ def test_gemv_accumulate_errors_name_the_problem() -> None:
     assert not wk.gemv_accumulates(torch.zeros(4, 4), torch.bfloat16)
 
 
-@pytest.mark.parametrize("half,k,split,group", [(256, 512, 2, 128), (192, 768, 3, 64)])
-def test_gemv_applies_silu_in_its_last_adder(half, k, split, group) -> None:
-    """The [gate | up] GEMV whose last program to add into a tile applies silu * up
-    (`silu=`): bit for bit the GEMV adding into the row then `silu_and_mul_gemv_x` reading it,
-    the row left zero and the tiles' arrival counters back at zero."""
-    from tandem.kernels.arrival import arrival_counters
-
-    g = torch.Generator().manual_seed(half)
-    w = wk.n_major(quantize_rtn(torch.randn(2 * half, k, generator=g) * 0.05, 4, 128))
-    x = torch.randn(1, k, generator=g)
-    cfg = wk.GemvH2Config(32, split, 1)
-    row = torch.zeros(1, 2 * half)
-    wk.w4a16_matmul_triton(x, w, cfg, accumulate=row)
-    want, wq = act.silu_and_mul_gemv_x(row, group, acc_dtype=DT)
-    fused = torch.zeros(1, 2 * half)
-    got, gq = torch.empty(1, half, dtype=DT), wk.GemvX.empty(1, half, group, x.device)
-    wk.launch_gemv_h2(x, w, cfg, None, fused, (got, gq))
-    assert torch.equal(got, want) and torch.equal(gq.scaled, wq.scaled)
-    assert torch.equal(gq.scalars, wq.scalars)
-    assert torch.count_nonzero(fused) == 0
-    assert torch.count_nonzero(arrival_counters(x.device, half // group)) == 0
-    # The entry point, at the default launch (and again: the counters were left ready).
-    for _ in range(2):
-        a2, q2 = wk.gemv_silu_and_mul(x, w, None, fused, group, DT)
-        torch.testing.assert_close(a2, want, rtol=2e-3, atol=1e-4)
-        assert torch.count_nonzero(fused) == 0
-
-
-def test_gemv_silu_errors_name_the_problem() -> None:
-    w = wk.n_major(quantize_rtn(torch.randn(256, 256) * 0.02, 4, 128))
-    x = torch.randn(1, 256)
-    cfg = wk.GemvH2Config(32, 2, 1)
-    a, q = torch.empty(1, 128, dtype=DT), wk.GemvX.empty(1, 128, 128, x.device)
-    with pytest.raises(
-        ValueError, match=r"silu needs one row \(1 given\) added into `accumulate` \(none"
-    ):
-        wk.launch_gemv_h2(x, w, cfg, None, None, (a, q))
-    with pytest.raises(ValueError, match=r"a multiple of block_n 64"):
-        wk.launch_gemv_h2(x, w, wk.GemvH2Config(64, 2, 1), None, torch.zeros(1, 256),
-                          (a, wk.GemvX.empty(1, 128, 32, x.device)))  # fmt: skip
-    with pytest.raises(ValueError, match=r"contiguous \[1, 128\]"):
-        wk.launch_gemv_h2(x, w, cfg, None, torch.zeros(1, 256), (torch.empty(1, 64, dtype=DT), q))
-
-
 def _acc_row(shape, seed: int) -> torch.Tensor:
     """A float32 row with values between the activation dtype's steps."""
     g = torch.Generator().manual_seed(seed)

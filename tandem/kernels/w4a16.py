@@ -486,9 +486,6 @@ def _gemv_h2_kernel(
     stride_sg,
     stride_om,
     xs_ptr,  # XPREP: float32 [M, G, 2] per group: 2**24 / scale, sum of x
-    act_ptr,  # SILU: [1, N / 2] silu(gate) * up in the activation dtype
-    act_scaled_ptr,  # SILU: its GemvX form, `GemvX.scaled` [1, N / 2]
-    act_scal_ptr,  # SILU: `GemvX.scalars` [1, N / (2 SILU_TILE), 2]
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     REDUCE: tl.constexpr,
@@ -500,8 +497,6 @@ def _gemv_h2_kernel(
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
     AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
     ATOMIC: tl.constexpr = False,  # out_ptr: a zeroed float32 row each program adds into
-    SILU: tl.constexpr = False,  # ATOMIC, [gate | up]: the last adder of a tile applies silu * up
-    SILU_TILE: tl.constexpr = 128,  # outputs per SILU tile: the GemvX group of its consumer
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -618,53 +613,9 @@ def _gemv_h2_kernel(
     out = out_ptr + m.to(tl.int64) * stride_om + offs_n
     if ATOMIC:  # float32 adds at L2, fire and forget: no partials, counter or last program
         tl.atomic_add(out, acc, mask=n_mask, sem="relaxed", scope="gpu")
-        if SILU:
-            _silu_of_last_adder(out_ptr, act_ptr, act_scaled_ptr, act_scal_ptr, cnt_ptr, pid_n,
-                                N // 2, SPLIT, BLOCK_N, SILU_TILE)  # fmt: skip
     else:
         _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
                     REDUCE, SPLIT_P2, EVEN)  # fmt: skip
-
-
-@triton.jit
-def _silu_of_last_adder(
-    acc_ptr,  # the float32 row [gate | up] every program adds into
-    act_ptr,
-    scaled_ptr,
-    scal_ptr,
-    cnt_ptr,  # int32 arrival counters, one per tile, zero between calls
-    pid_n,
-    half,  # I: gate in acc[:I], up in acc[I:]
-    SPLIT,
-    BLOCK_N: tl.constexpr,
-    TILE: tl.constexpr,
-):
-    """SwiGLU's silu(gate) * up for a tile of TILE outputs, by the last program to add into it
-    (an acq_rel counter over the tile's gate and up column blocks, every K split of each): the
-    tile's gate and up sums rounded to the activation dtype, read and zeroed for the next call,
-    then exactly `_silu_mul_kernel`'s arithmetic (activation.py), stored as it is and in the GemvX
-    form of the GEMV that reads it. The silu * up launch, and its wait, are gone."""
-    tile = (pid_n * BLOCK_N % half) // TILE
-    tl.debug_barrier()  # every thread's adds are issued before the counter moves
-    cnt = cnt_ptr + tile
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == 2 * (TILE // BLOCK_N) * SPLIT - 1:
-        cols = tile * TILE + tl.arange(0, 1)[:, None] * TILE + tl.arange(0, TILE)[None, :]
-        dt = act_ptr.dtype.element_ty
-        # Other programs' adds, so from L2 (.cg), rounded as a GEMV would have stored them.
-        g = tl.load(acc_ptr + cols, cache_modifier=".cg").to(dt)
-        u = tl.load(acc_ptr + half + cols, cache_modifier=".cg").to(dt)
-        tl.debug_barrier()  # zeroed once every lane has read
-        zero = tl.zeros(cols.shape, tl.float32)
-        tl.store(acc_ptr + cols, zero)
-        tl.store(acc_ptr + half + cols, zero)
-        g = g.to(tl.float32)
-        u = u.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = (s * u).to(dt)
-        tl.store(act_ptr + cols, y)
-        store_gemv_x(y.to(tl.float32), tile, half, scaled_ptr, scal_ptr, TILE)
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
@@ -1098,38 +1049,6 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
     return gemv_atomic_enabled(x_dtype) and h2_weight(w, w.in_features)
 
 
-def gemv_silu_enabled() -> bool:
-    """Whether a one-row [gate | up] GEMV that adds into a float32 row also applies SwiGLU's
-    silu(gate) * up (`gemv_silu_and_mul`) instead of leaving it to a kernel of its own; off with
-    `TANDEM_GEMV_SILU=0`."""
-    return os.environ.get("TANDEM_GEMV_SILU", "1") not in ("0", "false", "off")
-
-
-def gemv_silu_and_mul(
-    x: torch.Tensor,  # [1, K]
-    w: QuantizedWeight,  # [gate | up]: [2 I, K]
-    xq: GemvX | None,
-    accumulate: torch.Tensor,  # float32 [1, 2 I], zero on entry; left zero
-    group: int,  # the GemvX group of act's reader
-    act_dtype: torch.dtype,
-) -> tuple[torch.Tensor, GemvX]:
-    """silu(x W_gate^T) * (x W_up^T) in the GEMV's own launch: every program adds into
-    `accumulate`, and the last to add into a tile of `group` outputs (gate and up) rounds the
-    tile's sums to `act_dtype`, zeroes them and writes act and its GemvX form, the arithmetic of
-    `silu_and_mul_gemv_x(accumulate, group, act_dtype)` (tandem/kernels/activation.py) launched
-    after the GEMV. Returns (act [1, I], its GemvX)."""
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
-    half = w.out_features // 2
-    config = default_config(1, w.out_features, w.in_features, x.device, w, x.dtype, True)
-    if not isinstance(config, GemvH2Config):
-        raise ValueError(f"silu in the GEMV needs the packed-fp16 GEMV, not {config}")
-    act = torch.empty((1, half), dtype=act_dtype, device=x.device)
-    aq = GemvX.empty(1, half, group, x.device)
-    launch_gemv_h2(x, w, config, xq, accumulate, (act, aq))
-    return act, aq
-
-
 def gemv_atomic_enabled(x_dtype: torch.dtype) -> bool:
     """The settings' part of `gemv_accumulates` (the same for every weight): compiled CUDA, bf16
     x, the packed-fp16 GEMV on, `TANDEM_GEMV_ATOMIC` not 0."""
@@ -1433,31 +1352,14 @@ def launch_gemv_h2(
     config: GemvH2Config,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
-    silu: tuple[torch.Tensor, GemvX] | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
     from its producer) the kernel reads that instead of x. `accumulate`: a float32 [M, N]
     tensor, zero on entry, that every program adds its part into with float atomics (returned
     as the output): no split-K partials, arrival counters or last program, but the order of the
-    adds, and so the last bits of the sums, varies from call to call. `silu` (with `accumulate`,
-    one row, w = [gate | up]): (act [1, N / 2], its GemvX) that the last program to add into
-    each tile of act's GemvX group fills with silu(gate) * up, zeroing the tile's sums."""
+    adds, and so the last bits of the sums, varies from call to call."""
     m, k = x.shape
     n = w.out_features
-    if silu is not None:
-        act, aq = silu
-        half = n // 2
-        if accumulate is None or m != 1 or n % 2:
-            raise ValueError(f"silu needs one row ({m} given) added into `accumulate` "
-                             f"({'none' if accumulate is None else 'given'}) and an even N ({n})")  # fmt: skip
-        if (aq.group & (aq.group - 1) or half % aq.group or aq.group % config.block_n
-                or act.shape != (1, half) or aq.scaled.shape != (1, half)
-                or not act.is_contiguous()):  # fmt: skip
-            raise ValueError(
-                f"silu: act {tuple(act.shape)} and its GemvX {tuple(aq.scaled.shape)} (group "
-                f"{aq.group}, a power of 2, a multiple of block_n {config.block_n}) must be "
-                f"contiguous [1, {half}], {half} a multiple of the group"
-            )
     if accumulate is not None and (
         accumulate.dtype != torch.float32 or accumulate.shape != (m, n) or accumulate.stride(1) != 1
     ):
@@ -1489,18 +1391,9 @@ def launch_gemv_h2(
                 raise ValueError(f"GemvH2Config needs bf16 activations on the GPU, got {x.dtype}")
             if x.data_ptr() % 16 or (m > 1 and x.stride(0) % 8):
                 x = x.contiguous().clone()  # each word's 8 values of x are read as 16 aligned bytes
-    if silu is not None:
-        counters = arrival_counters(x.device, half // aq.group)
-        sl = _SplitLaunch(sl.out, sl.ws, counters, sl.groups, sl.per_split, sl.split, sl.blocks)
-        act_args = (act, aq.scaled, aq.scalars)
-    else:
-        act_args = (xs, xs, xs)  # not read
     kernel = _gemv_h2_kernel[(sl.blocks, sl.split, m)](
         *sl.args(x, w),
         xs,
-        *act_args,
-        SILU=silu is not None,
-        SILU_TILE=aq.group if silu is not None else 128,
         XPREP=xq is not None,
         GROUP=w.group_size,
         BLOCK_N=config.block_n,

@@ -23,15 +23,7 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import (
-    GemvX,
-    gemv_atomic_enabled,
-    gemv_silu_and_mul,
-    gemv_silu_enabled,
-    gemv_x_group,
-    h2_weight,
-    n_major,
-)
+from tandem.kernels.w4a16 import GemvX, gemv_atomic_enabled, gemv_x_group, h2_weight, n_major
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -400,7 +392,6 @@ class LlamaModel:
             return rows[i] if rows is not None else None
 
         h_acc = False  # h is the previous layer's down accumulator
-        silu_in_gemv = atomic and gemv_silu_enabled()
         for i, lw in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)
             k_scale, v_scale = kv.layer_scales(i)
@@ -470,16 +461,12 @@ class LlamaModel:
                 )
             o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc)
             # gate/up's reader takes its accumulator only where it writes down's GemvX form.
-            down_group = gemv_x_group(lw.down, dt)
-            gu_acc = acc("gate_up", i) if down_group is not None else None
+            gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
             x, residual, xq = _norm(
                 o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None
             )
-            if gu_acc is not None and silu_in_gemv:  # silu * up by the GEMV's last adders
-                act, aq = gemv_silu_and_mul(x, lw.gate_up, xq, gu_acc, down_group, dt)
-            else:
-                gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
-                act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
+            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
+            act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
             down_acc = acc("down", i)
             h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc)
             h_acc = down_acc is not None

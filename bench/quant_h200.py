@@ -469,6 +469,7 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
     if not steps:
         return {"error": f"{len(starts)} steps found under the profiler, need > {skip + 1}"}
     by: dict[str, list] = {}
+    gaps: dict[str, float] = {}
     periods, idles = [], []
     for a, b in steps:
         rows, _ = exposed_by_name(evs[a:b], evs[a][0])
@@ -479,10 +480,19 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
             acc = by.setdefault(r["kernel"], [0.0, 0.0])
             acc[0] += r["launches"] / len(steps)
             acc[1] += r["exposed_us"] / len(steps)
+        # Where the idle time sits: each gap in the frontier, by the events on either side.
+        last_end, last_name = evs[a][0], "step start"
+        for start, end, name in evs[a : b + 1]:
+            if start > last_end:
+                key = f"{last_name[:40]} -> {name[:40]}"
+                gaps[key] = gaps.get(key, 0.0) + (start - last_end) / len(steps)
+            if end > last_end:
+                last_end, last_name = end, name
     rows = [{"kernel": k, "launches": v[0], "exposed_us": v[1]} for k, v in by.items()]
     rows.sort(key=lambda r: -r["exposed_us"])
+    idle_at = sorted(({"between": k, "us": v} for k, v in gaps.items()), key=lambda r: -r["us"])
     return {"steps": len(steps), "period_us": statistics.median(periods),
-            "idle_us": statistics.median(idles), "by_name": rows}  # fmt: skip
+            "idle_us": statistics.median(idles), "by_name": rows, "idle_at": idle_at[:12]}  # fmt: skip
 
 
 def decode_section(dev: str, smoke: bool, results: dict) -> None:
@@ -781,6 +791,8 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
                   f"{tl.get('idle_us', 0):.1f} us {tl.get('error', '')}", flush=True)  # fmt: skip
             for r in tl.get("by_name", [])[:16]:
                 print(f"    {r['kernel'][:50]:<50} {r['launches']:6.1f} {r['exposed_us']:8.1f}")
+            for r in tl.get("idle_at", [])[:8]:
+                print(f"    idle {r['between'][:84]:<84} {r['us']:6.2f}")
     del engines
     if cuda:
         torch.cuda.empty_cache()

@@ -464,6 +464,28 @@ def test_triton_packed_half_gemv_matches_f64(n, k, group, config, x_scale, outli
     assert not arrival_counters(x.device, 1).any()
 
 
+@pytest.mark.parametrize("n, k, config", [
+    (40, 256, wk.GemvH2Config(block_n=16)),  # one program per column block, ragged N
+    (64, 512, wk.GemvH2Config(block_n=32, split_k=2)),  # the last program of each block stores
+    (48, 384, wk.GemvNConfig(block_n=16, split_k=2)),  # not the packed-fp16 GEMV: cast after
+])  # fmt: skip
+def test_gemv_float32_output_holds_the_rounded_logits(n, k, config) -> None:
+    """`out_dtype=float32` (the INT4 LM head's logits): exactly the x-dtype output widened, with
+    no cast launched after the packed-fp16 GEMV; the float32 reference path does the same."""
+    g = torch.Generator().manual_seed(n)
+    qw = wk.n_major(quantize_rtn(torch.randn(n, k, generator=g), 4, 128 if k % 128 == 0 else 64))
+    x = torch.randn(1, k, generator=g).to(torch.float16)  # the interpreter has no bf16 GEMV x
+    want = wk.w4a16_matmul_triton(x, qw, config)
+    got = wk.w4a16_matmul_triton(x, qw, config, out_dtype=torch.float32)
+    assert want.dtype == torch.float16 and got.dtype == torch.float32
+    assert torch.equal(got, want.float())
+    assert wk.w4a16_matmul_triton(x[:0], qw, config, out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="out_dtype is x's dtype or float32, got torch.float64"):
+        wk.w4a16_matmul_triton(x, qw, config, out_dtype=torch.float64)
+    cpu = wk.w4a16_matmul(x.float(), qw, out_dtype=torch.float32)
+    assert cpu.dtype == torch.float32
+
+
 def test_gemv_x_written_by_producers() -> None:
     """RMSNorm and silu*up write their output also in the packed-fp16 GEMV's GemvX form (x per
     group scaled by a power of two as fp16 pairs in the GEMV's code order, and per group the

@@ -229,10 +229,12 @@ def _finish_row(
     REDUCE: tl.constexpr,
     SPLIT_P2: tl.constexpr,
     EVEN: tl.constexpr,
+    ROUND: tl.constexpr = None,  # a dtype the sums are rounded to before the output's
 ):
     """One output row of a 1-row GEMV program: stored directly, or, with K split (REDUCE), as
     partial sums that the last program to arrive at the column block (an acq_rel counter) adds
-    up and stores; it then re-zeroes the counter for the next call."""
+    up and stores; it then re-zeroes the counter for the next call. With ROUND (x's dtype for a
+    float32 output) the stored value is the one an output in x's dtype holds, widened."""
     if REDUCE:
         ws = ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n
         tl.store(ws, acc, mask=n_mask)
@@ -249,12 +251,17 @@ def _finish_row(
                 cache_modifier=".cg",
             )
             total = tl.sum(parts, axis=0)
+            if ROUND is not None:
+                total = total.to(ROUND).to(tl.float32)
             tl.store(out, total.to(out.dtype.element_ty), mask=n_mask)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
-    elif EVEN:
-        tl.store(out, acc.to(out.dtype.element_ty))
     else:
-        tl.store(out, acc.to(out.dtype.element_ty), mask=n_mask)
+        if ROUND is not None:
+            acc = acc.to(ROUND).to(tl.float32)
+        if EVEN:
+            tl.store(out, acc.to(out.dtype.element_ty))
+        else:
+            tl.store(out, acc.to(out.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -497,6 +504,7 @@ def _gemv_h2_kernel(
     ADDR: tl.constexpr = False,  # code-word addresses from a 64-bit base per group (_group_words)
     AHEAD: tl.constexpr = False,  # scales, zero points (and GemvX's scalars) loaded a group ahead
     ATOMIC: tl.constexpr = False,  # out_ptr: a zeroed float32 row each program adds into
+    ROUND: tl.constexpr = None,  # a float32 output holding sums rounded to this dtype (not ATOMIC)
 ):
     """INT4 GEMV over N-major codes in packed fp16 arithmetic: two codes per instruction.
 
@@ -615,7 +623,7 @@ def _gemv_h2_kernel(
         tl.atomic_add(out, acc, mask=n_mask, sem="relaxed", scope="gpu")
     else:
         _finish_row(acc, out, ws_ptr, cnt_ptr, pid_n, pid_k, m, M, N, offs_n, n_mask, SPLIT,
-                    REDUCE, SPLIT_P2, EVEN)  # fmt: skip
+                    REDUCE, SPLIT_P2, EVEN, ROUND)  # fmt: skip
 
 
 @triton.jit
@@ -1171,12 +1179,15 @@ def w4a16_matmul_triton(
     config: GemvConfig | GemvNConfig | GemvH2Config | GemvTCConfig | GemmConfig | None = None,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w)^T with the Triton kernels; returns [M, N] in x's dtype. `xq`, x's
     GemvX form from its producer, is read instead of x when the launch is the packed-fp16 GEMV
     (it must fit x and w; other launches do not read it). `accumulate` (packed-fp16 GEMV only,
     see `gemv_accumulates`): a zeroed float32 [M, N] tensor the product is added into and
-    returned as it is (its reader rounds it to x's dtype and zeroes it again)."""
+    returned as it is (its reader rounds it to x's dtype and zeroes it again). `out_dtype`
+    float32: the x-dtype result widened to float32, stored so by the packed-fp16 GEMV itself
+    (no cast launch), cast after the others."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {w.shape}")
     if x.stride(1) != 1:
@@ -1189,12 +1200,16 @@ def w4a16_matmul_triton(
         config = default_config(m, n, k, x.device, w, x.dtype, accumulate is not None)
     if accumulate is not None and not isinstance(config, GemvH2Config):
         raise ValueError(f"accumulate needs the packed-fp16 GEMV (GemvH2Config), not {config}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype is x's dtype or float32, got {out_dtype}")
     if m == 0:
-        return torch.empty((0, n), dtype=x.dtype, device=x.device)
+        return torch.empty((0, n), dtype=out_dtype or x.dtype, device=x.device)
+    if isinstance(config, GemvH2Config):
+        return launch_gemv_h2(x, w, config, xq, accumulate, out_dtype)[0]
+    if out_dtype not in (None, x.dtype):
+        return w4a16_matmul_triton(x, w, config, xq, accumulate).to(out_dtype)
     if isinstance(config, GemvNConfig):
         return launch_gemv_nmajor(x, w, config)[0]
-    if isinstance(config, GemvH2Config):
-        return launch_gemv_h2(x, w, config, xq, accumulate)[0]
     if isinstance(config, GemvTCConfig):
         return launch_gemv_tc(x, w, config)[0]
     if isinstance(config, GemvConfig):
@@ -1297,6 +1312,7 @@ def _split_launch(
     row_blocks: int,
     name: str,
     out: torch.Tensor | None = None,  # the caller's float32 row, added into: no workspace
+    out_dtype: torch.dtype | None = None,  # of the output allocated here (None: x's)
 ) -> _SplitLaunch:
     if w.bits != 4 or not is_n_major(w):
         raise ValueError(f"{name} needs INT4 codes stored N-major (see n_major)")
@@ -1309,7 +1325,7 @@ def _split_launch(
     blocks = triton.cdiv(n, block_n)
     atomic = out is not None
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if split > 1 and not atomic:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, row_blocks * blocks)
@@ -1352,14 +1368,20 @@ def launch_gemv_h2(
     config: GemvH2Config,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """(output, the compiled kernel launched) of `_gemv_h2_kernel`; with `xq` (x's GemvX form,
     from its producer) the kernel reads that instead of x. `accumulate`: a float32 [M, N]
     tensor, zero on entry, that every program adds its part into with float atomics (returned
     as the output): no split-K partials, arrival counters or last program, but the order of the
-    adds, and so the last bits of the sums, varies from call to call."""
+    adds, and so the last bits of the sums, varies from call to call. `out_dtype=float32`: the
+    output in float32 holding what x's dtype would (rounded to it, then widened exactly)."""
     m, k = x.shape
     n = w.out_features
+    if out_dtype not in (None, x.dtype, torch.float32) or (out_dtype and accumulate is not None):
+        raise ValueError(f"out_dtype is x's dtype or float32, without accumulate; got {out_dtype}")
+    rounds = out_dtype == torch.float32 and x.dtype != torch.float32
+    rnd = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype) if rounds else None
     if accumulate is not None and (
         accumulate.dtype != torch.float32 or accumulate.shape != (m, n) or accumulate.stride(1) != 1
     ):
@@ -1367,7 +1389,8 @@ def launch_gemv_h2(
             f"accumulate must be a float32 [{m}, {n}] tensor with unit column stride, got "
             f"{accumulate.dtype} {tuple(accumulate.shape)}"
         )
-    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config", accumulate)
+    sl = _split_launch(x, w, config.block_n, config.split_k, m, "GemvH2Config", accumulate,
+                       out_dtype)  # fmt: skip
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
     addr = config.addr if config.addr is not None else xq is None
@@ -1404,6 +1427,7 @@ def launch_gemv_h2(
         ADDR=addr,
         AHEAD=config.ahead,
         ATOMIC=accumulate is not None,
+        ROUND=rnd,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
@@ -1439,13 +1463,17 @@ def w4a16_matmul(
     w: QuantizedWeight,
     xq: GemvX | None = None,
     accumulate: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ W^T: the Triton kernels on CUDA, the torch reference elsewhere. `xq`,
-    `accumulate`: see `w4a16_matmul_triton`."""
+    `accumulate`, `out_dtype`: see `w4a16_matmul_triton`."""
     if not x.is_cuda:
         if accumulate is not None:
             raise ValueError("accumulate is for the CUDA GEMV")
-        return w4a16_matmul_ref(x, w)
+        y = w4a16_matmul_ref(x, w)
+        return y if out_dtype is None else y.to(out_dtype)
     lead = x.shape[:-1]
-    y = w4a16_matmul_triton(x.reshape(-1, x.shape[-1]), w, xq=xq, accumulate=accumulate)
+    y = w4a16_matmul_triton(
+        x.reshape(-1, x.shape[-1]), w, xq=xq, accumulate=accumulate, out_dtype=out_dtype
+    )
     return y.view(*lead, w.out_features)

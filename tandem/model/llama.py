@@ -23,7 +23,14 @@ from tandem.kernels.paged_attention import (
 )
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
-from tandem.kernels.w4a16 import GemvX, gemv_atomic_enabled, gemv_x_group, h2_weight, n_major
+from tandem.kernels.w4a16 import (
+    GemvX,
+    gemv_atomic_enabled,
+    gemv_x_group,
+    h2_weight,
+    n_major,
+    w4a16_matmul,
+)
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
@@ -482,7 +489,9 @@ class LlamaModel:
         return F.embedding(input_ids, self.embed)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, vocab] float32."""
+        """[N, H] -> [N, vocab] float32 (the model dtype's logits, widened)."""
         if hidden.is_cuda:
+            if isinstance(self.lm_head, QuantizedWeight):  # the GEMV stores them so: no cast
+                return w4a16_matmul(hidden, self.lm_head, out_dtype=torch.float32)
             return _cuda_linear(hidden, self.lm_head).float()
         return cpu_linear(hidden, self.cpu_lm_head).float()

@@ -162,6 +162,17 @@ def test_packed_half_gemv_addressing_on_cuda(wk, n, k, split) -> None:
         assert _rel_err(want, x.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
+def test_lm_head_gemv_stores_float32_logits(wk) -> None:
+    """The INT4 LM head (Llama-3's 128256 x 4096, one row, the default launch) storing float32
+    logits itself (`out_dtype`): bit for bit its bf16 output widened, the cast launch saved."""
+    qw = wk.n_major(_weight(128256, 4096, 4, 128, seed=3))
+    x = torch.randn(1, 4096, device=DEV).to(torch.bfloat16)
+    assert isinstance(wk.default_config(1, 128256, 4096, x.device, qw, x.dtype), wk.GemvH2Config)
+    want = wk.w4a16_matmul_triton(x, qw)
+    got = wk.w4a16_matmul_triton(x, qw, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+
+
 def test_gemv_x_from_producers_on_cuda(wk) -> None:
     """RMSNorm and silu*up writing x in the packed-fp16 GEMV's GemvX form on the GPU: equal to
     the torch reference of that form, and the GEMV reading it within one bf16 rounding of the

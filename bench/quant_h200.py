@@ -712,7 +712,9 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
 
     QUANT_H200_E2E_MODES="weights/mode ..." adds engines run with environment settings (async
     scheduling only; set while the engine is built, captured and run): "torch_argmax", the
-    sampler's argmax by torch, not the Triton kernel (TANDEM_ARGMAX=torch)."""
+    sampler's argmax by torch, not the Triton kernel (TANDEM_ARGMAX=torch); "main_stream_copy",
+    the ids copied to the host on the compute stream, not a stream of their own
+    (TANDEM_COPY_STREAM=0)."""
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -720,7 +722,8 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     from tandem.quant.recipe import LayerSpec, linear_layer_names
     from tandem.quant.weights import quantize_weights
 
-    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"}}
+    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"},
+             "main_stream_copy": {"TANDEM_COPY_STREAM": "0"}}  # fmt: skip
     extra = [tuple(r.split("/", 1)) for r in os.environ.get("QUANT_H200_E2E_MODES", "").split()]
     cfg = llama_config(smoke)
     cuda = dev == "cuda"

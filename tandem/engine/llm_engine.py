@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +133,13 @@ class LLMEngine:
             for _ in range(2)
         ]
         self._ring_next = 0
+        # The ids go to the host on a stream of their own, so the next step's input copy and
+        # graph do not queue behind that copy (TANDEM_COPY_STREAM=0: on the compute stream).
+        self._copy_stream = (
+            torch.cuda.Stream(device)
+            if device.type == "cuda" and os.environ.get("TANDEM_COPY_STREAM", "1") != "0"
+            else None
+        )
         self._last_tokens = 0  # tokens computed by the step being timed
 
     @staticmethod
@@ -484,7 +492,14 @@ class LLMEngine:
         host = self._ring[self._ring_next][: len(items)]
         self._ring_next ^= 1
         event = None
-        if ids.is_cuda:
+        if ids.is_cuda and self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(ids.device))
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            ids.record_stream(self._copy_stream)  # not reused before the copy has read it
+        elif ids.is_cuda:
             host.copy_(ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record()

@@ -6,6 +6,8 @@ then the product is computed in float32 and rounded again.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -102,8 +104,13 @@ def _silu_mul_launch(
     rows = x2.shape[0]
     if rows == 0 or n == 0:
         return out, xq
-    # (A power of 2, so a multiple of the GemvX group: whole groups per program.)
-    block = min(1024, triton.next_power_of_2(n))
+    # (A power of 2, so a multiple of the GemvX group: whole groups per program.) The block and
+    # warps can be set for benchmarks (TANDEM_SILU_BLOCK, TANDEM_SILU_WARPS).
+    block = min(int(os.environ.get("TANDEM_SILU_BLOCK", "1024")), triton.next_power_of_2(n))
+    if xq is not None:
+        block = max(block, xq.group)
+    if block & (block - 1):
+        raise ValueError(f"TANDEM_SILU_BLOCK must be a power of 2, got {block}")
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
         x2,
         o2,
@@ -116,7 +123,7 @@ def _silu_mul_launch(
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
         ACC_IN=acc_dtype is not None,
-        num_warps=4,
+        num_warps=int(os.environ.get("TANDEM_SILU_WARPS", "4")),
         **pdl.launch_options(x2),
     )
     return out, xq

@@ -714,7 +714,7 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     scheduling only; set while the engine is built, captured and run): "torch_argmax", the
     sampler's argmax by torch, not the Triton kernel (TANDEM_ARGMAX=torch); "main_stream_copy",
     the ids copied to the host on the compute stream, not a stream of their own
-    (TANDEM_COPY_STREAM=0)."""
+    (TANDEM_COPY_STREAM=0); and QUANT_H200_MODES's, as for the decode rows."""
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -724,6 +724,7 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
 
     modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"},
              "main_stream_copy": {"TANDEM_COPY_STREAM": "0"}}  # fmt: skip
+    modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # as the decode rows'
     extra = [tuple(r.split("/", 1)) for r in os.environ.get("QUANT_H200_E2E_MODES", "").split()]
     cfg = llama_config(smoke)
     cuda = dev == "cuda"

@@ -17,6 +17,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def require_interpreter(*kernels) -> None:
+    """For CPU kernel tests: pass when every Triton function given (triton's own, like tl.sum,
+    and the module's kernels) runs under the interpreter; skip when triton is compiled on a
+    CUDA machine (tests/gpu covers it); fail, saying why, when triton was imported before
+    TRITON_INTERPRET=1 was set on a machine without CUDA."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if all(isinstance(f, InterpretedFunction) for f in kernels):
+        return
+    if torch.cuda.is_available():
+        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
+    pytest.fail(
+        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
+        "run `make test`, or set TRITON_INTERPRET=1 in the environment"
+    )
+
+
 def _word_tokenizer(vocab: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import argmax as am  # noqa: E402
 from tandem.kernels.arrival import arrival_counters  # noqa: E402
@@ -17,11 +17,7 @@ from tandem.kernels.arrival import arrival_counters  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _require_interpreter() -> None:
-    if all(isinstance(f, InterpretedFunction) for f in (tl.sum, am._argmax_kernel)):
-        return
-    if torch.cuda.is_available():
-        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run `make test`")
+    require_interpreter(tl.sum, am._argmax_kernel)
 
 
 def hard_rows(v: int, seed: int = 0) -> torch.Tensor:

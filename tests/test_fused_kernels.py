@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import activation as act  # noqa: E402
 from tandem.kernels import gemv  # noqa: E402
@@ -16,19 +16,10 @@ from tandem.kernels import rotary as rot  # noqa: E402
 from tandem.model.config import ModelConfig  # noqa: E402
 from tandem.model.rotary import cos_sin_table  # noqa: E402
 
-_INTERPRETED = all(
-    isinstance(f, InterpretedFunction)
-    for f in (tl.sum, rot._rope_cache_kernel, act._silu_mul_kernel, gemv._gemv_kernel.fn)
-)
-
 
 @pytest.fixture(autouse=True)
 def _require_interpreter() -> None:
-    if _INTERPRETED:
-        return
-    if torch.cuda.is_available():
-        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run `make test`")
+    require_interpreter(tl.sum, rot._rope_cache_kernel, act._silu_mul_kernel, gemv._gemv_kernel.fn)
 
 
 def _cfg(hq: int, hkv: int, d: int) -> ModelConfig:

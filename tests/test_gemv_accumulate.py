@@ -15,7 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import activation as act  # noqa: E402
 from tandem.kernels import rmsnorm as rn  # noqa: E402
@@ -30,11 +30,7 @@ DT = torch.float16  # the activation dtype here (the interpreter has no bfloat16
 
 @pytest.fixture(autouse=True)
 def _require_interpreter() -> None:
-    if all(isinstance(f, InterpretedFunction) for f in (tl.sum, rn._rmsnorm_kernel)):
-        return
-    if torch.cuda.is_available():
-        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
-    pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run `make test`")
+    require_interpreter(tl.sum, rn._rmsnorm_kernel)
 
 
 @pytest.mark.parametrize("n,k,split,gemv_x", [(96, 1024, 4, True), (64, 768, 3, False)])

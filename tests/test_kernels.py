@@ -12,30 +12,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import paged_attention as pa  # noqa: E402
 from tandem.kernels import rmsnorm as rn  # noqa: E402
 
-# triton.jit picks interpreter or compiler when a function is decorated, triton's own library
-# (tl.sum, tl.cdiv, ...) included, so the choice is fixed by whoever imported triton first.
-_INTERPRETED = all(
-    isinstance(f, InterpretedFunction)
-    for f in (tl.sum, pa._decode_partition_kernel, pa._decode_reduce_kernel, rn._rmsnorm_kernel)
-)
-
 
 @pytest.fixture(autouse=True)
 def _require_interpreter() -> None:
-    """Explain, rather than crash inside triton, when triton was imported in compiled mode."""
-    if _INTERPRETED:
-        return
-    if torch.cuda.is_available():
-        pytest.skip("triton is in compiled mode (TRITON_INTERPRET unset); tests/gpu covers CUDA")
-    pytest.fail(
-        "triton was imported before TRITON_INTERPRET=1 was set (by an earlier test module); "
-        "run `make test`, or set TRITON_INTERPRET=1 in the environment"
-    )
+    """Explain, rather than crash inside triton, when triton was imported in compiled mode.
+    (triton.jit picks interpreter or compiler when a function is decorated, triton's own library
+    included, so the choice is fixed by whoever imported triton first.)"""
+    require_interpreter(tl.sum, pa._decode_partition_kernel, pa._decode_reduce_kernel,
+                        rn._rmsnorm_kernel)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

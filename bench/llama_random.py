@@ -83,15 +83,9 @@ def sync() -> None:
 
 def captured(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     """fn() captured in a CUDA graph, after a warm-up call (it compiles) on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    from tandem.engine.cuda_graphs import capture_graph
+
+    return capture_graph(fn)[0]
 
 
 def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:

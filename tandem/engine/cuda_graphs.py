@@ -13,7 +13,9 @@ t's copy may still be queued.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,24 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A step's token ids that the device sampled but the host has not read yet:
 # (batch rows, rows of the previous step's ids, the previous step's [B'] device ids).
 PendingIds = tuple[list[int], list[int], torch.Tensor]
+
+
+def capture_graph(
+    fn: Callable[[], Any], warmups: int = 1, pool: Any = None
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn() captured in a CUDA graph, after `warmups` calls on a side stream (they compile the
+    kernels and settle the allocator outside the capture): (the graph, what the captured call
+    returned, whose buffers each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def fill_decode_inputs(
@@ -151,19 +171,9 @@ class DecodeGraphs:
         self.small[0:2].zero_()
         self.small[2].fill_(-1)  # all padding: the warm-up writes no KV
         self.small[3].zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
-            out = self._step(b)
-        self.graphs[b] = g
-        self.logits[b] = out
+        self.graphs[b], self.logits[b] = capture_graph(lambda: self._step(b), 2, self._pool)
 
     def run(self, items: Seq[tuple[Sequence, int]], pending: PendingIds | None) -> torch.Tensor:
         """Replay the decode step for `items`; returns a view of the logits, [len(items), vocab].

@@ -59,10 +59,9 @@ def test_argmax_equals_torch_on_cuda(am, b: int, block: int) -> None:
 def test_argmax_in_a_cuda_graph(am) -> None:
     """Captured once, replayed on new rows: the counters are left ready for every replay."""
     x = _rows(4, 128256, 0)
-    am.argmax_rows(x)  # compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = am.argmax_rows(x)
+    from tandem.engine.cuda_graphs import capture_graph
+
+    graph, out = capture_graph(lambda: am.argmax_rows(x))
     for seed in range(20):
         x.copy_(_rows(4, 128256, seed + 1))
         graph.replay()

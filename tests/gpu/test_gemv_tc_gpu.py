@@ -113,14 +113,9 @@ def test_gemv_tc_in_cuda_graph(wk) -> None:
             h = wk.w4a16_matmul_triton(h, w, cfg)
             outs.append(h)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    from tandem.engine.cuda_graphs import capture_graph
+
+    g, _ = capture_graph(step)
     for _ in range(3):
         x.copy_(torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16))
         g.replay()

@@ -159,14 +159,9 @@ def test_decode_triton_cuda_graph_replay(pa: ModuleType) -> None:
             static_q, kc, vc, table, ctx, 128**-0.5, max_context_len=1024
         )
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    from tandem.engine.cuda_graphs import capture_graph
+
+    graph, static_out = capture_graph(step)  # compiled outside the capture
 
     for new_lens in ([6, 901, 2, 0], [700, 3, 1000, 0]):
         need = max((n + 15) // 16 for n in new_lens)

@@ -294,14 +294,9 @@ def test_w8a16_matches_f64(wk: ModuleType, m: int, group: int) -> None:
 def test_w4a16_in_cuda_graph(wk: ModuleType) -> None:
     qw = _weight(4096, 4096, 4, 128, seed=5)
     x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        wk.w4a16_matmul(x, qw)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = wk.w4a16_matmul(x, qw)
+    from tandem.engine.cuda_graphs import capture_graph
+
+    g, y = capture_graph(lambda: wk.w4a16_matmul(x, qw))
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()

@@ -119,13 +119,14 @@ def paged_attention_varlen_ref(
 
 
 @triton.jit
-def _prefetch_l2(addr):
-    """Ask L2 for the 128-byte line holding each address (int64 tensor); nothing is returned
-    and no register is held for the data. Compiled CUDA only."""
+def _prefetch_l2(addr, mask):
+    """Ask L2 for the 128-byte line holding each address (int64 tensor) where mask (int32, the
+    same shape) is not 0; nothing is returned and no register is held for the data. Compiled
+    CUDA only."""
     tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [addr],
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;",
+        "=r,l,r",
+        [addr, mask],
         dtype=tl.int32,
         is_pure=False,
         pack=1,
@@ -139,18 +140,24 @@ def _prefetch_partition(
 ):  # fmt: skip
     """L2 prefetch of the K and V rows (LINES 128-byte lines each) of positions [start, start +
     PARTITION_SIZE) that lie before the newest token's cache block; the block table read here
-    is the host's. Positions outside that range prefetch the partition's first row again."""
+    is the host's. Positions outside that range ask for nothing: a partition past the context
+    returns at once, and the rest are predicated off (once they asked for the line of pool
+    block 0 instead, every one of them, which at batch 256 queued hundreds of thousands of
+    requests on one L2 line each layer)."""
     stable = tl.maximum(context_len - 1, 0) // BLOCK_SIZE * BLOCK_SIZE
-    offs_t = start + tl.arange(0, PARTITION_SIZE)
-    ok = offs_t < tl.minimum(start + PARTITION_SIZE, stable)
-    offs_t = tl.where(ok, offs_t, start)
-    blocks = tl.load(bt_row + (offs_t // BLOCK_SIZE) * stride_btn, mask=ok, other=0).to(tl.int64)
-    slots = offs_t % BLOCK_SIZE
-    line = tl.arange(0, LINES) * 128  # bytes
-    k_row = (k_head + blocks * stride_kb + slots * stride_kt).to(tl.pointer_type(tl.int8))
-    v_row = (v_head + blocks * stride_vb + slots * stride_vt).to(tl.pointer_type(tl.int8))
-    _prefetch_l2((k_row[:, None] + line[None, :]).to(tl.int64))
-    _prefetch_l2((v_row[:, None] + line[None, :]).to(tl.int64))
+    stop = tl.minimum(start + PARTITION_SIZE, stable)
+    if start < stop:
+        offs_t = start + tl.arange(0, PARTITION_SIZE)
+        ok = offs_t < stop
+        blocks = tl.load(bt_row + (offs_t // BLOCK_SIZE) * stride_btn, mask=ok, other=0)
+        blocks = blocks.to(tl.int64)
+        slots = offs_t % BLOCK_SIZE
+        line = tl.arange(0, LINES) * 128  # bytes
+        k_row = (k_head + blocks * stride_kb + slots * stride_kt).to(tl.pointer_type(tl.int8))
+        v_row = (v_head + blocks * stride_vb + slots * stride_vt).to(tl.pointer_type(tl.int8))
+        want = (ok[:, None] & (line[None, :] >= 0)).to(tl.int32)  # [PARTITION_SIZE, LINES]
+        _prefetch_l2((k_row[:, None] + line[None, :]).to(tl.int64), want)
+        _prefetch_l2((v_row[:, None] + line[None, :]).to(tl.int64), want)
 
 
 @triton.jit

@@ -127,7 +127,7 @@ def comparable(result: dict, baseline: dict | None) -> bool:
 
 # ---- tables --------------------------------------------------------------------------------------
 def _fmt(x: float) -> str:
-    return f"{x:,.1f}" if x >= 100 else f"{x:.3g}"
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}"
 
 
 def readme_block(baseline: dict) -> str:
@@ -136,12 +136,15 @@ def readme_block(baseline: dict) -> str:
         README_BEGIN,
         "## Performance",
         "",
-        f"Measured by `bench/gate.py` on an {baseline['device']} at {baseline['git_revision'][:7]}"
-        f" ({baseline['date'][:10]}; copy bandwidth {baseline['copy_bandwidth_Bps'] / 1e9:,.0f}"
-        f" GB/s), random Llama-3-8B-shaped weights; the median of {baseline['repeats']} repeats",
-        f"(KV handover: the best of {HANDOVER_ROUNDS} rounds; `bench/baseline_h200.json`).",
+        f"Measured by `bench/gate.py` ({baseline['seconds'] / 60:.0f} minutes) on an"
+        f" {baseline['device']} at {baseline['git_revision'][:7]} ({baseline['date'][:10]}),",
+        "random Llama-3-8B-shaped weights: the median of the repeats (KV handover: the best of"
+        f" {baseline.get('handover_rounds', HANDOVER_ROUNDS)} rounds), from",
+        "`bench/baseline_h200.json`. Decode: 128-token prompts, 128 new tokens; its roofline is",
+        "every weight plus each sequence's KV read once per step at the copy bandwidth measured in",
+        f"the same run ({baseline['copy_bandwidth_Bps'] / 1e9:,.0f} GB/s).",
         "",
-        "| row | value | spread of repeats | fraction of roofline |",
+        "| row | value | interquartile range of the repeats | fraction of roofline |",
         "|---|---:|---:|---:|",
     ]
     for name, (unit, what) in ROWS.items():
@@ -290,7 +293,8 @@ def _measure(rows: list[str], args, res: dict) -> None:
 
         def handover() -> None:
             lens = sorted(handover_rows[n] for n in wanted_h)
-            for name, rec in _handover(lens, max(reps, HANDOVER_ROUNDS), cuda):
+            res["handover_rounds"] = max(reps, HANDOVER_ROUNDS)
+            for name, rec in _handover(lens, res["handover_rounds"], cuda):
                 samples[name].extend(rec["samples"])
                 out[name] = {k: v for k, v in rec.items() if k != "samples"}
 

@@ -24,8 +24,9 @@ medians moved by 20% between two runs of one build).
 
 A row fails when its value is worse than the baseline's by more than its noise: the larger
 relative spread (interquartile range / median) of its repeats here and in the baseline, at least
-NOISE_FLOOR (repeats within one run do not see the spread between machines of one kind; two
-H200s here measured copy bandwidths 0.75% apart) and at most NOISE_CAP. The exit status is 1 when
+NOISE_FLOOR (repeats within one run do not see the spread between machines of one kind: on two
+H200s here the same kernels decoded batch 64 at 11,660 and 11,450 tok/s, 1.8% apart, each run's
+repeats within 0.3%) and at most NOISE_CAP. The exit status is 1 when
 a row fails (or errors), 0 otherwise; with no baseline of the same device, nothing is compared.
 
     python bench/gate.py                           # H200: compare with bench/baseline_h200.json
@@ -54,7 +55,7 @@ ROOT = os.path.dirname(HERE)
 BASELINE = os.path.join(HERE, "baseline_h200.json")
 README = os.path.join(ROOT, "README.md")
 NOISE_CAP = 0.03
-NOISE_FLOOR = 0.01
+NOISE_FLOOR = 0.02
 HANDOVER_ROUNDS = 25
 # Prefill medians of 5 moved by 1% between two runs of one build: three times the repeats.
 PREFILL_REPEATS_PER_REPEAT = 3

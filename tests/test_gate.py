@@ -39,21 +39,23 @@ def test_rel_spread_is_the_interquartile_range_over_the_median() -> None:
 
 
 def test_a_quiet_row_fails_past_the_floor_and_passes_within_it() -> None:
-    base = [1000.0, 1001.0, 1000.5, 999.5, 1000.2]  # spread far under the 1% floor
-    assert gate.tolerance(base, base) == gate.NOISE_FLOOR
-    assert _verdict([x * 0.995 for x in base], base)["verdict"] == "same"
-    worse = _verdict([x * 0.985 for x in base], base)
-    assert worse["verdict"] == "fail" and worse["ratio"] == pytest.approx(0.985)
-    assert _verdict([x * 1.02 for x in base], base)["verdict"] == "better"
+    base = [1000.0, 1001.0, 1000.5, 999.5, 1000.2]  # spread far under the floor
+    floor = gate.NOISE_FLOOR
+    assert gate.tolerance(base, base) == floor
+    assert _verdict([x * (1 - floor / 2) for x in base], base)["verdict"] == "same"
+    worse = _verdict([x * (1 - 1.5 * floor) for x in base], base)
+    assert worse["verdict"] == "fail" and worse["ratio"] == pytest.approx(1 - 1.5 * floor)
+    assert _verdict([x * (1 + 1.5 * floor) for x in base], base)["verdict"] == "better"
 
 
 def test_the_tolerance_is_the_larger_noise_of_the_two_runs() -> None:
     quiet = [100.0, 100.0, 100.0, 100.0, 100.0]
-    noisy = [97.0, 99.0, 100.0, 101.0, 103.0]  # IQR 2 over 100
-    assert gate.tolerance(quiet, noisy) == pytest.approx(0.02)
-    assert gate.tolerance(noisy, quiet) == pytest.approx(0.02)
-    assert _verdict([x * 0.985 for x in noisy], quiet)["verdict"] == "same"
-    assert _verdict([x * 0.975 for x in noisy], quiet)["verdict"] == "fail"
+    noisy = [96.0, 98.75, 100.0, 101.25, 104.0]  # IQR 2.5 over 100: above the floor, under the cap
+    assert gate.NOISE_FLOOR < 0.025 < gate.NOISE_CAP
+    assert gate.tolerance(quiet, noisy) == pytest.approx(0.025)
+    assert gate.tolerance(noisy, quiet) == pytest.approx(0.025)
+    assert _verdict([x * 0.98 for x in noisy], quiet)["verdict"] == "same"
+    assert _verdict([x * 0.97 for x in noisy], quiet)["verdict"] == "fail"
 
 
 def test_noise_is_capped() -> None:

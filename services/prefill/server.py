@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.prefill.observe import PrefillTelemetry
+from tandem import progress
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -327,6 +328,7 @@ async def serve(
         service.close()
         raise
     await set_serving(health, [SERVICE], True)
+    progress.report("ready")
     log.info(
         "prefill serving on %s:%d (model %s, pool %s)",
         host,

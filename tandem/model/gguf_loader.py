@@ -20,6 +20,7 @@ import torch
 
 from tandem.model.config import ModelConfig, UnsupportedModelError
 from tandem.model.tokenizer import Tokenizer
+from tandem.progress import Percent, report
 
 # general.architecture -> ModelConfig.model_type (llama.cpp writes Mistral checkpoints as
 # "llama" too).
@@ -333,9 +334,11 @@ def _state_dict(
     """Dequantize every weight into an HF-named dict, checking nothing is missing."""
     out: dict[str, torch.Tensor] = {}
     permuted = arch in _PERMUTED_QK
+    progress = Percent("loading weights", sum(int(t.n_bytes) for t in tensors.values()))
     for name, t in tensors.items():
         hf = _hf_name(name)
         if hf is None:
+            progress.advance(int(t.n_bytes))
             continue
         w = torch.from_numpy(_dequantize(t, path))
         if permuted and ".attn_q." in name:
@@ -343,6 +346,7 @@ def _state_dict(
         elif permuted and ".attn_k." in name:
             w = _unpermute(w, config.num_kv_heads)
         out[hf] = w if dtype == torch.float32 else w.to(dtype)
+        progress.advance(int(t.n_bytes))
     expected = _expected_names(config)
     missing = sorted(expected - out.keys())
     if missing:
@@ -369,6 +373,7 @@ def _expected_names(config: ModelConfig) -> set[str]:
 
 def _tokenizer(path: str, meta: _Metadata, eos_ids: list[int]) -> Tokenizer:
     """The HF tokenizer transformers builds from the GGUF vocabulary, with its chat template."""
+    report("loading the tokenizer")
     from transformers import AutoTokenizer
 
     folder, filename = os.path.split(os.path.abspath(path))

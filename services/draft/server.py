@@ -131,5 +131,7 @@ async def serve(
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(1.0)
-        service.pool.shutdown(wait=False)
+        try:
+            await server.stop(1.0)  # may itself be cancelled (SIGTERM): shut down anyway
+        finally:
+            service.pool.shutdown(wait=False)

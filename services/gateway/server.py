@@ -115,12 +115,14 @@ async def serve(
         await server.wait_for_termination()
     finally:
         health_task.cancel()
-        await server.stop(1.0)
-        if runner is not None:
-            await runner.cleanup()
-        await router.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            await server.stop(1.0)  # may itself be cancelled (SIGTERM): clean up anyway
+        finally:
+            if metrics is not None:
+                metrics.close()
+            if runner is not None:
+                await runner.cleanup()
+            await router.close()
 
 
 def _admission_metrics(pipeline: Pipeline):

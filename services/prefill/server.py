@@ -339,7 +339,11 @@ async def serve(
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(1.0)
-        service.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
+            # (a shared-memory pool is unlinked there).
+            await server.stop(1.0)
+        finally:
+            service.close()
+            if metrics is not None:
+                metrics.close()

@@ -272,6 +272,17 @@ def engine_config_from_args(args: Any) -> EngineConfig:
     return EngineConfig.from_options(**opts)
 
 
+def cache_dir() -> str | None:
+    """Where Tandem keeps what it derives from a model and may reuse at the next start (the
+    tokenizer built from a GGUF file): TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else
+    ~/.cache/tandem. TANDEM_CACHE_DIR=none turns the cache off."""
+    value = os.environ.get("TANDEM_CACHE_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "none", "off") else os.path.expanduser(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "tandem")
+
+
 # ---- service command lines ------------------------------------------------------------------
 DEFAULT_GATEWAY_PORT = 50051
 DEFAULT_HTTP_PORT = 8000

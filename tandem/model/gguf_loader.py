@@ -376,10 +376,55 @@ def _tokenizer(path: str, meta: _Metadata, eos_ids: list[int]) -> Tokenizer:
     report("loading the tokenizer")
     from transformers import AutoTokenizer
 
+    # Building it from the GGUF vocabulary takes seconds of Python on every start (each stage
+    # loads it): the result is kept in the cache directory, keyed by the file and the version of
+    # transformers that built it.
+    cached = _tokenizer_cache(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return Tokenizer(
+                AutoTokenizer.from_pretrained(cached, local_files_only=True), eos_token_ids=eos_ids
+            )
+        except (OSError, ValueError):
+            pass  # unreadable (another version wrote it?): build it again below
     folder, filename = os.path.split(os.path.abspath(path))
     hf = AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
     template = meta.get("tokenizer.chat_template")
     if template and not getattr(hf, "chat_template", None):
         # Not every transformers version carries the template over from the GGUF metadata.
         hf.chat_template = template
+    if cached is not None:
+        _save_atomically(hf, cached)
     return Tokenizer(hf, eos_token_ids=eos_ids)
+
+
+def _tokenizer_cache(path: str) -> str | None:
+    """Where the tokenizer built from the GGUF file at `path` is kept (None: caching is off)."""
+    import hashlib
+
+    import transformers
+
+    from tandem.config import cache_dir
+
+    root = cache_dir()
+    if root is None:
+        return None
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _save_atomically(hf: Any, target: str) -> None:
+    """Write the tokenizer files to `target`, all or nothing (stages start side by side)."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+        hf.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        # Read-only cache, or another stage saved it first: it is only a cache.
+        if "tmp" in locals():
+            shutil.rmtree(tmp, ignore_errors=True)

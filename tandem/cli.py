@@ -153,7 +153,15 @@ def _add_up_args(up: argparse.ArgumentParser) -> None:
 
     up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     up.add_argument(
-        "--host", default="127.0.0.1", help="address every stage binds (default %(default)s)"
+        "--host",
+        default="127.0.0.1",
+        help="address the gateway binds: its gRPC, HTTP and /metrics ports (default %(default)s)",
+    )
+    up.add_argument(
+        "--stage-host",
+        default="127.0.0.1",
+        help="address the prefill, decode and draft workers bind (default %(default)s: only "
+        "this host reaches them, whatever --host says)",
     )
     up.add_argument(
         "--port",
@@ -268,7 +276,12 @@ def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
-def _validate_up(args: argparse.Namespace, ports: list[int]) -> str | None:
+def _dial(host: str) -> str:
+    """The address to connect to a server bound to `host` from this host."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
     from tandem.config import engine_config_from_args, gateway_config_from_args
 
@@ -281,12 +294,15 @@ def _validate_up(args: argparse.Namespace, ports: list[int]) -> str | None:
         return str(e)
     import socket
 
-    for port in ports:
-        with socket.socket() as s:
+    for host, port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             try:
-                s.bind((args.host, port))
+                s.bind((host, port))
             except OSError as e:
-                return f"cannot listen on {args.host}:{port} ({e.strerror}); is another Tandem running? choose another --port"
+                return (
+                    f"cannot listen on {host}:{port} ({e.strerror}); is another Tandem "
+                    "running? choose another --port"
+                )
     return None
 
 
@@ -314,24 +330,21 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
     os.makedirs(log_dir, exist_ok=True)
     print(f"Starting Tandem: {', '.join(stages)} (logs in {log_dir})", flush=True)
-    grpc_ports = {
-        "prefill": prefill_port,
-        "decode": decode_port,
-        "gateway": port,
-        "draft": draft_port,
-    }
-    ports = [grpc_ports[s] for s in stages] + [
-        p for s, p in metrics_ports.items() if s in stages and p >= 0
-    ]
+    grpc_ports = {"prefill": prefill_port, "decode": decode_port, "gateway": port}
+    grpc_ports["draft"] = draft_port
+    binds = {s: args.host if s == "gateway" else args.stage_host for s in STAGES}
+    ports = [(binds[s], grpc_ports[s]) for s in stages]
+    ports += [(binds[s], p) for s, p in metrics_ports.items() if s in stages and p >= 0]
     if http_port >= 0:
-        ports.append(http_port)
+        ports.append((host, http_port))
     problem = _validate_up(args, ports)
     if problem:
         parser.error(problem)
     argv = _stage_argv(args)
-    prefill_addr = f"{host}:{prefill_port}"
-    decode_addr = f"{host}:{decode_port}"
-    draft_addr = f"{host}:{draft_port}"
+    stage_host = _dial(args.stage_host)
+    prefill_addr = f"{stage_host}:{prefill_port}"
+    decode_addr = f"{stage_host}:{decode_port}"
+    draft_addr = f"{stage_host}:{draft_port}"
     argv["prefill"] += ["--port", str(prefill_port)]
     argv["decode"] += [
         "--port",
@@ -359,7 +372,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             argv["decode"] += ["--spec-k", str(args.spec_k)]
     children: list[Child] = []
     for stage in stages:
-        extra = ["--host", host, *argv[stage], "--metrics-port", str(metrics_ports[stage])]
+        extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_ports[stage])]
         if args.model:
             extra += ["--model", args.model]
         # Per-stage devices (prefill and decode on separate GPUs): the last --device on a
@@ -385,16 +398,20 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         _wait_ready(children, args.start_timeout, t0)
         print(f"Tandem is up in {time.monotonic() - t0:.1f}s (logs in {log_dir})", flush=True)
-        print(f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on)", flush=True)
+        scheme = "https" if args.tls_cert else "http"
+        tls = ", TLS" if args.tls_cert else ""
+        print(
+            f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on{tls})", flush=True
+        )
         if http_port >= 0:
-            print(f"  OpenAI HTTP   http://{host}:{http_port}/v1", flush=True)
+            print(f"  OpenAI HTTP   {scheme}://{host}:{http_port}/v1", flush=True)
         print(f"  prefill       {prefill_addr}", flush=True)
         print(f"  decode        {decode_addr}", flush=True)
         if args.draft:
             print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
         if metrics_ports["gateway"] >= 0:
             urls = "  ".join(
-                f"{s}=http://{host}:{metrics_ports[s]}/metrics"
+                f"{s}=http://{host if s == 'gateway' else stage_host}:{metrics_ports[s]}/metrics"
                 for s in ("gateway", "prefill", "decode")
             )
             print(f"  metrics       {urls}", flush=True)
@@ -407,8 +424,9 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             rc = cmd_chat(
                 argparse.Namespace(
                     message=args.then_chat,
-                    address=f"{host}:{port}",
+                    address=f"{_dial(host)}:{port}",
                     port=None,
+                    tls_ca=args.tls_cert,
                     max_tokens=128,
                     temperature=0.0,
                     system=None,
@@ -474,7 +492,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sampling.seed = args.seed
     req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
     t0 = time.monotonic()
-    with grpc.insecure_channel(address) as ch:
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel as ch:
         stub = api_pb2_grpc.GatewayStub(ch)
         try:
             for resp in stub.Generate(req):
@@ -530,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     chat.add_argument(
         "--port", type=int, default=None, help="gateway gRPC port on --address's host"
+    )
+    chat.add_argument(
+        "--tls-ca", default=None, help="PEM file of the CA (or certificate) of a TLS gateway"
     )
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)

@@ -188,3 +188,46 @@ def test_a_client_that_waits_for_readiness_gets_no_error(tmp_path, model_factory
             text = (log_dir / f"{stage}.log").read_text()
             bad = [ln for ln in text.splitlines() if re.search("WARNING|ERROR|Warning", ln)]
             assert not bad and "Traceback" not in text, f"start {i}, {stage}:\n{text}"
+
+
+def test_up_with_tls_becomes_ready_and_serves(tmp_path, model_factory):
+    """`tandem up --tls-cert/--tls-key`: ready over TLS, and its own first chat goes over TLS."""
+    import ssl
+
+    from tests.integration.cluster import start_cluster
+
+    _, path = model_factory("llama")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    c = start_cluster(
+        ["--model", path, "--num-blocks", "64", "--tls-cert", str(cert), "--tls-key", str(key),
+         "--then-chat", "w5 w6 w7"]
+    )  # fmt: skip
+    try:
+        lines = []
+        while not any(ln.startswith("Still serving") for ln in lines):
+            line = c.proc.stdout.readline()
+            assert line, "".join(c.output + lines)
+            lines.append(line)
+        assert any("tokens, finish=" in ln for ln in lines), "".join(lines)
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        assert health(c.address, credentials=creds) == SERVING
+        stub = api_pb2_grpc.GatewayStub(grpc.secure_channel(c.address, creds))
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        assert list(stub.Generate(req, timeout=60))[-1].finish.usage.completion_tokens == 3
+        ctx = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{c.http_port}/health", context=ctx, timeout=10
+        ) as r:
+            assert r.status == 200
+    finally:
+        c.stop()

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from tandem.model.config import ModelConfig, UnsupportedModelError
+from tandem.model.gguf_file import Field as GGUFField
+from tandem.model.gguf_file import open_gguf
 from tandem.model.tokenizer import Tokenizer
 from tandem.progress import Percent, report
 
@@ -99,7 +101,7 @@ def _open_reader(path: str) -> Any:
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
     except (ValueError, IndexError, KeyError, struct.error, OSError) as e:
         # A cut-off header surfaces as a short numpy view that fails to reshape or index.
         raise ValueError(
@@ -149,7 +151,9 @@ class _Metadata:
     def count(self, key: str) -> int:
         """Length of an array field without decoding its items (the vocabulary is ~50k strings)."""
         field = self.fields.get(key)
-        return 0 if field is None else len(field.data)
+        if field is None:
+            return 0
+        return field.count if isinstance(field, GGUFField) else len(field.data)
 
 
 def _uniform(value: Any, what: str) -> int:

@@ -676,3 +676,23 @@ def test_k8s_environment_is_known():
     # Off until pointed at the cluster's collector (OTLP/gRPC).
     endpoint = cm["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert endpoint == "" or re.fullmatch(r"https?://[\w.-]+:4317", endpoint), endpoint
+
+
+# ---- deploy/smoke.sh (run for real by `make compose-smoke`; here only checked offline) ----------
+def test_smoke_script():
+    script = ROOT / "deploy" / "smoke.sh"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "\tbash deploy/smoke.sh" in (ROOT / "Makefile").read_text()
+    text = script.read_text()
+    # The spans and services it asks Jaeger for are the ones the stages emit.
+    from tandem import telemetry as tel
+
+    for span in (tel.GATEWAY_REQUEST, tel.PREFILL_FORWARD, tel.KV_TRANSFER, tel.DECODE_GENERATE):
+        assert f'"{span}"' in text, span
+    for stage in ("gateway", "prefill", "decode"):
+        assert f'"tandem-{stage}"' in text, stage
+    # Its prompt must be long enough for the prefill worker: it checks the count it was given.
+    threshold = config.GatewayConfig.disagg_threshold
+    assert f'usage.get("prompt_tokens", 0) <= {threshold}' in text
+    assert tel.TRACE_ID_HEADER == "x-trace-id" and '"x-trace-id"' in text

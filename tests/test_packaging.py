@@ -43,9 +43,11 @@ def _uv() -> str:
     return find_uv_bin()
 
 
-def compile_for(platform: str) -> dict[str, tuple[str, set[str]]]:
+def compile_for(
+    platform: str, inputs: tuple[str, ...] = ("pyproject.toml", "--all-extras")
+) -> dict[str, tuple[str, set[str]]]:
     """`uv pip compile` for one platform: {package: (version, the packages that require it)}."""
-    cmd = [_uv(), "pip", "compile", "pyproject.toml", "--no-config", "--all-extras"]
+    cmd = [_uv(), "pip", "compile", *inputs, "--no-config"]
     cmd += ["--python-platform", platform, "--python-version", PYTHON, "--no-header", "--quiet"]
     env = {**os.environ, **PLATFORMS[platform]}
     try:
@@ -123,3 +125,24 @@ def test_macos_resolves_without_triton_or_nixl(resolved):
     for name in ("triton", "nixl-cu13"):
         assert name not in pkgs, name
     assert not [n for n in pkgs if n.startswith("nvidia-")]
+
+
+def test_the_docker_image_dependencies_resolve_on_the_cuda_base(resolved, tmp_path):
+    # The Dockerfile installs the dependencies and the nixl extra minus torch, constrained to
+    # the base image's torch and triton: PyTorch's CUDA image has the index's torch 2.13.0 and
+    # the triton it pins, so that set must resolve around them without moving either.
+    cuda = resolved("x86_64-manylinux_2_28")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["nixl"]
+    keep = [d for d in deps if re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() != "torch"]
+    (tmp_path / "requirements.txt").write_text("\n".join(keep) + "\n")
+    pins = {name: cuda[name][0] for name in ("torch", "triton")}
+    (tmp_path / "constraints.txt").write_text("".join(f"{n}=={v}\n" for n, v in pins.items()))
+    image = compile_for(
+        "x86_64-manylinux_2_28",
+        (str(tmp_path / "requirements.txt"), "-c", str(tmp_path / "constraints.txt")),
+    )
+    for name, version in pins.items():
+        if name in image:  # torch arrives only through a requirement that needs it (nixl-cu13)
+            assert image[name][0] == version, (name, image[name])
+    assert "triton" in image and "nixl-cu13" in image

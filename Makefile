@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint protos bench clean
+.PHONY: install serve test lint protos bench clean compose-smoke
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ protos: install
 
 bench: install
 	$(PY) bench/engine_cpu.py
+
+# Docker: build, start, check one request and its trace end to end, tear down (docs/deploy.md).
+# CPU by default (BASE_IMAGE: an image with a CPU torch); SMOKE_VARIANT=gpu for the GPU host.
+compose-smoke:
+	bash deploy/smoke.sh $(or $(SMOKE_VARIANT),cpu)
 
 clean:
 	rm -rf $(VENV)

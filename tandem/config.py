@@ -171,6 +171,10 @@ class GatewayConfig:
     # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
     ttft_slo_ms: float | None = None
     shed_load: bool = False
+    # A stream whose decode worker dies continues on another decode worker (or the same one,
+    # restarted) that serves within this many seconds: the client sees a pause, not an error.
+    # 0: such a request fails at once.
+    failover_timeout_s: float = 60.0
 
     def validate(self) -> None:
         for f in fields(self):
@@ -178,6 +182,10 @@ class GatewayConfig:
             if f.name == "disagg_threshold":
                 if not isinstance(v, int) or v < 0:
                     raise ValueError(f"disagg_threshold must be an integer >= 0, got {v!r}")
+                continue
+            if f.name == "failover_timeout_s":
+                if not v >= 0:
+                    raise ValueError(f"failover_timeout_s must be >= 0, got {v!r}")
                 continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")

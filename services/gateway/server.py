@@ -61,6 +61,7 @@ async def serve(
         gc.max_inflight,
         disagg_threshold=gc.disagg_threshold,
         admission=TtftAdmission(ttft_slo_s, gc.shed_load),
+        failover_timeout_s=gc.failover_timeout_s,
     )
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
     gateway_metrics = GatewayMetrics()
@@ -132,6 +133,11 @@ def _admission_metrics(pipeline: Pipeline):
         "tandem_requests_shed",
         "Requests refused at arrival because they could not meet the TTFT target (shed_load).",
         value=pipeline.admission.num_shed,
+    )
+    yield CounterMetricFamily(
+        "tandem_decode_failovers",
+        "Sequences that continued on another decode worker after theirs died.",
+        value=pipeline.failovers,
     )
 
 

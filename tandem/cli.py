@@ -17,6 +17,7 @@ from dataclasses import dataclass
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT  # noqa: E402
+from tandem.progress import LOGGER as PROGRESS_LOGGER  # noqa: E402
 
 STAGES = ("prefill", "decode", "gateway", "draft")
 
@@ -27,15 +28,31 @@ def _exec_stage(stage: str, argv: list[str]) -> None:
 
 
 # ---- tandem up --------------------------------------------------------------------------------
+# Flags of `tandem up` that go to one stage only, beside the engine settings every stage takes and
+# the gateway's own (GatewayConfig). Each is declared once, in the stage parsers (config.py).
+STAGE_FLAGS = {
+    "prefill": ["--lease-ttl"],
+    "decode": [
+        "--prefill-wait",
+        "--kv-transfer-timeout",
+        "--spec-k-min",
+        "--spec-k-max",
+        "--draft-timeout-ms",
+    ],
+    "draft": ["--draft-blocks"],
+}
+
+
 @dataclass
 class Child:
     stage: str
-    address: str
     proc: subprocess.Popen
     log_path: str
     cmd: list[str]
     failures: int = 0
     started: float = 0.0
+    ready: bool = False
+    _offset: int = 0
 
     def tail(self, n: int = 15) -> str:
         try:
@@ -43,6 +60,20 @@ class Child:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
+
+    def progress(self) -> list[str]:
+        """The progress lines the stage logged since the last call (tandem/progress.py)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(self._offset)
+                text = f.read()
+        except OSError:
+            return []
+        # Only whole lines: a line still being written is read next time.
+        cut = text.rfind("\n") + 1
+        self._offset += len(text[:cut].encode(errors="replace"))
+        marker = f" {PROGRESS_LOGGER}: "
+        return [ln.split(marker, 1)[1] for ln in text[:cut].splitlines() if marker in ln]
 
 
 def _die_with_parent() -> None:
@@ -60,47 +91,51 @@ def _spawn(cmd: list[str], log_path: str, append: bool = False) -> subprocess.Po
         cmd,
         stdout=logf,
         stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
         env=env,
         preexec_fn=_die_with_parent,
     )
 
 
-def _wait_healthy(children: list[Child], timeout: float) -> None:
-    import asyncio
-
-    from tandem.rpc.health import check
-
+def _wait_ready(children: list[Child], timeout: float, t0: float) -> None:
+    """Show each stage's progress until every one reports `ready`; fail at a death or timeout."""
     deadline = time.monotonic() + timeout
-    pending = list(children)
-    while pending:
-        for c in list(pending):
+    width = max(len(c.stage) for c in children)
+    while True:
+        for c in children:
+            for line in c.progress():
+                print(f"  [{time.monotonic() - t0:5.1f}s] {c.stage:<{width}}  {line}", flush=True)
+                if line == "ready":
+                    c.ready = True
             if c.proc.poll() is not None:
                 raise RuntimeError(
-                    f"{c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode} during start-up; "
+                    f"{c.stage} exited with code {c.proc.returncode} during start-up; "
                     f"last lines of {c.log_path}:\n{c.tail()}"
                 )
-            if asyncio.run(check(c.address, timeout=1.0)):
-                pending.remove(c)
+        if all(c.ready for c in children):
+            return
         if time.monotonic() > deadline:
-            names = ", ".join(c.stage for c in pending)
+            names = ", ".join(c.stage for c in children if not c.ready)
             raise RuntimeError(
-                f"timed out after {timeout:.0f}s waiting for {names} to become healthy"
+                f"timed out after {timeout:.0f}s (--start-timeout) waiting for {names}; "
+                f"logs in {os.path.dirname(children[0].log_path)}"
             )
-        if pending:
-            time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def _stop(children: list[Child]) -> None:
-    for c in reversed(children):
+    """Stop the stages front to back (gateway, then decode, then the rest), so that none sees
+    a peer vanish while it still serves."""
+    order = {"gateway": 0, "decode": 1}
+    for c in sorted(children, key=lambda c: order.get(c.stage, 2)):
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for c in children:
-        try:
-            c.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.proc.kill()
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
 
 
 def _stage_env(stage: str) -> dict[str, str]:
@@ -112,233 +147,34 @@ def _stage_env(stage: str) -> dict[str, str]:
     return env
 
 
-def _gateway_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Split `tandem up`'s pass-through flags: the gateway's own settings (`GatewayConfig`, e.g.
-    --disagg-threshold, --ttft-slo-ms, --shed-load) go to the gateway only, the rest to all."""
-    from dataclasses import fields
+def _add_up_args(up: argparse.ArgumentParser) -> None:
+    """`tandem up`'s own flags, then the settings it passes to the stages, grouped."""
+    from tandem.config import add_engine_args, add_gateway_args, stage_parser
 
-    from tandem.config import GatewayConfig, add_gateway_args
-
-    gp = argparse.ArgumentParser(add_help=False)
-    add_gateway_args(gp)
-    ns, rest = gp.parse_known_args(argv)
-    gateway = []
-    for f in fields(GatewayConfig):
-        v = getattr(ns, f.name)
-        if v is not None:
-            gateway += ["--" + f.name.replace("_", "-"), str(v)]
-    return gateway, rest
-
-
-def cmd_up(args: argparse.Namespace, engine_argv: list[str]) -> int:
-    gateway_argv, engine_argv = _gateway_argv(engine_argv)
-    host = args.host
-    port = args.port
-    http_port = args.http_port
-    if http_port is None:
-        http_port = DEFAULT_HTTP_PORT if port == DEFAULT_GATEWAY_PORT else port + 3
-    prefill_port = args.prefill_port or port + 1
-    decode_port = args.decode_port or port + 2
-    # Prometheus /metrics of each stage: its gRPC port + 1000 unless given; -1 turns all off.
-    metrics_ports = {
-        "gateway": args.metrics_port if args.metrics_port is not None else port + 1000,
-        "prefill": args.prefill_metrics_port or prefill_port + 1000,
-        "decode": args.decode_metrics_port or decode_port + 1000,
-        "draft": (args.draft_port or port + 4) + 1000,
-    }
-    if args.metrics_port is not None and args.metrics_port < 0:
-        metrics_ports = dict.fromkeys(metrics_ports, -1)
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
-    os.makedirs(log_dir, exist_ok=True)
-    common = ["--host", host, *engine_argv]
-    if args.model:
-        common += ["--model", args.model]
-    prefill_addr = f"{host}:{prefill_port}"
-    decode_addr = f"{host}:{decode_port}"
-    draft_port = args.draft_port or port + 4
-    draft_addr = f"{host}:{draft_port}"
-    plan = [
-        ("prefill", prefill_addr, ["--port", str(prefill_port)]),
-        (
-            "decode",
-            decode_addr,
-            [
-                "--port",
-                str(decode_port),
-                "--prefill",
-                prefill_addr,
-                "--kv-transport",
-                args.kv_transport,
-            ],
-        ),
-        (
-            "gateway",
-            f"{host}:{port}",
-            [
-                "--port",
-                str(port),
-                "--http-port",
-                str(http_port),
-                "--prefill",
-                prefill_addr,
-                "--decode",
-                decode_addr,
-                *gateway_argv,
-            ],
-        ),
-    ]
-    if args.draft:
-        # The draft worker starts first; decode and gateway are told where it is.
-        plan.insert(0, ("draft", draft_addr, ["--port", str(draft_port), "--draft", args.draft]))
-        for stage, _, extra in plan:
-            if stage in ("decode", "gateway"):
-                extra += ["--draft", draft_addr]
-            if stage == "decode" and args.spec_k is not None:
-                extra += ["--spec-k", str(args.spec_k)]
-    # Per-stage devices (prefill and decode on separate GPUs): the last --device on a command
-    # line wins, so these follow the shared flags.
-    for stage, _, extra in plan:
-        dev = getattr(args, f"{stage}_device", None)
-        if dev:
-            extra += ["--device", dev]
-    children: list[Child] = []
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        for stage, addr, extra in plan:
-            log_path = os.path.join(log_dir, f"{stage}.log")
-            cmd = [sys.executable, "-m", f"services.{stage}", *common, *extra]
-            cmd += ["--metrics-port", str(metrics_ports[stage])]
-            children.append(Child(stage, addr, _spawn(cmd, log_path), log_path, cmd))
-        _wait_healthy(children, args.start_timeout)
-        print(f"Tandem is up (logs in {log_dir})", flush=True)
-        print(f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on)", flush=True)
-        if http_port >= 0:
-            print(f"  OpenAI HTTP   http://{host}:{http_port}/v1", flush=True)
-        print(f"  prefill       {prefill_addr}", flush=True)
-        print(f"  decode        {decode_addr}", flush=True)
-        if args.draft:
-            print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
-        if metrics_ports["gateway"] >= 0:
-            urls = "  ".join(
-                f"{s}=http://{host}:{metrics_ports[s]}/metrics"
-                for s in ("gateway", "prefill", "decode")
-            )
-            print(f"  metrics       {urls}", flush=True)
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        )
-        if endpoint:
-            print(f"  traces        OTLP/gRPC to {endpoint}", flush=True)
-        if args.then_chat:
-            rc = cmd_chat(
-                argparse.Namespace(
-                    message=args.then_chat,
-                    address=f"{host}:{port}",
-                    max_tokens=128,
-                    temperature=0.0,
-                    system=None,
-                    seed=None,
-                ),
-            )
-            if rc != 0:
-                return rc
-            print("Still serving; Ctrl-C stops every stage.", flush=True)
-        while True:
-            for c in children:
-                if c.proc.poll() is None:
-                    if c.failures and time.monotonic() - c.started > 60:
-                        c.failures = 0  # it stayed up: the next crash starts the backoff again
-                    continue
-                print(
-                    f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
-                    f"last lines of {c.log_path}:\n{c.tail()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                if not args.restart:
-                    return 1
-                delay = min(30.0, 2.0**c.failures)
-                c.failures += 1
-                print(
-                    f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True
-                )
-                time.sleep(delay)
-                c.proc = _spawn(c.cmd, c.log_path, append=True)
-                c.started = time.monotonic()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("stopping...", flush=True)
-        return 0
-    except RuntimeError as e:
-        print(f"tandem up: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        _stop(children)
-
-
-# ---- tandem chat ------------------------------------------------------------------------------
-def cmd_chat(args: argparse.Namespace) -> int:
-    import grpc
-
-    from tandem.rpc import api_pb2, api_pb2_grpc
-
-    msgs = []
-    if args.system:
-        msgs.append(api_pb2.ChatMessage(role="system", content=args.system))
-    msgs.append(api_pb2.ChatMessage(role="user", content=args.message))
-    sampling = api_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.seed is not None:
-        sampling.seed = args.seed
-    req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
-    t0 = time.monotonic()
-    with grpc.insecure_channel(args.address) as ch:
-        stub = api_pb2_grpc.GatewayStub(ch)
-        try:
-            for resp in stub.Generate(req):
-                if resp.HasField("chunk"):
-                    sys.stdout.write(resp.chunk.text)
-                    sys.stdout.flush()
-                else:
-                    f = resp.finish
-                    secs = time.monotonic() - t0
-                    tps = f.usage.completion_tokens / secs if secs > 0 else 0.0
-                    trace = f", trace {f.trace_id}" if f.trace_id else ""
-                    print(
-                        f"\n[{f.usage.completion_tokens} tokens, finish={f.finish_reason}, "
-                        f"TTFT {f.timings.ttft_ms:.0f} ms, {tps:.1f} tokens/s, KV via {f.kv_transport}"
-                        f"{trace}]",
-                        flush=True,
-                    )
-        except grpc.RpcError as e:
-            print(f"\ntandem chat: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
-
-
-# ---- entry ------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in STAGES:
-        _exec_stage(argv[0], argv[1:])
-    p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for s in STAGES:
-        sub.add_parser(s, help=f"run the {s} service (see `tandem {s} --help`)")
-    up = sub.add_parser(
-        "up", help="start every stage on this host, wait for health, print endpoints"
-    )
     up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway gRPC port")
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gateway binds: its gRPC, HTTP and /metrics ports (default %(default)s)",
+    )
+    up.add_argument(
+        "--stage-host",
+        default="127.0.0.1",
+        help="address the prefill, decode and draft workers bind (default %(default)s: only "
+        "this host reaches them, whatever --host says)",
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_GATEWAY_PORT,
+        help="gateway gRPC port (default %(default)s)",
+    )
     up.add_argument(
         "--http-port",
         type=int,
         default=None,
-        help=f"OpenAI HTTP port (default {DEFAULT_HTTP_PORT} with the default --port, else port+3)",
+        help=f"OpenAI HTTP port (default {DEFAULT_HTTP_PORT} with the default --port, else "
+        "port+3; -1: none)",
     )
     for st in ("prefill", "decode", "draft"):
         up.add_argument(
@@ -375,22 +211,352 @@ def main(argv: list[str] | None = None) -> int:
     )
     up.add_argument("--draft-port", type=int, default=None, help="default: port+4")
     up.add_argument("--spec-k", type=int, default=None, help="fixed speculation length")
-    up.add_argument("--log-dir", default=None)
+    up.add_argument(
+        "--log-dir", default=None, help="where the stage logs go (default: a new temporary folder)"
+    )
+    up.add_argument(
+        "--log-level",
+        default=None,
+        help="log level of every stage (default INFO, or TANDEM_LOG_LEVEL)",
+    )
     up.add_argument(
         "--restart",
-        action="store_true",
-        help="restart a stage that dies (exponential backoff, 1 s doubling to 30 s)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a stage that dies, with exponential backoff (1 s doubling to 30 s) while "
+        "the others keep serving (default on; --no-restart: stop everything instead)",
     )
-    up.add_argument("--start-timeout", type=float, default=180.0)
+    up.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds (default %(default)s)"
+    )
     up.add_argument(
         "--then-chat",
         default=None,
         metavar="MESSAGE",
-        help="once healthy, stream one chat reply to MESSAGE, then keep serving",
+        help="once ready, stream one chat reply to MESSAGE, then keep serving",
     )
+    add_engine_args(
+        up.add_argument_group("engine settings, for every stage (or TANDEM_<NAME> variables)"),
+        skip=("model",),
+    )
+    add_gateway_args(up.add_argument_group("gateway settings (or TANDEM_<NAME> variables)"))
+    for stage, flags in STAGE_FLAGS.items():
+        group = up.add_argument_group(f"{stage} worker settings")
+        for action in stage_parser(stage)._actions:
+            if action.option_strings and action.option_strings[0] in flags:
+                group._add_action(action)
+
+
+def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The flags each stage gets from `tandem up`'s parsed settings (only those given)."""
+    from dataclasses import fields
+
+    from tandem.config import EngineConfig, GatewayConfig
+
+    def flag(name: str, value) -> list[str]:
+        return ["--" + name.replace("_", "-"), str(value)]
+
+    common: list[str] = []
+    for f in fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            common += flag(f.name, v)
+    if args.log_level is not None:
+        common += ["--log-level", args.log_level]
+    out = {st: list(common) for st in STAGES}
+    for f in fields(GatewayConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            out["gateway"] += flag(f.name, v)
+    for stage, flags in STAGE_FLAGS.items():
+        for fl in flags:
+            v = getattr(args, fl[2:].replace("-", "_"), None)
+            if v is not None:
+                out[stage] += [fl, str(v)]
+    return out
+
+
+def _dial(host: str) -> str:
+    """The address to connect to a server bound to `host` from this host."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
+    """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
+    from tandem.config import engine_config_from_args, gateway_config_from_args
+
+    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
+        return f"--model {args.model}: no such file or directory"
+    try:
+        engine_config_from_args(args)
+        gateway_config_from_args(args)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    import socket
+
+    for host, port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                return (
+                    f"cannot listen on {host}:{port} ({e.strerror}); is another Tandem "
+                    "running? choose another --port"
+                )
+    return None
+
+
+def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    t0 = time.monotonic()
+    host = args.host
+    port = args.port
+    http_port = args.http_port
+    if http_port is None:
+        http_port = DEFAULT_HTTP_PORT if port == DEFAULT_GATEWAY_PORT else port + 3
+    prefill_port = args.prefill_port or port + 1
+    decode_port = args.decode_port or port + 2
+    draft_port = args.draft_port or port + 4
+    # Prometheus /metrics of each stage: its gRPC port + 1000 unless given; -1 turns all off.
+    metrics_ports = {
+        "gateway": args.metrics_port if args.metrics_port is not None else port + 1000,
+        "prefill": args.prefill_metrics_port or prefill_port + 1000,
+        "decode": args.decode_metrics_port or decode_port + 1000,
+        "draft": draft_port + 1000,
+    }
+    if args.metrics_port is not None and args.metrics_port < 0:
+        metrics_ports = dict.fromkeys(metrics_ports, -1)
+    stages = ["draft"] if args.draft else []
+    stages += ["prefill", "decode", "gateway"]
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"Starting Tandem: {', '.join(stages)} (logs in {log_dir})", flush=True)
+    grpc_ports = {"prefill": prefill_port, "decode": decode_port, "gateway": port}
+    grpc_ports["draft"] = draft_port
+    binds = {s: args.host if s == "gateway" else args.stage_host for s in STAGES}
+    ports = [(binds[s], grpc_ports[s]) for s in stages]
+    ports += [(binds[s], p) for s, p in metrics_ports.items() if s in stages and p >= 0]
+    if http_port >= 0:
+        ports.append((host, http_port))
+    problem = _validate_up(args, ports)
+    if problem:
+        parser.error(problem)
+    argv = _stage_argv(args)
+    stage_host = _dial(args.stage_host)
+    prefill_addr = f"{stage_host}:{prefill_port}"
+    decode_addr = f"{stage_host}:{decode_port}"
+    draft_addr = f"{stage_host}:{draft_port}"
+    argv["prefill"] += ["--port", str(prefill_port)]
+    argv["decode"] += [
+        "--port",
+        str(decode_port),
+        "--prefill",
+        prefill_addr,
+        "--kv-transport",
+        args.kv_transport,
+    ]
+    argv["gateway"] += [
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--prefill",
+        prefill_addr,
+        "--decode",
+        decode_addr,
+    ]
+    if args.draft:
+        argv["draft"] += ["--port", str(draft_port), "--draft", args.draft]
+        argv["decode"] += ["--draft", draft_addr]
+        argv["gateway"] += ["--draft", draft_addr]
+        if args.spec_k is not None:
+            argv["decode"] += ["--spec-k", str(args.spec_k)]
+    children: list[Child] = []
+    for stage in stages:
+        extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_ports[stage])]
+        if args.model:
+            extra += ["--model", args.model]
+        # Per-stage devices (prefill and decode on separate GPUs): the last --device on a
+        # command line wins, so these follow the shared flags.
+        dev = getattr(args, f"{stage}_device", None)
+        if dev:
+            extra += ["--device", dev]
+        cmd = [sys.executable, "-m", f"services.{stage}", *extra]
+        children.append(Child(stage, None, os.path.join(log_dir, f"{stage}.log"), cmd))  # type: ignore[arg-type]
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        width = max(len(c.stage) for c in children)
+        for c in children:
+            c.proc = _spawn(c.cmd, c.log_path)
+            c.started = time.monotonic()
+            print(
+                f"  [{c.started - t0:5.1f}s] {c.stage:<{width}}  starting (pid {c.proc.pid})",
+                flush=True,
+            )
+        _wait_ready(children, args.start_timeout, t0)
+        print(f"Tandem is up in {time.monotonic() - t0:.1f}s (logs in {log_dir})", flush=True)
+        scheme = "https" if args.tls_cert else "http"
+        tls = ", TLS" if args.tls_cert else ""
+        print(
+            f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on{tls})", flush=True
+        )
+        if http_port >= 0:
+            print(f"  OpenAI HTTP   {scheme}://{host}:{http_port}/v1", flush=True)
+        print(f"  prefill       {prefill_addr}", flush=True)
+        print(f"  decode        {decode_addr}", flush=True)
+        if args.draft:
+            print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
+        if metrics_ports["gateway"] >= 0:
+            urls = "  ".join(
+                f"{s}=http://{host if s == 'gateway' else stage_host}:{metrics_ports[s]}/metrics"
+                for s in ("gateway", "prefill", "decode")
+            )
+            print(f"  metrics       {urls}", flush=True)
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        if endpoint:
+            print(f"  traces        OTLP/gRPC to {endpoint}", flush=True)
+        if args.then_chat:
+            rc = cmd_chat(
+                argparse.Namespace(
+                    message=args.then_chat,
+                    address=f"{_dial(host)}:{port}",
+                    port=None,
+                    tls_ca=args.tls_cert,
+                    max_tokens=128,
+                    temperature=0.0,
+                    system=None,
+                    seed=None,
+                ),
+            )
+            if rc != 0:
+                return rc
+            print("Still serving; Ctrl-C stops every stage.", flush=True)
+        return _supervise(children, args.restart)
+    except KeyboardInterrupt:
+        print("stopping...", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"tandem up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _stop([c for c in children if c.proc is not None])
+
+
+def _supervise(children: list[Child], restart: bool) -> int:
+    """Watch the stages while they serve: a stage that dies is restarted (the others keep
+    serving) or, with --no-restart, stops `tandem up`."""
+    while True:
+        for c in children:
+            c.progress()  # keep the read position at the end of the log
+            if c.proc.poll() is None:
+                if c.failures and time.monotonic() - c.started > 60:
+                    c.failures = 0  # it stayed up: the next crash starts the backoff again
+                continue
+            print(
+                f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
+                f"last lines of {c.log_path}:\n{c.tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if not restart:
+                return 1
+            delay = min(30.0, 2.0**c.failures)
+            c.failures += 1
+            print(f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            c.proc = _spawn(c.cmd, c.log_path, append=True)
+            c.started = time.monotonic()
+        time.sleep(0.5)
+
+
+# ---- tandem chat ------------------------------------------------------------------------------
+def cmd_chat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tandem.rpc import api_pb2, api_pb2_grpc
+
+    address = args.address
+    if args.port is not None:
+        address = f"{address.rsplit(':', 1)[0]}:{args.port}"
+    msgs = []
+    if args.system:
+        msgs.append(api_pb2.ChatMessage(role="system", content=args.system))
+    msgs.append(api_pb2.ChatMessage(role="user", content=args.message))
+    sampling = api_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
+    t0 = time.monotonic()
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel as ch:
+        stub = api_pb2_grpc.GatewayStub(ch)
+        try:
+            for resp in stub.Generate(req):
+                if resp.HasField("chunk"):
+                    sys.stdout.write(resp.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    f = resp.finish
+                    secs = time.monotonic() - t0
+                    tps = f.usage.completion_tokens / secs if secs > 0 else 0.0
+                    trace = f", trace {f.trace_id}" if f.trace_id else ""
+                    print(
+                        f"\n[{f.usage.completion_tokens} tokens, finish={f.finish_reason}, "
+                        f"TTFT {f.timings.ttft_ms:.0f} ms, {tps:.1f} tokens/s, KV via {f.kv_transport}"
+                        f"{trace}]",
+                        flush=True,
+                    )
+        except grpc.RpcError as e:
+            hint = ""
+            if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (e.details() or ""):
+                hint = (
+                    f"\nNothing answers at {address}: start Tandem with `tandem up` (or "
+                    "`make serve`), or point --address / --port at a running gateway."
+                )
+            print(f"\ntandem chat: {e.code().name}: {e.details()}{hint}", file=sys.stderr)
+            return 1
+    return 0
+
+
+# ---- entry ------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in STAGES:
+        _exec_stage(argv[0], argv[1:])
+    p = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for s in STAGES:
+        sub.add_parser(s, help=f"run the {s} service (see `tandem {s} --help`)")
+    up = sub.add_parser(
+        "up",
+        help="start every stage on this host, wait until it serves, print endpoints",
+        description="Start the prefill, decode and gateway stages (and a draft worker with "
+        "--draft) on this host, show their progress, and print the endpoints once a request "
+        "can be served. Every setting below is checked before anything starts.",
+    )
+    _add_up_args(up)
     chat = sub.add_parser("chat", help="stream a chat reply from a running gateway")
     chat.add_argument("message")
-    chat.add_argument("--address", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}")
+    chat.add_argument(
+        "--address",
+        default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}",
+        help="gateway gRPC address (default %(default)s)",
+    )
+    chat.add_argument(
+        "--port", type=int, default=None, help="gateway gRPC port on --address's host"
+    )
+    chat.add_argument(
+        "--tls-ca", default=None, help="PEM file of the CA (or certificate) of a TLS gateway"
+    )
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--system", default=None)
@@ -401,11 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         "quantize", help="profile a model's weights, or write an INT4/INT8 checkpoint (AWQ/RTN)"
     )
     add_quantize_args(quantize)
-    args, rest = p.parse_known_args(argv)
+    args = p.parse_args(argv)
     if args.cmd == "up":
-        return cmd_up(args, rest)
-    if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        return cmd_up(args, up)
     if args.cmd == "quantize":
         return run_quantize(args)
     return cmd_chat(args)

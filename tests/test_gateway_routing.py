@@ -30,11 +30,14 @@ def test_prefix_index_matches_whole_blocks_and_forgets_restarted_workers():
 
 def _router(n_prefill: int = 2, n_decode: int = 2) -> Router:
     async def make():
-        return Router(
+        r = Router(
             [f"127.0.0.1:{1000 + i}" for i in range(n_prefill)],
             [f"127.0.0.1:{2000 + i}" for i in range(n_decode)],
             index=PrefixIndex(4),
         )
+        for w in [*r.prefill, *r.decode]:
+            w.healthy = True  # as if each had answered its health check
+        return r
 
     return asyncio.run(make())
 

@@ -431,3 +431,87 @@ def test_tiny_yarn_rope_scaling_unsupported(tmp_path: Path) -> None:
     write_tiny(path, kv=kv)
     with pytest.raises(UnsupportedModelError, match="yarn"):
         load_gguf(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast header reader against gguf.GGUFReader
+
+
+def _assert_same_table(path: str) -> None:
+    from tandem.model.gguf_file import GGUFFile
+
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]  # GGUFReader's own header fields
+    assert list(ours.fields) == keys
+    for k in keys:
+        a, b = ours.fields[k].contents(), ref.fields[k].contents()
+        assert type(a) is type(b) and (a == b or a != a and b != b), k  # NaN equals NaN
+    assert ours.fields["tokenizer.ggml.tokens"].count == len(
+        ref.fields["tokenizer.ggml.tokens"].data
+    )
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
+            b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset
+        )  # fmt: skip
+        assert a.shape.tolist() == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data, equal_nan=a.data.dtype.kind == "f")
+        assert not a.data.flags.writeable
+
+
+def test_fast_reader_reads_the_default_model_as_gguf_reader_does(smollm2: str) -> None:
+    _assert_same_table(smollm2)
+
+
+def test_fast_reader_reads_every_value_and_tensor_type(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    extra = {
+        "extra.f16": np.arange(12, dtype=np.float16).reshape(3, 4),
+        "extra.i8": np.arange(-4, 4, dtype=np.int8),
+        "extra.i32": np.arange(6, dtype=np.int32).reshape(2, 3),
+    }
+    values = {
+        "test.u8": (7, gguf.GGUFValueType.UINT8),
+        "test.i16": (-3, gguf.GGUFValueType.INT16),
+        "test.u64": (2**40, gguf.GGUFValueType.UINT64),
+        "test.i64": (-(2**40), gguf.GGUFValueType.INT64),
+        "test.f64": (0.25, gguf.GGUFValueType.FLOAT64),
+        "test.bool": (True, gguf.GGUFValueType.BOOL),
+        "test.empty": ("", gguf.GGUFValueType.STRING),
+        "test.ints": ([1, 2, 3], gguf.GGUFValueType.ARRAY),
+        "test.floats": ([0.5, -1.5], gguf.GGUFValueType.ARRAY),
+        "test.strs": (["a", "", "ünï"], gguf.GGUFValueType.ARRAY),
+    }
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, (value, vtype) in values.items():
+        w.add_key_value(key, value, vtype)
+    w.add_token_list(["x", "y"])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((5, 64)).astype(np.float32))
+    for name, arr in extra.items():
+        w.add_tensor(name, arr)
+    q = gguf.quants.quantize(
+        rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0
+    )
+    w.add_tensor("q8", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_same_table(str(path))
+
+
+def test_big_endian_files_go_to_gguf_reader(tmp_path: Path) -> None:
+    from tandem.model.gguf_file import GGUFFile, open_gguf
+
+    path = tmp_path / "be.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_uint32("test.n", 5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = open_gguf(str(path))
+    assert not isinstance(reader, GGUFFile)
+    assert reader.fields["test.n"].contents() == 5

@@ -579,3 +579,22 @@ def test_triton_tensor_core_gemv_matches_f64(n: int, m: int, k: int, group: int,
     assert not arrival_counters(x.device, 1).any()
     with pytest.raises(ValueError, match="bf16 activations"):
         wk.w4a16_matmul_triton(x.float(), qw, config)
+
+
+def test_profile_writes_a_recipe_that_recipe_reads_back(tmp_path, model_factory, capsys) -> None:
+    """`tandem quantize --profile --out r.yaml`: the table on stderr, the recipe in the file."""
+    from tandem.cli import main
+
+    _, path = model_factory("llama")
+    out = tmp_path / "r.yaml"
+    assert main(["quantize", path, "--profile", "--out", str(out), "--group-size", "32"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "model.layers.0.self_attn.q_proj" in captured.err  # the per-layer table
+    recipe = Recipe.load(str(out))
+    assert recipe.default == LayerSpec(bits=4, group_size=32, zero_point=True)
+    # Without --out the recipe alone goes to stdout, so `> r.yaml` works as well.
+    assert main(["quantize", path, "--profile", "--group-size", "32"]) == 0
+    captured = capsys.readouterr()
+    (tmp_path / "s.yaml").write_text(captured.out)
+    assert Recipe.load(str(tmp_path / "s.yaml")).to_dict() == recipe.to_dict()

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from services.decode.observe import DecodeTelemetry
+from tandem import progress
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -209,7 +210,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.nixl_usable = kv_transport in ("auto", "nixl") and nixl_installed()
         if kv_transport == "auto" and not self.nixl_usable:
-            log.warning(
+            log.info(
                 "NIXL is not installed: KV from a prefill worker on another host will travel "
                 "inline over gRPC (pip install 'tandem[nixl]' for NIXL)"
             )
@@ -746,6 +747,30 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
 
 
+async def _register_at_start(service: DecodeService, address: str, wait_s: float) -> None:
+    """Register with a prefill worker named at start, waiting quietly while it starts itself;
+    a worker that does not answer within `wait_s`, or refuses, stops this one with one line."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    progress.report(f"waiting for prefill {address}")
+    while True:
+        try:
+            await service.peer(address)
+            progress.report(f"registered with prefill {address}")
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise ConnectionError(
+                    f"registration with prefill {address} failed: {e.code().name}: {e.details()}"
+                ) from None
+            if loop.time() > deadline:
+                raise ConnectionError(
+                    f"prefill worker {address} did not answer within {wait_s:.0f}s "
+                    "(--prefill-wait); is it running?"
+                ) from None
+        await asyncio.sleep(0.5)
+
+
 async def serve(
     config: EngineConfig,
     host: str,
@@ -756,8 +781,10 @@ async def serve(
     draft: list[str] | None = None,
     spec: dict | None = None,
     kv_transfer_timeout_s: float = 10.0,
+    prefill_wait_s: float = 300.0,
 ) -> None:
-    """Run the decode worker until cancelled; registers eagerly with the given prefill workers.
+    """Run the decode worker until cancelled; registers with the given prefill workers (waiting
+    up to `prefill_wait_s` for them) before it reports SERVING.
 
     Prometheus text is served on `metrics_port` (None: no metrics endpoint).
     """
@@ -775,19 +802,26 @@ async def serve(
         await server.stop(None)
         service.close()
         raise
-    for addr in prefill or []:
-        try:
-            await service.peer(addr)
-        except Exception as e:  # noqa: BLE001 - registration is retried on first use
-            log.warning(
-                "registration with prefill %s failed (will retry on first use): %s", addr, e
-            )
+    try:
+        for addr in prefill or []:
+            await _register_at_start(service, addr, prefill_wait_s)
+    except BaseException:
+        await server.stop(None)
+        service.close()
+        if metrics is not None:
+            metrics.close()
+        raise
     await set_serving(health, [SERVICE], True)
+    progress.report("ready")
     log.info("decode serving on %s:%d (model %s)", host, bound, service.model_name)
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(1.0)
-        service.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
+            # (a shared-memory pool is unlinked there).
+            await server.stop(1.0)
+        finally:
+            service.close()
+            if metrics is not None:
+                metrics.close()

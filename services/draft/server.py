@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from tandem import telemetry
+from tandem import progress, telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -126,9 +126,12 @@ async def serve(
         raise OSError(f"draft: cannot bind {host}:{port}")
     await server.start()
     await set_serving(health, [SERVICE], True)
+    progress.report("ready")
     log.info("draft serving on %s:%d (proposer %s)", host, bound, draft)
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(1.0)
-        service.pool.shutdown(wait=False)
+        try:
+            await server.stop(1.0)  # may itself be cancelled (SIGTERM): shut down anyway
+        finally:
+            service.pool.shutdown(wait=False)

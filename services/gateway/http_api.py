@@ -130,11 +130,12 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/livez", self.livez)
         self.app.on_response_prepare.append(_trace_header)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path != "/health":
+        if request.path not in ("/health", "/livez"):
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
                 return error_response(
@@ -144,10 +145,29 @@ class OpenAIServer:
                 )
         return await handler(request)
 
+    def _not_ready(self) -> web.Response | None:
+        """503 with the reason while no request could be served (workers starting or down)."""
+        reason = self.fe.pipeline.router.not_ready_reason()
+        if reason is None:
+            return None
+        return web.json_response(
+            {"status": "not_ready", "reason": reason},
+            status=503,
+            headers={"Retry-After": "1"},
+        )
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """Readiness: 200 only when a request can be served now."""
+        return self._not_ready() or web.json_response({"status": "ok"})
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """Liveness: the gateway process answers (its workers may still be starting)."""
+        return web.json_response({"status": "alive"})
 
     async def models(self, request: web.Request) -> web.Response:
+        not_ready = self._not_ready()
+        if not_ready is not None:
+            return not_ready
         return web.json_response(
             {
                 "object": "list",

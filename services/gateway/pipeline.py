@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -78,6 +78,10 @@ class Route:
     uncached: int  # prompt tokens the prefilling worker probably lacks
 
 
+class _DecodeLost(Exception):
+    """The stream to a sequence's decode worker broke (the worker died or went away)."""
+
+
 class Pipeline:
     """Runs requests across the router's workers."""
 
@@ -91,6 +95,7 @@ class Pipeline:
         max_inflight: int = 1024,
         disagg_threshold: int = GatewayConfig.disagg_threshold,
         admission: TtftAdmission | None = None,
+        failover_timeout_s: float = GatewayConfig.failover_timeout_s,
     ) -> None:
         self.router = router
         self.tokenizer = tokenizer
@@ -103,6 +108,10 @@ class Pipeline:
         self.waiting = 0  # admitted, no first token yet
         self.inflight = 0  # admitted, not finished
         self.prefills = {"prefill": 0, "decode": 0}  # requests by where they were prefilled
+        # A sequence whose decode worker dies continues on another (or the restarted) one, if
+        # one serves within this many seconds; 0: the request fails at once.
+        self.failover_timeout_s = failover_timeout_s
+        self.failovers = 0  # sequences moved to another decode worker after a death
         self._background: set[asyncio.Task] = set()
 
     def admit(self, ids: list[int] | None = None, session: Session | None = None) -> Route | None:
@@ -227,6 +236,23 @@ class Pipeline:
             if session is not None:
                 session.decode = route.decode.address
 
+    async def _failover(self, route: Route, why: str, lost_at: float) -> DecodeClient:
+        """A live decode worker for a sequence whose worker died, waiting (quietly, as the
+        client does) for one to serve again up to `failover_timeout_s` after the loss."""
+        deadline = lost_at + self.failover_timeout_s
+        while True:
+            try:
+                decode = route.decode = self.router.pick_decode(route.names)
+                self.failovers += 1
+                return decode
+            except StageUnavailable:
+                if time.monotonic() >= deadline:
+                    raise StageUnavailable(
+                        f"the decode worker of this request failed ({why}) and none served "
+                        f"again within {self.failover_timeout_s:g}s; retry later"
+                    ) from None
+                await asyncio.sleep(0.2)
+
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
             try:
@@ -326,57 +352,76 @@ class Pipeline:
         if reason is None:
             if not decode.healthy and prefill is not None:
                 decode = route.decode = self.router.pick_decode(route.names)
-            done = False
-            try:
-                q = await decode.open(seq_id, admit)
-                lease["owned"] = False  # the decode worker releases it after its copy
-                while not done:
-                    kind, msg = await q.get()
-                    if kind == "tokens":
-                        toks = list(msg.token_ids)
-                        if t_first is None and toks:  # prefilled here: the first token
-                            t_first = time.monotonic()
-                            timings["ttft_ms"] = (t_first - t0) * 1e3
-                            self._first_token_seen(state)
-                            self.admission.first_token(ticket)
-                        # Several ids in one message (an accepted draft run) may run past a
-                        # stop string: only those up to the one completing it are output.
-                        text, n = detok.add_until_stop(toks)
-                        toks = toks[:n]
-                        out_ids.extend(toks)
-                        lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
-                        if msg.proposed_draft_tokens:  # running totals; SeqFinished has the last
+            lost_at = None  # when the decode worker of this sequence died (None: it lives)
+            while True:
+                done = lost = False
+                try:
+                    q = await decode.open(seq_id, admit)
+                    lease["owned"] = False  # the decode worker releases it after its copy
+                    while not done:
+                        kind, msg = await q.get()
+                        if kind == "tokens":
+                            toks = list(msg.token_ids)
+                            if t_first is None and toks:  # prefilled here: the first token
+                                t_first = time.monotonic()
+                                timings["ttft_ms"] = (t_first - t0) * 1e3
+                                self._first_token_seen(state)
+                                self.admission.first_token(ticket)
+                            # Several ids in one message (an accepted draft run) may run past
+                            # a stop string: only those up to the one completing it are output.
+                            text, n = detok.add_until_stop(toks)
+                            toks = toks[:n]
+                            out_ids.extend(toks)
+                            lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
+                            if msg.proposed_draft_tokens:  # running totals, as SeqFinished's
+                                spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
+                            if detok.stopped_by is not None:
+                                reason, done = "stop", True
+                            if text or toks:
+                                yield TextDelta(text, toks, lps)
+                        elif kind == "finished":
+                            done = True
+                            if msg.finish_reason == "error":
+                                raise StageUnavailable(
+                                    f"decode worker {decode.address} failed: {msg.error}"
+                                )
+                            reason = reason or msg.finish_reason
+                            timings["kv_transfer_ms"] = msg.kv_transfer_ms
+                            transport = msg.kv_transport or transport
                             spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
-                        if detok.stopped_by is not None:
-                            reason, done = "stop", True
-                        if text or toks:
-                            yield TextDelta(text, toks, lps)
-                    elif kind == "finished":
-                        done = True
-                        if msg.finish_reason == "error":
-                            raise StageUnavailable(
-                                f"decode worker {decode.address} failed: {msg.error}"
-                            )
-                        reason = reason or msg.finish_reason
-                        timings["kv_transfer_ms"] = msg.kv_transfer_ms
-                        transport = msg.kv_transport or transport
-                        spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
-                        if prefill is None:
-                            cached = msg.cached_prompt_tokens
-                            timings["queue_ms"] = msg.queue_ms
-                            timings["prefill_ms"] = msg.prefill_ms
-                    else:  # the stream to the decode worker broke
-                        done = True
-                        raise StageUnavailable(msg)
-            finally:
-                if not done or reason == "stop" and detok.stopped_by is not None:
-                    decode.cancel(seq_id)
-                decode.close_seq(seq_id)
-                # It holds the prompt and the output but the last token (whose KV is never
-                # computed), named block by block as they filled.
-                self.router.index.record(
-                    decode.address, self.router.index.names(ids + out_ids[:-1])
-                )
+                            if prefill is None and lost_at is None:
+                                cached = msg.cached_prompt_tokens
+                                timings["queue_ms"] = msg.queue_ms
+                                timings["prefill_ms"] = msg.prefill_ms
+                        else:  # the stream to the decode worker broke: it died
+                            done = lost = True
+                            raise _DecodeLost(msg)
+                except _DecodeLost as e:
+                    lost_at = lost_at or time.monotonic()
+                    decode = await self._failover(route, str(e), lost_at)
+                    # Continue where the stream stopped: the prompt and every token already
+                    # streamed are the new worker's prompt, which it prefills itself.
+                    admit = stages_pb2.Admit(
+                        seq_id=seq_id,
+                        prompt_token_ids=ids + out_ids,
+                        sampling=sampling_to_proto(
+                            replace(params, max_tokens=params.max_tokens - len(out_ids))
+                        ),
+                        trace_context=carrier,
+                        prefill_here=True,
+                    )
+                    continue
+                finally:
+                    if not done or reason == "stop" and detok.stopped_by is not None:
+                        decode.cancel(seq_id)
+                    decode.close_seq(seq_id)
+                    if not lost:
+                        # It holds the prompt and the output but the last token (whose KV is
+                        # never computed), named block by block as they filled.
+                        self.router.index.record(
+                            decode.address, self.router.index.names(ids + out_ids[:-1])
+                        )
+                break
         tail = detok.finish()
         if tail:
             yield TextDelta(tail, [])

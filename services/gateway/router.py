@@ -16,6 +16,7 @@ from typing import TypeVar
 import grpc
 
 from services.gateway.prefix_index import PrefixIndex
+from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 
 log = logging.getLogger("tandem.gateway")
@@ -50,9 +51,17 @@ class Worker:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.healthy = True
+        # Not routed to until its health check answers SERVING (`watch`): a worker that is still
+        # loading cannot serve, and the gateway's readiness says so.
+        self.healthy = False
+        self.seen_up = False  # it answered SERVING once: a later failure is worth a warning
         self._probe: asyncio.Task | None = None
         self.index: PrefixIndex | None = None  # set by the router
+
+    def watch(self) -> None:
+        """Probe `grpc.health.v1` until the worker answers SERVING, then route to it."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_up())
 
     def mark_down(self, reason: str) -> None:
         """Stop routing here and probe `grpc.health.v1` until the worker answers SERVING again."""
@@ -61,17 +70,20 @@ class Worker:
         self.healthy = False
         if self.index is not None:
             self.index.forget(self.address)  # it comes back with an empty cache
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self._probe_until_up())
+        self.watch()
 
     async def _probe_until_up(self) -> None:
         from tandem.rpc.health import check
 
         while not await check(self.address, timeout=1.0):
             await asyncio.sleep(PROBE_INTERVAL_S)
-        log.info("%s worker %s is back", self.stage, self.address)
-        # The old channel may sit in reconnect backoff and fail fast for a while: start afresh.
-        await self.reconnect()
+        if self.seen_up:
+            log.info("%s worker %s is back", self.stage, self.address)
+            # The old channel may sit in reconnect backoff and fail fast for a while: start afresh.
+            await self.reconnect()
+        else:
+            progress.report(f"{self.stage} worker {self.address} is serving")
+        self.seen_up = True
         self.healthy = True
 
     async def reconnect(self) -> None:
@@ -268,10 +280,23 @@ class Router:
                     return c
         return self._pick(self.decode, lambda c: c.load, names, "decode")
 
+    def watch(self) -> None:
+        """Start probing every prefill and decode worker; each is routed to once it serves."""
+        for w in [*self.prefill, *self.decode]:
+            w.watch()
+
     @property
     def serving(self) -> bool:
         """The gateway can take work: at least one worker of each stage is up."""
-        return any(c.healthy for c in self.prefill) and any(c.healthy for c in self.decode)
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why a request cannot be served now (None: it can): a stage with no serving worker."""
+        for stage, workers in (("decode", self.decode), ("prefill", self.prefill)):
+            if not any(c.healthy for c in workers):
+                seen = any(c.seen_up for c in workers)
+                return f"no {stage} worker is serving ({'down' if seen else 'starting'})"
+        return None
 
     async def close(self) -> None:
         for c in [*self.prefill, *self.decode, *self.draft]:

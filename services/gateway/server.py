@@ -22,11 +22,12 @@ from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import Router
+from tandem import progress
 from tandem.config import EngineConfig, GatewayConfig
 from tandem.metrics import GatewayMetrics, serve_metrics
 from tandem.model.loader import load_model_info
 from tandem.rpc import api_pb2
-from tandem.rpc.health import add_health, check, set_serving
+from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.gateway")
 SERVICE = "tandem.v1.Gateway"
@@ -60,6 +61,7 @@ async def serve(
         gc.max_inflight,
         disagg_threshold=gc.disagg_threshold,
         admission=TtftAdmission(ttft_slo_s, gc.shed_load),
+        failover_timeout_s=gc.failover_timeout_s,
     )
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
     gateway_metrics = GatewayMetrics()
@@ -103,24 +105,25 @@ async def serve(
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(gc.tls_cert, gc.tls_key)
         await web.TCPSite(runner, host, http_port, ssl_context=ssl_ctx).start()
-    # Workers that do not answer yet are probed until they do; health follows the router.
-    for w in [*router.prefill, *router.decode]:
-        if not await check(w.address, timeout=2.0):
-            w.mark_down("not serving at gateway start")
+    # Workers are probed until they serve; readiness (gRPC health, /health) follows the router.
+    router.watch()
     health_task = asyncio.ensure_future(_follow_router(router, health))
     log.info(
         "gateway serving gRPC on %s:%d, HTTP on %s (model %s)", host, bound, http_port, mc.name
     )
+    progress.report("waiting for the prefill and decode workers")
     try:
         await server.wait_for_termination()
     finally:
         health_task.cancel()
-        await server.stop(1.0)
-        if runner is not None:
-            await runner.cleanup()
-        await router.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            await server.stop(1.0)  # may itself be cancelled (SIGTERM): clean up anyway
+        finally:
+            if metrics is not None:
+                metrics.close()
+            if runner is not None:
+                await runner.cleanup()
+            await router.close()
 
 
 def _admission_metrics(pipeline: Pipeline):
@@ -131,18 +134,27 @@ def _admission_metrics(pipeline: Pipeline):
         "Requests refused at arrival because they could not meet the TTFT target (shed_load).",
         value=pipeline.admission.num_shed,
     )
+    yield CounterMetricFamily(
+        "tandem_decode_failovers",
+        "Sequences that continued on another decode worker after theirs died.",
+        value=pipeline.failovers,
+    )
 
 
 async def _follow_router(router: Router, health) -> None:
     """Report SERVING while at least one worker of each stage is up, NOT_SERVING otherwise."""
-    last = None
+    last = False  # add_health starts NOT_SERVING
+    ever = False
     while True:
         serving = router.serving
         if serving != last:
             await set_serving(health, [SERVICE], serving)
-            if last is not None:
-                log.warning(
-                    "gateway is %s", "serving again" if serving else "NOT serving: a stage is down"
-                )
+            if not ever:
+                progress.report("ready")
+            elif serving:
+                log.warning("gateway is serving again")
+            else:
+                log.warning("gateway is NOT serving: %s", router.not_ready_reason())
+            ever = ever or serving
             last = serving
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.1)

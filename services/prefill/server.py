@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.prefill.observe import PrefillTelemetry
+from tandem import progress
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -327,6 +328,7 @@ async def serve(
         service.close()
         raise
     await set_serving(health, [SERVICE], True)
+    progress.report("ready")
     log.info(
         "prefill serving on %s:%d (model %s, pool %s)",
         host,
@@ -337,7 +339,11 @@ async def serve(
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(1.0)
-        service.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
+            # (a shared-memory pool is unlinked there).
+            await server.stop(1.0)
+        finally:
+            service.close()
+            if metrics is not None:
+                metrics.close()

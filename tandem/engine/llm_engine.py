@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import progress
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
@@ -87,6 +88,9 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
+        progress.report(
+            f"building the model ({dtype}, quantization {config.quantization}) on {device}"
+        )
         weights = prepare_weights(loaded, config.quantization, dtype)
         self.model = LlamaModel(mc, weights, dtype, device, max_positions=self.max_model_len)
         if kv is None:
@@ -101,6 +105,10 @@ class LLMEngine:
                 device,
             )
         self.kv = kv
+        progress.report(
+            f"KV pool: {kv.num_blocks} blocks of {config.block_size} tokens "
+            f"({kv.data.numel() * kv.data.element_size() / 2**20:.0f} MiB on {device})"
+        )
         self.pool = BlockPool(kv.num_blocks)
         self.prefix_cache = (
             PrefixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
@@ -113,6 +121,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
+        if self.runner.graphs is not None:
+            progress.report("CUDA graphs captured")
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,

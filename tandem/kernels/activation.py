@@ -10,10 +10,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 from tandem.kernels.w4a16 import GemvX, store_gemv_x
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
+from tandem.kernels._triton import tl, triton
 from tandem.kernels.arrival import arrival_counters
 
 _INT32_MAX = 2**31 - 1

@@ -12,10 +12,9 @@ rounded to the activation dtype, so the rows are bit-equal to it.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 from tandem.quant.format import QuantizedWeight
 
 

@@ -16,10 +16,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 
 ENABLED = os.environ.get("TANDEM_TRITON_GEMV", "1") not in ("0", "false", "off")
 

@@ -30,10 +30,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 from tandem.kernels.arrival import arrival_counters
 
 _LOG2E = 1.4426950408889634

@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+from tandem.kernels._triton import tl, triton
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

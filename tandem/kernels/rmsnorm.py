@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 from tandem.kernels.w4a16 import GemvX, store_gemv_x
 
 

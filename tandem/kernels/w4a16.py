@@ -30,10 +30,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from tandem.kernels import pdl
+from tandem.kernels._triton import tl, triton
 from tandem.kernels.arrival import arrival_counters
 from tandem.quant.format import QuantizedWeight
 

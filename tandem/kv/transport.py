@@ -222,16 +222,18 @@ class SharedPool:
         return cls(shm, layout, owner=False)
 
     def close(self) -> None:
-        del self.kv
-        try:
-            self.shm.close()
-        except BufferError:
-            return  # a tensor view is still alive; the OS reclaims the mapping at exit
+        # Unlink first: the name goes away even while a tensor view keeps the mapping alive
+        # (mappings, here and in peers, stay valid until they are closed).
         if self.owner:
             try:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+        del self.kv
+        try:
+            self.shm.close()
+        except BufferError:
+            pass  # a tensor view is still alive; the OS reclaims the mapping at exit
 
 
 def _numel(shape: tuple[int, ...]) -> int:

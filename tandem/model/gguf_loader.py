@@ -19,7 +19,10 @@ import numpy as np
 import torch
 
 from tandem.model.config import ModelConfig, UnsupportedModelError
+from tandem.model.gguf_file import Field as GGUFField
+from tandem.model.gguf_file import open_gguf
 from tandem.model.tokenizer import Tokenizer
+from tandem.progress import Percent, report
 
 # general.architecture -> ModelConfig.model_type (llama.cpp writes Mistral checkpoints as
 # "llama" too).
@@ -98,7 +101,7 @@ def _open_reader(path: str) -> Any:
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
     except (ValueError, IndexError, KeyError, struct.error, OSError) as e:
         # A cut-off header surfaces as a short numpy view that fails to reshape or index.
         raise ValueError(
@@ -148,7 +151,9 @@ class _Metadata:
     def count(self, key: str) -> int:
         """Length of an array field without decoding its items (the vocabulary is ~50k strings)."""
         field = self.fields.get(key)
-        return 0 if field is None else len(field.data)
+        if field is None:
+            return 0
+        return field.count if isinstance(field, GGUFField) else len(field.data)
 
 
 def _uniform(value: Any, what: str) -> int:
@@ -333,9 +338,11 @@ def _state_dict(
     """Dequantize every weight into an HF-named dict, checking nothing is missing."""
     out: dict[str, torch.Tensor] = {}
     permuted = arch in _PERMUTED_QK
+    progress = Percent("loading weights", sum(int(t.n_bytes) for t in tensors.values()))
     for name, t in tensors.items():
         hf = _hf_name(name)
         if hf is None:
+            progress.advance(int(t.n_bytes))
             continue
         w = torch.from_numpy(_dequantize(t, path))
         if permuted and ".attn_q." in name:
@@ -343,6 +350,7 @@ def _state_dict(
         elif permuted and ".attn_k." in name:
             w = _unpermute(w, config.num_kv_heads)
         out[hf] = w if dtype == torch.float32 else w.to(dtype)
+        progress.advance(int(t.n_bytes))
     expected = _expected_names(config)
     missing = sorted(expected - out.keys())
     if missing:
@@ -369,12 +377,58 @@ def _expected_names(config: ModelConfig) -> set[str]:
 
 def _tokenizer(path: str, meta: _Metadata, eos_ids: list[int]) -> Tokenizer:
     """The HF tokenizer transformers builds from the GGUF vocabulary, with its chat template."""
+    report("loading the tokenizer")
     from transformers import AutoTokenizer
 
+    # Building it from the GGUF vocabulary takes seconds of Python on every start (each stage
+    # loads it): the result is kept in the cache directory, keyed by the file and the version of
+    # transformers that built it.
+    cached = _tokenizer_cache(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return Tokenizer(
+                AutoTokenizer.from_pretrained(cached, local_files_only=True), eos_token_ids=eos_ids
+            )
+        except (OSError, ValueError):
+            pass  # unreadable (another version wrote it?): build it again below
     folder, filename = os.path.split(os.path.abspath(path))
     hf = AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
     template = meta.get("tokenizer.chat_template")
     if template and not getattr(hf, "chat_template", None):
         # Not every transformers version carries the template over from the GGUF metadata.
         hf.chat_template = template
+    if cached is not None:
+        _save_atomically(hf, cached)
     return Tokenizer(hf, eos_token_ids=eos_ids)
+
+
+def _tokenizer_cache(path: str) -> str | None:
+    """Where the tokenizer built from the GGUF file at `path` is kept (None: caching is off)."""
+    import hashlib
+
+    import transformers
+
+    from tandem.config import cache_dir
+
+    root = cache_dir()
+    if root is None:
+        return None
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _save_atomically(hf: Any, target: str) -> None:
+    """Write the tokenizer files to `target`, all or nothing (stages start side by side)."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+        hf.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        # Read-only cache, or another stage saved it first: it is only a cache.
+        if "tmp" in locals():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ import torch
 
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
+from tandem.progress import Percent
 
 
 @dataclass
@@ -72,6 +73,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         raise FileNotFoundError(f"{path!r} holds no *.safetensors weights")
     quant = read_quantization(path)
     weights: dict[str, Any] = {}
+    progress = Percent("loading weights", len(files), every=1)
     for name in files:
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
@@ -83,6 +85,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         weights.update(
             {k: v if quant and is_quantized_part(k) else v.to(dtype) for k, v in shard.items()}
         )
+        progress.advance()
     if quant:
         weights = assemble_quantized(weights, quant, path)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)

@@ -57,7 +57,8 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="print per-layer weight statistics and a suggested recipe",
+        help="print per-layer weight statistics (to stderr) and a suggested recipe (YAML, to "
+        "--out FILE when given, else to stdout), which --recipe reads back",
     )
     p.add_argument("--recipe", default=None, help="recipe file, JSON or YAML (default: INT4 g128)")
     p.add_argument(
@@ -74,7 +75,11 @@ def add_quantize_args(p: argparse.ArgumentParser) -> None:
         "autoround: learned rounding and group ranges per decoder layer (block output "
         "reconstruction); awq-autoround: autoround on AWQ-scaled weights",
     )
-    p.add_argument("--out", default=None, help="output directory of the quantized checkpoint")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory of the quantized checkpoint (with --profile: the recipe file)",
+    )
     p.add_argument(
         "--from",
         dest="start_from",
@@ -595,15 +600,22 @@ def run_quantize(args: argparse.Namespace) -> int:
         if args.device != "cpu":
             on_device(loaded, args.device)
         if args.profile:
-            stats = profile_weights(loaded.weights, loaded.config.num_layers, args.group_size)
-            print(format_table(stats))
-            suggestion = suggest_recipe(stats, args.group_size)
-            print(f"\n# suggested recipe ({len(suggestion.overrides)} layers kept at 8 bits)")
             import yaml
 
-            print(yaml.safe_dump(suggestion.to_dict(), sort_keys=False), end="")
-            if not args.out:
-                return 0
+            stats = profile_weights(loaded.weights, loaded.config.num_layers, args.group_size)
+            print(format_table(stats), file=sys.stderr)
+            suggestion = suggest_recipe(stats, args.group_size)
+            text = (
+                f"# suggested recipe ({len(suggestion.overrides)} layers kept at 8 bits)\n"
+                + yaml.safe_dump(suggestion.to_dict(), sort_keys=False)
+            )
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(text)
+                print(f"recipe written to {args.out} (use it with --recipe)", file=sys.stderr)
+            else:
+                sys.stdout.write(text)
+            return 0
         if args.start_from:
             weights, info = _tune_again(args, loaded)
         else:

@@ -1,4 +1,4 @@
-"""`tandem up --restart` brings a killed stage back; without it, `tandem up` reports the death."""
+"""`tandem up` brings a killed stage back; with --no-restart it reports the death and stops."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_restart_brings_a_killed_decode_worker_back(model_factory):
 
 def test_without_restart_a_dead_stage_is_reported(model_factory):
     _, path = model_factory("llama")
-    c = start_cluster(["--model", path, "--num-blocks", "64"])
+    c = start_cluster(["--model", path, "--num-blocks", "64", "--no-restart"])
     try:
         pids = _stage_pids(c.proc.pid)
         os.kill(pids["prefill"], signal.SIGKILL)

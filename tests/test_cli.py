@@ -1,0 +1,88 @@
+"""The command line: `tandem up` checks every flag before it starts anything, and says where each
+goes; `tandem chat` explains what to do when nothing listens."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import pytest
+
+from tandem.cli import _add_up_args, _stage_argv, main
+
+
+def _up_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    _add_up_args(p)
+    return p.parse_args(argv)
+
+
+def test_up_help_lists_the_stage_flags_grouped_with_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for heading in ("engine settings", "gateway settings", "prefill worker settings"):
+        assert heading in text
+    for flag in ("--num-blocks", "--kv-dtype", "--device", "--disagg-threshold", "--lease-ttl"):
+        assert flag in text
+    assert "(default 16; TANDEM_BLOCK_SIZE)" in " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-blokcs", "8"], "unrecognized arguments: --num-blokcs"),
+        (["--dtype", "float8"], "dtype must be one of"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file"),
+        (["--ttft-slo-ms", "-3"], "ttft_slo_ms must be > 0"),
+    ],
+)
+def test_up_refuses_a_bad_flag_at_once(argv, message, capsys, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--log-dir", str(tmp_path), *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert time.monotonic() - t0 < 5  # before any stage starts (a stage takes longer to load)
+    assert not list(tmp_path.glob("*.log"))
+
+
+def test_up_refuses_a_port_in_use(capsys, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit):
+            main(["up", "--log-dir", str(tmp_path), "--prefill-port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_up_passes_each_setting_to_the_stages_that_take_it():
+    argv = _stage_argv(
+        _up_args(
+            ["--num-blocks", "64", "--disagg-threshold", "0", "--lease-ttl", "5", "--no-restart"]
+        )
+    )
+    for stage in ("prefill", "decode", "gateway", "draft"):
+        assert argv[stage][:2] == ["--num-blocks", "64"]
+    assert "--disagg-threshold" in argv["gateway"] and "--disagg-threshold" not in argv["decode"]
+    assert "--lease-ttl" in argv["prefill"] and "--lease-ttl" not in argv["decode"]
+    # Each stage's own parser accepts what it is given.
+    from tandem.config import stage_parser
+
+    for stage, args in argv.items():
+        extra = ["--prefill", "a:1", "--decode", "b:2"] if stage == "gateway" else []
+        stage_parser(stage).parse_args([*args, *extra])
+
+
+def test_chat_with_nothing_listening_says_to_start_tandem(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        rc = main(["chat", "hi", "--port", str(port)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "tandem up" in err and f"127.0.0.1:{port}" in err

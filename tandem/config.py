@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -146,6 +146,9 @@ class GatewayConfig:
     max_prompt_chars: int = 1_000_000
     max_concurrent_streams: int = 256  # per HTTP/2 connection (gRPC)
     api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    # The API key read from a file (its first line), so that it needs to be in no command line;
+    # TANDEM_API_KEY is the other way to keep it out of `ps`.
+    api_key_file: str | None = None
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
@@ -180,6 +183,52 @@ class GatewayConfig:
                 raise ValueError(f"{name} file {path!r} does not exist")
 
 
+def _read_secret(path: str, what: str) -> str:
+    """The first line of a secret file, stripped; a missing or empty file is an error."""
+    try:
+        with open(path) as f:
+            value = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from e
+    if not value:
+        raise ValueError(f"{what} {path!r} is empty")
+    return value
+
+
+@dataclass
+class StageAuthConfig:
+    """The credential of the ports between stages (prefill, decode, draft gRPC).
+
+    Every stage given a secret requires it, in gRPC metadata, on every call but grpc.health.v1,
+    and every stage sends it to the stages it calls (the gateway too). The secret is read from a
+    file or from TANDEM_STAGE_SECRET, never from a command line (`ps` shows those). No secret:
+    the stage ports are open to anyone who reaches them, as on a loopback-only host.
+    """
+
+    stage_secret_file: str | None = None  # a file whose first line is the secret
+    # Only from the environment (TANDEM_STAGE_SECRET): no flag is made for it.
+    stage_secret: str | None = field(default=None, metadata={"env_only": True})
+
+    def secret(self) -> bytes | None:
+        """The secret to require and send; None when none is configured."""
+        if self.stage_secret_file is not None:
+            if self.stage_secret is not None:
+                raise ValueError(
+                    "give the stage secret once: TANDEM_STAGE_SECRET or stage_secret_file, not both"
+                )
+            return _read_secret(self.stage_secret_file, "stage_secret_file").encode()
+        if self.stage_secret is not None:
+            if not self.stage_secret.strip():
+                raise ValueError("TANDEM_STAGE_SECRET is set but empty")
+            return self.stage_secret.strip().encode()
+        return None
+
+
+def stage_secret_from_args(args: Any) -> bytes | None:
+    """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
+    return _from_args(StageAuthConfig, args).secret()
+
+
 def _bool(value: str, what: str) -> bool:
     v = value.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -191,6 +240,8 @@ def _bool(value: str, what: str) -> bool:
 
 def _add_dataclass_args(parser: Any, cls: Any, what: str) -> None:
     for f in fields(cls):
+        if f.metadata.get("env_only"):
+            continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
         if t == "bool":
@@ -222,6 +273,10 @@ def _from_args(cls: Any, args: Any) -> Any:
 def gateway_config_from_args(args: Any) -> GatewayConfig:
     """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
     cfg = _from_args(GatewayConfig, args)
+    if cfg.api_key_file is not None:
+        if cfg.api_key is not None:
+            raise ValueError("give the API key once: api_key or api_key_file, not both")
+        cfg.api_key = _read_secret(cfg.api_key_file, "api_key_file")
     cfg.validate()
     return cfg
 
@@ -302,12 +357,21 @@ def stage_parser(stage: str) -> Any:
     )
     p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
     add_engine_args(p)
+    _add_dataclass_args(p, StageAuthConfig, "stage credential:")
     if stage == "prefill":
         p.add_argument(
             "--lease-ttl",
             type=float,
             default=30.0,
             help="seconds a leased KV block waits for its decode worker (default 30)",
+        )
+        p.add_argument(
+            "--max-leases-per-peer",
+            type=int,
+            default=int(os.environ.get("TANDEM_MAX_LEASES_PER_PEER", "1024")),
+            help="KV leases (prefilled prompts not yet taken by a decode worker) one client "
+            "host may hold; more Prefill.Run calls are refused with RESOURCE_EXHAUSTED "
+            "(default 1024)",
         )
     if stage == "decode":
         p.add_argument(

@@ -36,6 +36,7 @@ from tandem.kv.transport import (
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import server_interceptors, stage_channel
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -43,6 +44,7 @@ from tandem.rpc.convert import (
     sampling_from_proto,
 )
 from tandem.rpc.health import add_health, set_serving
+from tandem.rpc.lease import release_until_acknowledged
 
 log = logging.getLogger("tandem.decode")
 SERVICE = "tandem.v1.Decode"
@@ -94,13 +96,20 @@ class DraftClient:
     the answer and returns None when the draft is slow or down, so that step decodes plainly.
     """
 
-    def __init__(self, address: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float,
+        secret: bytes | None = None,
+    ) -> None:
         self.address = address
         self.loop = loop
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = stage_channel(
             address,
-            options=[
+            secret,
+            [
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
@@ -193,6 +202,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         draft: list[str] | None = None,
         spec: dict | None = None,
         kv_transfer_timeout_s: float = 10.0,
+        prefill: list[str] | None = None,
+        stage_secret: bytes | None = None,
     ) -> None:
         accept_kinds(kv_transport, "cpu", True)  # an unknown transport fails here, at start-up
         if kv_transport == "nixl" and not nixl_installed():
@@ -221,6 +232,10 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.peer_id = f"decode-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.get_running_loop()
         self.peers: dict[str, PrefillPeer] = {}
+        # The prefill workers whose KV this worker takes (its --prefill list): an Admit naming
+        # another address is refused, never dialled.
+        self.prefill_addresses = set(prefill or [])
+        self.stage_secret = stage_secret
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
@@ -236,7 +251,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self._spec_seen = (0, 0, 0)
         if draft:
             spec = spec or {}
-            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2))
+            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2), stage_secret)
             self.speculator = Speculator(
                 self.draft.propose,
                 k_min=spec.get("k_min", 1),
@@ -261,13 +276,20 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         p = self.peers.get(address)
         if p is not None:
             return p
+        if address not in self.prefill_addresses:
+            known = ", ".join(sorted(self.prefill_addresses)) or "none: start it with --prefill"
+            raise ValueError(
+                f"prefill_address {address!r} is not a prefill peer of this decode worker "
+                f"(its peers: {known})"
+            )
         lock = self._peer_locks.setdefault(address, asyncio.Lock())
         async with lock:
             if address in self.peers:
                 return self.peers[address]
-            ch = grpc.aio.insecure_channel(
+            ch = stage_channel(
                 address,
-                options=[
+                self.stage_secret,
+                [
                     ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -377,7 +399,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         sid = msg.seq_id
         params = sampling_from_proto(msg.sampling)
         ids = list(msg.prompt_token_ids)
-        src_blocks = list(msg.kv.block_ids)
         rng = (
             torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
         )
@@ -389,14 +410,24 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         failure = ""
         try:
             peer = await self.peer(msg.prefill_address)
-            if peer.pool_id != msg.kv.pool_id:
+            # The lease, not the caller, says which blocks hold this prompt's KV and for which
+            # tokens: a caller naming other blocks or other tokens gets nothing.
+            lease = await self._claim(peer, msg.kv.lease_id)
+            if peer.pool_id != lease.kv.pool_id:
                 # The prefill worker restarted since we registered: register again.
                 self.forget_peer(msg.prefill_address)
                 peer = await self.peer(msg.prefill_address)
-                if peer.pool_id != msg.kv.pool_id:
+                if peer.pool_id != lease.kv.pool_id:
                     raise ValueError(
-                        f"KV reference names pool {msg.kv.pool_id!r}, unknown at {msg.prefill_address}"
+                        f"KV lease names pool {lease.kv.pool_id!r}, unknown at its prefill worker"
                     )
+            if list(lease.token_ids) != ids:
+                raise ValueError(
+                    "prompt_token_ids do not match the tokens whose KV the lease holds "
+                    f"({len(ids)} tokens given, the lease holds {len(lease.token_ids)})"
+                )
+            kv_ref = lease.kv
+            src_blocks = list(kv_ref.block_ids)
             kv = self.engine.kv
             staging = None  # inline: the blocks' bytes
             read: int | None = None  # nixl: blocks the READ filled (reserved in the engine)
@@ -406,10 +437,10 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             self.importing[sid] = None
             try:
                 if peer.kind == "inline":
-                    staging = await self._fetch_inline(peer, msg.kv)
+                    staging = await self._fetch_inline(peer, kv_ref)
                     moved[0] = len(src_blocks)  # fetched whole, whatever the cache holds
                 elif peer.kind == "nixl":
-                    read = await self._read_nixl(peer, msg, ids, params, rng, t0)
+                    read = await self._read_nixl(peer, msg, src_blocks, ids, params, rng, t0)
                     moved[0] = read or 0
             finally:
                 cancelled = self.importing.pop(sid, None)
@@ -524,6 +555,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self,
         peer: PrefillPeer,
         msg: stages_pb2.Admit,
+        peer_blocks: list[int],
         ids: list[int],
         params,
         rng: torch.Tensor | None,
@@ -534,7 +566,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         number of blocks read. None when this pool has no room: the sequence is then queued and
         recomputed here, nothing is read."""
         sid = msg.seq_id
-        peer_blocks = list(msg.kv.block_ids)
 
         def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
             got = e.reserve_prefilled(ids, msg.first_token, params, sid, rng, peer_blocks)
@@ -562,6 +593,17 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             raise
         return len(blocks)
 
+    async def _claim(self, peer: PrefillPeer, token: str) -> stages_pb2.ClaimResponse:
+        """What the lease `token` names at its prefill worker: its blocks and their tokens."""
+        if not token:
+            raise ValueError("the Admit carries no KV lease token (kv.lease_id)")
+        try:
+            return await peer.stub.Claim(stages_pb2.ClaimRequest(lease_id=token), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise ValueError(e.details()) from None
+            raise
+
     async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
         lay = peer.layout
         n = len(kv.block_ids)
@@ -578,13 +620,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         p = self.peers.get(address)
         if p is None or not lease_id:
             return
-        try:
-            await p.stub.Release(
-                stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure), timeout=5
-            )
-        except grpc.aio.AioRpcError as e:
-            # The lease expires by itself on the prefill side.
-            log.warning("release of %s at %s failed: %s", lease_id, address, e.details())
+        req = stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure)
+        await release_until_acknowledged(p.stub, req, f"prefill {address}")
 
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
@@ -756,13 +793,19 @@ async def serve(
     draft: list[str] | None = None,
     spec: dict | None = None,
     kv_transfer_timeout_s: float = 10.0,
+    stage_secret: bytes | None = None,
 ) -> None:
-    """Run the decode worker until cancelled; registers eagerly with the given prefill workers.
+    """Run the decode worker until cancelled; registers eagerly with the given prefill workers,
+    the only ones whose KV it takes.
 
-    Prometheus text is served on `metrics_port` (None: no metrics endpoint).
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint). With
+    `stage_secret`, every call but health checks must carry it, and every call to the prefill
+    and draft workers sends it (tandem.rpc.auth).
     """
-    server = grpc.aio.server()
-    service = DecodeService(config, kv_transport, draft, spec, kv_transfer_timeout_s)
+    server = grpc.aio.server(interceptors=server_interceptors(stage_secret))
+    service = DecodeService(
+        config, kv_transport, draft, spec, kv_transfer_timeout_s, prefill or [], stage_secret
+    )
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -13,6 +13,7 @@ from tandem import telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import server_interceptors
 from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.draft")
@@ -110,6 +111,7 @@ async def serve(
     draft: str = "ngram",
     num_blocks: int | None = None,
     metrics_port: int | None = None,
+    stage_secret: bytes | None = None,
 ) -> None:
     """Run the draft worker until cancelled.
 
@@ -117,7 +119,7 @@ async def serve(
     a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
     """
     proposer = build_proposer(draft, config, num_blocks=num_blocks)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=server_interceptors(stage_secret))
     service = DraftService(proposer, draft)
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])

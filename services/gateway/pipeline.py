@@ -34,6 +34,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import logprob_from_proto, sampling_to_proto
+from tandem.rpc.lease import release_until_acknowledged
 
 if TYPE_CHECKING:
     from services.gateway.observe import RequestTrace
@@ -209,9 +210,10 @@ class Pipeline:
         self.prefills["decode" if prefill is None else "prefill"] += 1
         if prefill is not None:
             prefill.inflight += 1
-        # The prefill worker names the lease after `seq_id`; until a decode worker takes it over,
-        # this request owns it and gives it back on every way out (cancel, stop, error).
-        lease = {"owned": prefill is not None, "id": seq_id}
+        # The lease token comes with the prefill's answer; until a decode worker takes the lease
+        # over, this request owns it and gives it back on every way out (cancel, stop, error).
+        # Without an answer there is no token: the prefill worker gives back what nobody took.
+        lease = {"owned": prefill is not None, "id": ""}
         try:
             async with aclosing(
                 self._stream(
@@ -222,19 +224,16 @@ class Pipeline:
                     yield ev
         finally:
             self.admission.done(ticket)
-            if lease["owned"]:
+            if lease["owned"] and lease["id"]:
                 self._release_lease(prefill, lease["id"])
             if session is not None:
                 session.decode = route.decode.address
 
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
-            try:
-                await prefill.stub.Release(
-                    stages_pb2.ReleaseRequest(lease_ids=[lease_id]), timeout=5
-                )
-            except grpc.aio.AioRpcError:
-                pass  # the lease expires on its own
+            await release_until_acknowledged(
+                prefill.stub, stages_pb2.ReleaseRequest(lease_ids=[lease_id]), "prefill worker"
+            )
 
         # A task, not an await: this runs while a cancelled generator is being closed.
         task = asyncio.ensure_future(release())
@@ -289,7 +288,7 @@ class Pipeline:
             t_first = time.monotonic()
             self.admission.first_token(ticket)
             self.router.index.record(prefill.address, route.names)
-            lease["id"] = resp.kv.lease_id or seq_id
+            lease["id"] = resp.kv.lease_id
             first = resp.first_token
             out_ids.append(first)
             cached = resp.cached_tokens

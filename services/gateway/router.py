@@ -17,6 +17,7 @@ import grpc
 
 from services.gateway.prefix_index import PrefixIndex
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import stage_channel
 
 log = logging.getLogger("tandem.gateway")
 
@@ -48,8 +49,9 @@ class Worker:
 
     stage = "worker"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
         self.address = address
+        self.secret = secret  # the stage credential sent on every call
         self.healthy = True
         self._probe: asyncio.Task | None = None
         self.index: PrefixIndex | None = None  # set by the router
@@ -85,15 +87,15 @@ class Worker:
 class PrefillClient(Worker):
     stage = "prefill"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
+        super().__init__(address, secret)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         self.inflight = 0
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         await old.close()
 
@@ -106,9 +108,9 @@ class DecodeClient(Worker):
 
     stage = "decode"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
+        super().__init__(address, secret)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
@@ -117,7 +119,7 @@ class DecodeClient(Worker):
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self._send = None
         await old.close()
@@ -191,9 +193,9 @@ class DecodeClient(Worker):
 class DraftAdmitter:
     """Admits sequences to a draft worker, fire-and-forget (speculation is optional)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DraftStub(self.channel)
         self.failures = 0
 
@@ -229,12 +231,13 @@ class Router:
         decode: list[str],
         draft: list[str] | None = None,
         index: PrefixIndex | None = None,
+        stage_secret: bytes | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
-        self.prefill = [PrefillClient(a) for a in prefill]
-        self.decode = [DecodeClient(a) for a in decode]
-        self.draft = [DraftAdmitter(a) for a in draft or []]
+        self.prefill = [PrefillClient(a, stage_secret) for a in prefill]
+        self.decode = [DecodeClient(a, stage_secret) for a in decode]
+        self.draft = [DraftAdmitter(a, stage_secret) for a in draft or []]
         self.index = index or PrefixIndex(16)
         for w in [*self.prefill, *self.decode]:
             w.index = self.index

@@ -42,13 +42,18 @@ async def serve(
     gateway_config: GatewayConfig | None = None,
     draft: list[str] | None = None,
     metrics_port: int | None = None,
+    stage_secret: bytes | None = None,
 ) -> None:
-    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off)."""
+    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off).
+
+    `stage_secret`: the credential sent on every call to the prefill, decode and draft workers."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
-    router = Router(prefill, decode, draft, index=PrefixIndex(config.block_size))
+    router = Router(
+        prefill, decode, draft, index=PrefixIndex(config.block_size), stage_secret=stage_secret
+    )
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
     ttft_slo_s = gc.ttft_slo_ms / 1e3 if gc.ttft_slo_ms else None
     pipeline = Pipeline(

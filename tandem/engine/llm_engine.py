@@ -425,7 +425,12 @@ class LLMEngine:
                 # The prompt's KV (not the sampled token's, which is not computed yet) is leased
                 # to the decode worker; the rest of the sequence's life is there.
                 blocks = self.scheduler.finish(seq, reason or "prefilled", keep_blocks=True)
-                seq.lease_id = self.leases.grant(blocks, seq.num_computed, name=seq.seq_id).lease_id
+                seq.lease_id = self.leases.grant(
+                    blocks,
+                    seq.num_computed,
+                    name=seq.seq_id,
+                    token_ids=seq.all_token_ids[: seq.num_computed],
+                ).lease_id
                 self.seqs.pop(seq.seq_id, None)
                 reason = reason or "prefilled"
             elif reason is not None:

@@ -71,6 +71,20 @@ class KvRef(_message.Message):
     lease_id: str
     def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
+class ClaimRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("kv", "token_ids")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    kv: KvRef
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kv: _Optional[_Union[KvRef, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,8 +174,15 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens")
     class ImportsByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +205,9 @@ class WorkerStats(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     used_blocks: int
@@ -200,7 +224,10 @@ class WorkerStats(_message.Message):
     prefix_hit_tokens: int
     block_size: int
     local_prefills: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
+    leases: int
+    refusals: _containers.ScalarMap[str, int]
+    max_seq_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here")

@@ -1,0 +1,333 @@
+"""The stage ports against a caller who can reach them: real processes, each attack refused.
+
+One stack runs with a stage secret. Callers without it get UNAUTHENTICATED everywhere but the
+health service; callers with it (a misbehaving or compromised peer) still cannot use KV they
+were not leased, poison the decode worker's prefix cache, act on another caller's lease, hoard
+leases, or make the decode worker dial an address of their choosing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import STAGE_SECRET_KEY, stage_channel_sync
+from tests.integration.cluster import free_ports
+from tests.integration.stages import Stage, health, pipeline_stages
+
+SECRET = "stage-secret-" + uuid.uuid4().hex
+MAX_LEASES = 3
+SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("stage-security"))
+    (fp,) = free_ports(1)
+    draft = Stage("draft", fp, ["--draft", "ngram"], os.path.join(d, "draft.log"))
+    prefill, decode, gateway = pipeline_stages(
+        d,
+        [],
+        gateway_args=["--disagg-threshold", "0", "--draft", draft.address],
+        prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
+        decode_args=["--draft", draft.address],
+    )
+    stages = [draft, prefill, decode, gateway]
+    for s in stages:
+        s.env = {**s.env, "TANDEM_STAGE_SECRET": SECRET}
+    try:
+        for s in stages:
+            s.start()
+        yield draft, prefill, decode, gateway
+    finally:
+        for s in reversed(stages):
+            s.stop()
+
+
+def _bare(stage: Stage) -> grpc.Channel:
+    return grpc.insecure_channel(stage.address)
+
+
+def _prefill_run(prefill: Stage, ids=PROMPT, channel=None) -> stages_pb2.PrefillResponse:
+    stub = stages_pb2_grpc.PrefillStub(channel or prefill.channel())
+    return stub.Run(
+        stages_pb2.PrefillRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=SAMPLING
+        ),
+        timeout=60,
+    )
+
+
+def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
+    return stages_pb2_grpc.PrefillStub(prefill.channel()).Stats(stages_pb2.StatsRequest())
+
+
+def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
+    return stages_pb2_grpc.DecodeStub(decode.channel()).Stats(stages_pb2.StatsRequest())
+
+
+def _session(decode: Stage, admit: stages_pb2.Admit, channel=None, timeout=60.0):
+    """Admit one sequence on a Decode.Session of our own; (token ids, SeqFinished)."""
+    done = threading.Event()
+
+    def requests():
+        yield stages_pb2.DecodeIn(admit=admit)
+        done.wait(timeout)  # the stream stays open until the sequence ends
+
+    stub = stages_pb2_grpc.DecodeStub(channel or decode.channel())
+    call = stub.Session(requests(), timeout=timeout)
+    tokens: list[int] = []
+    try:
+        for out in call:
+            for t in out.tokens:
+                tokens += t.token_ids
+            for f in out.finished:
+                if f.seq_id == admit.seq_id:
+                    return tokens, f
+    finally:
+        done.set()
+        call.cancel()
+    raise AssertionError("the decode session ended without finishing the sequence")
+
+
+def _admit(prefill: Stage, ids, kv: stages_pb2.KvRef, **kw) -> stages_pb2.Admit:
+    return stages_pb2.Admit(
+        seq_id=uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        first_token=kw.pop("first_token", 5),
+        sampling=SAMPLING,
+        kv=kv,
+        prefill_address=kw.pop("prefill_address", prefill.address),
+        **kw,
+    )
+
+
+def test_health_stays_open_without_the_secret(stack):
+    for s in stack:
+        assert health(s.address) == health_pb2.HealthCheckResponse.SERVING, s.name
+
+
+@pytest.mark.parametrize("secret", [None, "wrong"])
+def test_every_stage_rpc_needs_the_secret(stack, secret):
+    draft, prefill, decode, _ = stack
+    md = [(STAGE_SECRET_KEY, secret)] if secret else None
+    want = "wrong" if secret else "missing"
+    calls = {
+        "Prefill.Run": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Run(
+            stages_pb2.PrefillRequest(prompt_token_ids=PROMPT, sampling=SAMPLING),
+            metadata=md,
+            timeout=10,
+        ),
+        "Prefill.Register": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Register(
+            stages_pb2.RegisterRequest(peer_id="intruder"), metadata=md, timeout=10
+        ),
+        "Prefill.Release": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Release(
+            stages_pb2.ReleaseRequest(lease_ids=["x"]), metadata=md, timeout=10
+        ),
+        "Prefill.FetchBlocks": lambda: list(
+            stages_pb2_grpc.PrefillStub(_bare(prefill)).FetchBlocks(
+                stages_pb2.FetchBlocksRequest(kv=stages_pb2.KvRef(lease_id="x")),
+                metadata=md,
+                timeout=10,
+            )
+        ),
+        "Prefill.Stats": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+        "Decode.Stats": lambda: stages_pb2_grpc.DecodeStub(_bare(decode)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+        "Decode.Session": lambda: list(
+            stages_pb2_grpc.DecodeStub(_bare(decode)).Session(
+                iter(
+                    [
+                        stages_pb2.DecodeIn(
+                            admit=stages_pb2.Admit(
+                                seq_id="x",
+                                prompt_token_ids=PROMPT,
+                                sampling=SAMPLING,
+                                prefill_here=True,
+                            )
+                        )
+                    ]
+                ),
+                metadata=md,
+                timeout=10,
+            )
+        ),
+        "Draft.Admit": lambda: stages_pb2_grpc.DraftStub(_bare(draft)).Admit(
+            stages_pb2.DraftAdmitRequest(seq_id="x", prompt_token_ids=PROMPT),
+            metadata=md,
+            timeout=10,
+        ),
+        "Draft.Stats": lambda: stages_pb2_grpc.DraftStub(_bare(draft)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert f"{want} stage credential" in e.value.details(), name
+    # Nothing was prefilled or admitted for the intruder.
+    assert _prefill_stats(prefill).leases == 0
+    assert _decode_stats(decode).local_prefills == 0
+
+
+def test_the_gateway_serves_through_authenticated_stages(stack):
+    *_, gateway = stack
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+        sampling=api_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    )
+    out = list(stub.Generate(req, timeout=120))
+    assert out[-1].finish.usage.completion_tokens == 6
+    assert out[-1].finish.kv_transport == "shm"
+
+
+def test_admit_naming_unleased_blocks_is_refused(stack):
+    _, prefill, decode, _ = stack
+    victim = _prefill_run(prefill)  # someone else's prompt, KV leased to them
+    try:
+        forged = stages_pb2.KvRef(
+            pool_id=victim.kv.pool_id,
+            block_ids=victim.kv.block_ids,
+            num_tokens=victim.kv.num_tokens,
+            lease_id="lease-0",
+        )
+        tokens, fin = _session(decode, _admit(prefill, PROMPT, forged))
+        assert fin.finish_reason == "error" and not tokens
+        assert "lease unknown or expired" in fin.error
+        # No lease token at all: refused as well.
+        no_token = stages_pb2.KvRef(pool_id=victim.kv.pool_id, block_ids=victim.kv.block_ids)
+        tokens, fin = _session(decode, _admit(prefill, PROMPT, no_token))
+        assert fin.finish_reason == "error" and not tokens and "lease token" in fin.error
+    finally:
+        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+            stages_pb2.ReleaseRequest(lease_ids=[victim.kv.lease_id])
+        )
+    assert _decode_stats(decode).used_blocks == 0
+
+
+def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
+    _, prefill, decode, gateway = stack
+    r = _prefill_run(prefill)
+    poison = [7] * len(PROMPT)  # the prompt a later user will ask about
+    tokens, fin = _session(decode, _admit(prefill, poison, r.kv, first_token=r.first_token))
+    assert fin.finish_reason == "error" and not tokens
+    assert "do not match the tokens whose KV the lease holds" in fin.error
+    # The lease was given back with the refusal, and nothing entered the prefix cache: the
+    # prompt it claimed is computed afresh when someone asks it.
+    assert _prefill_stats(prefill).leases == 0
+    before = _decode_stats(decode)
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=poison),
+        sampling=api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+    )
+    out = list(stub.Generate(req, timeout=120))
+    assert out[-1].finish.usage.completion_tokens == 2
+    after = _decode_stats(decode)
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens
+
+
+def test_a_valid_lease_admits_and_is_released(stack):
+    _, prefill, decode, _ = stack
+    r = _prefill_run(prefill)
+    tokens, fin = _session(decode, _admit(prefill, PROMPT, r.kv, first_token=r.first_token))
+    assert fin.finish_reason == "length" and len(tokens) == SAMPLING.max_tokens - 1
+    assert fin.kv_transport == "shm"
+    st = _prefill_stats(prefill)
+    assert st.leases == 0 and st.leased_blocks == 0
+
+
+def test_fetch_and_release_need_the_lease_token(stack):
+    _, prefill, _, _ = stack
+    rid = uuid.uuid4().hex
+    stub = stages_pb2_grpc.PrefillStub(prefill.channel())
+    r = stub.Run(
+        stages_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SAMPLING),
+        timeout=60,
+    )
+    token = r.kv.lease_id
+    assert token != rid and len(token) >= 32
+    try:
+        # The request id, or a lease id of the old numbering, names nothing outside.
+        for guess in (rid, "lease-0", token[:-1]):
+            with pytest.raises(grpc.RpcError) as e:
+                list(
+                    stub.FetchBlocks(
+                        stages_pb2.FetchBlocksRequest(
+                            kv=stages_pb2.KvRef(
+                                pool_id=r.kv.pool_id, block_ids=r.kv.block_ids, lease_id=guess
+                            )
+                        )
+                    )
+                )
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[guess])).released == 0
+        assert _prefill_stats(prefill).leased_blocks == len(r.kv.block_ids)
+        blocks = list(stub.FetchBlocks(stages_pb2.FetchBlocksRequest(kv=r.kv)))
+        assert len(blocks) == len(r.kv.block_ids)
+    finally:
+        assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 1
+    # Release is idempotent: a second one is acknowledged, releases nothing.
+    assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 0
+    assert _prefill_stats(prefill).leased_blocks == 0
+
+
+def test_leases_per_peer_are_capped(stack):
+    _, prefill, _, _ = stack
+    stub = stages_pb2_grpc.PrefillStub(prefill.channel())
+    held = [_prefill_run(prefill).kv.lease_id for _ in range(MAX_LEASES)]
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            _prefill_run(prefill)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_leases_per_peer" in e.value.details()
+        st = _prefill_stats(prefill)
+        assert st.leases == MAX_LEASES and st.refusals["lease_limit"] >= 1
+    finally:
+        stub.Release(stages_pb2.ReleaseRequest(lease_ids=held))
+    # Released: the same peer may lease again.
+    r = _prefill_run(prefill)
+    stub.Release(stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id]))
+    assert _prefill_stats(prefill).leases == 0
+
+
+def test_admit_never_dials_an_address_the_caller_chose(stack):
+    _, prefill, decode, _ = stack
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.settimeout(1.5)
+    address = f"127.0.0.1:{trap.getsockname()[1]}"
+    try:
+        r = _prefill_run(prefill)
+        admit = _admit(prefill, PROMPT, r.kv, prefill_address=address)
+        tokens, fin = _session(decode, admit)
+        assert fin.finish_reason == "error" and not tokens
+        assert "is not a prefill peer of this decode worker" in fin.error
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody connected
+        assert _decode_stats(decode).registered_peers == 1
+    finally:
+        trap.close()
+        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+            stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
+        )
+
+
+def test_stage_channel_sends_the_secret(stack):
+    _, prefill, _, _ = stack
+    ch = stage_channel_sync(prefill.address, SECRET.encode())
+    assert stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest()).total_blocks > 0

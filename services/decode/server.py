@@ -410,17 +410,17 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         failure = ""
         try:
             peer = await self.peer(msg.prefill_address)
+            if peer.pool_id != msg.kv.pool_id:
+                # The prefill worker restarted since we registered: register again.
+                self.forget_peer(msg.prefill_address)
+                peer = await self.peer(msg.prefill_address)
             # The lease, not the caller, says which blocks hold this prompt's KV and for which
             # tokens: a caller naming other blocks or other tokens gets nothing.
             lease = await self._claim(peer, msg.kv.lease_id)
             if peer.pool_id != lease.kv.pool_id:
-                # The prefill worker restarted since we registered: register again.
-                self.forget_peer(msg.prefill_address)
-                peer = await self.peer(msg.prefill_address)
-                if peer.pool_id != lease.kv.pool_id:
-                    raise ValueError(
-                        f"KV lease names pool {lease.kv.pool_id!r}, unknown at its prefill worker"
-                    )
+                raise ValueError(
+                    f"KV lease names pool {lease.kv.pool_id!r}, not the one registered here"
+                )
             if list(lease.token_ids) != ids:
                 raise ValueError(
                     "prompt_token_ids do not match the tokens whose KV the lease holds "
@@ -778,6 +778,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
                 block_size=e.config.block_size,
                 local_prefills=self.local_prefills,
+                max_seq_tokens=e.pool.num_blocks * e.config.block_size,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))

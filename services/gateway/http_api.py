@@ -244,6 +244,10 @@ class OpenAIServer:
             return error_response("stream must be a boolean", 400, "stream")
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
         self.fe.pipeline.admit(ids)
+        try:
+            await self.fe.pipeline.check_fits(ids, params)
+        except ValueError as e:
+            return error_response(str(e), 400, "max_tokens")
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             return error_response("stream_options must be an object", 400, "stream_options")

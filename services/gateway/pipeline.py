@@ -129,6 +129,21 @@ class Pipeline:
             raise Overloaded(str(e)) from e
         return route
 
+    async def check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse (ValueError naming max_tokens) a request that no decode worker's KV pool can
+        hold even alone: it would run out of blocks with nothing left to wait for."""
+        caps = [await c.capacity() for c in self.router.decode if c.healthy]
+        caps = [c for c in caps if c]
+        if not caps:
+            return  # no worker answers: the request fails at routing, or is checked there
+        fits = max(caps)
+        if len(ids) + params.max_tokens > fits:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({len(ids)} tokens) is more "
+                f"than one sequence can hold in the decode worker's KV cache ({fits} tokens); "
+                f"lower max_tokens to at most {max(0, fits - len(ids))}"
+            )
+
     def route(self, ids: list[int], session: Session | None = None) -> Route:
         """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down)."""
         index = self.router.index
@@ -166,6 +181,7 @@ class Pipeline:
         cannot meet its time-to-first-token target (with load shedding).
         """
         route = self.admit(ids, session)
+        await self.check_fits(ids, params)
         self.inflight += 1
         self.waiting += 1
         state = {"waiting": True}

@@ -116,13 +116,27 @@ class DecodeClient(Worker):
         self._send: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        # The most tokens (prompt + output) one sequence fits in this worker's KV pool; learned
+        # from its Stats on first use and again after it comes back (it may have restarted).
+        self.max_seq_tokens: int | None = None
 
     async def reconnect(self) -> None:
         old = self.channel
         self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self._send = None
+        self.max_seq_tokens = None
         await old.close()
+
+    async def capacity(self) -> int | None:
+        """`max_seq_tokens` of this worker (asked once); None when it does not answer."""
+        if self.max_seq_tokens is None and self.healthy:
+            try:
+                st = await self.stub.Stats(stages_pb2.StatsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return None
+            self.max_seq_tokens = st.max_seq_tokens or None
+        return self.max_seq_tokens
 
     @property
     def load(self) -> int:

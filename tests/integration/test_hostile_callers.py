@@ -1,16 +1,21 @@
-"""The stage ports against a caller who can reach them: real processes, each attack refused.
+"""Callers who attack or misuse the stack: real processes, each attack refused.
 
 One stack runs with a stage secret. Callers without it get UNAUTHENTICATED everywhere but the
 health service; callers with it (a misbehaving or compromised peer) still cannot use KV they
 were not leased, poison the decode worker's prefix cache, act on another caller's lease, hoard
-leases, or make the decode worker dial an address of their choosing.
+leases, or make the decode worker dial an address of their choosing. A request longer than the
+decode worker's KV pool is refused at the gateway, and one that reaches the worker anyway ends
+with `length` instead of wedging it.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import socket
 import threading
+import time
 import uuid
 
 import grpc
@@ -24,6 +29,7 @@ from tests.integration.stages import Stage, health, pipeline_stages
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
+DECODE_BLOCKS = 32  # of 16 tokens: one sequence holds at most 512 tokens there
 SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
 
@@ -38,7 +44,7 @@ def stack(tmp_path_factory):
         [],
         gateway_args=["--disagg-threshold", "0", "--draft", draft.address],
         prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
-        decode_args=["--draft", draft.address],
+        decode_args=["--draft", draft.address, "--num-blocks", str(DECODE_BLOCKS)],
     )
     stages = [draft, prefill, decode, gateway]
     for s in stages:
@@ -331,3 +337,81 @@ def test_stage_channel_sends_the_secret(stack):
     _, prefill, _, _ = stack
     ch = stage_channel_sync(prefill.address, SECRET.encode())
     assert stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest()).total_blocks > 0
+
+
+def _http(gateway: Stage, path: str, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_a_request_longer_than_the_decode_pool_is_refused(stack):
+    *_, gateway = stack
+    too_long = DECODE_BLOCKS * 16  # with any prompt, more than the pool holds
+    status, body = _http(
+        gateway,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": too_long, "ignore_eos": True},
+    )
+    assert status == 400, body
+    assert body["error"]["param"] == "max_tokens" and "max_tokens" in body["error"]["message"]
+    status, body = _http(
+        gateway,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": too_long, "stream": True},
+    )
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+        sampling=api_pb2.SamplingParams(max_tokens=too_long - len(PROMPT) + 1, ignore_eos=True),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in e.value.details()
+    # One that just fits is served.
+    req.sampling.max_tokens = 4
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 4
+
+
+def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
+    """Admitted straight to the decode worker (no gateway check), a sequence with more
+    max_tokens than the pool holds stops with `length` when the pool is full; meanwhile and
+    afterwards the gateway serves others."""
+    _, _, decode, gateway = stack
+    admit = stages_pb2.Admit(
+        seq_id=uuid.uuid4().hex,
+        prompt_token_ids=PROMPT,
+        sampling=api_pb2.SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True),
+        prefill_here=True,
+    )
+    result: list = []
+    worker = threading.Thread(
+        target=lambda: result.append(_session(decode, admit, timeout=300)), daemon=True
+    )
+    worker.start()
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=list(range(300, 320))),
+        sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    )
+    t0 = time.monotonic()
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 3
+    worker.join(300)
+    assert not worker.is_alive(), "the decode worker never ended the outgrown sequence"
+    tokens, fin = result[0]
+    assert fin.finish_reason == "length"
+    # It held as many tokens as the pool has slots (the last one's KV is never computed).
+    assert len(PROMPT) + len(tokens) in (DECODE_BLOCKS * 16, DECODE_BLOCKS * 16 + 1)
+    # And afterwards the worker is free for others.
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 3
+    assert time.monotonic() - t0 < 300
+    deadline = time.monotonic() + 10
+    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_stats(decode).used_blocks == 0

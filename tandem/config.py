@@ -151,6 +151,11 @@ class GatewayConfig:
     api_key_file: str | None = None
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
+    # The HTTP listener: open connections at most (more are closed at once), seconds a new
+    # connection may take to send its first request's headers, and a request its body.
+    http_max_connections: int = 1024
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
     # than this many tokens is prefilled there (no KV transfer); longer ones go to a prefill
     # worker. 0: always a prefill worker. Default measured on CPU (bench/results/
@@ -173,6 +178,9 @@ class GatewayConfig:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:
             raise ValueError("shed_load needs a time-to-first-token target: set ttft_slo_ms")
         if (self.tls_cert is None) != (self.tls_key is None):

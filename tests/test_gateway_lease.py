@@ -44,7 +44,7 @@ class FakeRouter:
             stub=FakePrefillStub(), inflight=0, address="prefill:0", mark_down=lambda r: None
         )
         # Opening a stream would fail; unhealthy, it tells no KV capacity either.
-        self.decode = [SimpleNamespace(address="decode:0", healthy=False)]
+        self.decode = [SimpleNamespace(address="decode:0", healthy=False, full=False)]
         self.decode_opened = 0
 
     def pick_prefill(self, names=None):

@@ -18,6 +18,7 @@ from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
 from tandem.kv import cuda_ipc
 from tandem.kv.cache import KVCache
+from tandem.kv.lease import check_lease
 from tandem.kv.nixl_pool import (
     NixlEndpoint,
     NixlPeerPool,
@@ -42,6 +43,7 @@ from tandem.rpc.convert import (
     layout_to_proto,
     logprob_to_proto,
     sampling_from_proto,
+    status_for,
 )
 from tandem.rpc.health import add_health, set_serving
 from tandem.rpc.lease import release_until_acknowledged
@@ -59,6 +61,7 @@ class PrefillPeer:
     stub: stages_pb2_grpc.PrefillStub
     kind: str = "inline"
     pool_id: str = ""
+    lease_key: bytes = b""  # checks the signatures of the peer's leases
     layout: PoolLayout | None = None
     shared: SharedPool | None = None
     src_kv: KVCache | None = None  # shm, cuda_ipc: the peer's pool, mapped here
@@ -236,6 +239,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         # another address is refused, never dialled.
         self.prefill_addresses = set(prefill or [])
         self.stage_secret = stage_secret
+        self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
@@ -339,12 +343,13 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             req.device_uuid = cuda_ipc.device_uuid(self.engine.kv.data.device)
         if self.nixl_endpoint is not None:
             req.nixl_agent_metadata = self.nixl_endpoint.info.agent_metadata
-        h = (await stub.Register(req, timeout=10)).handle
+        resp = await stub.Register(req, timeout=10)
+        h = resp.handle
         layout = layout_from_proto(h.layout)
         self.layout.check_compatible(layout)
         if h.kind not in kinds:
             raise RuntimeError(f"prefill {address} offered transport {h.kind!r}, wanted {kinds}")
-        p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
+        p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, resp.lease_key, layout)
         try:
             await self._open_handle(p, h, req, stub, address)
         except Exception as e:  # noqa: BLE001 - the caller decides: fall back or fail
@@ -408,25 +413,31 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             await self._prefill_here(msg, session, params, t0)
             return
         failure = ""
+        verified = False  # the caller proved it holds the lease: it is released whatever happens
         try:
             peer = await self.peer(msg.prefill_address)
             if peer.pool_id != msg.kv.pool_id:
                 # The prefill worker restarted since we registered: register again.
                 self.forget_peer(msg.prefill_address)
                 peer = await self.peer(msg.prefill_address)
-            # The lease, not the caller, says which blocks hold this prompt's KV and for which
-            # tokens: a caller naming other blocks or other tokens gets nothing.
-            lease = await self._claim(peer, msg.kv.lease_id)
-            if peer.pool_id != lease.kv.pool_id:
-                raise ValueError(
-                    f"KV lease names pool {lease.kv.pool_id!r}, not the one registered here"
-                )
-            if list(lease.token_ids) != ids:
-                raise ValueError(
-                    "prompt_token_ids do not match the tokens whose KV the lease holds "
-                    f"({len(ids)} tokens given, the lease holds {len(lease.token_ids)})"
-                )
-            kv_ref = lease.kv
+                if peer.pool_id != msg.kv.pool_id:
+                    raise ValueError(
+                        f"KV reference names pool {msg.kv.pool_id!r}, unknown at its prefill worker"
+                    )
+            # The prefill worker's signature, not the caller, says which blocks hold this
+            # prompt's KV: other blocks, or other prompt tokens, are refused.
+            kv_ref = msg.kv
+            check_lease(
+                peer.lease_key,
+                kv_ref.lease_signature,
+                kv_ref.pool_id,
+                kv_ref.lease_id,
+                kv_ref.block_ids,
+                kv_ref.num_tokens,
+                kv_ref.expires_at,
+                ids,
+            )
+            verified = True
             src_blocks = list(kv_ref.block_ids)
             kv = self.engine.kv
             staging = None  # inline: the blocks' bytes
@@ -502,22 +513,32 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             failure = str(e) or type(e).__name__
             if isinstance(e, NixlTransferError):
                 self.transfer_failures += 1
-            self.obs.admit_failed(sid, t0, e)
-            session.seqs.discard(sid)
-            self.owner.pop(sid, None)
-            session.out.put_nowait(
-                stages_pb2.DecodeOut(
-                    finished=[
-                        stages_pb2.SeqFinished(
-                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
-                        )
-                    ]
-                )
-            )
+            self._refuse(sid, session, t0, e)
         finally:
             # The blocks were copied (or will be recomputed, or never will be: then `failure`
             # tells the prefill side so): it may reuse them.
-            asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+            if verified:
+                asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+
+    def _refuse(self, sid: str, session: Session, t0: float, e: Exception) -> None:
+        """End a sequence whose admission failed, telling the gateway why (and how: its code)."""
+        code = status_for(e)
+        self.refusals[code.name.lower()] = self.refusals.get(code.name.lower(), 0) + 1
+        self.obs.admit_failed(sid, t0, e)
+        session.seqs.discard(sid)
+        self.owner.pop(sid, None)
+        session.out.put_nowait(
+            stages_pb2.DecodeOut(
+                finished=[
+                    stages_pb2.SeqFinished(
+                        seq_id=sid,
+                        finish_reason="error",
+                        error=f"decode admit: {e}",
+                        error_code=code.name,
+                    )
+                ]
+            )
+        )
 
     async def _prefill_here(
         self, msg: stages_pb2.Admit, session: Session, params, t0: float
@@ -534,18 +555,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
             log.warning("admit %s (prefill here) failed: %s", sid, e)
-            self.obs.admit_failed(sid, t0, e)
-            session.seqs.discard(sid)
-            self.owner.pop(sid, None)
-            session.out.put_nowait(
-                stages_pb2.DecodeOut(
-                    finished=[
-                        stages_pb2.SeqFinished(
-                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
-                        )
-                    ]
-                )
-            )
+            self._refuse(sid, session, t0, e)
             return
         self.local_prefills += 1
         self.transfer[sid] = (0.0, "none")
@@ -592,17 +602,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.seqs.pop(sid)))
             raise
         return len(blocks)
-
-    async def _claim(self, peer: PrefillPeer, token: str) -> stages_pb2.ClaimResponse:
-        """What the lease `token` names at its prefill worker: its blocks and their tokens."""
-        if not token:
-            raise ValueError("the Admit carries no KV lease token (kv.lease_id)")
-        try:
-            return await peer.stub.Claim(stages_pb2.ClaimRequest(lease_id=token), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise ValueError(e.details()) from None
-            raise
 
     async def _fetch_inline(self, peer: PrefillPeer, kv: stages_pb2.KvRef) -> torch.Tensor:
         lay = peer.layout
@@ -779,6 +778,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 block_size=e.config.block_size,
                 local_prefills=self.local_prefills,
                 max_seq_tokens=e.pool.num_blocks * e.config.block_size,
+                max_sequences=e.config.max_num_seqs + e.config.max_queued_seqs,
+                refusals=self.refusals,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))

@@ -10,6 +10,7 @@ decode worker imports the KV, copying only the blocks it does not hold already.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,6 +39,8 @@ from tandem.rpc.lease import release_until_acknowledged
 
 if TYPE_CHECKING:
     from services.gateway.observe import RequestTrace
+
+log = logging.getLogger("tandem.gateway")
 
 
 @dataclass
@@ -122,6 +125,11 @@ class Pipeline:
         if ids is None:
             return None
         route = self.route(ids, session)
+        if route.decode.full:
+            raise Overloaded(
+                f"the decode worker is full ({route.decode.load} sequences running or queued); "
+                "retry later"
+            )
         worker = route.prefill or route.decode
         try:
             self.admission.check(worker.address, route.uncached)
@@ -268,12 +276,15 @@ class Pipeline:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Overloaded(f"prefill worker {prefill.address} is full: {e.details()}") from e
+                raise Overloaded(f"prefill worker is full: {e.details()}") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 prefill.mark_down(e.details() or "unavailable")
-            raise StageUnavailable(
-                f"prefill worker {prefill.address} failed: {e.code().name}: {e.details()}"
-            ) from e
+            # Clients learn what failed, not where: the worker's address and gRPC's own details
+            # (connection errors name addresses) go to the log.
+            log.warning(
+                "prefill worker %s failed: %s: %s", prefill.address, e.code().name, e.details()
+            )
+            raise StageUnavailable(f"prefill worker failed ({e.code().name}); retry later") from e
         finally:
             prefill.inflight -= 1
             self._first_token_seen(state)
@@ -369,9 +380,10 @@ class Pipeline:
                     elif kind == "finished":
                         done = True
                         if msg.finish_reason == "error":
-                            raise StageUnavailable(
-                                f"decode worker {decode.address} failed: {msg.error}"
-                            )
+                            if msg.error_code == "RESOURCE_EXHAUSTED":
+                                raise Overloaded(f"decode worker is full: {msg.error}")
+                            log.warning("decode worker %s failed: %s", decode.address, msg.error)
+                            raise StageUnavailable(f"decode worker failed: {msg.error}")
                         reason = reason or msg.finish_reason
                         timings["kv_transfer_ms"] = msg.kv_transfer_ms
                         transport = msg.kv_transport or transport

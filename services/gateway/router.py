@@ -119,6 +119,7 @@ class DecodeClient(Worker):
         # The most tokens (prompt + output) one sequence fits in this worker's KV pool; learned
         # from its Stats on first use and again after it comes back (it may have restarted).
         self.max_seq_tokens: int | None = None
+        self.max_sequences: int | None = None  # running + queued it takes (also from Stats)
 
     async def reconnect(self) -> None:
         old = self.channel
@@ -136,7 +137,13 @@ class DecodeClient(Worker):
             except grpc.aio.AioRpcError:
                 return None
             self.max_seq_tokens = st.max_seq_tokens or None
+            self.max_sequences = st.max_sequences or None
         return self.max_seq_tokens
+
+    @property
+    def full(self) -> bool:
+        """This gateway alone has as many sequences there as the worker takes."""
+        return self.max_sequences is not None and self.load >= self.max_sequences
 
     @property
     def load(self) -> int:
@@ -171,15 +178,18 @@ class DecodeClient(Worker):
                     q = self.queues.get(f.seq_id)
                     if q is not None:
                         q.put_nowait(("finished", f))
-            reason = "decode worker closed the stream"
+            reason = public = "decode worker closed the stream"
         except grpc.aio.AioRpcError as e:
-            reason = f"decode worker {self.address} unavailable: {e.code().name}: {e.details()}"
+            reason = f"decode worker unavailable ({e.code().name}): {e.details()}"
+            # Clients learn what failed, not where (gRPC's details name addresses): the log
+            # (mark_down) has the rest.
+            public = f"decode worker unavailable ({e.code().name}); retry later"
         except asyncio.CancelledError:
             return
         self._send = None
         self.mark_down(reason)
         for q in self.queues.values():
-            q.put_nowait(("error", reason))
+            q.put_nowait(("error", public))
 
     async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
         """Admit a sequence; its token batches and finish event arrive on the returned queue."""
@@ -264,8 +274,8 @@ class Router:
     ) -> W:
         up = [c for c in workers if c.healthy]
         if not up:
-            tried = ", ".join(c.address for c in workers)
-            raise StageUnavailable(f"no {stage} worker is available (tried {tried}); retry later")
+            # The workers' addresses are in the log (mark_down), not in a client's error.
+            raise StageUnavailable(f"no {stage} worker is available; retry later")
         least = min(load(c) for c in up)
         near = [c for c in up if load(c) <= least + LOAD_SLACK]
         if not names or len(near) == 1:

@@ -18,6 +18,7 @@ from services.gateway.grpc_api import (
     add_gateway_to_server,
 )
 from services.gateway.http_api import OpenAIServer
+from services.gateway.http_limits import ConnectionGuard, GuardedSite
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_index import PrefixIndex
@@ -101,13 +102,14 @@ async def serve(
     await server.start()
     runner = None
     if http_port is not None:
-        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key).app, access_log=None)
+        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key, gc).app, access_log=None)
         await runner.setup()
         ssl_ctx = None
         if gc.tls_cert:
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(gc.tls_cert, gc.tls_key)
-        await web.TCPSite(runner, host, http_port, ssl_context=ssl_ctx).start()
+        guard = ConnectionGuard(gc.http_max_connections, gc.http_header_timeout_s)
+        await GuardedSite(runner, host, http_port, guard, ssl_context=ssl_ctx).start()
     # Workers that do not answer yet are probed until they do; health follows the router.
     for w in [*router.prefill, *router.decode]:
         if not await check(w.address, timeout=2.0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import cuda_ipc
+from tandem.kv.lease import sign_lease
 from tandem.kv.nixl_pool import NixlEndpoint, nixl_missing_reason
 from tandem.kv.transport import (
     LayoutMismatch,
@@ -59,6 +61,8 @@ class PrefillResult:
     logprob: object
     lease_id: str
     token: str
+    token_ids: list[int]
+    expires_at: float  # Unix seconds
     blocks: list[int]
     num_tokens: int
     rng_state: bytes
@@ -83,6 +87,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.model_name = loaded.config.name
         device = config.resolved_device()
         self.pool_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        # Signs every lease of this pool (KvRef.lease_signature); registered peers get it.
+        self.lease_key = secrets.token_bytes(32)
         self.shared: SharedPool | None = None
         kv = None
         if device.type == "cpu":
@@ -128,6 +134,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 logprob=o.new_logprobs[0],
                 lease_id=seq.lease_id,
                 token=lease.token,
+                token_ids=lease.token_ids,
+                expires_at=time.time() + (lease.expires_at - now),
                 blocks=list(lease.blocks),
                 num_tokens=lease.num_tokens,
                 rng_state=state,
@@ -209,7 +217,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             )
         self.peers.add(request.peer_id)
         log.info("registered decode peer %s (transport %s)", request.peer_id, kind)
-        return stages_pb2.RegisterResponse(handle=handle, model=self.model_name)
+        return stages_pb2.RegisterResponse(
+            handle=handle, model=self.model_name, lease_key=self.lease_key
+        )
 
     async def _nixl_pool(self, request) -> stages_pb2.NixlPool:
         """This worker's pool as a NIXL peer sees it (the agent is created on first use) and the
@@ -285,6 +295,15 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        signature = sign_lease(
+            self.lease_key,
+            self.pool_id,
+            res.token,
+            res.blocks,
+            res.num_tokens,
+            res.expires_at,
+            res.token_ids,
+        )
         out = stages_pb2.PrefillResponse(
             first_token=res.first_token,
             kv=stages_pb2.KvRef(
@@ -292,6 +311,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 block_ids=res.blocks,
                 num_tokens=res.num_tokens,
                 lease_id=res.token,
+                lease_signature=signature,
+                expires_at=res.expires_at,
             ),
             rng_state=res.rng_state,
             queue_ms=res.queue_ms,
@@ -327,18 +348,6 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 "and is valid until released or its TTL passes",
             )
         return lease
-
-    async def Claim(self, request, context):
-        lease = await self._lease(request.lease_id, context)
-        return stages_pb2.ClaimResponse(
-            kv=stages_pb2.KvRef(
-                pool_id=self.pool_id,
-                block_ids=lease.blocks,
-                num_tokens=lease.num_tokens,
-                lease_id=lease.token,
-            ),
-            token_ids=lease.token_ids,
-        )
 
     async def FetchBlocks(self, request, context):
         lease = await self._lease(request.kv.lease_id, context)

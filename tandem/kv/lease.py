@@ -2,15 +2,21 @@
 
 A lease is a capability: its token (`Lease.token`, unguessable) is the only way another process
 names it, and the lease itself records which blocks it covers and the exact tokens whose KV they
-hold, so a peer never has to trust a caller's word for either. Inside the process a lease is
-also known by its name (the request id), which never leaves it.
+hold. Inside the process a lease is also known by its name (the request id), which never leaves
+it. What a lease says travels signed (`sign_lease`, an HMAC under a key the owner gives only to
+registered peers), so the process that reads the blocks checks, without asking the owner, that
+they are the ones leased and hold the KV of exactly the prompt it was given.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import secrets
+import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.kv.block_pool import BlockPool
@@ -97,3 +103,67 @@ class LeaseTable:
     @property
     def num_blocks(self) -> int:
         return sum(len(v.blocks) for v in self.leases.values())
+
+
+class LeaseRefused(ValueError):
+    """A lease reference that does not check out (forged, altered, for other tokens, expired)."""
+
+
+def _lease_message(
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+) -> bytes:
+    # Every part length-prefixed, so no two different leases share a message.
+    parts = [
+        b"tandem-lease-v1",
+        pool_id.encode(),
+        token.encode(),
+        struct.pack(f"<{len(block_ids)}I", *block_ids),
+        struct.pack("<Id", num_tokens, expires_at),
+        struct.pack(f"<{len(token_ids)}I", *token_ids),
+    ]
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def sign_lease(
+    key: bytes,
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+) -> bytes:
+    """The HMAC-SHA256 of what a lease says, under the owner's lease key."""
+    msg = _lease_message(pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def check_lease(
+    key: bytes,
+    signature: bytes,
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+    now: float | None = None,
+) -> None:
+    """Raise `LeaseRefused` unless the signature covers exactly these blocks holding the KV of
+    exactly `token_ids`, and the lease has not expired (`now`, `expires_at`: Unix seconds)."""
+    if not token or not signature:
+        raise LeaseRefused("the KV reference carries no lease token or signature")
+    want = sign_lease(key, pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    if not hmac.compare_digest(want, signature):
+        raise LeaseRefused(
+            "KV lease refused: its signature does not match these blocks and prompt tokens "
+            "(only what Prefill.Run leased, for the prompt it prefilled, is taken)"
+        )
+    now = time.time() if now is None else now
+    if now > expires_at:
+        raise LeaseRefused(f"KV lease expired {now - expires_at:.1f} s ago")

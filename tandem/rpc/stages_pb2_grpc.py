@@ -61,11 +61,6 @@ class PrefillStub:
                 request_serializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
                 _registered_method=True)
-        self.Claim = channel.unary_unary(
-                '/tandem.v1.Prefill/Claim',
-                request_serializer=tandem_dot_v1_dot_stages__pb2.ClaimRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_stages__pb2.ClaimResponse.FromString,
-                _registered_method=True)
 
 
 class PrefillServicer:
@@ -107,14 +102,6 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Claim(self, request, context):
-        """A decode worker, before it reads a lease's blocks: the blocks and the exact prompt tokens
-        whose KV they hold, as the lease says (never as the admitting caller claims).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,11 +129,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.SerializeToString,
-            ),
-            'Claim': grpc.unary_unary_rpc_method_handler(
-                    servicer.Claim,
-                    request_deserializer=tandem_dot_v1_dot_stages__pb2.ClaimRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_stages__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -286,33 +268,6 @@ class Prefill:
             '/tandem.v1.Prefill/Stats',
             tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Claim(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Prefill/Claim',
-            tandem_dot_v1_dot_stages__pb2.ClaimRequest.SerializeToString,
-            tandem_dot_v1_dot_stages__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,

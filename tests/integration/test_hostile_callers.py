@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ from tests.integration.stages import Stage, health, pipeline_stages
 SECRET = "stage-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
 DECODE_BLOCKS = 32  # of 16 tokens: one sequence holds at most 512 tokens there
+DECODE_TAKES = 4  # sequences running (2) and queued (2) at most on the decode worker
 SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
 
@@ -44,7 +46,16 @@ def stack(tmp_path_factory):
         [],
         gateway_args=["--disagg-threshold", "0", "--draft", draft.address],
         prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
-        decode_args=["--draft", draft.address, "--num-blocks", str(DECODE_BLOCKS)],
+        decode_args=[
+            "--draft",
+            draft.address,
+            "--num-blocks",
+            str(DECODE_BLOCKS),
+            "--max-num-seqs",
+            "2",
+            "--max-queued-seqs",
+            "2",
+        ],
     )
     stages = [draft, prefill, decode, gateway]
     for s in stages:
@@ -212,11 +223,20 @@ def test_admit_naming_unleased_blocks_is_refused(stack):
         )
         tokens, fin = _session(decode, _admit(prefill, PROMPT, forged))
         assert fin.finish_reason == "error" and not tokens
-        assert "lease unknown or expired" in fin.error
-        # No lease token at all: refused as well.
-        no_token = stages_pb2.KvRef(pool_id=victim.kv.pool_id, block_ids=victim.kv.block_ids)
-        tokens, fin = _session(decode, _admit(prefill, PROMPT, no_token))
-        assert fin.finish_reason == "error" and not tokens and "lease token" in fin.error
+        assert "no lease token or signature" in fin.error
+        # A made-up signature, or the victim's real one over other blocks: refused.
+        forged.lease_id = victim.kv.lease_id
+        forged.expires_at = victim.kv.expires_at
+        forged.lease_signature = os.urandom(32)
+        shifted = stages_pb2.KvRef()
+        shifted.CopyFrom(victim.kv)
+        shifted.block_ids[:] = [b + 1 for b in victim.kv.block_ids]
+        for kv in (forged, shifted):
+            tokens, fin = _session(decode, _admit(prefill, PROMPT, kv))
+            assert fin.finish_reason == "error" and not tokens
+            assert "signature does not match" in fin.error
+        # A refused reference releases nothing: the victim's lease is intact.
+        assert _prefill_stats(prefill).leases == 1
     finally:
         stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
             stages_pb2.ReleaseRequest(lease_ids=[victim.kv.lease_id])
@@ -230,9 +250,12 @@ def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
     poison = [7] * len(PROMPT)  # the prompt a later user will ask about
     tokens, fin = _session(decode, _admit(prefill, poison, r.kv, first_token=r.first_token))
     assert fin.finish_reason == "error" and not tokens
-    assert "do not match the tokens whose KV the lease holds" in fin.error
-    # The lease was given back with the refusal, and nothing entered the prefix cache: the
-    # prompt it claimed is computed afresh when someone asks it.
+    assert "signature does not match these blocks and prompt tokens" in fin.error
+    # Nothing entered the prefix cache: the prompt it claimed is computed afresh when someone
+    # asks it.
+    stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+        stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
+    )
     assert _prefill_stats(prefill).leases == 0
     before = _decode_stats(decode)
     stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
@@ -415,3 +438,163 @@ def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
     while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _decode_stats(decode).used_blocks == 0
+
+
+def _sse(gateway: Stage, body: dict) -> tuple[int, list[str]]:
+    """A streamed completion: (status, the `data:` payloads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=120)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        raw = r.read().decode()
+    finally:
+        conn.close()
+    return r.status, [ln[len("data: ") :] for ln in raw.splitlines() if ln.startswith("data: ")]
+
+
+def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
+    _, _, decode, gateway = stack
+    inbox: queue.Queue = queue.Queue()
+
+    def requests():
+        while (m := inbox.get()) is not None:
+            yield m
+
+    def hold(i: int) -> stages_pb2.DecodeIn:
+        return stages_pb2.DecodeIn(
+            admit=stages_pb2.Admit(
+                seq_id=f"hold-{i}",
+                prompt_token_ids=list(range(200 + 5 * i, 205 + 5 * i)),
+                # Two of these fill the pool exactly (16 blocks each): none is preempted, and
+                # for 240 steps two run while two wait.
+                sampling=api_pb2.SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True),
+                prefill_here=True,
+            )
+        )
+
+    def wait_for(running: int, waiting: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = _decode_stats(decode)
+            if (st.running, st.waiting) == (running, waiting):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"decode worker: {st.running} running, {st.waiting} waiting")
+
+    # Another client fills the decode worker: two sequences running, then two queued.
+    call = stages_pb2_grpc.DecodeStub(decode.channel()).Session(requests(), timeout=180)
+    try:
+        inbox.put(hold(0))
+        inbox.put(hold(1))
+        wait_for(2, 0)
+        inbox.put(hold(2))
+        inbox.put(hold(3))
+        wait_for(2, 2)
+        stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=list(range(400, 430))),
+            sampling=api_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "decode worker is full" in e.value.details()
+        assert "127.0.0.1" not in e.value.details()
+        body = {"prompt": list(range(400, 430)), "max_tokens": 8, "ignore_eos": True}
+        status, payload = _http(gateway, "/v1/completions", body)
+        assert status == 429 and payload["error"]["type"] == "rate_limit_exceeded", payload
+        # Streamed: the first token came from the prefill worker, so the 200 was sent; the
+        # stream says what failed, ends with finish_reason "error", then [DONE].
+        status, events = _sse(gateway, {**body, "stream": True})
+        assert status == 200 and events[-1] == "[DONE]", events
+        error = json.loads(events[-3])["error"]
+        assert error["type"] == "rate_limit_exceeded" and "full" in error["message"]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
+        assert _decode_stats(decode).refusals["resource_exhausted"] >= 3
+    finally:
+        inbox.put(None)
+        call.cancel()
+    deadline = time.monotonic() + 15
+    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_stats(decode).used_blocks == 0
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    """True when the server closes (or resets) `s` within `within` seconds."""
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
+    _, prefill, decode, _ = stack
+    key = "key-" + uuid.uuid4().hex
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    gp, hp = free_ports(2)
+    gw = Stage(
+        "gateway",
+        gp,
+        [
+            "--http-port",
+            str(hp),
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--api-key-file",
+            str(key_file),
+            "--http-header-timeout-s",
+            "2",
+            "--http-max-connections",
+            "16",
+        ],
+        str(tmp_path / "gateway.log"),
+        env={"TANDEM_STAGE_SECRET": SECRET},
+    ).start()
+    try:
+        # The key is in no command line (`ps` shows those), yet it is required.
+        with open(f"/proc/{gw.proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        gw.http_port = hp
+        body = {"prompt": "hi", "max_tokens": 2}
+        status, payload = _http(gw, "/v1/completions", body)
+        assert status == 401, payload
+        conn = http.client.HTTPConnection("127.0.0.1", hp, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+        conn.close()
+        # The connection cap: 16 connections that send nothing hold every slot; the next one
+        # is closed at once (well before the header timeout).
+        held = [socket.create_connection(("127.0.0.1", hp)) for _ in range(16)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", hp))
+        assert _closed_by_server(extra, 1.0), "a connection past the cap was kept"
+        extra.close()
+        # Half-open connections: unfinished headers are cut by the header timeout (2 s).
+        t0 = time.monotonic()
+        for s in held:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1")
+        for s in held:
+            assert _closed_by_server(s, 10.0), "a connection with unfinished headers was kept"
+            s.close()
+        assert time.monotonic() - t0 < 6
+        # With the slots free again, a request is served.
+        status, _ = _http(gw, "/v1/completions", body)
+        assert status == 401  # reached the handler (no key sent): the server is responsive
+    finally:
+        gw.stop()

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc  # noqa: E402
+from tandem.rpc.auth import stage_channel_sync  # noqa: E402
 from tests.integration.cluster import start_cluster  # noqa: E402
 
 EXPECTED = {
@@ -152,7 +153,7 @@ def worker_stats(cluster) -> dict:
         ("prefill", cluster.prefill_port, stages_pb2_grpc.PrefillStub),
         ("decode", cluster.decode_port, stages_pb2_grpc.DecodeStub),
     ):
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with stage_channel_sync(f"127.0.0.1:{port}", cluster.stage_secret) as ch:
             st = stub_cls(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
         out[name] = {
             "used_blocks": st.used_blocks,

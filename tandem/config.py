@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -246,9 +247,32 @@ def _bool(value: str, what: str) -> bool:
     raise ValueError(f"{what}={value!r} is not a boolean (true/false)")
 
 
+class _RefuseOnCommandLine(argparse.Action):
+    """A flag for a secret that must not be on a command line: using it is an error."""
+
+    def __init__(self, option_strings, dest, env: str, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=1, **kw)
+        self.env = env
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(
+            f"{option_string} is not accepted (a command line is visible to every user): set "
+            f"{self.env}, or give a file with {option_string}-file"
+        )
+
+
 def _add_dataclass_args(parser: Any, cls: Any, what: str) -> None:
     for f in fields(cls):
         if f.metadata.get("env_only"):
+            # Not settable here: the flag exists only to refuse (rather than be taken as an
+            # abbreviation of a longer flag) and to say where the value goes.
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f"refused_{f.name}",
+                action=_RefuseOnCommandLine,
+                env=f"TANDEM_{f.name.upper()}",
+                help=argparse.SUPPRESS,
+            )
             continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
@@ -337,7 +361,6 @@ def _addresses(value: str) -> list[str]:
 
 def stage_parser(stage: str) -> Any:
     """The argument parser of one stage (`gateway`, `prefill`, `decode`, `draft`): every flag."""
-    import argparse
 
     p = argparse.ArgumentParser(
         prog=f"tandem {stage}", description=f"Run the Tandem {stage} service."

@@ -185,6 +185,21 @@ class _EngineCollector(Collector):
                 "Cached blocks evicted to make room.",
                 value=pool.num_evictions,
             )
+        leases = getattr(e, "leases", None)
+        if leases is not None:
+            yield GaugeMetricFamily(
+                "tandem_kv_leased_blocks",
+                "KV blocks leased to decode workers and not yet released (prefill).",
+                value=leases.num_blocks,
+            )
+            yield GaugeMetricFamily(
+                "tandem_kv_leases", "Leases not yet released (prefill).", value=len(leases.leases)
+            )
+            yield CounterMetricFamily(
+                "tandem_kv_leases_expired",
+                "Leases nobody released, reclaimed after their TTL.",
+                value=leases.num_expired,
+            )
         step_time = getattr(e.scheduler, "step_time", None)
         if step_time is not None and step_time.samples:
             yield GaugeMetricFamily(
@@ -219,6 +234,13 @@ class WorkerMetrics:
             "tandem_requests",
             "Sequences this worker finished, by finish reason.",
             ["finish_reason"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "tandem_refusals",
+            "Calls this worker refused, by reason (lease_limit, unknown_lease, "
+            "resource_exhausted, invalid_argument, ...).",
+            ["reason"],
             registry=r,
         )
 

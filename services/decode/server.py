@@ -37,7 +37,7 @@ from tandem.kv.transport import (
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import server_interceptors, stage_channel
+from tandem.rpc.auth import count_refusals, server_interceptors, stage_channel
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -523,7 +523,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
     def _refuse(self, sid: str, session: Session, t0: float, e: Exception) -> None:
         """End a sequence whose admission failed, telling the gateway why (and how: its code)."""
         code = status_for(e)
-        self.refusals[code.name.lower()] = self.refusals.get(code.name.lower(), 0) + 1
+        self.refuse(code.name.lower())
         self.obs.admit_failed(sid, t0, e)
         session.seqs.discard(sid)
         self.owner.pop(sid, None)
@@ -539,6 +539,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 ]
             )
         )
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
 
     async def _prefill_here(
         self, msg: stages_pb2.Admit, session: Session, params, t0: float
@@ -804,10 +809,12 @@ async def serve(
     `stage_secret`, every call but health checks must carry it, and every call to the prefill
     and draft workers sends it (tandem.rpc.auth).
     """
-    server = grpc.aio.server(interceptors=server_interceptors(stage_secret))
+    auth = server_interceptors(stage_secret)
+    server = grpc.aio.server(interceptors=auth)
     service = DecodeService(
         config, kv_transport, draft, spec, kv_transfer_timeout_s, prefill or [], stage_secret
     )
+    count_refusals(auth, service.refuse)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

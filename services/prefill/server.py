@@ -29,7 +29,7 @@ from tandem.kv.transport import (
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import server_interceptors
+from tandem.rpc.auth import count_refusals, server_interceptors
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -246,6 +246,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
     def refuse(self, reason: str) -> None:
         """Count a refused call by its reason (WorkerStats.refusals, /metrics)."""
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
 
     async def Run(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -390,11 +391,12 @@ async def serve(
     """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
 
     With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth)."""
+    auth = server_interceptors(stage_secret)
     server = grpc.aio.server(
-        interceptors=server_interceptors(stage_secret),
-        options=[("grpc.max_receive_message_length", 64 << 20)],
+        interceptors=auth, options=[("grpc.max_receive_message_length", 64 << 20)]
     )
     service = PrefillService(config, lease_ttl_s, max_leases_per_peer)
+    count_refusals(auth, service.refuse)
     stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

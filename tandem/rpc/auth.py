@@ -4,7 +4,7 @@ their clients (see `tandem.config.StageAuthConfig`). grpc.health.v1 stays open f
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -42,6 +42,7 @@ class StageAuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, secret: bytes) -> None:
         self.secret = secret
+        self.on_refuse: Callable[[str], None] | None = None  # told the reason of each refusal
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -54,6 +55,8 @@ class StageAuthInterceptor(grpc.aio.ServerInterceptor):
         if hmac.compare_digest(got, self.secret):
             return handler
         why = "wrong" if got else "missing"
+        if self.on_refuse is not None:
+            self.on_refuse("unauthenticated")
         return _deny(
             handler,
             grpc.StatusCode.UNAUTHENTICATED,
@@ -62,9 +65,15 @@ class StageAuthInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def server_interceptors(secret: bytes | None) -> list[grpc.aio.ServerInterceptor]:
+def server_interceptors(secret: bytes | None) -> list[StageAuthInterceptor]:
     """The interceptors of a stage server: the credential check when a secret is configured."""
     return [StageAuthInterceptor(secret)] if secret else []
+
+
+def count_refusals(interceptors: list[StageAuthInterceptor], on_refuse: Callable[[str], None]):
+    """Have the credential check report each refusal (a service's refusal counters)."""
+    for i in interceptors:
+        i.on_refuse = on_refuse
 
 
 def _with_secret(details, secret: bytes):

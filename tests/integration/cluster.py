@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -87,7 +88,8 @@ def start_cluster(
     extra: list[str] | None = None, timeout: float = 240.0, env: dict[str, str | None] | None = None
 ) -> Cluster:
     """`tandem up` on free ports; `env` adds to (or, with None values, removes from) the
-    environment of every stage."""
+    environment of every stage. The stages get a fresh stage secret (TANDEM_STAGE_SECRET)
+    unless `env` names one or removes it: the stage ports then require it, as deployed."""
     port, http_port, pp, dp, gm, pm, dm = free_ports(7)
     metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
     cmd = [
@@ -111,7 +113,7 @@ def start_cluster(
         str(dm),
         *(extra or []),
     ]
-    overrides = env or {}
+    overrides = {"TANDEM_STAGE_SECRET": secrets.token_urlsafe(24), **(env or {})}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k, v in overrides.items():
         if v is None:

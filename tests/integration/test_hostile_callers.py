@@ -17,6 +17,7 @@ import queue
 import socket
 import threading
 import time
+import urllib.request
 import uuid
 
 import grpc
@@ -194,9 +195,14 @@ def test_every_stage_rpc_needs_the_secret(stack, secret):
             call()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         assert f"{want} stage credential" in e.value.details(), name
-    # Nothing was prefilled or admitted for the intruder.
-    assert _prefill_stats(prefill).leases == 0
-    assert _decode_stats(decode).local_prefills == 0
+    # Nothing was prefilled or admitted for the intruder, and every refusal was counted.
+    st = _prefill_stats(prefill)
+    assert st.leases == 0 and st.refusals["unauthenticated"] >= 5
+    st = _decode_stats(decode)
+    assert st.local_prefills == 0 and st.refusals["unauthenticated"] >= 2
+    page = urllib.request.urlopen(f"http://127.0.0.1:{prefill.metrics_port}/metrics").read()
+    assert b'tandem_refusals_total{reason="unauthenticated"}' in page
+    assert b"tandem_kv_leased_blocks 0.0" in page
 
 
 def test_the_gateway_serves_through_authenticated_stages(stack):

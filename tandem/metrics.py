@@ -244,6 +244,19 @@ class WorkerMetrics:
             registry=r,
         )
 
+    def watch_progress(self, stalled_s: Callable[[], float]) -> None:
+        """Export the engine loop's watchdog: seconds with work but no token produced."""
+
+        def read() -> Iterator[Any]:
+            yield GaugeMetricFamily(
+                "tandem_engine_stalled_seconds",
+                "Seconds the engine has had work without producing a token (0 while it "
+                "progresses; a growing value is an engine stuck stepping).",
+                value=stalled_s(),
+            )
+
+        self.registry.register(_CallbackCollector(read))
+
 
 class PrefillMetrics(WorkerMetrics):
     def __init__(self, engine: Any, registry: CollectorRegistry | None = None) -> None:

@@ -1,12 +1,16 @@
-"""A sequence that outgrows the whole KV pool ends with `length`; it never wedges the engine."""
+"""A sequence that outgrows the whole KV pool ends with `length`; it never wedges the engine,
+and the engine loop's watchdog shows one that steps without progress."""
 
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
 import tandem
+from tandem.engine.engine_loop import EngineLoop
 
 BLOCKS = 4  # 4 blocks of 16 tokens: one sequence holds at most 64 tokens
 
@@ -34,3 +38,35 @@ def test_a_sequence_longer_than_the_pool_finishes_with_length(model_factory, asy
     assert 20 + len(out_long.token_ids) in (BLOCKS * 16, BLOCKS * 16 + 1)
     assert out_short.finish_reason == "length" and len(out_short.token_ids) == 5
     assert llm.engine.pool.num_used == 0 and not llm.engine.has_unfinished()
+
+
+class _StuckEngine:
+    """Always has work, never produces a token: what a wedged engine looks like."""
+
+    device = SimpleNamespace(type="cpu")
+    leases = SimpleNamespace(expire=lambda: 0)
+    seqs: dict = {}
+
+    def __init__(self) -> None:
+        self.stuck = True
+
+    def has_unfinished(self) -> bool:
+        return self.stuck
+
+    def step(self):
+        time.sleep(0.01)
+        return []
+
+
+def test_the_watchdog_sees_an_engine_that_steps_without_progress():
+    eng = _StuckEngine()
+    loop = EngineLoop(eng, on_outputs=lambda outs: None)
+    loop.start()
+    try:
+        time.sleep(0.6)
+        assert loop.stalled_s >= 0.5 and loop.steps > 10
+        eng.stuck = False  # no work left: not stalled
+        time.sleep(0.4)
+        assert loop.stalled_s < 0.4
+    finally:
+        loop.stop()

@@ -440,6 +440,10 @@ def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
     # And afterwards the worker is free for others.
     assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 3
     assert time.monotonic() - t0 < 300
+    # The watchdog says the engine is not stuck.
+    page = urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics").read()
+    stalled = [ln for ln in page.decode().splitlines() if ln.startswith("tandem_engine_stalled")]
+    assert stalled and float(stalled[0].split()[-1]) < 5.0, stalled
     deadline = time.monotonic() + 10
     while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -167,6 +167,10 @@ class GatewayConfig:
     # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
     ttft_slo_ms: float | None = None
     shed_load: bool = False
+    # Seconds a stream whose decode worker died may wait for a live (or restarted) one, which
+    # then continues it from the prompt and the tokens already streamed; the client sees a
+    # pause. Past it, or with 0, the stream ends with an error.
+    resume_budget_s: float = 60.0
 
     def validate(self) -> None:
         for f in fields(self):
@@ -179,6 +183,8 @@ class GatewayConfig:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
+        if not self.resume_budget_s >= 0:
+            raise ValueError(f"resume_budget_s must be >= 0, got {self.resume_budget_s!r}")
         for name in ("http_header_timeout_s", "http_body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

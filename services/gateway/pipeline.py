@@ -95,8 +95,11 @@ class Pipeline:
         max_inflight: int = 1024,
         disagg_threshold: int = GatewayConfig.disagg_threshold,
         admission: TtftAdmission | None = None,
+        resume_budget_s: float = 0.0,
     ) -> None:
         self.router = router
+        self.resume_budget_s = resume_budget_s
+        self.resumed = 0  # streams continued on another decode worker after theirs died
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
@@ -253,6 +256,18 @@ class Pipeline:
             if session is not None:
                 session.decode = route.decode.address
 
+    async def _decode_for_resume(self, route: Route):
+        """A live decode worker for a stream whose worker died, waited for up to the resume
+        budget (a restarted worker comes back healthy); None when none came in time."""
+        deadline = time.monotonic() + self.resume_budget_s
+        while True:
+            try:
+                return self.router.pick_decode(route.names)
+            except StageUnavailable:
+                if time.monotonic() >= deadline:
+                    return None
+            await asyncio.sleep(0.2)
+
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
             await release_until_acknowledged(
@@ -393,8 +408,31 @@ class Pipeline:
                             timings["queue_ms"] = msg.queue_ms
                             timings["prefill_ms"] = msg.prefill_ms
                     else:  # the stream to the decode worker broke
-                        done = True
-                        raise StageUnavailable(msg)
+                        decode.close_seq(seq_id)
+                        left = params.max_tokens - len(out_ids)
+                        new = await self._decode_for_resume(route) if left > 0 else None
+                        if new is None:
+                            done = True
+                            raise StageUnavailable(msg)
+                        # Continue where it stopped: the prompt and the tokens streamed so far
+                        # are prefilled on the new worker, which generates the rest.
+                        decode = route.decode = new
+                        resumed = sampling_to_proto(params)
+                        resumed.max_tokens = left
+                        admit = stages_pb2.Admit(
+                            seq_id=seq_id,
+                            prompt_token_ids=ids + out_ids,
+                            sampling=resumed,
+                            trace_context=carrier,
+                            prefill_here=True,
+                        )
+                        self.resumed += 1
+                        log.warning(
+                            "resuming a stream on decode worker %s after %d tokens",
+                            decode.address,
+                            len(out_ids),
+                        )
+                        q = await decode.open(seq_id, admit)
             finally:
                 if not done or reason == "stop" and detok.stopped_by is not None:
                     decode.cancel(seq_id)

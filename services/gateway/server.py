@@ -66,6 +66,7 @@ async def serve(
         gc.max_inflight,
         disagg_threshold=gc.disagg_threshold,
         admission=TtftAdmission(ttft_slo_s, gc.shed_load),
+        resume_budget_s=gc.resume_budget_s,
     )
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
     gateway_metrics = GatewayMetrics()

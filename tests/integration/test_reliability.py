@@ -25,7 +25,10 @@ def stack(tmp_path_factory):
     # Every prompt through the prefill worker (no conditional disaggregation): the tests below
     # kill it and expect new work to fail.
     prefill, decode, gateway = pipeline_stages(
-        str(d), [], gateway_args=["--disagg-threshold", "0"], prefill_args=["--lease-ttl", "2"]
+        str(d),
+        [],
+        gateway_args=["--disagg-threshold", "0", "--resume-budget-s", "0"],
+        prefill_args=["--lease-ttl", "2"],
     )
     prefill.start()
     decode.start()

@@ -100,6 +100,12 @@ class GatewayMetrics:
             "Finished requests that met every configured target (TTFT, TPOT): the goodput.",
             registry=r,
         )
+        self.http_errors = Counter(
+            "tandem_http_errors",
+            "HTTP responses with an error status, by status (400, 401, 408, 415, 429, 503, ...).",
+            ["status"],
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -308,6 +314,29 @@ class DecodeMetrics(WorkerMetrics):
         self.spec_proposals.inc()
         self.spec_proposed_tokens.inc(proposed)
         self.spec_accepted_tokens.inc(accepted)
+
+
+class DraftMetrics:
+    """Metrics of a draft worker: the sequences it tracks, proposals, refused calls."""
+
+    def __init__(self, num_seqs: Callable[[], int], registry: CollectorRegistry | None = None):
+        r = self.registry = registry or new_registry()
+
+        def read() -> Iterator[Any]:
+            yield GaugeMetricFamily(
+                "tandem_draft_sequences", "Sequences the draft worker holds state for.", num_seqs()
+            )
+
+        r.register(_CallbackCollector(read))
+        self.proposed_tokens = Counter(
+            "tandem_draft_proposed_tokens", "Draft tokens proposed.", registry=r
+        )
+        self.steps = Counter(
+            "tandem_draft_propose_steps", "Propose steps served (one per decode step).", registry=r
+        )
+        self.refusals = Counter(
+            "tandem_refusals", "Calls this worker refused, by reason.", ["reason"], registry=r
+        )
 
 
 class MetricsServer:

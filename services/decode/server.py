@@ -90,6 +90,7 @@ class Session:
 
     out: asyncio.Queue
     seqs: set[str] = field(default_factory=set)
+    closed: bool = False  # the gateway went away: admissions still on their way are dropped
 
 
 class DraftClient:
@@ -444,6 +445,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             staging = None  # inline: the blocks' bytes
             read: int | None = None  # nixl: blocks the READ filled (reserved in the engine)
             moved = [0]  # blocks whose KV this worker copied in (its prefix cache held the rest)
+            if session.closed:
+                return  # the gateway went away meanwhile (the lease is released below)
             session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
             self.owner[sid] = session
             self.importing[sid] = None
@@ -553,6 +556,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         computing only what its prefix cache lacks, in chunks mixed with its decodes."""
         sid = msg.seq_id
         ids = list(msg.prompt_token_ids)
+        if session.closed:
+            return
         session.seqs.add(sid)
         self.owner[sid] = session
         try:
@@ -745,8 +750,37 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         finally:
             reader.cancel()
             # The gateway went away: its sequences have no one to stream to.
-            for sid in list(session.seqs):
-                await self._cancel(sid, session, notify=False)
+            self._drop_session(session)
+
+    def _drop_session(self, session: Session) -> None:
+        """Abort every sequence of a session that ended. Nothing here awaits: a handler being
+        cancelled (the gateway's connection dropped) cannot stop half-way and leave sequences
+        running for nobody."""
+        session.closed = True
+        ids = []
+        for sid in list(session.seqs):
+            session.seqs.discard(sid)
+            if sid in self.importing:
+                self.importing[sid] = False  # `admit` drops it when its transfer ends
+            elif self.owner.get(sid) is session:
+                self.owner.pop(sid, None)
+                ids.append(sid)
+        if not ids:
+            return
+        fut = self.engine_loop.submit(lambda e: [sid for sid in ids if e.abort(sid)])
+
+        def aborted(f) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.loop.call_soon_threadsafe(self._forget_aborted, f.result())
+
+        fut.add_done_callback(aborted)
+
+    def _forget_aborted(self, ids: list[str]) -> None:
+        for sid in ids:
+            self.obs.finished(sid, "abort")
+            self.prefill_info.pop(sid, None)
+            self.transfer.pop(sid, None)
+            self.spec_totals.pop(sid, None)
 
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
         if sid in self.importing:

@@ -136,6 +136,7 @@ class OpenAIServer:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.on_response_prepare.append(_trace_header)
+        self.app.on_response_prepare.append(self._count_errors)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -148,6 +149,11 @@ class OpenAIServer:
                     kind="authentication_error",
                 )
         return await handler(request)
+
+    async def _count_errors(self, request: web.Request, response: web.StreamResponse) -> None:
+        metrics = self.fe.telemetry.metrics if self.fe.telemetry is not None else None
+        if metrics is not None and response.status >= 400:
+            metrics.http_errors.labels(str(response.status)).inc()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -203,6 +203,10 @@ def test_every_stage_rpc_needs_the_secret(stack, secret):
     page = urllib.request.urlopen(f"http://127.0.0.1:{prefill.metrics_port}/metrics").read()
     assert b'tandem_refusals_total{reason="unauthenticated"}' in page
     assert b"tandem_kv_leased_blocks 0.0" in page
+    # The draft worker serves /metrics too, refusals included.
+    page = urllib.request.urlopen(f"http://127.0.0.1:{draft.metrics_port}/metrics").read()
+    assert b'tandem_refusals_total{reason="unauthenticated"}' in page
+    assert b"tandem_draft_sequences" in page
 
 
 def test_the_gateway_serves_through_authenticated_stages(stack):
@@ -523,6 +527,8 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
         assert error["type"] == "rate_limit_exceeded" and "full" in error["message"]
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
         assert _decode_stats(decode).refusals["resource_exhausted"] >= 3
+        page = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics")
+        assert b'tandem_http_errors_total{status="429"} 1.0' in page.read()
     finally:
         inbox.put(None)
         call.cancel()

@@ -14,6 +14,7 @@ from tandem.config import (
     gateway_config_from_args,
     metrics_port_of,
     stage_parser,
+    stage_secret_from_args,
 )
 
 
@@ -61,6 +62,12 @@ def run_stage(
             "decode": args.decode,
             "draft": args.draft,
         }
+    if stage == "prefill":
+        kwargs["max_leases_per_peer"] = args.max_leases_per_peer
+    try:
+        kwargs["stage_secret"] = stage_secret_from_args(args)
+    except ValueError as e:
+        sys.exit(f"tandem {stage}: {e}")
     kwargs["metrics_port"] = metrics_port_of(args)
     # OTLP export when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise tracing stays off (free).
     telemetry.init_tracing(stage)

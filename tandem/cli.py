@@ -31,7 +31,7 @@ def _exec_stage(stage: str, argv: list[str]) -> None:
 # Flags of `tandem up` that go to one stage only, beside the engine settings every stage takes and
 # the gateway's own (GatewayConfig). Each is declared once, in the stage parsers (config.py).
 STAGE_FLAGS = {
-    "prefill": ["--lease-ttl"],
+    "prefill": ["--lease-ttl", "--max-leases-per-peer"],
     "decode": [
         "--prefill-wait",
         "--kv-transfer-timeout",
@@ -84,9 +84,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _spawn(cmd: list[str], log_path: str, append: bool = False) -> subprocess.Popen:
+def _spawn(
+    cmd: list[str], log_path: str, secret: str | None, append: bool = False
+) -> subprocess.Popen:
     logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
     env = _stage_env(cmd[2].removeprefix("services."))  # cmd: python -m services.<stage> ...
+    if secret is not None:
+        env["TANDEM_STAGE_SECRET"] = secret  # in the environment: a command line is public
     return subprocess.Popen(
         cmd,
         stdout=logf,
@@ -149,7 +153,7 @@ def _stage_env(stage: str) -> dict[str, str]:
 
 def _add_up_args(up: argparse.ArgumentParser) -> None:
     """`tandem up`'s own flags, then the settings it passes to the stages, grouped."""
-    from tandem.config import add_engine_args, add_gateway_args, stage_parser
+    from tandem.config import add_engine_args, add_gateway_args, add_stage_auth_args, stage_parser
 
     up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     up.add_argument(
@@ -240,6 +244,12 @@ def _add_up_args(up: argparse.ArgumentParser) -> None:
         skip=("model",),
     )
     add_gateway_args(up.add_argument_group("gateway settings (or TANDEM_<NAME> variables)"))
+    add_stage_auth_args(
+        up.add_argument_group(
+            "stage credential (default: a fresh random secret at every start, or "
+            "TANDEM_STAGE_SECRET)"
+        )
+    )
     for stage, flags in STAGE_FLAGS.items():
         group = up.add_argument_group(f"{stage} worker settings")
         for action in stage_parser(stage)._actions:
@@ -276,6 +286,17 @@ def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def _stage_secret(args: argparse.Namespace) -> str:
+    """The secret every stage requires and sends: the one given (TANDEM_STAGE_SECRET or
+    --stage-secret-file), else a fresh random one, so that no stage port is ever open."""
+    import secrets
+
+    from tandem.config import stage_secret_from_args
+
+    given = stage_secret_from_args(args)
+    return given.decode() if given is not None else secrets.token_urlsafe(32)
+
+
 def _dial(host: str) -> str:
     """The address to connect to a server bound to `host` from this host."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
@@ -283,13 +304,18 @@ def _dial(host: str) -> str:
 
 def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
-    from tandem.config import engine_config_from_args, gateway_config_from_args
+    from tandem.config import (
+        engine_config_from_args,
+        gateway_config_from_args,
+        stage_secret_from_args,
+    )
 
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         return f"--model {args.model}: no such file or directory"
     try:
         engine_config_from_args(args)
         gateway_config_from_args(args)
+        stage_secret_from_args(args)
     except (TypeError, ValueError) as e:
         return str(e)
     import socket
@@ -341,6 +367,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if problem:
         parser.error(problem)
     argv = _stage_argv(args)
+    secret = _stage_secret(args)
     stage_host = _dial(args.stage_host)
     prefill_addr = f"{stage_host}:{prefill_port}"
     decode_addr = f"{stage_host}:{decode_port}"
@@ -390,7 +417,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         width = max(len(c.stage) for c in children)
         for c in children:
-            c.proc = _spawn(c.cmd, c.log_path)
+            c.proc = _spawn(c.cmd, c.log_path, secret)
             c.started = time.monotonic()
             print(
                 f"  [{c.started - t0:5.1f}s] {c.stage:<{width}}  starting (pid {c.proc.pid})",
@@ -436,7 +463,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if rc != 0:
                 return rc
             print("Still serving; Ctrl-C stops every stage.", flush=True)
-        return _supervise(children, args.restart)
+        return _supervise(children, args.restart, secret)
     except KeyboardInterrupt:
         print("stopping...", flush=True)
         return 0
@@ -447,7 +474,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _stop([c for c in children if c.proc is not None])
 
 
-def _supervise(children: list[Child], restart: bool) -> int:
+def _supervise(children: list[Child], restart: bool, secret: str | None) -> int:
     """Watch the stages while they serve: a stage that dies is restarted (the others keep
     serving) or, with --no-restart, stops `tandem up`."""
     while True:
@@ -469,7 +496,7 @@ def _supervise(children: list[Child], restart: bool) -> int:
             c.failures += 1
             print(f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True)
             time.sleep(delay)
-            c.proc = _spawn(c.cmd, c.log_path, append=True)
+            c.proc = _spawn(c.cmd, c.log_path, secret, append=True)
             c.started = time.monotonic()
         time.sleep(0.5)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -159,8 +160,16 @@ class GatewayConfig:
     max_prompt_chars: int = 1_000_000
     max_concurrent_streams: int = 256  # per HTTP/2 connection (gRPC)
     api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    # The API key read from a file (its first line), so that it needs to be in no command line;
+    # TANDEM_API_KEY is the other way to keep it out of `ps`.
+    api_key_file: str | None = None
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
+    # The HTTP listener: open connections at most (more are closed at once), seconds a new
+    # connection may take to send its first request's headers, and a request its body.
+    http_max_connections: int = 1024
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
     # than this many tokens is prefilled there (no KV transfer); longer ones go to a prefill
     # worker. 0: always a prefill worker. Default measured on CPU (bench/results/
@@ -171,10 +180,10 @@ class GatewayConfig:
     # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
     ttft_slo_ms: float | None = None
     shed_load: bool = False
-    # A stream whose decode worker dies continues on another decode worker (or the same one,
-    # restarted) that serves within this many seconds: the client sees a pause, not an error.
-    # 0: such a request fails at once.
-    failover_timeout_s: float = 60.0
+    # Seconds a stream whose decode worker died may wait for a live (or restarted) one, which
+    # then continues it from the prompt and the tokens already streamed; the client sees a
+    # pause. Past it, or with 0, the stream ends with an error.
+    resume_budget_s: float = 60.0
 
     def validate(self) -> None:
         for f in fields(self):
@@ -183,14 +192,15 @@ class GatewayConfig:
                 if not isinstance(v, int) or v < 0:
                     raise ValueError(f"disagg_threshold must be an integer >= 0, got {v!r}")
                 continue
-            if f.name == "failover_timeout_s":
-                if not v >= 0:
-                    raise ValueError(f"failover_timeout_s must be >= 0, got {v!r}")
-                continue
             if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                 raise ValueError(f"{f.name} must be >= 1, got {v}")
         if self.ttft_slo_ms is not None and not self.ttft_slo_ms > 0:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
+        if not self.resume_budget_s >= 0:
+            raise ValueError(f"resume_budget_s must be >= 0, got {self.resume_budget_s!r}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:
             raise ValueError("shed_load needs a time-to-first-token target: set ttft_slo_ms")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -199,6 +209,52 @@ class GatewayConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name} file {path!r} does not exist")
+
+
+def _read_secret(path: str, what: str) -> str:
+    """The first line of a secret file, stripped; a missing or empty file is an error."""
+    try:
+        with open(path) as f:
+            value = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from e
+    if not value:
+        raise ValueError(f"{what} {path!r} is empty")
+    return value
+
+
+@dataclass
+class StageAuthConfig:
+    """The credential of the ports between stages (prefill, decode, draft gRPC).
+
+    Every stage given a secret requires it, in gRPC metadata, on every call but grpc.health.v1,
+    and every stage sends it to the stages it calls (the gateway too). The secret is read from a
+    file or from TANDEM_STAGE_SECRET, never from a command line (`ps` shows those). No secret:
+    the stage ports are open to anyone who reaches them, as on a loopback-only host.
+    """
+
+    stage_secret_file: str | None = None  # a file whose first line is the secret
+    # Only from the environment (TANDEM_STAGE_SECRET): no flag is made for it.
+    stage_secret: str | None = field(default=None, metadata={"env_only": True})
+
+    def secret(self) -> bytes | None:
+        """The secret to require and send; None when none is configured."""
+        if self.stage_secret_file is not None:
+            if self.stage_secret is not None:
+                raise ValueError(
+                    "give the stage secret once: TANDEM_STAGE_SECRET or stage_secret_file, not both"
+                )
+            return _read_secret(self.stage_secret_file, "stage_secret_file").encode()
+        if self.stage_secret is not None:
+            if not self.stage_secret.strip():
+                raise ValueError("TANDEM_STAGE_SECRET is set but empty")
+            return self.stage_secret.strip().encode()
+        return None
+
+
+def stage_secret_from_args(args: Any) -> bytes | None:
+    """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
+    return _from_args(StageAuthConfig, args).secret()
 
 
 def _bool(value: str, what: str) -> bool:
@@ -210,9 +266,34 @@ def _bool(value: str, what: str) -> bool:
     raise ValueError(f"{what}={value!r} is not a boolean (true/false)")
 
 
+class _RefuseOnCommandLine(argparse.Action):
+    """A flag for a secret that must not be on a command line: using it is an error."""
+
+    def __init__(self, option_strings, dest, env: str, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=1, **kw)
+        self.env = env
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(
+            f"{option_string} is not accepted (a command line is visible to every user): set "
+            f"{self.env}, or give a file with {option_string}-file"
+        )
+
+
 def _add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] = ()) -> None:
     for f in fields(cls):
         if f.name in skip:
+            continue
+        if f.metadata.get("env_only"):
+            # Not settable here: the flag exists only to refuse (rather than be taken as an
+            # abbreviation of a longer flag) and to say where the value goes.
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f"refused_{f.name}",
+                action=_RefuseOnCommandLine,
+                env=f"TANDEM_{f.name.upper()}",
+                help=argparse.SUPPRESS,
+            )
             continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
@@ -255,6 +336,10 @@ def _from_args(cls: Any, args: Any) -> Any:
 def gateway_config_from_args(args: Any) -> GatewayConfig:
     """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
     cfg = _from_args(GatewayConfig, args)
+    if cfg.api_key_file is not None:
+        if cfg.api_key is not None:
+            raise ValueError("give the API key once: api_key or api_key_file, not both")
+        cfg.api_key = _read_secret(cfg.api_key_file, "api_key_file")
     cfg.validate()
     return cfg
 
@@ -263,6 +348,11 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
     """Add a `--flag` for every `EngineConfig` field (but `skip`) to an argparse parser or
     group (default: unset)."""
     _add_dataclass_args(parser, EngineConfig, "engine", skip)
+
+
+def add_stage_auth_args(parser: Any) -> None:
+    """Add the stage credential's flag (`--stage-secret-file`) to a parser or group."""
+    _add_dataclass_args(parser, StageAuthConfig, "stage credential:")
 
 
 def add_gateway_args(parser: Any) -> None:
@@ -319,7 +409,6 @@ def _addresses(value: str) -> list[str]:
 
 def stage_parser(stage: str) -> Any:
     """The argument parser of one stage (`gateway`, `prefill`, `decode`, `draft`): every flag."""
-    import argparse
 
     p = argparse.ArgumentParser(
         prog=f"tandem {stage}", description=f"Run the Tandem {stage} service."
@@ -347,12 +436,21 @@ def stage_parser(stage: str) -> Any:
     )
     p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
     add_engine_args(p)
+    add_stage_auth_args(p)
     if stage == "prefill":
         p.add_argument(
             "--lease-ttl",
             type=float,
             default=30.0,
             help="seconds a leased KV block waits for its decode worker (default 30)",
+        )
+        p.add_argument(
+            "--max-leases-per-peer",
+            type=int,
+            default=int(os.environ.get("TANDEM_MAX_LEASES_PER_PEER", "1024")),
+            help="KV leases (prefilled prompts not yet taken by a decode worker) one client "
+            "host may hold; more Prefill.Run calls are refused with RESOURCE_EXHAUSTED "
+            "(default 1024)",
         )
     if stage == "decode":
         p.add_argument(

@@ -100,6 +100,12 @@ class GatewayMetrics:
             "Finished requests that met every configured target (TTFT, TPOT): the goodput.",
             registry=r,
         )
+        self.http_errors = Counter(
+            "tandem_http_errors",
+            "HTTP responses with an error status, by status (400, 401, 408, 415, 429, 503, ...).",
+            ["status"],
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -185,6 +191,21 @@ class _EngineCollector(Collector):
                 "Cached blocks evicted to make room.",
                 value=pool.num_evictions,
             )
+        leases = getattr(e, "leases", None)
+        if leases is not None:
+            yield GaugeMetricFamily(
+                "tandem_kv_leased_blocks",
+                "KV blocks leased to decode workers and not yet released (prefill).",
+                value=leases.num_blocks,
+            )
+            yield GaugeMetricFamily(
+                "tandem_kv_leases", "Leases not yet released (prefill).", value=len(leases.leases)
+            )
+            yield CounterMetricFamily(
+                "tandem_kv_leases_expired",
+                "Leases nobody released, reclaimed after their TTL.",
+                value=leases.num_expired,
+            )
         step_time = getattr(e.scheduler, "step_time", None)
         if step_time is not None and step_time.samples:
             yield GaugeMetricFamily(
@@ -221,6 +242,26 @@ class WorkerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.refusals = Counter(
+            "tandem_refusals",
+            "Calls this worker refused, by reason (lease_limit, unknown_lease, "
+            "resource_exhausted, invalid_argument, ...).",
+            ["reason"],
+            registry=r,
+        )
+
+    def watch_progress(self, stalled_s: Callable[[], float]) -> None:
+        """Export the engine loop's watchdog: seconds with work but no token produced."""
+
+        def read() -> Iterator[Any]:
+            yield GaugeMetricFamily(
+                "tandem_engine_stalled_seconds",
+                "Seconds the engine has had work without producing a token (0 while it "
+                "progresses; a growing value is an engine stuck stepping).",
+                value=stalled_s(),
+            )
+
+        self.registry.register(_CallbackCollector(read))
 
 
 class PrefillMetrics(WorkerMetrics):
@@ -273,6 +314,29 @@ class DecodeMetrics(WorkerMetrics):
         self.spec_proposals.inc()
         self.spec_proposed_tokens.inc(proposed)
         self.spec_accepted_tokens.inc(accepted)
+
+
+class DraftMetrics:
+    """Metrics of a draft worker: the sequences it tracks, proposals, refused calls."""
+
+    def __init__(self, num_seqs: Callable[[], int], registry: CollectorRegistry | None = None):
+        r = self.registry = registry or new_registry()
+
+        def read() -> Iterator[Any]:
+            yield GaugeMetricFamily(
+                "tandem_draft_sequences", "Sequences the draft worker holds state for.", num_seqs()
+            )
+
+        r.register(_CallbackCollector(read))
+        self.proposed_tokens = Counter(
+            "tandem_draft_proposed_tokens", "Draft tokens proposed.", registry=r
+        )
+        self.steps = Counter(
+            "tandem_draft_propose_steps", "Propose steps served (one per decode step).", registry=r
+        )
+        self.refusals = Counter(
+            "tandem_refusals", "Calls this worker refused, by reason.", ["reason"], registry=r
+        )
 
 
 class MetricsServer:

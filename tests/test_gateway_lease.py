@@ -43,7 +43,8 @@ class FakeRouter:
         self.prefill = SimpleNamespace(
             stub=FakePrefillStub(), inflight=0, address="prefill:0", mark_down=lambda r: None
         )
-        self.decode = SimpleNamespace(address="decode:0")  # opening a stream would fail
+        # Opening a stream would fail; unhealthy, it tells no KV capacity either.
+        self.decode = [SimpleNamespace(address="decode:0", healthy=False, full=False)]
         self.decode_opened = 0
 
     def pick_prefill(self, names=None):
@@ -53,7 +54,7 @@ class FakeRouter:
         return None
 
     def pick_decode(self, names=None, prefer=None):
-        return self.decode
+        return self.decode[0]
 
 
 def _pipeline() -> tuple[Pipeline, FakeRouter]:

@@ -19,6 +19,7 @@ from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
 from tandem.kv import cuda_ipc
 from tandem.kv.cache import KVCache
+from tandem.kv.lease import check_lease
 from tandem.kv.nixl_pool import (
     NixlEndpoint,
     NixlPeerPool,
@@ -37,13 +38,16 @@ from tandem.kv.transport import (
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import count_refusals, server_interceptors, stage_channel
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
     logprob_to_proto,
     sampling_from_proto,
+    status_for,
 )
 from tandem.rpc.health import add_health, set_serving
+from tandem.rpc.lease import release_until_acknowledged
 
 log = logging.getLogger("tandem.decode")
 SERVICE = "tandem.v1.Decode"
@@ -58,6 +62,7 @@ class PrefillPeer:
     stub: stages_pb2_grpc.PrefillStub
     kind: str = "inline"
     pool_id: str = ""
+    lease_key: bytes = b""  # checks the signatures of the peer's leases
     layout: PoolLayout | None = None
     shared: SharedPool | None = None
     src_kv: KVCache | None = None  # shm, cuda_ipc: the peer's pool, mapped here
@@ -86,6 +91,7 @@ class Session:
 
     out: asyncio.Queue
     seqs: set[str] = field(default_factory=set)
+    closed: bool = False  # the gateway went away: admissions still on their way are dropped
 
 
 class DraftClient:
@@ -95,13 +101,20 @@ class DraftClient:
     the answer and returns None when the draft is slow or down, so that step decodes plainly.
     """
 
-    def __init__(self, address: str, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float,
+        secret: bytes | None = None,
+    ) -> None:
         self.address = address
         self.loop = loop
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(
+        self.channel = stage_channel(
             address,
-            options=[
+            secret,
+            [
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),
@@ -194,6 +207,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         draft: list[str] | None = None,
         spec: dict | None = None,
         kv_transfer_timeout_s: float = 10.0,
+        prefill: list[str] | None = None,
+        stage_secret: bytes | None = None,
     ) -> None:
         accept_kinds(kv_transport, "cpu", True)  # an unknown transport fails here, at start-up
         if kv_transport == "nixl" and not nixl_installed():
@@ -222,6 +237,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.peer_id = f"decode-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.get_running_loop()
         self.peers: dict[str, PrefillPeer] = {}
+        # The prefill workers whose KV this worker takes (its --prefill list): an Admit naming
+        # another address is refused, never dialled.
+        self.prefill_addresses = set(prefill or [])
+        self.stage_secret = stage_secret
+        self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
@@ -237,7 +257,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self._spec_seen = (0, 0, 0)
         if draft:
             spec = spec or {}
-            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2))
+            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2), stage_secret)
             self.speculator = Speculator(
                 self.draft.propose,
                 k_min=spec.get("k_min", 1),
@@ -247,6 +267,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.engine_loop = EngineLoop(
             self.engine, self._on_outputs, self._on_error, speculator=self.speculator
         )
+        self.obs.metrics.watch_progress(lambda: self.engine_loop.stalled_s)
         self.engine_loop.start()
 
     def close(self) -> None:
@@ -262,13 +283,20 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         p = self.peers.get(address)
         if p is not None:
             return p
+        if address not in self.prefill_addresses:
+            known = ", ".join(sorted(self.prefill_addresses)) or "none: start it with --prefill"
+            raise ValueError(
+                f"prefill_address {address!r} is not a prefill peer of this decode worker "
+                f"(its peers: {known})"
+            )
         lock = self._peer_locks.setdefault(address, asyncio.Lock())
         async with lock:
             if address in self.peers:
                 return self.peers[address]
-            ch = grpc.aio.insecure_channel(
+            ch = stage_channel(
                 address,
-                options=[
+                self.stage_secret,
+                [
                     ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -318,12 +346,13 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             req.device_uuid = cuda_ipc.device_uuid(self.engine.kv.data.device)
         if self.nixl_endpoint is not None:
             req.nixl_agent_metadata = self.nixl_endpoint.info.agent_metadata
-        h = (await stub.Register(req, timeout=10)).handle
+        resp = await stub.Register(req, timeout=10)
+        h = resp.handle
         layout = layout_from_proto(h.layout)
         self.layout.check_compatible(layout)
         if h.kind not in kinds:
             raise RuntimeError(f"prefill {address} offered transport {h.kind!r}, wanted {kinds}")
-        p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, layout)
+        p = PrefillPeer(address, ch, stub, h.kind, h.pool_id, resp.lease_key, layout)
         try:
             await self._open_handle(p, h, req, stub, address)
         except Exception as e:  # noqa: BLE001 - the caller decides: fall back or fail
@@ -378,7 +407,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         sid = msg.seq_id
         params = sampling_from_proto(msg.sampling)
         ids = list(msg.prompt_token_ids)
-        src_blocks = list(msg.kv.block_ids)
         rng = (
             torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
         )
@@ -388,6 +416,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             await self._prefill_here(msg, session, params, t0)
             return
         failure = ""
+        verified = False  # the caller proved it holds the lease: it is released whatever happens
         try:
             peer = await self.peer(msg.prefill_address)
             if peer.pool_id != msg.kv.pool_id:
@@ -396,21 +425,38 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 peer = await self.peer(msg.prefill_address)
                 if peer.pool_id != msg.kv.pool_id:
                     raise ValueError(
-                        f"KV reference names pool {msg.kv.pool_id!r}, unknown at {msg.prefill_address}"
+                        f"KV reference names pool {msg.kv.pool_id!r}, unknown at its prefill worker"
                     )
+            # The prefill worker's signature, not the caller, says which blocks hold this
+            # prompt's KV: other blocks, or other prompt tokens, are refused.
+            kv_ref = msg.kv
+            check_lease(
+                peer.lease_key,
+                kv_ref.lease_signature,
+                kv_ref.pool_id,
+                kv_ref.lease_id,
+                kv_ref.block_ids,
+                kv_ref.num_tokens,
+                kv_ref.expires_at,
+                ids,
+            )
+            verified = True
+            src_blocks = list(kv_ref.block_ids)
             kv = self.engine.kv
             staging = None  # inline: the blocks' bytes
             read: int | None = None  # nixl: blocks the READ filled (reserved in the engine)
             moved = [0]  # blocks whose KV this worker copied in (its prefix cache held the rest)
+            if session.closed:
+                return  # the gateway went away meanwhile (the lease is released below)
             session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
             self.owner[sid] = session
             self.importing[sid] = None
             try:
                 if peer.kind == "inline":
-                    staging = await self._fetch_inline(peer, msg.kv)
+                    staging = await self._fetch_inline(peer, kv_ref)
                     moved[0] = len(src_blocks)  # fetched whole, whatever the cache holds
                 elif peer.kind == "nixl":
-                    read = await self._read_nixl(peer, msg, ids, params, rng, t0)
+                    read = await self._read_nixl(peer, msg, src_blocks, ids, params, rng, t0)
                     moved[0] = read or 0
             finally:
                 cancelled = self.importing.pop(sid, None)
@@ -472,22 +518,37 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             failure = str(e) or type(e).__name__
             if isinstance(e, NixlTransferError):
                 self.transfer_failures += 1
-            self.obs.admit_failed(sid, t0, e)
-            session.seqs.discard(sid)
-            self.owner.pop(sid, None)
-            session.out.put_nowait(
-                stages_pb2.DecodeOut(
-                    finished=[
-                        stages_pb2.SeqFinished(
-                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
-                        )
-                    ]
-                )
-            )
+            self._refuse(sid, session, t0, e)
         finally:
             # The blocks were copied (or will be recomputed, or never will be: then `failure`
             # tells the prefill side so): it may reuse them.
-            asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+            if verified:
+                asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+
+    def _refuse(self, sid: str, session: Session, t0: float, e: Exception) -> None:
+        """End a sequence whose admission failed, telling the gateway why (and how: its code)."""
+        code = status_for(e)
+        self.refuse(code.name.lower())
+        self.obs.admit_failed(sid, t0, e)
+        session.seqs.discard(sid)
+        self.owner.pop(sid, None)
+        session.out.put_nowait(
+            stages_pb2.DecodeOut(
+                finished=[
+                    stages_pb2.SeqFinished(
+                        seq_id=sid,
+                        finish_reason="error",
+                        error=f"decode admit: {e}",
+                        error_code=code.name,
+                    )
+                ]
+            )
+        )
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
 
     async def _prefill_here(
         self, msg: stages_pb2.Admit, session: Session, params, t0: float
@@ -496,6 +557,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         computing only what its prefix cache lacks, in chunks mixed with its decodes."""
         sid = msg.seq_id
         ids = list(msg.prompt_token_ids)
+        if session.closed:
+            return
         session.seqs.add(sid)
         self.owner[sid] = session
         try:
@@ -504,18 +567,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
             log.warning("admit %s (prefill here) failed: %s", sid, e)
-            self.obs.admit_failed(sid, t0, e)
-            session.seqs.discard(sid)
-            self.owner.pop(sid, None)
-            session.out.put_nowait(
-                stages_pb2.DecodeOut(
-                    finished=[
-                        stages_pb2.SeqFinished(
-                            seq_id=sid, finish_reason="error", error=f"decode admit: {e}"
-                        )
-                    ]
-                )
-            )
+            self._refuse(sid, session, t0, e)
             return
         self.local_prefills += 1
         self.transfer[sid] = (0.0, "none")
@@ -525,6 +577,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self,
         peer: PrefillPeer,
         msg: stages_pb2.Admit,
+        peer_blocks: list[int],
         ids: list[int],
         params,
         rng: torch.Tensor | None,
@@ -535,7 +588,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         number of blocks read. None when this pool has no room: the sequence is then queued and
         recomputed here, nothing is read."""
         sid = msg.seq_id
-        peer_blocks = list(msg.kv.block_ids)
 
         def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
             got = e.reserve_prefilled(ids, msg.first_token, params, sid, rng, peer_blocks)
@@ -579,13 +631,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         p = self.peers.get(address)
         if p is None or not lease_id:
             return
-        try:
-            await p.stub.Release(
-                stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure), timeout=5
-            )
-        except grpc.aio.AioRpcError as e:
-            # The lease expires by itself on the prefill side.
-            log.warning("release of %s at %s failed: %s", lease_id, address, e.details())
+        req = stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure)
+        await release_until_acknowledged(p.stub, req, f"prefill {address}")
 
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
@@ -704,8 +751,37 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         finally:
             reader.cancel()
             # The gateway went away: its sequences have no one to stream to.
-            for sid in list(session.seqs):
-                await self._cancel(sid, session, notify=False)
+            self._drop_session(session)
+
+    def _drop_session(self, session: Session) -> None:
+        """Abort every sequence of a session that ended. Nothing here awaits: a handler being
+        cancelled (the gateway's connection dropped) cannot stop half-way and leave sequences
+        running for nobody."""
+        session.closed = True
+        ids = []
+        for sid in list(session.seqs):
+            session.seqs.discard(sid)
+            if sid in self.importing:
+                self.importing[sid] = False  # `admit` drops it when its transfer ends
+            elif self.owner.get(sid) is session:
+                self.owner.pop(sid, None)
+                ids.append(sid)
+        if not ids:
+            return
+        fut = self.engine_loop.submit(lambda e: [sid for sid in ids if e.abort(sid)])
+
+        def aborted(f) -> None:
+            if not f.cancelled() and f.exception() is None:
+                self.loop.call_soon_threadsafe(self._forget_aborted, f.result())
+
+        fut.add_done_callback(aborted)
+
+    def _forget_aborted(self, ids: list[str]) -> None:
+        for sid in ids:
+            self.obs.finished(sid, "abort")
+            self.prefill_info.pop(sid, None)
+            self.transfer.pop(sid, None)
+            self.spec_totals.pop(sid, None)
 
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
         if sid in self.importing:
@@ -742,6 +818,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
                 block_size=e.config.block_size,
                 local_prefills=self.local_prefills,
+                max_seq_tokens=e.pool.num_blocks * e.config.block_size,
+                max_sequences=e.config.max_num_seqs + e.config.max_queued_seqs,
+                refusals=self.refusals,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
@@ -782,14 +861,21 @@ async def serve(
     spec: dict | None = None,
     kv_transfer_timeout_s: float = 10.0,
     prefill_wait_s: float = 300.0,
+    stage_secret: bytes | None = None,
 ) -> None:
-    """Run the decode worker until cancelled; registers with the given prefill workers (waiting
-    up to `prefill_wait_s` for them) before it reports SERVING.
+    """Run the decode worker until cancelled; registers with the given prefill workers, the only
+    ones whose KV it takes (waiting up to `prefill_wait_s` for them), before it reports SERVING.
 
-    Prometheus text is served on `metrics_port` (None: no metrics endpoint).
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint). With
+    `stage_secret`, every call but health checks must carry it, and every call to the prefill
+    and draft workers sends it (tandem.rpc.auth).
     """
-    server = grpc.aio.server()
-    service = DecodeService(config, kv_transport, draft, spec, kv_transfer_timeout_s)
+    auth = server_interceptors(stage_secret)
+    server = grpc.aio.server(interceptors=auth)
+    service = DecodeService(
+        config, kv_transport, draft, spec, kv_transfer_timeout_s, prefill or [], stage_secret
+    )
+    count_refusals(auth, service.refuse)
     stages_pb2_grpc.add_DecodeServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -12,7 +12,9 @@ import grpc
 from tandem import progress, telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
+from tandem.metrics import DraftMetrics, serve_metrics
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import count_refusals, server_interceptors
 from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.draft")
@@ -27,6 +29,7 @@ class DraftService(stages_pb2_grpc.DraftServicer):
         # One thread owns the proposer: calls never overlap, the event loop never blocks.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
         self.proposals = 0
+        self.metrics = DraftMetrics(lambda: self.proposer.num_seqs)
 
     async def _run(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -71,7 +74,10 @@ class DraftService(stages_pb2_grpc.DraftServicer):
             else:
                 unknown.append(s.seq_id)
         props = self.proposer.propose(ks)
-        self.proposals += sum(len(v) for v in props.values())
+        n = sum(len(v) for v in props.values())
+        self.proposals += n
+        self.metrics.proposed_tokens.inc(n)
+        self.metrics.steps.inc()
         out = stages_pb2.ProposeResponse(step=req.step)
         for sid in ks:
             out.proposals.append(
@@ -110,6 +116,7 @@ async def serve(
     draft: str = "ngram",
     num_blocks: int | None = None,
     metrics_port: int | None = None,
+    stage_secret: bytes | None = None,
 ) -> None:
     """Run the draft worker until cancelled.
 
@@ -117,14 +124,22 @@ async def serve(
     a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
     """
     proposer = build_proposer(draft, config, num_blocks=num_blocks)
-    server = grpc.aio.server()
+    auth = server_interceptors(stage_secret)
+    server = grpc.aio.server(interceptors=auth)
     service = DraftService(proposer, draft)
+    count_refusals(auth, lambda reason: service.metrics.refusals.labels(reason).inc())
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"draft: cannot bind {host}:{port}")
     await server.start()
+    try:
+        metrics = serve_metrics(service.metrics.registry, host, metrics_port, "draft")
+    except OSError:
+        await server.stop(None)
+        service.pool.shutdown(wait=False)
+        raise
     await set_serving(health, [SERVICE], True)
     progress.report("ready")
     log.info("draft serving on %s:%d (proposer %s)", host, bound, draft)
@@ -135,3 +150,5 @@ async def serve(
             await server.stop(1.0)  # may itself be cancelled (SIGTERM): shut down anyway
         finally:
             service.pool.shutdown(wait=False)
+            if metrics is not None:
+                metrics.close()

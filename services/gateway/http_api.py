@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -16,6 +17,7 @@ from services.gateway.observe import RequestTrace
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from tandem import telemetry
+from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway.http")
@@ -119,9 +121,12 @@ async def errors_middleware(request: web.Request, handler):
 
 
 class OpenAIServer:
-    def __init__(self, frontend: Frontend, api_key: str | None = None) -> None:
+    def __init__(
+        self, frontend: Frontend, api_key: str | None = None, config: GatewayConfig | None = None
+    ) -> None:
         self.fe = frontend
         self.api_key = api_key
+        self.body_timeout_s = (config or GatewayConfig()).http_body_timeout_s
         middlewares = [errors_middleware]
         if api_key:
             middlewares.append(self._auth)
@@ -132,6 +137,7 @@ class OpenAIServer:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/livez", self.livez)
         self.app.on_response_prepare.append(_trace_header)
+        self.app.on_response_prepare.append(self._count_errors)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -155,6 +161,11 @@ class OpenAIServer:
             status=503,
             headers={"Retry-After": "1"},
         )
+
+    async def _count_errors(self, request: web.Request, response: web.StreamResponse) -> None:
+        metrics = self.fe.telemetry.metrics if self.fe.telemetry is not None else None
+        if metrics is not None and response.status >= 400:
+            metrics.http_errors.labels(str(response.status)).inc()
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 only when a request can be served now."""
@@ -183,13 +194,46 @@ class OpenAIServer:
             }
         )
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, allowed: frozenset[str]) -> dict:
+        """The request's JSON object, checked: JSON by its Content-Type, UTF-8, bounded depth,
+        valid Unicode text, and only fields this endpoint knows."""
+        if request.content_type != "application/json":
+            # A form or text/plain body is what a web page can send cross-site without asking.
+            raise RequestError(
+                f"Content-Type must be application/json, got {request.content_type!r}",
+                status=415,
+            )
+        charset = (request.charset or "utf-8").lower()
+        if charset not in ("utf-8", "utf8"):
+            raise RequestError(f"charset {charset!r} is not supported: send UTF-8 JSON", status=415)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except TimeoutError:
+            raise RequestError(
+                f"request body did not arrive within {self.body_timeout_s:g} s", status=408
+            ) from None
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise RequestError(
+                f"request body is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
+        except json.JSONDecodeError as e:
             raise RequestError(f"request body is not valid JSON: {e}") from e
+        except RecursionError:
+            raise RequestError(
+                f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)"
+            ) from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
+        _check_json(body)
+        unknown = sorted(k for k in body if k not in allowed)
+        if unknown:
+            raise RequestError(
+                f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                "not supported by this endpoint",
+                unknown[0],
+            )
         return body
 
     def _begin(self, request: web.Request, operation: str) -> RequestTrace:
@@ -201,7 +245,7 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         rt = self._begin(request, "chat")
         try:
-            body = await self._body(request)
+            body = await self._body(request, CHAT_FIELDS)
             self.fe.check_model(body.get("model") or "")
             msgs = body.get("messages")
             if not isinstance(msgs, list):
@@ -211,8 +255,8 @@ class OpenAIServer:
                 if not isinstance(m, dict):
                     raise RequestError(f"messages[{i}] must be an object", "messages")
                 content = m.get("content")
-                if isinstance(content, list):  # content parts: keep the text ones
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if isinstance(content, list):  # content parts: text only
+                    content = "".join(_text_part(p, i, j) for j, p in enumerate(content))
                 norm.append({"role": m.get("role"), "content": content})
             ids = self.fe.chat_ids(norm)
             params = sampling_from_body(body, chat=True)
@@ -227,7 +271,7 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         rt = self._begin(request, "text_completion")
         try:
-            body = await self._body(request)
+            body = await self._body(request, COMPLETION_FIELDS)
             self.fe.check_model(body.get("model") or "")
             prompt = body.get("prompt")
             if isinstance(prompt, str):
@@ -264,6 +308,10 @@ class OpenAIServer:
             return error_response("stream must be a boolean", 400, "stream")
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
         self.fe.pipeline.admit(ids)
+        try:
+            await self.fe.pipeline.check_fits(ids, params)
+        except ValueError as e:
+            return error_response(str(e), 400, "max_tokens")
         opts = body.get("stream_options") or {}
         if not isinstance(opts, dict):
             return error_response("stream_options must be an object", 400, "stream_options")
@@ -284,6 +332,8 @@ class OpenAIServer:
                 return error_response(str(e), 503, kind="service_unavailable")
             except Overloaded as e:
                 return error_response(str(e), 429, kind="rate_limit_exceeded")
+            except ValueError as e:
+                return error_response(str(e), 400, _param_of(str(e)))
             full = "".join(text)
             choice: dict[str, Any] = {"index": 0, "finish_reason": fin.reason}
             if chat:
@@ -304,6 +354,13 @@ class OpenAIServer:
                     "usage": _usage(fin),
                 }
             )
+        # The 200 waits for the first event: a request refused before its first token (a full
+        # worker, a stage down) gets its own status (429, 503, 400), not a stream with an error.
+        try:
+            first = await anext(events, None)
+        except (Overloaded, StageUnavailable, ValueError) as e:
+            await events.aclose()
+            return _error_for(e)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -324,7 +381,7 @@ class OpenAIServer:
                         {"delta": {"role": "assistant", "content": ""}},
                     )
                 )
-            async for ev in events:
+            async for ev in _after(first, events):
                 if isinstance(ev, TextDelta):
                     if not ev.text:
                         continue
@@ -347,22 +404,35 @@ class OpenAIServer:
                             }
                         )
             await resp.write(b"data: [DONE]\n\n")
-        except (StageUnavailable, Overloaded) as e:
-            await send(
-                {
-                    "error": {
-                        "message": str(e),
-                        "type": "service_unavailable",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
         except (ConnectionResetError, ConnectionError):
             pass  # the client went away; closing `events` cancels the request
+        except Exception as e:  # noqa: BLE001 - the 200 is sent: the stream says what failed
+            await self._end_stream_with_error(resp, e, rid, chunk_obj, created, model, chat)
         finally:
             await events.aclose()
         return resp
+
+    async def _end_stream_with_error(self, resp, e, rid, chunk_obj, created, model, chat) -> None:
+        """After the 200 of a stream, a failure is an error event, then a last chunk whose
+        finish_reason is `error`, then `[DONE]`: every client sees the stream end."""
+        if isinstance(e, Overloaded):
+            kind, message = "rate_limit_exceeded", str(e)
+        elif isinstance(e, StageUnavailable):
+            kind, message = "service_unavailable", str(e)
+        elif isinstance(e, ValueError):
+            kind, message = "invalid_request_error", str(e)
+        else:
+            log.exception("HTTP stream failed", exc_info=e)
+            kind, message = "server_error", "internal error"
+        error = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        part = {"delta": {}} if chat else {"text": ""}
+        try:
+            await resp.write(f"data: {json.dumps(error)}\n\n".encode())
+            last = _chunk(rid, chunk_obj, created, model, part, "error")
+            await resp.write(f"data: {json.dumps(last)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            pass
 
     def _chat_logprobs(self, lps) -> dict:
         tok = self.fe.tokenizer
@@ -389,6 +459,95 @@ async def _trace_header(request: web.Request, response: web.StreamResponse) -> N
     response.headers[telemetry.TRACE_ID_HEADER] = rt.trace_id
     if response.status >= 400:
         rt.fail(f"HTTP {response.status}")
+
+
+# The request fields each endpoint takes: the OpenAI ones Tandem serves or can safely ignore
+# (user, store, metadata, service_tier), and Tandem's own sampling fields. Anything else (tools,
+# response_format, logit_bias, echo, best_of, ...) is refused by name rather than ignored.
+_COMMON_FIELDS = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "stream_options",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "seed",
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+    }
+)
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+MAX_JSON_DEPTH = 32
+
+
+def _check_json(body: dict) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding text that is not Unicode (a
+    lone UTF-16 surrogate such as "\\ud800" parses as JSON but cannot be encoded)."""
+    stack: list[tuple[Any, str, int]] = [(body, "body", 1)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(
+                    f"{where} holds a lone surrogate ({v[e.start]!r}): not valid Unicode text",
+                    where.split(".", 2)[1].split("[")[0] if where.count(".") else None,
+                ) from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, f"{where} key", depth + 1))
+                stack.append((x, f"{where}.{k}", depth + 1))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+
+
+def _text_part(part: Any, i: int, j: int) -> str:
+    """The text of one content part; other kinds (images, audio, files) are refused."""
+    where = f"messages[{i}].content[{j}]"
+    if not isinstance(part, dict):
+        raise RequestError(f"{where} must be an object", "messages")
+    if part.get("type", "text") != "text":
+        raise RequestError(
+            f"{where} is a {part.get('type')!r} part: only text content is supported", "messages"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise RequestError(f"{where}.text must be a string", "messages")
+    return text
+
+
+def _error_for(e: Exception) -> web.Response:
+    """The error response of a request refused before its first token."""
+    if isinstance(e, Overloaded):
+        return error_response(str(e), 429, kind="rate_limit_exceeded")
+    if isinstance(e, StageUnavailable):
+        return error_response(str(e), 503, kind="service_unavailable")
+    return error_response(str(e), 400, _param_of(str(e)))
+
+
+async def _after(first, events):
+    """`first` (unless None), then the rest of `events`."""
+    if first is not None:
+        yield first
+    async for ev in events:
+        yield ev
 
 
 def _chunk(

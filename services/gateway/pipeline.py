@@ -10,11 +10,12 @@ decode worker imports the KV, copying only the blocks it does not hold already.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -34,9 +35,12 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import logprob_from_proto, sampling_to_proto
+from tandem.rpc.lease import release_until_acknowledged
 
 if TYPE_CHECKING:
     from services.gateway.observe import RequestTrace
+
+log = logging.getLogger("tandem.gateway")
 
 
 @dataclass
@@ -78,10 +82,6 @@ class Route:
     uncached: int  # prompt tokens the prefilling worker probably lacks
 
 
-class _DecodeLost(Exception):
-    """The stream to a sequence's decode worker broke (the worker died or went away)."""
-
-
 class Pipeline:
     """Runs requests across the router's workers."""
 
@@ -95,9 +95,11 @@ class Pipeline:
         max_inflight: int = 1024,
         disagg_threshold: int = GatewayConfig.disagg_threshold,
         admission: TtftAdmission | None = None,
-        failover_timeout_s: float = GatewayConfig.failover_timeout_s,
+        resume_budget_s: float = 0.0,
     ) -> None:
         self.router = router
+        self.resume_budget_s = resume_budget_s
+        self.resumed = 0  # streams continued on another decode worker after theirs died
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.max_model_len = max_model_len
@@ -108,10 +110,6 @@ class Pipeline:
         self.waiting = 0  # admitted, no first token yet
         self.inflight = 0  # admitted, not finished
         self.prefills = {"prefill": 0, "decode": 0}  # requests by where they were prefilled
-        # A sequence whose decode worker dies continues on another (or the restarted) one, if
-        # one serves within this many seconds; 0: the request fails at once.
-        self.failover_timeout_s = failover_timeout_s
-        self.failovers = 0  # sequences moved to another decode worker after a death
         self._background: set[asyncio.Task] = set()
 
     def admit(self, ids: list[int] | None = None, session: Session | None = None) -> Route | None:
@@ -130,12 +128,32 @@ class Pipeline:
         if ids is None:
             return None
         route = self.route(ids, session)
+        if route.decode.full:
+            raise Overloaded(
+                f"the decode worker is full ({route.decode.load} sequences running or queued); "
+                "retry later"
+            )
         worker = route.prefill or route.decode
         try:
             self.admission.check(worker.address, route.uncached)
         except SloUnreachable as e:
             raise Overloaded(str(e)) from e
         return route
+
+    async def check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse (ValueError naming max_tokens) a request that no decode worker's KV pool can
+        hold even alone: it would run out of blocks with nothing left to wait for."""
+        caps = [await c.capacity() for c in self.router.decode if c.healthy]
+        caps = [c for c in caps if c]
+        if not caps:
+            return  # no worker answers: the request fails at routing, or is checked there
+        fits = max(caps)
+        if len(ids) + params.max_tokens > fits:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) plus the prompt ({len(ids)} tokens) is more "
+                f"than one sequence can hold in the decode worker's KV cache ({fits} tokens); "
+                f"lower max_tokens to at most {max(0, fits - len(ids))}"
+            )
 
     def route(self, ids: list[int], session: Session | None = None) -> Route:
         """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down)."""
@@ -174,6 +192,7 @@ class Pipeline:
         cannot meet its time-to-first-token target (with load shedding).
         """
         route = self.admit(ids, session)
+        await self.check_fits(ids, params)
         self.inflight += 1
         self.waiting += 1
         state = {"waiting": True}
@@ -218,9 +237,10 @@ class Pipeline:
         self.prefills["decode" if prefill is None else "prefill"] += 1
         if prefill is not None:
             prefill.inflight += 1
-        # The prefill worker names the lease after `seq_id`; until a decode worker takes it over,
-        # this request owns it and gives it back on every way out (cancel, stop, error).
-        lease = {"owned": prefill is not None, "id": seq_id}
+        # The lease token comes with the prefill's answer; until a decode worker takes the lease
+        # over, this request owns it and gives it back on every way out (cancel, stop, error).
+        # Without an answer there is no token: the prefill worker gives back what nobody took.
+        lease = {"owned": prefill is not None, "id": ""}
         try:
             async with aclosing(
                 self._stream(
@@ -231,36 +251,28 @@ class Pipeline:
                     yield ev
         finally:
             self.admission.done(ticket)
-            if lease["owned"]:
+            if lease["owned"] and lease["id"]:
                 self._release_lease(prefill, lease["id"])
             if session is not None:
                 session.decode = route.decode.address
 
-    async def _failover(self, route: Route, why: str, lost_at: float) -> DecodeClient:
-        """A live decode worker for a sequence whose worker died, waiting (quietly, as the
-        client does) for one to serve again up to `failover_timeout_s` after the loss."""
-        deadline = lost_at + self.failover_timeout_s
+    async def _decode_for_resume(self, route: Route):
+        """A live decode worker for a stream whose worker died, waited for up to the resume
+        budget (a restarted worker comes back healthy); None when none came in time."""
+        deadline = time.monotonic() + self.resume_budget_s
         while True:
             try:
-                decode = route.decode = self.router.pick_decode(route.names)
-                self.failovers += 1
-                return decode
+                return self.router.pick_decode(route.names)
             except StageUnavailable:
                 if time.monotonic() >= deadline:
-                    raise StageUnavailable(
-                        f"the decode worker of this request failed ({why}) and none served "
-                        f"again within {self.failover_timeout_s:g}s; retry later"
-                    ) from None
-                await asyncio.sleep(0.2)
+                    return None
+            await asyncio.sleep(0.2)
 
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
-            try:
-                await prefill.stub.Release(
-                    stages_pb2.ReleaseRequest(lease_ids=[lease_id]), timeout=5
-                )
-            except grpc.aio.AioRpcError:
-                pass  # the lease expires on its own
+            await release_until_acknowledged(
+                prefill.stub, stages_pb2.ReleaseRequest(lease_ids=[lease_id]), "prefill worker"
+            )
 
         # A task, not an await: this runs while a cancelled generator is being closed.
         task = asyncio.ensure_future(release())
@@ -279,12 +291,15 @@ class Pipeline:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Overloaded(f"prefill worker {prefill.address} is full: {e.details()}") from e
+                raise Overloaded(f"prefill worker is full: {e.details()}") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 prefill.mark_down(e.details() or "unavailable")
-            raise StageUnavailable(
-                f"prefill worker {prefill.address} failed: {e.code().name}: {e.details()}"
-            ) from e
+            # Clients learn what failed, not where: the worker's address and gRPC's own details
+            # (connection errors name addresses) go to the log.
+            log.warning(
+                "prefill worker %s failed: %s: %s", prefill.address, e.code().name, e.details()
+            )
+            raise StageUnavailable(f"prefill worker failed ({e.code().name}); retry later") from e
         finally:
             prefill.inflight -= 1
             self._first_token_seen(state)
@@ -315,7 +330,7 @@ class Pipeline:
             t_first = time.monotonic()
             self.admission.first_token(ticket)
             self.router.index.record(prefill.address, route.names)
-            lease["id"] = resp.kv.lease_id or seq_id
+            lease["id"] = resp.kv.lease_id
             first = resp.first_token
             out_ids.append(first)
             cached = resp.cached_tokens
@@ -352,76 +367,84 @@ class Pipeline:
         if reason is None:
             if not decode.healthy and prefill is not None:
                 decode = route.decode = self.router.pick_decode(route.names)
-            lost_at = None  # when the decode worker of this sequence died (None: it lives)
-            while True:
-                done = lost = False
-                try:
-                    q = await decode.open(seq_id, admit)
-                    lease["owned"] = False  # the decode worker releases it after its copy
-                    while not done:
-                        kind, msg = await q.get()
-                        if kind == "tokens":
-                            toks = list(msg.token_ids)
-                            if t_first is None and toks:  # prefilled here: the first token
-                                t_first = time.monotonic()
-                                timings["ttft_ms"] = (t_first - t0) * 1e3
-                                self._first_token_seen(state)
-                                self.admission.first_token(ticket)
-                            # Several ids in one message (an accepted draft run) may run past
-                            # a stop string: only those up to the one completing it are output.
-                            text, n = detok.add_until_stop(toks)
-                            toks = toks[:n]
-                            out_ids.extend(toks)
-                            lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
-                            if msg.proposed_draft_tokens:  # running totals, as SeqFinished's
-                                spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
-                            if detok.stopped_by is not None:
-                                reason, done = "stop", True
-                            if text or toks:
-                                yield TextDelta(text, toks, lps)
-                        elif kind == "finished":
-                            done = True
-                            if msg.finish_reason == "error":
-                                raise StageUnavailable(
-                                    f"decode worker {decode.address} failed: {msg.error}"
-                                )
-                            reason = reason or msg.finish_reason
-                            timings["kv_transfer_ms"] = msg.kv_transfer_ms
-                            transport = msg.kv_transport or transport
+            done = False
+            try:
+                q = await decode.open(seq_id, admit)
+                lease["owned"] = False  # the decode worker releases it after its copy
+                while not done:
+                    kind, msg = await q.get()
+                    if kind == "tokens":
+                        toks = list(msg.token_ids)
+                        if t_first is None and toks:  # prefilled here: the first token
+                            t_first = time.monotonic()
+                            timings["ttft_ms"] = (t_first - t0) * 1e3
+                            self._first_token_seen(state)
+                            self.admission.first_token(ticket)
+                        # Several ids in one message (an accepted draft run) may run past a
+                        # stop string: only those up to the one completing it are output.
+                        text, n = detok.add_until_stop(toks)
+                        toks = toks[:n]
+                        out_ids.extend(toks)
+                        lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
+                        if msg.proposed_draft_tokens:  # running totals; SeqFinished has the last
                             spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
-                            if prefill is None and lost_at is None:
-                                cached = msg.cached_prompt_tokens
-                                timings["queue_ms"] = msg.queue_ms
-                                timings["prefill_ms"] = msg.prefill_ms
-                        else:  # the stream to the decode worker broke: it died
-                            done = lost = True
-                            raise _DecodeLost(msg)
-                except _DecodeLost as e:
-                    lost_at = lost_at or time.monotonic()
-                    decode = await self._failover(route, str(e), lost_at)
-                    # Continue where the stream stopped: the prompt and every token already
-                    # streamed are the new worker's prompt, which it prefills itself.
-                    admit = stages_pb2.Admit(
-                        seq_id=seq_id,
-                        prompt_token_ids=ids + out_ids,
-                        sampling=sampling_to_proto(
-                            replace(params, max_tokens=params.max_tokens - len(out_ids))
-                        ),
-                        trace_context=carrier,
-                        prefill_here=True,
-                    )
-                    continue
-                finally:
-                    if not done or reason == "stop" and detok.stopped_by is not None:
-                        decode.cancel(seq_id)
-                    decode.close_seq(seq_id)
-                    if not lost:
-                        # It holds the prompt and the output but the last token (whose KV is
-                        # never computed), named block by block as they filled.
-                        self.router.index.record(
-                            decode.address, self.router.index.names(ids + out_ids[:-1])
+                        if detok.stopped_by is not None:
+                            reason, done = "stop", True
+                        if text or toks:
+                            yield TextDelta(text, toks, lps)
+                    elif kind == "finished":
+                        done = True
+                        if msg.finish_reason == "error":
+                            if msg.error_code == "RESOURCE_EXHAUSTED":
+                                raise Overloaded(f"decode worker is full: {msg.error}")
+                            log.warning("decode worker %s failed: %s", decode.address, msg.error)
+                            raise StageUnavailable(f"decode worker failed: {msg.error}")
+                        reason = reason or msg.finish_reason
+                        timings["kv_transfer_ms"] = msg.kv_transfer_ms
+                        transport = msg.kv_transport or transport
+                        spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
+                        if prefill is None:
+                            cached = msg.cached_prompt_tokens
+                            timings["queue_ms"] = msg.queue_ms
+                            timings["prefill_ms"] = msg.prefill_ms
+                    else:  # the stream to the decode worker broke
+                        decode.close_seq(seq_id)
+                        left = params.max_tokens - len(out_ids)
+                        new = await self._decode_for_resume(route) if left > 0 else None
+                        if new is None:
+                            done = True
+                            raise StageUnavailable(
+                                f"{msg}; no decode worker served again within "
+                                f"{self.resume_budget_s:g}s (resume_budget_s)"
+                            )
+                        # Continue where it stopped: the prompt and the tokens streamed so far
+                        # are prefilled on the new worker, which generates the rest.
+                        decode = route.decode = new
+                        resumed = sampling_to_proto(params)
+                        resumed.max_tokens = left
+                        admit = stages_pb2.Admit(
+                            seq_id=seq_id,
+                            prompt_token_ids=ids + out_ids,
+                            sampling=resumed,
+                            trace_context=carrier,
+                            prefill_here=True,
                         )
-                break
+                        self.resumed += 1
+                        log.warning(
+                            "resuming a stream on decode worker %s after %d tokens",
+                            decode.address,
+                            len(out_ids),
+                        )
+                        q = await decode.open(seq_id, admit)
+            finally:
+                if not done or reason == "stop" and detok.stopped_by is not None:
+                    decode.cancel(seq_id)
+                decode.close_seq(seq_id)
+                # It holds the prompt and the output but the last token (whose KV is never
+                # computed), named block by block as they filled.
+                self.router.index.record(
+                    decode.address, self.router.index.names(ids + out_ids[:-1])
+                )
         tail = detok.finish()
         if tail:
             yield TextDelta(tail, [])

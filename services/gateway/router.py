@@ -18,6 +18,7 @@ import grpc
 from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import stage_channel
 
 log = logging.getLogger("tandem.gateway")
 
@@ -49,8 +50,9 @@ class Worker:
 
     stage = "worker"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
         self.address = address
+        self.secret = secret  # the stage credential sent on every call
         # Not routed to until its health check answers SERVING (`watch`): a worker that is still
         # loading cannot serve, and the gateway's readiness says so.
         self.healthy = False
@@ -97,15 +99,15 @@ class Worker:
 class PrefillClient(Worker):
     stage = "prefill"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
+        super().__init__(address, secret)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         self.inflight = 0
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         await old.close()
 
@@ -118,21 +120,42 @@ class DecodeClient(Worker):
 
     stage = "decode"
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
+        super().__init__(address, secret)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        # The most tokens (prompt + output) one sequence fits in this worker's KV pool; learned
+        # from its Stats on first use and again after it comes back (it may have restarted).
+        self.max_seq_tokens: int | None = None
+        self.max_sequences: int | None = None  # running + queued it takes (also from Stats)
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self._send = None
+        self.max_seq_tokens = None
         await old.close()
+
+    async def capacity(self) -> int | None:
+        """`max_seq_tokens` of this worker (asked once); None when it does not answer."""
+        if self.max_seq_tokens is None and self.healthy:
+            try:
+                st = await self.stub.Stats(stages_pb2.StatsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return None
+            self.max_seq_tokens = st.max_seq_tokens or None
+            self.max_sequences = st.max_sequences or None
+        return self.max_seq_tokens
+
+    @property
+    def full(self) -> bool:
+        """This gateway alone has as many sequences there as the worker takes."""
+        return self.max_sequences is not None and self.load >= self.max_sequences
 
     @property
     def load(self) -> int:
@@ -167,15 +190,18 @@ class DecodeClient(Worker):
                     q = self.queues.get(f.seq_id)
                     if q is not None:
                         q.put_nowait(("finished", f))
-            reason = "decode worker closed the stream"
+            reason = public = "decode worker closed the stream"
         except grpc.aio.AioRpcError as e:
-            reason = f"decode worker {self.address} unavailable: {e.code().name}: {e.details()}"
+            reason = f"decode worker unavailable ({e.code().name}): {e.details()}"
+            # Clients learn what failed, not where (gRPC's details name addresses): the log
+            # (mark_down) has the rest.
+            public = f"decode worker unavailable ({e.code().name}); retry later"
         except asyncio.CancelledError:
             return
         self._send = None
         self.mark_down(reason)
         for q in self.queues.values():
-            q.put_nowait(("error", reason))
+            q.put_nowait(("error", public))
 
     async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
         """Admit a sequence; its token batches and finish event arrive on the returned queue."""
@@ -203,9 +229,9 @@ class DecodeClient(Worker):
 class DraftAdmitter:
     """Admits sequences to a draft worker, fire-and-forget (speculation is optional)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: bytes | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DraftStub(self.channel)
         self.failures = 0
 
@@ -241,12 +267,13 @@ class Router:
         decode: list[str],
         draft: list[str] | None = None,
         index: PrefixIndex | None = None,
+        stage_secret: bytes | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
-        self.prefill = [PrefillClient(a) for a in prefill]
-        self.decode = [DecodeClient(a) for a in decode]
-        self.draft = [DraftAdmitter(a) for a in draft or []]
+        self.prefill = [PrefillClient(a, stage_secret) for a in prefill]
+        self.decode = [DecodeClient(a, stage_secret) for a in decode]
+        self.draft = [DraftAdmitter(a, stage_secret) for a in draft or []]
         self.index = index or PrefixIndex(16)
         for w in [*self.prefill, *self.decode]:
             w.index = self.index
@@ -259,8 +286,8 @@ class Router:
     ) -> W:
         up = [c for c in workers if c.healthy]
         if not up:
-            tried = ", ".join(c.address for c in workers)
-            raise StageUnavailable(f"no {stage} worker is available (tried {tried}); retry later")
+            # The workers' addresses are in the log (mark_down), not in a client's error.
+            raise StageUnavailable(f"no {stage} worker is available; retry later")
         least = min(load(c) for c in up)
         near = [c for c in up if load(c) <= least + LOAD_SLACK]
         if not names or len(near) == 1:

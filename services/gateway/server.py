@@ -18,6 +18,7 @@ from services.gateway.grpc_api import (
     add_gateway_to_server,
 )
 from services.gateway.http_api import OpenAIServer
+from services.gateway.http_limits import ConnectionGuard, GuardedSite
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_index import PrefixIndex
@@ -43,13 +44,18 @@ async def serve(
     gateway_config: GatewayConfig | None = None,
     draft: list[str] | None = None,
     metrics_port: int | None = None,
+    stage_secret: bytes | None = None,
 ) -> None:
-    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off)."""
+    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off).
+
+    `stage_secret`: the credential sent on every call to the prefill, decode and draft workers."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
-    router = Router(prefill, decode, draft, index=PrefixIndex(config.block_size))
+    router = Router(
+        prefill, decode, draft, index=PrefixIndex(config.block_size), stage_secret=stage_secret
+    )
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
     ttft_slo_s = gc.ttft_slo_ms / 1e3 if gc.ttft_slo_ms else None
     pipeline = Pipeline(
@@ -61,7 +67,7 @@ async def serve(
         gc.max_inflight,
         disagg_threshold=gc.disagg_threshold,
         admission=TtftAdmission(ttft_slo_s, gc.shed_load),
-        failover_timeout_s=gc.failover_timeout_s,
+        resume_budget_s=gc.resume_budget_s,
     )
     frontend = Frontend(pipeline, mc.name, mc.vocab_size, gc)
     gateway_metrics = GatewayMetrics()
@@ -98,13 +104,14 @@ async def serve(
     await server.start()
     runner = None
     if http_port is not None:
-        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key).app, access_log=None)
+        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key, gc).app, access_log=None)
         await runner.setup()
         ssl_ctx = None
         if gc.tls_cert:
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(gc.tls_cert, gc.tls_key)
-        await web.TCPSite(runner, host, http_port, ssl_context=ssl_ctx).start()
+        guard = ConnectionGuard(gc.http_max_connections, gc.http_header_timeout_s)
+        await GuardedSite(runner, host, http_port, guard, ssl_context=ssl_ctx).start()
     # Workers are probed until they serve; readiness (gRPC health, /health) follows the router.
     router.watch()
     health_task = asyncio.ensure_future(_follow_router(router, health))
@@ -135,9 +142,9 @@ def _admission_metrics(pipeline: Pipeline):
         value=pipeline.admission.num_shed,
     )
     yield CounterMetricFamily(
-        "tandem_decode_failovers",
-        "Sequences that continued on another decode worker after theirs died.",
-        value=pipeline.failovers,
+        "tandem_streams_resumed",
+        "Streams that continued on another (or a restarted) decode worker after theirs died.",
+        value=pipeline.resumed,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import cuda_ipc
+from tandem.kv.lease import sign_lease
 from tandem.kv.nixl_pool import NixlEndpoint, nixl_missing_reason
 from tandem.kv.transport import (
     LayoutMismatch,
@@ -28,6 +30,7 @@ from tandem.kv.transport import (
 from tandem.metrics import serve_metrics
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import count_refusals, server_interceptors
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -41,11 +44,26 @@ log = logging.getLogger("tandem.prefill")
 SERVICE = "tandem.v1.Prefill"
 
 
+class LeaseLimit(RuntimeError):
+    """A peer holds as many leases as it may (`max_leases_per_peer`)."""
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer string (`ipv4:127.0.0.1:5432`, `ipv6:[::1]:5432`)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
 @dataclass
 class PrefillResult:
     first_token: int
     logprob: object
     lease_id: str
+    token: str
+    token_ids: list[int]
+    expires_at: float  # Unix seconds
     blocks: list[int]
     num_tokens: int
     rng_state: bytes
@@ -57,11 +75,21 @@ class PrefillResult:
 class PrefillService(stages_pb2_grpc.PrefillServicer):
     """Prefill.Run batches prompts on the engine thread; the KV stays leased until released."""
 
-    def __init__(self, config: EngineConfig, lease_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, config: EngineConfig, lease_ttl_s: float = 30.0, max_leases_per_peer: int = 1024
+    ) -> None:
+        if max_leases_per_peer < 1:
+            raise ValueError(f"--max-leases-per-peer must be >= 1, got {max_leases_per_peer}")
+        self.max_leases_per_peer = max_leases_per_peer
+        # Prompts in progress -> the peer host that asked (counted against its lease limit).
+        self.run_owner: dict[str, str] = {}
+        self.refusals: dict[str, int] = {}
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
         device = config.resolved_device()
         self.pool_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        # Signs every lease of this pool (KvRef.lease_signature); registered peers get it.
+        self.lease_key = secrets.token_bytes(32)
         self.shared: SharedPool | None = None
         kv = None
         if device.type == "cpu":
@@ -80,6 +108,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
+        self.obs.metrics.watch_progress(lambda: self.engine_loop.stalled_s)
         self.engine_loop.start()
 
     def close(self) -> None:
@@ -98,6 +127,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             if seq.lease_id is None:
                 continue
             lease = self.engine.leases.leases[seq.lease_id]
+            lease.owner = self.run_owner.get(seq.seq_id, "")
             state = (
                 seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
             )
@@ -105,6 +135,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 first_token=o.new_token_ids[0],
                 logprob=o.new_logprobs[0],
                 lease_id=seq.lease_id,
+                token=lease.token,
+                token_ids=lease.token_ids,
+                expires_at=time.time() + (lease.expires_at - now),
                 blocks=list(lease.blocks),
                 num_tokens=lease.num_tokens,
                 rng_state=state,
@@ -119,6 +152,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             self.loop.call_soon_threadsafe(self._fail, sid, message)
 
     def _resolve(self, seq_id: str, res: PrefillResult) -> None:
+        self.run_owner.pop(seq_id, None)  # the lease itself counts from now on
         fut = self.pending.pop(seq_id, None)
         if fut is None or fut.done():
             # The caller went away: nobody will collect these blocks.
@@ -128,6 +162,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def _fail(self, seq_id: str, message: str) -> None:
         self.obs.forget(seq_id)
+        self.run_owner.pop(seq_id, None)
         fut = self.pending.pop(seq_id, None)
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"prefill failed: {message}"))
@@ -184,7 +219,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             )
         self.peers.add(request.peer_id)
         log.info("registered decode peer %s (transport %s)", request.peer_id, kind)
-        return stages_pb2.RegisterResponse(handle=handle, model=self.model_name)
+        return stages_pb2.RegisterResponse(
+            handle=handle, model=self.model_name, lease_key=self.lease_key
+        )
 
     async def _nixl_pool(self, request) -> stages_pb2.NixlPool:
         """This worker's pool as a NIXL peer sees it (the agent is created on first use) and the
@@ -208,22 +245,42 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             scales_addr=info.scales_addr,
         )
 
+    def refuse(self, reason: str) -> None:
+        """Count a refused call by its reason (WorkerStats.refusals, /metrics)."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
+
     async def Run(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
+        if rid in self.pending:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already being prefilled"
+            )
         params = sampling_from_proto(request.sampling)
         ids = list(request.prompt_token_ids)
+        owner = peer_host(context.peer() or "")
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
+
+        def add(e: LLMEngine) -> None:
+            held = e.leases.owned_by(owner) + sum(1 for o in self.run_owner.values() if o == owner)
+            if held >= self.max_leases_per_peer:
+                raise LeaseLimit(
+                    f"this client holds {held} KV leases (max_leases_per_peer="
+                    f"{self.max_leases_per_peer}): release some or let them expire, then retry"
+                )
+            e.add_request(ids, params, rid, prefill_only=True)
+            self.run_owner[rid] = owner
+
         self.pending[rid] = fut
         self.obs.begin(rid, context)
         try:
-            await asyncio.wrap_future(
-                self.engine_loop.submit(
-                    lambda e: e.add_request(ids, params, rid, prefill_only=True)
-                )
-            )
+            await asyncio.wrap_future(self.engine_loop.submit(add))
         except Exception as e:  # noqa: BLE001 - mapped to a status
             self.pending.pop(rid, None)
             self.obs.forget(rid)
+            if isinstance(e, LeaseLimit):
+                self.refuse("lease_limit")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             await context.abort(status_for(e), str(e))
         try:
             res = await fut
@@ -232,6 +289,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             # back the KV if the prefill finished in the same instant (nobody will collect it).
             self.pending.pop(rid, None)
             self.obs.forget(rid)
+            self.run_owner.pop(rid, None)
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 lease_id = fut.result().lease_id
                 self.engine_loop.submit(lambda e: e.leases.release(lease_id))
@@ -240,13 +298,24 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        signature = sign_lease(
+            self.lease_key,
+            self.pool_id,
+            res.token,
+            res.blocks,
+            res.num_tokens,
+            res.expires_at,
+            res.token_ids,
+        )
         out = stages_pb2.PrefillResponse(
             first_token=res.first_token,
             kv=stages_pb2.KvRef(
                 pool_id=self.pool_id,
                 block_ids=res.blocks,
                 num_tokens=res.num_tokens,
-                lease_id=res.lease_id,
+                lease_id=res.token,
+                lease_signature=signature,
+                expires_at=res.expires_at,
             ),
             rng_state=res.rng_state,
             queue_ms=res.queue_ms,
@@ -267,19 +336,24 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 "KV handover of %s failed at the decode worker: %s", ids, request.transfer_error
             )
         n = await asyncio.wrap_future(
-            self.engine_loop.submit(lambda e: sum(e.leases.release(i) for i in ids))
+            self.engine_loop.submit(lambda e: sum(e.leases.release_token(i) for i in ids))
         )
         return stages_pb2.ReleaseResponse(released=n)
 
-    async def FetchBlocks(self, request, context):
-        lease_id = request.kv.lease_id
-        lease = await asyncio.wrap_future(
-            self.engine_loop.submit(lambda e: e.leases.leases.get(lease_id))
-        )
+    async def _lease(self, token: str, context):
+        """The live lease a peer's token names, or the call ends with NOT_FOUND."""
+        lease = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.leases.get(token)))
         if lease is None:
+            self.refuse("unknown_lease")
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"lease {lease_id!r} is unknown or expired"
+                grpc.StatusCode.NOT_FOUND,
+                "KV lease unknown or expired: a lease token comes only from Prefill.Run "
+                "and is valid until released or its TTL passes",
             )
+        return lease
+
+    async def FetchBlocks(self, request, context):
+        lease = await self._lease(request.kv.lease_id, context)
         for i, b in enumerate(lease.blocks):
             data = block_to_bytes(self.engine.kv, b)
             self.inline_bytes_sent += len(data)
@@ -300,6 +374,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 prefix_query_tokens=e.prefix_cache.query_tokens if e.prefix_cache else 0,
                 prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
                 block_size=e.config.block_size,
+                leases=len(e.leases.leases),
+                refusals=self.refusals,
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
@@ -311,10 +387,18 @@ async def serve(
     port: int,
     lease_ttl_s: float = 30.0,
     metrics_port: int | None = None,
+    stage_secret: bytes | None = None,
+    max_leases_per_peer: int = 1024,
 ) -> None:
-    """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    service = PrefillService(config, lease_ttl_s)
+    """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
+
+    With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth)."""
+    auth = server_interceptors(stage_secret)
+    server = grpc.aio.server(
+        interceptors=auth, options=[("grpc.max_receive_message_length", 64 << 20)]
+    )
+    service = PrefillService(config, lease_ttl_s, max_leases_per_peer)
+    count_refusals(auth, service.refuse)
     stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = server.add_insecure_port(f"{host}:{port}")

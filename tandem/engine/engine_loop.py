@@ -47,6 +47,9 @@ class EngineLoop:
         self.steps = 0
         # time.monotonic() at the start and end of the latest step, for the output callback.
         self.last_step: tuple[float, float] = (0.0, 0.0)
+        # The last moment the engine had no work or a step produced tokens (a watchdog: an
+        # engine that keeps stepping without output is stuck).
+        self.progress_at = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -56,6 +59,11 @@ class EngineLoop:
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout)
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds the engine has had work without producing a token (0 while it progresses)."""
+        return max(0.0, time.monotonic() - self.progress_at)
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread before the next step; its result in a future."""
@@ -91,6 +99,7 @@ class EngineLoop:
                     fut.set_exception(e)
             eng.leases.expire()
             if not eng.has_unfinished():
+                self.progress_at = time.monotonic()
                 continue
             t_step = time.monotonic()
             try:
@@ -111,6 +120,7 @@ class EngineLoop:
             self.steps += 1
             self.last_step = (t_step, time.monotonic())
             if outs:
+                self.progress_at = self.last_step[1]
                 self.on_outputs(outs)
         for _, fut in self._cmds:
             fut.cancel()

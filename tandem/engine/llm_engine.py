@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.quant.weights import prepare_weights
+
+log = logging.getLogger("tandem.engine")
 
 
 @dataclass
@@ -392,12 +395,29 @@ class LLMEngine:
         else:
             batch = self.scheduler.schedule()
             if not batch:
-                return []
+                return self._outgrown()
             self._last_tokens = batch.num_tokens
             outs = self._run_batch(batch.items)
         self.scheduler.step_time.observe(self._last_tokens, time.perf_counter() - t0)
         self._last_tokens = 0
+        if self.scheduler.outgrown:
+            outs = self._outgrown() + outs
         return outs
+
+    def _outgrown(self) -> list[StepOutput]:
+        """Sequences the scheduler ended because even the whole pool cannot hold them."""
+        ended, self.scheduler.outgrown = self.scheduler.outgrown, []
+        for seq in ended:
+            self.seqs.pop(seq.seq_id, None)
+            log.warning(
+                "sequence %s stopped at %d tokens (finish reason length): one sequence cannot "
+                "hold more than the KV pool's %d blocks of %d tokens",
+                seq.seq_id,
+                seq.num_tokens,
+                self.pool.num_blocks,
+                self.config.block_size,
+            )
+        return [StepOutput(seq, [], [], True) for seq in ended]
 
     def _run_batch(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
         """Execute, sample and update one scheduled batch, step by step (no overlap)."""
@@ -435,7 +455,12 @@ class LLMEngine:
                 # The prompt's KV (not the sampled token's, which is not computed yet) is leased
                 # to the decode worker; the rest of the sequence's life is there.
                 blocks = self.scheduler.finish(seq, reason or "prefilled", keep_blocks=True)
-                seq.lease_id = self.leases.grant(blocks, seq.num_computed, name=seq.seq_id).lease_id
+                seq.lease_id = self.leases.grant(
+                    blocks,
+                    seq.num_computed,
+                    name=seq.seq_id,
+                    token_ids=seq.all_token_ids[: seq.num_computed],
+                ).lease_id
                 self.seqs.pop(seq.seq_id, None)
                 reason = reason or "prefilled"
             elif reason is not None:

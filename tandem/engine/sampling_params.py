@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_K = 2**31 - 1  # the wire format's int32
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(
+                f"top_k must be at most {MAX_TOP_K} (any value from the vocabulary size up keeps "
+                f"every token), got {self.top_k}"
+            )
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
@@ -47,6 +54,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
         ):
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and self.seed >= 2**64:
+            raise ValueError(f"seed must be below 2**64, got {self.seed}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)

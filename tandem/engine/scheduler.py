@@ -3,7 +3,9 @@
 Every step, in this order, within a token budget:
 1. each running sequence in decode gets its next token (plus draft tokens to verify); when the
    pool cannot hold them, the newest running sequence is preempted: its blocks are freed and it
-   waits at the head of the queue to be recomputed;
+   waits at the head of the queue to be recomputed. A sequence that would need more blocks than
+   the whole pool has can never continue: it is finished (`length`, in `outgrown`) instead of
+   preempted, so it never waits for room that cannot come while everyone queues behind it;
 2. running sequences still in their prompt get their next chunk (chunked prefill: a long prompt
    is computed over several steps, mixed with the decodes, never all at once);
 3. waiting sequences join in arrival order while the budget, the sequence limit and the pool
@@ -68,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Sequences finished because they outgrew the whole pool, until the engine reports them.
+        self.outgrown: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,6 +104,14 @@ class Scheduler:
             while not self.pool.can_allocate(need) and self.running[-1] is not seq:
                 batch.preempted.append(self._preempt(self.running.pop()))
             if not self.pool.can_allocate(need):
+                if self._outgrows_pool(seq, seq.num_tokens):
+                    if seq.num_pending:
+                        i += 1  # its last tokens are still on the device: end it next step
+                        continue
+                    # Even an empty pool could not hold it: it ends here, at its length limit.
+                    self.finish(seq, "length")
+                    self.outgrown.append(seq)
+                    break
                 # Even alone it cannot grow: preempt it too (it recomputes when blocks free up).
                 self.running.pop()
                 batch.preempted.append(self._preempt(seq))
@@ -121,6 +133,11 @@ class Scheduler:
         # 3. Admit waiting sequences in arrival order.
         while self.waiting and budget > 0 and len(self.running) < self._seq_limit():
             seq = self.waiting[0]
+            if self._outgrows_pool(seq, seq.num_tokens + 1) and seq.output_token_ids:
+                # Preempted after it grew too long to ever be scheduled again: it ends here.
+                self.finish(seq, "length")
+                self.outgrown.append(seq)
+                continue
             if not self._allocate_for(seq):
                 if not self.running and self._drop_waiting_kv():
                     continue  # blocks held by queued sequences were freed: try again
@@ -134,6 +151,11 @@ class Scheduler:
             batch.items.append((seq, n))
             budget -= n
         return batch
+
+    def _outgrows_pool(self, seq: Sequence, num_tokens: int) -> bool:
+        """True when `num_tokens` of the sequence need more blocks than the whole pool has."""
+        bs = seq.block_table.block_size
+        return (num_tokens + bs - 1) // bs > self.pool.num_blocks
 
     def _allocate_for(self, seq: Sequence) -> bool:
         """Give a joining sequence its blocks (cached prefix first); False when they do not fit.

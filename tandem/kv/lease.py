@@ -1,20 +1,36 @@
-"""Leases on KV blocks handed to another process: released by the peer or expired after a TTL."""
+"""Leases on KV blocks handed to another process: released by the peer or expired after a TTL.
+
+A lease is a capability: its token (`Lease.token`, unguessable) is the only way another process
+names it, and the lease itself records which blocks it covers and the exact tokens whose KV they
+hold. Inside the process a lease is also known by its name (the request id), which never leaves
+it. What a lease says travels signed (`sign_lease`, an HMAC under a key the owner gives only to
+registered peers), so the process that reads the blocks checks, without asking the owner, that
+they are the ones leased and hold the KV of exactly the prompt it was given.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
+import secrets
+import struct
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from tandem.kv.block_pool import BlockPool
 
 
 @dataclass
 class Lease:
-    lease_id: str
+    lease_id: str  # the name inside this process (the request id)
     blocks: list[int]
     num_tokens: int
     expires_at: float
+    token: str = ""  # the capability handed to peers
+    token_ids: list[int] = field(default_factory=list)  # whose KV the blocks hold, in order
+    owner: str = ""  # who asked for it (the peer a per-peer limit counts it against)
 
 
 class LeaseTable:
@@ -26,6 +42,7 @@ class LeaseTable:
         self._ids = itertools.count()
         self._prefix = prefix
         self.leases: dict[str, Lease] = {}
+        self.by_token: dict[str, Lease] = {}
         self.num_expired = 0
 
     def grant(
@@ -34,22 +51,45 @@ class LeaseTable:
         num_tokens: int,
         now: float | None = None,
         name: str | None = None,
+        token_ids: list[int] | None = None,
     ) -> Lease:
-        """Lease `blocks`; `name` (the request id) lets a peer release the lease without having
-        seen the grant, e.g. when the response carrying it was lost to a cancellation."""
+        """Lease `blocks`, which hold the KV of `token_ids`; `name` (the request id) names it
+        inside this process, its fresh `token` outside."""
         now = time.monotonic() if now is None else now
         lease_id = name if name and name not in self.leases else f"{self._prefix}-{next(self._ids)}"
-        lease = Lease(lease_id, list(blocks), num_tokens, now + self.ttl_s)
+        lease = Lease(
+            lease_id,
+            list(blocks),
+            num_tokens,
+            now + self.ttl_s,
+            token=secrets.token_urlsafe(24),
+            token_ids=list(token_ids or ()),
+        )
         self.leases[lease.lease_id] = lease
+        self.by_token[lease.token] = lease
         return lease
+
+    def get(self, token: str) -> Lease | None:
+        """The live lease a peer's token names; None when unknown, released or expired."""
+        return self.by_token.get(token) if token else None
 
     def release(self, lease_id: str) -> bool:
         """Return a lease's blocks to the pool; False when it is unknown (released or expired)."""
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return False
+        self.by_token.pop(lease.token, None)
         self.pool.free(reversed(lease.blocks))  # last first: a cached prefix evicts tail-first
         return True
+
+    def release_token(self, token: str) -> bool:
+        """`release` by the token a peer holds; False when it names no live lease."""
+        lease = self.get(token)
+        return lease is not None and self.release(lease.lease_id)
+
+    def owned_by(self, owner: str) -> int:
+        """Live leases counted against `owner`."""
+        return sum(1 for v in self.leases.values() if v.owner == owner)
 
     def expire(self, now: float | None = None) -> int:
         """Reclaim every lease past its deadline; returns how many."""
@@ -63,3 +103,67 @@ class LeaseTable:
     @property
     def num_blocks(self) -> int:
         return sum(len(v.blocks) for v in self.leases.values())
+
+
+class LeaseRefused(ValueError):
+    """A lease reference that does not check out (forged, altered, for other tokens, expired)."""
+
+
+def _lease_message(
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+) -> bytes:
+    # Every part length-prefixed, so no two different leases share a message.
+    parts = [
+        b"tandem-lease-v1",
+        pool_id.encode(),
+        token.encode(),
+        struct.pack(f"<{len(block_ids)}I", *block_ids),
+        struct.pack("<Id", num_tokens, expires_at),
+        struct.pack(f"<{len(token_ids)}I", *token_ids),
+    ]
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def sign_lease(
+    key: bytes,
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+) -> bytes:
+    """The HMAC-SHA256 of what a lease says, under the owner's lease key."""
+    msg = _lease_message(pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def check_lease(
+    key: bytes,
+    signature: bytes,
+    pool_id: str,
+    token: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int],
+    now: float | None = None,
+) -> None:
+    """Raise `LeaseRefused` unless the signature covers exactly these blocks holding the KV of
+    exactly `token_ids`, and the lease has not expired (`now`, `expires_at`: Unix seconds)."""
+    if not token or not signature:
+        raise LeaseRefused("the KV reference carries no lease token or signature")
+    want = sign_lease(key, pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    if not hmac.compare_digest(want, signature):
+        raise LeaseRefused(
+            "KV lease refused: its signature does not match these blocks and prompt tokens "
+            "(only what Prefill.Run leased, for the prompt it prefilled, is taken)"
+        )
+    now = time.time() if now is None else now
+    if now > expires_at:
+        raise LeaseRefused(f"KV lease expired {now - expires_at:.1f} s ago")

@@ -31,9 +31,14 @@ async def set_serving(
         await servicer.set(name, status)
 
 
-async def check(address: str, timeout: float = 1.0) -> bool:
-    """True when the server at `address` answers SERVING."""
-    async with grpc.aio.insecure_channel(address) as ch:
+async def check(address: str, timeout: float = 1.0, tls_root: bytes | None = None) -> bool:
+    """True when the server at `address` answers SERVING; `tls_root` (PEM): the server speaks
+    TLS with a certificate that this root (or the certificate itself) vouches for."""
+    if tls_root is not None:
+        channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_root))
+    else:
+        channel = grpc.aio.insecure_channel(address)
+    async with channel as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

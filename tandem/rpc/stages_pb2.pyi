@@ -60,16 +60,20 @@ class NixlPool(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., data_addr: _Optional[int] = ..., scales_addr: _Optional[int] = ...) -> None: ...
 
 class KvRef(_message.Message):
-    __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id")
+    __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id", "lease_signature", "expires_at")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_id: str
-    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    lease_signature: bytes
+    expires_at: float
+    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid")
@@ -90,12 +94,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("handle", "model")
+    __slots__ = ("handle", "model", "lease_key")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_KEY_FIELD_NUMBER: _ClassVar[int]
     handle: PoolHandle
     model: str
-    def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    lease_key: bytes
+    def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ..., lease_key: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -160,8 +166,15 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens", "max_sequences")
     class ImportsByTransportEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +197,10 @@ class WorkerStats(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     used_blocks: int
@@ -200,7 +217,11 @@ class WorkerStats(_message.Message):
     prefix_hit_tokens: int
     block_size: int
     local_prefills: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ...) -> None: ...
+    leases: int
+    refusals: _containers.ScalarMap[str, int]
+    max_seq_tokens: int
+    max_sequences: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here")
@@ -260,7 +281,7 @@ class SeqTokens(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class SeqFinished(_message.Message):
-    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens", "cached_prompt_tokens", "prefill_ms")
+    __slots__ = ("seq_id", "finish_reason", "error", "kv_transfer_ms", "queue_ms", "kv_transport", "proposed_draft_tokens", "accepted_draft_tokens", "cached_prompt_tokens", "prefill_ms", "error_code")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +292,7 @@ class SeqFinished(_message.Message):
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     finish_reason: str
     error: str
@@ -281,7 +303,8 @@ class SeqFinished(_message.Message):
     accepted_draft_tokens: int
     cached_prompt_tokens: int
     prefill_ms: float
-    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    error_code: str
+    def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
     __slots__ = ("tokens", "finished")

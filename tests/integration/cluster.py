@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.rpc import api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import stage_channel_sync
 
 
 def _die_with_parent() -> None:
@@ -44,6 +46,7 @@ class Cluster:
     decode_port: int
     output: list[str]
     metrics_ports: dict[str, int] = field(default_factory=dict)  # stage -> /metrics port
+    stage_secret: bytes | None = None  # sent to the stage ports (TANDEM_STAGE_SECRET)
 
     @property
     def address(self) -> str:
@@ -56,11 +59,11 @@ class Cluster:
         return api_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address))
 
     def decode_stats(self) -> stages_pb2.WorkerStats:
-        ch = grpc.insecure_channel(f"127.0.0.1:{self.decode_port}")
+        ch = stage_channel_sync(f"127.0.0.1:{self.decode_port}", self.stage_secret)
         return stages_pb2_grpc.DecodeStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
 
     def prefill_stats(self) -> stages_pb2.WorkerStats:
-        ch = grpc.insecure_channel(f"127.0.0.1:{self.prefill_port}")
+        ch = stage_channel_sync(f"127.0.0.1:{self.prefill_port}", self.stage_secret)
         return stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
 
     def wait_decode_idle(self, timeout: float = 10.0) -> stages_pb2.WorkerStats:
@@ -85,7 +88,8 @@ def start_cluster(
     extra: list[str] | None = None, timeout: float = 240.0, env: dict[str, str | None] | None = None
 ) -> Cluster:
     """`tandem up` on free ports; `env` adds to (or, with None values, removes from) the
-    environment of every stage."""
+    environment of every stage. The stages get a fresh stage secret (TANDEM_STAGE_SECRET)
+    unless `env` names one or removes it: the stage ports then require it, as deployed."""
     port, http_port, pp, dp, gm, pm, dm = free_ports(7)
     metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
     cmd = [
@@ -109,7 +113,7 @@ def start_cluster(
         str(dm),
         *(extra or []),
     ]
-    overrides = env or {}
+    overrides = {"TANDEM_STAGE_SECRET": secrets.token_urlsafe(24), **(env or {})}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k, v in overrides.items():
         if v is None:
@@ -132,6 +136,16 @@ def start_cluster(
             raise RuntimeError("tandem up exited before it was healthy:\n" + "".join(lines))
         lines.append(line)
         if line.startswith("Tandem is up"):
-            return Cluster(proc, port, http_port, pp, dp, lines, metrics_ports)
+            secret = env.get("TANDEM_STAGE_SECRET")
+            return Cluster(
+                proc,
+                port,
+                http_port,
+                pp,
+                dp,
+                lines,
+                metrics_ports,
+                secret.encode() if secret else None,
+            )
     proc.kill()
     raise RuntimeError("tandem up did not become healthy in time:\n" + "".join(lines))

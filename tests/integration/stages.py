@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.rpc.auth import stage_channel_sync
 from tests.integration.cluster import free_ports
 
 
@@ -69,6 +70,16 @@ class Stage:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def secret(self) -> bytes | None:
+        """The stage secret this stage runs with (TANDEM_STAGE_SECRET in its env), if any."""
+        s = self.env.get("TANDEM_STAGE_SECRET")
+        return s.encode() if s else None
+
+    def channel(self) -> grpc.Channel:
+        """A channel to this stage that sends its stage secret, as its peers do."""
+        return stage_channel_sync(self.address, self.secret)
 
     def start(self, wait: bool = True, credentials=None) -> Stage:
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child

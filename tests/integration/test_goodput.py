@@ -222,7 +222,12 @@ def test_requests_that_cannot_meet_the_ttft_target_are_shed(stack):
     # far over 1 ms) the next request is refused at arrival.
     assert codes[0] == "ok" and codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
     conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hello", "max_tokens": 2}))
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "hello", "max_tokens": 2}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     body = json.loads(resp.read())
     assert resp.status == 429 and "time-to-first-token" in body["error"]["message"]

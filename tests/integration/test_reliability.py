@@ -25,7 +25,10 @@ def stack(tmp_path_factory):
     # Every prompt through the prefill worker (no conditional disaggregation): the tests below
     # kill it and expect new work to fail.
     prefill, decode, gateway = pipeline_stages(
-        str(d), [], gateway_args=["--disagg-threshold", "0"], prefill_args=["--lease-ttl", "2"]
+        str(d),
+        [],
+        gateway_args=["--disagg-threshold", "0", "--resume-budget-s", "0"],
+        prefill_args=["--lease-ttl", "2"],
     )
     prefill.start()
     decode.start()
@@ -130,6 +133,22 @@ def test_invalid_utf8_is_invalid_argument(stack):
 
 
 HTTP_CASES = [
+    ("completions", b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", "nests too deeply"),
+    ("completions", {"prompt": "\ud800"}, "surrogate"),
+    ("chat", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "surrogate"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"prompt": "hi", "top_k": 10**12}, "top_k"),
+    ("completions", {"prompt": "hi", "bogus_field": 1}, "bogus_field"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    (
+        "chat",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        },
+        "image_url",
+    ),
     ("chat", b"{not json", "JSON"),
     ("chat", b"[1, 2]", "object"),
     ("chat", b"\xff\xfe{}", "JSON"),
@@ -192,6 +211,48 @@ def test_malformed_http_request(stack, path, body, field):
     assert err["type"] == "invalid_request_error"
     assert field in err["message"] or err.get("param") == field, err
     assert "Traceback" not in err["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "application/json; charset=x-bogus-42"],
+)
+def test_http_body_must_be_utf8_json(stack, content_type):
+    """A body that does not say it is UTF-8 JSON is refused (415): forms and text/plain are what
+    a web page may post to a local server without asking."""
+    _, _, gateway = stack
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": content_type})
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    assert resp.status == 415, payload
+    assert ("Content-Type" in payload["error"]["message"]) or (
+        "charset" in payload["error"]["message"]
+    )
+
+
+def test_openai_fields_a_client_sends_are_accepted(stack):
+    _, _, gateway = stack
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=60)
+    body = {
+        "model": "",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_tokens": 2,
+        "user": "someone",
+        "n": 1,
+        "stream": False,
+        "seed": 2**63,
+        "top_k": 10**6,
+        "metadata": {"k": "v"},
+    }
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    payload = json.loads(resp.read())
+    assert resp.status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 2
 
 
 def test_server_healthy_after_bad_input(stack):
@@ -299,7 +360,12 @@ def test_overload_is_refused_at_once(stack, tmp_path):
         ]
         for it in small_busy:
             next(it)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "hi", "max_tokens": 2}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         body = json.loads(resp.read())
         assert resp.status == 429 and "limit" in body["error"]["message"]

@@ -1,0 +1,616 @@
+"""Callers who attack or misuse the stack: real processes, each attack refused.
+
+One stack runs with a stage secret. Callers without it get UNAUTHENTICATED everywhere but the
+health service; callers with it (a misbehaving or compromised peer) still cannot use KV they
+were not leased, poison the decode worker's prefix cache, act on another caller's lease, hoard
+leases, or make the decode worker dial an address of their choosing. A request longer than the
+decode worker's KV pool is refused at the gateway, and one that reaches the worker anyway ends
+with `length` instead of wedging it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import STAGE_SECRET_KEY, stage_channel_sync
+from tests.integration.cluster import free_ports
+from tests.integration.stages import Stage, health, pipeline_stages
+
+SECRET = "stage-secret-" + uuid.uuid4().hex
+MAX_LEASES = 3
+DECODE_BLOCKS = 32  # of 16 tokens: one sequence holds at most 512 tokens there
+DECODE_TAKES = 4  # sequences running (2) and queued (2) at most on the decode worker
+SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("stage-security"))
+    (fp,) = free_ports(1)
+    draft = Stage("draft", fp, ["--draft", "ngram"], os.path.join(d, "draft.log"))
+    prefill, decode, gateway = pipeline_stages(
+        d,
+        [],
+        gateway_args=["--disagg-threshold", "0", "--draft", draft.address],
+        prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
+        decode_args=[
+            "--draft",
+            draft.address,
+            "--num-blocks",
+            str(DECODE_BLOCKS),
+            "--max-num-seqs",
+            "2",
+            "--max-queued-seqs",
+            "2",
+        ],
+    )
+    stages = [draft, prefill, decode, gateway]
+    for s in stages:
+        s.env = {**s.env, "TANDEM_STAGE_SECRET": SECRET}
+    try:
+        for s in stages:
+            s.start()
+        yield draft, prefill, decode, gateway
+    finally:
+        for s in reversed(stages):
+            s.stop()
+
+
+def _bare(stage: Stage) -> grpc.Channel:
+    return grpc.insecure_channel(stage.address)
+
+
+def _prefill_run(prefill: Stage, ids=PROMPT, channel=None) -> stages_pb2.PrefillResponse:
+    stub = stages_pb2_grpc.PrefillStub(channel or prefill.channel())
+    return stub.Run(
+        stages_pb2.PrefillRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=SAMPLING
+        ),
+        timeout=60,
+    )
+
+
+def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
+    return stages_pb2_grpc.PrefillStub(prefill.channel()).Stats(stages_pb2.StatsRequest())
+
+
+def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
+    return stages_pb2_grpc.DecodeStub(decode.channel()).Stats(stages_pb2.StatsRequest())
+
+
+def _session(decode: Stage, admit: stages_pb2.Admit, channel=None, timeout=60.0):
+    """Admit one sequence on a Decode.Session of our own; (token ids, SeqFinished)."""
+    done = threading.Event()
+
+    def requests():
+        yield stages_pb2.DecodeIn(admit=admit)
+        done.wait(timeout)  # the stream stays open until the sequence ends
+
+    stub = stages_pb2_grpc.DecodeStub(channel or decode.channel())
+    call = stub.Session(requests(), timeout=timeout)
+    tokens: list[int] = []
+    try:
+        for out in call:
+            for t in out.tokens:
+                tokens += t.token_ids
+            for f in out.finished:
+                if f.seq_id == admit.seq_id:
+                    return tokens, f
+    finally:
+        done.set()
+        call.cancel()
+    raise AssertionError("the decode session ended without finishing the sequence")
+
+
+def _admit(prefill: Stage, ids, kv: stages_pb2.KvRef, **kw) -> stages_pb2.Admit:
+    return stages_pb2.Admit(
+        seq_id=uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        first_token=kw.pop("first_token", 5),
+        sampling=SAMPLING,
+        kv=kv,
+        prefill_address=kw.pop("prefill_address", prefill.address),
+        **kw,
+    )
+
+
+def test_health_stays_open_without_the_secret(stack):
+    for s in stack:
+        assert health(s.address) == health_pb2.HealthCheckResponse.SERVING, s.name
+
+
+@pytest.mark.parametrize("secret", [None, "wrong"])
+def test_every_stage_rpc_needs_the_secret(stack, secret):
+    draft, prefill, decode, _ = stack
+    md = [(STAGE_SECRET_KEY, secret)] if secret else None
+    want = "wrong" if secret else "missing"
+    calls = {
+        "Prefill.Run": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Run(
+            stages_pb2.PrefillRequest(prompt_token_ids=PROMPT, sampling=SAMPLING),
+            metadata=md,
+            timeout=10,
+        ),
+        "Prefill.Register": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Register(
+            stages_pb2.RegisterRequest(peer_id="intruder"), metadata=md, timeout=10
+        ),
+        "Prefill.Release": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Release(
+            stages_pb2.ReleaseRequest(lease_ids=["x"]), metadata=md, timeout=10
+        ),
+        "Prefill.FetchBlocks": lambda: list(
+            stages_pb2_grpc.PrefillStub(_bare(prefill)).FetchBlocks(
+                stages_pb2.FetchBlocksRequest(kv=stages_pb2.KvRef(lease_id="x")),
+                metadata=md,
+                timeout=10,
+            )
+        ),
+        "Prefill.Stats": lambda: stages_pb2_grpc.PrefillStub(_bare(prefill)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+        "Decode.Stats": lambda: stages_pb2_grpc.DecodeStub(_bare(decode)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+        "Decode.Session": lambda: list(
+            stages_pb2_grpc.DecodeStub(_bare(decode)).Session(
+                iter(
+                    [
+                        stages_pb2.DecodeIn(
+                            admit=stages_pb2.Admit(
+                                seq_id="x",
+                                prompt_token_ids=PROMPT,
+                                sampling=SAMPLING,
+                                prefill_here=True,
+                            )
+                        )
+                    ]
+                ),
+                metadata=md,
+                timeout=10,
+            )
+        ),
+        "Draft.Admit": lambda: stages_pb2_grpc.DraftStub(_bare(draft)).Admit(
+            stages_pb2.DraftAdmitRequest(seq_id="x", prompt_token_ids=PROMPT),
+            metadata=md,
+            timeout=10,
+        ),
+        "Draft.Stats": lambda: stages_pb2_grpc.DraftStub(_bare(draft)).Stats(
+            stages_pb2.StatsRequest(), metadata=md, timeout=10
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert f"{want} stage credential" in e.value.details(), name
+    # Nothing was prefilled or admitted for the intruder, and every refusal was counted.
+    st = _prefill_stats(prefill)
+    assert st.leases == 0 and st.refusals["unauthenticated"] >= 5
+    st = _decode_stats(decode)
+    assert st.local_prefills == 0 and st.refusals["unauthenticated"] >= 2
+    page = urllib.request.urlopen(f"http://127.0.0.1:{prefill.metrics_port}/metrics").read()
+    assert b'tandem_refusals_total{reason="unauthenticated"}' in page
+    assert b"tandem_kv_leased_blocks 0.0" in page
+    # The draft worker serves /metrics too, refusals included.
+    page = urllib.request.urlopen(f"http://127.0.0.1:{draft.metrics_port}/metrics").read()
+    assert b'tandem_refusals_total{reason="unauthenticated"}' in page
+    assert b"tandem_draft_sequences" in page
+
+
+def test_the_gateway_serves_through_authenticated_stages(stack):
+    *_, gateway = stack
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+        sampling=api_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+    )
+    out = list(stub.Generate(req, timeout=120))
+    assert out[-1].finish.usage.completion_tokens == 6
+    assert out[-1].finish.kv_transport == "shm"
+
+
+def test_admit_naming_unleased_blocks_is_refused(stack):
+    _, prefill, decode, _ = stack
+    victim = _prefill_run(prefill)  # someone else's prompt, KV leased to them
+    try:
+        forged = stages_pb2.KvRef(
+            pool_id=victim.kv.pool_id,
+            block_ids=victim.kv.block_ids,
+            num_tokens=victim.kv.num_tokens,
+            lease_id="lease-0",
+        )
+        tokens, fin = _session(decode, _admit(prefill, PROMPT, forged))
+        assert fin.finish_reason == "error" and not tokens
+        assert "no lease token or signature" in fin.error
+        # A made-up signature, or the victim's real one over other blocks: refused.
+        forged.lease_id = victim.kv.lease_id
+        forged.expires_at = victim.kv.expires_at
+        forged.lease_signature = os.urandom(32)
+        shifted = stages_pb2.KvRef()
+        shifted.CopyFrom(victim.kv)
+        shifted.block_ids[:] = [b + 1 for b in victim.kv.block_ids]
+        for kv in (forged, shifted):
+            tokens, fin = _session(decode, _admit(prefill, PROMPT, kv))
+            assert fin.finish_reason == "error" and not tokens
+            assert "signature does not match" in fin.error
+        # A refused reference releases nothing: the victim's lease is intact.
+        assert _prefill_stats(prefill).leases == 1
+    finally:
+        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+            stages_pb2.ReleaseRequest(lease_ids=[victim.kv.lease_id])
+        )
+    assert _decode_stats(decode).used_blocks == 0
+
+
+def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
+    _, prefill, decode, gateway = stack
+    r = _prefill_run(prefill)
+    poison = [7] * len(PROMPT)  # the prompt a later user will ask about
+    tokens, fin = _session(decode, _admit(prefill, poison, r.kv, first_token=r.first_token))
+    assert fin.finish_reason == "error" and not tokens
+    assert "signature does not match these blocks and prompt tokens" in fin.error
+    # Nothing entered the prefix cache: the prompt it claimed is computed afresh when someone
+    # asks it.
+    stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+        stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
+    )
+    assert _prefill_stats(prefill).leases == 0
+    before = _decode_stats(decode)
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=poison),
+        sampling=api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+    )
+    out = list(stub.Generate(req, timeout=120))
+    assert out[-1].finish.usage.completion_tokens == 2
+    after = _decode_stats(decode)
+    assert after.prefix_hit_tokens == before.prefix_hit_tokens
+
+
+def test_a_valid_lease_admits_and_is_released(stack):
+    _, prefill, decode, _ = stack
+    r = _prefill_run(prefill)
+    tokens, fin = _session(decode, _admit(prefill, PROMPT, r.kv, first_token=r.first_token))
+    assert fin.finish_reason == "length" and len(tokens) == SAMPLING.max_tokens - 1
+    assert fin.kv_transport == "shm"
+    st = _prefill_stats(prefill)
+    assert st.leases == 0 and st.leased_blocks == 0
+
+
+def test_fetch_and_release_need_the_lease_token(stack):
+    _, prefill, _, _ = stack
+    rid = uuid.uuid4().hex
+    stub = stages_pb2_grpc.PrefillStub(prefill.channel())
+    r = stub.Run(
+        stages_pb2.PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SAMPLING),
+        timeout=60,
+    )
+    token = r.kv.lease_id
+    assert token != rid and len(token) >= 32
+    try:
+        # The request id, or a lease id of the old numbering, names nothing outside.
+        for guess in (rid, "lease-0", token[:-1]):
+            with pytest.raises(grpc.RpcError) as e:
+                list(
+                    stub.FetchBlocks(
+                        stages_pb2.FetchBlocksRequest(
+                            kv=stages_pb2.KvRef(
+                                pool_id=r.kv.pool_id, block_ids=r.kv.block_ids, lease_id=guess
+                            )
+                        )
+                    )
+                )
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[guess])).released == 0
+        assert _prefill_stats(prefill).leased_blocks == len(r.kv.block_ids)
+        blocks = list(stub.FetchBlocks(stages_pb2.FetchBlocksRequest(kv=r.kv)))
+        assert len(blocks) == len(r.kv.block_ids)
+    finally:
+        assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 1
+    # Release is idempotent: a second one is acknowledged, releases nothing.
+    assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 0
+    assert _prefill_stats(prefill).leased_blocks == 0
+
+
+def test_leases_per_peer_are_capped(stack):
+    _, prefill, _, _ = stack
+    stub = stages_pb2_grpc.PrefillStub(prefill.channel())
+    held = [_prefill_run(prefill).kv.lease_id for _ in range(MAX_LEASES)]
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            _prefill_run(prefill)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_leases_per_peer" in e.value.details()
+        st = _prefill_stats(prefill)
+        assert st.leases == MAX_LEASES and st.refusals["lease_limit"] >= 1
+    finally:
+        stub.Release(stages_pb2.ReleaseRequest(lease_ids=held))
+    # Released: the same peer may lease again.
+    r = _prefill_run(prefill)
+    stub.Release(stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id]))
+    assert _prefill_stats(prefill).leases == 0
+
+
+def test_admit_never_dials_an_address_the_caller_chose(stack):
+    _, prefill, decode, _ = stack
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.settimeout(1.5)
+    address = f"127.0.0.1:{trap.getsockname()[1]}"
+    try:
+        r = _prefill_run(prefill)
+        admit = _admit(prefill, PROMPT, r.kv, prefill_address=address)
+        tokens, fin = _session(decode, admit)
+        assert fin.finish_reason == "error" and not tokens
+        assert "is not a prefill peer of this decode worker" in fin.error
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody connected
+        assert _decode_stats(decode).registered_peers == 1
+    finally:
+        trap.close()
+        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+            stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
+        )
+
+
+def test_stage_channel_sends_the_secret(stack):
+    _, prefill, _, _ = stack
+    ch = stage_channel_sync(prefill.address, SECRET.encode())
+    assert stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest()).total_blocks > 0
+
+
+def _http(gateway: Stage, path: str, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=120)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_a_request_longer_than_the_decode_pool_is_refused(stack):
+    *_, gateway = stack
+    too_long = DECODE_BLOCKS * 16  # with any prompt, more than the pool holds
+    status, body = _http(
+        gateway,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": too_long, "ignore_eos": True},
+    )
+    assert status == 400, body
+    assert body["error"]["param"] == "max_tokens" and "max_tokens" in body["error"]["message"]
+    status, body = _http(
+        gateway,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": too_long, "stream": True},
+    )
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+        sampling=api_pb2.SamplingParams(max_tokens=too_long - len(PROMPT) + 1, ignore_eos=True),
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in e.value.details()
+    # One that just fits is served.
+    req.sampling.max_tokens = 4
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 4
+
+
+def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
+    """Admitted straight to the decode worker (no gateway check), a sequence with more
+    max_tokens than the pool holds stops with `length` when the pool is full; meanwhile and
+    afterwards the gateway serves others."""
+    _, _, decode, gateway = stack
+    admit = stages_pb2.Admit(
+        seq_id=uuid.uuid4().hex,
+        prompt_token_ids=PROMPT,
+        sampling=api_pb2.SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True),
+        prefill_here=True,
+    )
+    result: list = []
+    worker = threading.Thread(
+        target=lambda: result.append(_session(decode, admit, timeout=300)), daemon=True
+    )
+    worker.start()
+    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=list(range(300, 320))),
+        sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+    )
+    t0 = time.monotonic()
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 3
+    worker.join(300)
+    assert not worker.is_alive(), "the decode worker never ended the outgrown sequence"
+    tokens, fin = result[0]
+    assert fin.finish_reason == "length"
+    # It held as many tokens as the pool has slots (the last one's KV is never computed).
+    assert len(PROMPT) + len(tokens) in (DECODE_BLOCKS * 16, DECODE_BLOCKS * 16 + 1)
+    # And afterwards the worker is free for others.
+    assert list(stub.Generate(req, timeout=120))[-1].finish.usage.completion_tokens == 3
+    assert time.monotonic() - t0 < 300
+    # The watchdog says the engine is not stuck.
+    page = urllib.request.urlopen(f"http://127.0.0.1:{decode.metrics_port}/metrics").read()
+    stalled = [ln for ln in page.decode().splitlines() if ln.startswith("tandem_engine_stalled")]
+    assert stalled and float(stalled[0].split()[-1]) < 5.0, stalled
+    deadline = time.monotonic() + 10
+    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_stats(decode).used_blocks == 0
+
+
+def _sse(gateway: Stage, body: dict) -> tuple[int, list[str]]:
+    """A streamed completion: (status, the `data:` payloads)."""
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=120)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        raw = r.read().decode()
+    finally:
+        conn.close()
+    return r.status, [ln[len("data: ") :] for ln in raw.splitlines() if ln.startswith("data: ")]
+
+
+def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
+    _, _, decode, gateway = stack
+    inbox: queue.Queue = queue.Queue()
+
+    def requests():
+        while (m := inbox.get()) is not None:
+            yield m
+
+    def hold(i: int) -> stages_pb2.DecodeIn:
+        return stages_pb2.DecodeIn(
+            admit=stages_pb2.Admit(
+                seq_id=f"hold-{i}",
+                prompt_token_ids=list(range(200 + 5 * i, 205 + 5 * i)),
+                # Two of these fill the pool exactly (16 blocks each): none is preempted, and
+                # for 240 steps two run while two wait.
+                sampling=api_pb2.SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True),
+                prefill_here=True,
+            )
+        )
+
+    def wait_for(running: int, waiting: int) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = _decode_stats(decode)
+            if (st.running, st.waiting) == (running, waiting):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"decode worker: {st.running} running, {st.waiting} waiting")
+
+    # Another client fills the decode worker: two sequences running, then two queued.
+    call = stages_pb2_grpc.DecodeStub(decode.channel()).Session(requests(), timeout=180)
+    try:
+        inbox.put(hold(0))
+        inbox.put(hold(1))
+        wait_for(2, 0)
+        inbox.put(hold(2))
+        inbox.put(hold(3))
+        wait_for(2, 2)
+        stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=list(range(400, 430))),
+            sampling=api_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "decode worker is full" in e.value.details()
+        assert "127.0.0.1" not in e.value.details()
+        body = {"prompt": list(range(400, 430)), "max_tokens": 8, "ignore_eos": True}
+        status, payload = _http(gateway, "/v1/completions", body)
+        assert status == 429 and payload["error"]["type"] == "rate_limit_exceeded", payload
+        # Streamed: the first token came from the prefill worker, so the 200 was sent; the
+        # stream says what failed, ends with finish_reason "error", then [DONE].
+        status, events = _sse(gateway, {**body, "stream": True})
+        assert status == 200 and events[-1] == "[DONE]", events
+        error = json.loads(events[-3])["error"]
+        assert error["type"] == "rate_limit_exceeded" and "full" in error["message"]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
+        assert _decode_stats(decode).refusals["resource_exhausted"] >= 3
+        page = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics")
+        assert b'tandem_http_errors_total{status="429"} 1.0' in page.read()
+    finally:
+        inbox.put(None)
+        call.cancel()
+    deadline = time.monotonic() + 15
+    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _decode_stats(decode).used_blocks == 0
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bool:
+    """True when the server closes (or resets) `s` within `within` seconds."""
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
+    _, prefill, decode, _ = stack
+    key = "key-" + uuid.uuid4().hex
+    key_file = tmp_path / "api-key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    gp, hp = free_ports(2)
+    gw = Stage(
+        "gateway",
+        gp,
+        [
+            "--http-port",
+            str(hp),
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--api-key-file",
+            str(key_file),
+            "--http-header-timeout-s",
+            "2",
+            "--http-max-connections",
+            "16",
+        ],
+        str(tmp_path / "gateway.log"),
+        env={"TANDEM_STAGE_SECRET": SECRET},
+    ).start()
+    try:
+        # The key is in no command line (`ps` shows those), yet it is required.
+        with open(f"/proc/{gw.proc.pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        gw.http_port = hp
+        body = {"prompt": "hi", "max_tokens": 2}
+        status, payload = _http(gw, "/v1/completions", body)
+        assert status == 401, payload
+        conn = http.client.HTTPConnection("127.0.0.1", hp, timeout=60)
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+        conn.close()
+        # The connection cap: 16 connections that send nothing hold every slot; the next one
+        # is closed at once (well before the header timeout).
+        held = [socket.create_connection(("127.0.0.1", hp)) for _ in range(16)]
+        time.sleep(0.3)
+        extra = socket.create_connection(("127.0.0.1", hp))
+        assert _closed_by_server(extra, 1.0), "a connection past the cap was kept"
+        extra.close()
+        # Half-open connections: unfinished headers are cut by the header timeout (2 s).
+        t0 = time.monotonic()
+        for s in held:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1")
+        for s in held:
+            assert _closed_by_server(s, 10.0), "a connection with unfinished headers was kept"
+            s.close()
+        assert time.monotonic() - t0 < 6
+        # With the slots free again, a request is served.
+        status, _ = _http(gw, "/v1/completions", body)
+        assert status == 401  # reached the handler (no key sent): the server is responsive
+    finally:
+        gw.stop()

@@ -1,0 +1,49 @@
+"""Leases as capabilities: unguessable tokens, and signatures that bind blocks to tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.kv.block_pool import BlockPool
+from tandem.kv.lease import LeaseRefused, LeaseTable, check_lease, sign_lease
+
+KEY = b"k" * 32
+ARGS = ("pool-a", "tok", [3, 4, 5], 40, 2e9, list(range(40)))
+
+
+def test_tokens_are_unguessable_and_name_only_their_lease():
+    pool = BlockPool(8)
+    table = LeaseTable(pool, ttl_s=30)
+    a = table.grant(pool.allocate(2), 20, name="req-1", token_ids=list(range(20)))
+    b = table.grant(pool.allocate(1), 10, name="req-2", token_ids=list(range(10)))
+    assert len(a.token) >= 32 and a.token != b.token
+    assert table.get(a.token) is a and table.get("req-1") is None and table.get("") is None
+    assert not table.release_token("req-1")  # the request id is no capability
+    assert table.release_token(a.token) and not table.release_token(a.token)
+    assert pool.num_used == 1 and table.get(b.token) is b
+    assert table.release("req-2") and table.get(b.token) is None and pool.num_used == 0
+
+
+def test_a_signature_checks_only_what_was_signed():
+    sig = sign_lease(KEY, *ARGS)
+    check_lease(KEY, sig, *ARGS, now=1e9)
+    pool_id, token, blocks, n, expires, ids = ARGS
+    altered = [
+        ("pool-b", token, blocks, n, expires, ids),
+        (pool_id, "other", blocks, n, expires, ids),
+        (pool_id, token, [3, 4, 6], n, expires, ids),
+        (pool_id, token, blocks, 39, expires, ids),
+        (pool_id, token, blocks, n, expires + 1, ids),
+        (pool_id, token, blocks, n, expires, [7] * 40),
+    ]
+    for args in altered:
+        with pytest.raises(LeaseRefused, match="signature does not match"):
+            check_lease(KEY, sig, *args, now=1e9)
+    with pytest.raises(LeaseRefused, match="signature does not match"):
+        check_lease(b"x" * 32, sig, *ARGS, now=1e9)
+    with pytest.raises(LeaseRefused, match="no lease token or signature"):
+        check_lease(KEY, b"", *ARGS, now=1e9)
+    with pytest.raises(LeaseRefused, match="expired"):
+        check_lease(KEY, sig, *ARGS, now=time.time() + 3e9)

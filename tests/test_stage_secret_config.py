@@ -1,0 +1,52 @@
+"""The stage secret and the API key come from a file or the environment, never from argv."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.config import gateway_config_from_args, stage_parser, stage_secret_from_args
+
+
+@pytest.mark.parametrize("stage", ["gateway", "prefill", "decode", "draft"])
+def test_no_flag_takes_the_secret_itself(stage, capsys):
+    extra = ["--prefill", "p:1", "--decode", "d:1"] if stage == "gateway" else []
+    with pytest.raises(SystemExit):
+        stage_parser(stage).parse_args([*extra, "--stage-secret", "s"])
+    assert "--stage-secret is not accepted" in capsys.readouterr().err
+
+
+def test_secret_from_env_or_file(tmp_path, monkeypatch):
+    p = stage_parser("prefill")
+    monkeypatch.delenv("TANDEM_STAGE_SECRET", raising=False)
+    monkeypatch.delenv("TANDEM_STAGE_SECRET_FILE", raising=False)
+    assert stage_secret_from_args(p.parse_args([])) is None
+    monkeypatch.setenv("TANDEM_STAGE_SECRET", "from-env")
+    assert stage_secret_from_args(p.parse_args([])) == b"from-env"
+    f = tmp_path / "secret"
+    f.write_text("from-file\n")
+    with pytest.raises(ValueError, match="once"):
+        stage_secret_from_args(p.parse_args(["--stage-secret-file", str(f)]))
+    monkeypatch.delenv("TANDEM_STAGE_SECRET")
+    assert stage_secret_from_args(p.parse_args(["--stage-secret-file", str(f)])) == b"from-file"
+    monkeypatch.setenv("TANDEM_STAGE_SECRET_FILE", str(f))
+    assert stage_secret_from_args(p.parse_args([])) == b"from-file"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        stage_secret_from_args(p.parse_args(["--stage-secret-file", str(tmp_path / "empty")]))
+    with pytest.raises(ValueError, match="cannot be read"):
+        stage_secret_from_args(p.parse_args(["--stage-secret-file", str(tmp_path / "nope")]))
+
+
+def test_api_key_from_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    f = tmp_path / "key"
+    f.write_text("k3y\n")
+    p = stage_parser("gateway")
+    base = ["--prefill", "p:1", "--decode", "d:1"]
+    assert (
+        gateway_config_from_args(p.parse_args([*base, "--api-key-file", str(f)])).api_key == "k3y"
+    )
+    with pytest.raises(ValueError, match="once"):
+        gateway_config_from_args(
+            p.parse_args([*base, "--api-key-file", str(f), "--api-key", "other"])
+        )

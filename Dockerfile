@@ -99,7 +99,8 @@ RUN python -m pip install --no-deps . \
 # 4. A non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). Every stage container
 #    runs as this uid: the decode worker can then open the prefill worker's shared-memory pool.
 RUN groupadd --gid 10001 tandem \
- && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin tandem
+ && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin tandem \
+ && mkdir -p /run/tandem-secret && chown 10001:10001 /run/tandem-secret && chmod 700 /run/tandem-secret
 USER 10001:10001
 ENV HOME=/home/tandem
 WORKDIR /home/tandem

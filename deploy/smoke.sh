@@ -59,7 +59,7 @@ cleanup() {
     say "SMOKE_KEEP=1: left up (docker compose -p $project ${files[*]} down)"
   else
     say "down"
-    dc down --remove-orphans --timeout 20 >/dev/null 2>&1 || echo "smoke: docker compose down failed" >&2
+    dc down --remove-orphans --volumes --timeout 20 >/dev/null 2>&1 || echo "smoke: docker compose down failed" >&2
   fi
   rm -rf "$tmp"
   exit "$rc"

@@ -250,7 +250,7 @@ def test_variables_have_defaults(compose_raw):
 
 def test_services(compose):
     services = compose["services"]
-    assert set(services) == {"gateway", "prefill", "decode", "draft", "jaeger"}
+    assert set(services) == {"gateway", "prefill", "decode", "draft", "jaeger", "stage-secret"}
     # `docker compose up` starts everything but the draft worker, which is not written yet.
     assert services["draft"]["profiles"] == ["spec"]
     for name in ("gateway", "prefill", "decode", "jaeger"):
@@ -317,6 +317,7 @@ def _known_settings(stage: str) -> set[str]:
 
     names = {"TANDEM_HOST", "TANDEM_LOG_LEVEL", "TANDEM_HOST_ID"}
     names |= {f"TANDEM_{f.name.upper()}" for f in fields(EngineConfig)}
+    names |= {f"TANDEM_{f.name.upper()}" for f in fields(config.StageAuthConfig)}
     gateway_config = getattr(config, "GatewayConfig", None)
     if stage == "gateway" and gateway_config is not None:
         names |= {f"TANDEM_{f.name.upper()}" for f in fields(gateway_config)}
@@ -357,6 +358,33 @@ def test_compose_environment_matches_the_cli_defaults(compose, stage, monkeypatc
     assert "TANDEM_MODEL" in env
     mounts = [v for v in svc.get("volumes", []) if isinstance(v, dict)]
     assert any(v["target"] == "/models" and v.get("read_only") for v in mounts), stage
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_compose_stages_share_a_generated_stage_secret(compose, stage, monkeypatch, tmp_path):
+    """Every stage reads the stage secret from the volume the stage-secret service writes once,
+    and starts only after it has."""
+    svc, init = compose["services"][stage], compose["services"]["stage-secret"]
+    env = _environment(svc)
+    path = env["TANDEM_STAGE_SECRET_FILE"]
+    target = os.path.dirname(path)
+    mounts = {v["target"]: v for v in svc["volumes"] if isinstance(v, dict)}
+    assert mounts[target]["type"] == "volume" and mounts[target]["source"] == "stage-secret"
+    assert "stage-secret" in compose["volumes"]
+    assert svc["depends_on"]["stage-secret"]["condition"] == "service_completed_successfully"
+    assert any(v["target"] == target for v in init["volumes"] if isinstance(v, dict))
+    # The one-liner writes a secret the stage accepts (mode 0600), and only once.
+    script = init["entrypoint"][-1]
+    assert init["entrypoint"][:2] == ["python", "-c"] and path in script
+    local = str(tmp_path / "stage-secret")
+    exec(compile(script.replace(path, local), "stage-secret", "exec"), {})
+    first = open(local).read()
+    exec(compile(script.replace(path, local), "stage-secret", "exec"), {})
+    assert open(local).read() == first and len(first) >= 32
+    assert os.stat(local).st_mode & 0o777 == 0o600
+    monkeypatch.delenv("TANDEM_STAGE_SECRET", raising=False)
+    monkeypatch.setenv("TANDEM_STAGE_SECRET_FILE", local)
+    assert config.stage_secret_from_args(parse_stage_command(svc["command"])[1]) == first.encode()
 
 
 def test_kv_handles_can_cross_from_prefill_to_decode(compose):
@@ -643,8 +671,12 @@ def test_k8s_stage(stage):
         for probe in ("startupProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == args.port, probe
             assert c[probe]["grpc"].get("service", "") == ""
-    env = {e["name"]: e["value"] for e in c.get("env", [])}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
     assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
+    # The stage credential, from the Secret every stage shares (never in the args).
+    ref = {"name": "tandem-stage-secret", "key": "secret"}
+    assert env["TANDEM_STAGE_SECRET"] == {"secretKeyRef": ref}
+    assert not any("secret" in a for a in c["args"])
     gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
     assert gpus == (1 if stage in GPU_STAGES else None)
     # The Service selects exactly this stage's pods and maps its ports by name.

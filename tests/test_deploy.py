@@ -440,9 +440,9 @@ def test_cpu_override(compose_raw, monkeypatch):
         assert not _gpu_devices(svc), f"{name} still reserves a GPU without one"
     for stage in GPU_STAGES:
         assert _environment(merged["services"][stage])["TANDEM_DEVICE"] == "cpu"
-    # One CPU image for every stage, from the base given as BASE_IMAGE, under its own tag (a
-    # GPU build of tandem:latest stays).
-    for stage in STAGES:
+    # One CPU image for every stage (and the stage-secret writer, which runs the same image),
+    # from the base given as BASE_IMAGE, under its own tag (a GPU build of tandem:latest stays).
+    for stage in (*STAGES, "stage-secret"):
         svc = merged["services"][stage]
         assert svc["image"] == "tandem:cpu", stage
         assert svc["build"] == {

@@ -1,6 +1,12 @@
-"""`tandem up --host` opens the gateway alone: the stage workers stay on loopback."""
+"""`tandem up`'s stage ports: on loopback whatever --host says, and closed to callers without the
+stage secret, which `tandem up` makes itself when none is given."""
 
 from __future__ import annotations
+
+import grpc
+import pytest
+
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
@@ -20,11 +26,14 @@ def _listening(port: int) -> set[str]:
     return out
 
 
-def test_host_binds_only_the_gateway(model_factory):
+def test_host_binds_only_the_gateway_and_stages_require_a_secret(model_factory):
     from tests.integration.cluster import start_cluster
 
     _, path = model_factory("llama")
-    c = start_cluster(["--model", path, "--num-blocks", "64", "--host", "0.0.0.0"])
+    c = start_cluster(
+        ["--model", path, "--num-blocks", "64", "--host", "0.0.0.0"],
+        env={"TANDEM_STAGE_SECRET": None},  # tandem up makes one
+    )
     try:
         assert _listening(c.port) == {"any"}
         assert _listening(c.http_port) == {"any"}
@@ -32,7 +41,19 @@ def test_host_binds_only_the_gateway(model_factory):
         for port in (c.prefill_port, c.decode_port, c.metrics_ports["prefill"]):
             assert _listening(port) == {"loopback"}, port
         assert _listening(c.metrics_ports["decode"]) == {"loopback"}
-        # Reached through loopback as before.
-        assert c.decode_stats().total_blocks == 64
+        # The stages require the secret tandem up gave them, which no caller here knows.
+        for port, stub in ((c.decode_port, stages_pb2_grpc.DecodeStub),
+                           (c.prefill_port, stages_pb2_grpc.PrefillStub)):  # fmt: skip
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.RpcError) as e:
+                    stub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The gateway, which has it, serves.
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        out = list(c.gateway().Generate(req, timeout=60))
+        assert out[-1].finish.usage.completion_tokens == 3
     finally:
         c.stop()

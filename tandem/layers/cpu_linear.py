@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels.cpu_int4 import CpuInt4Weight, can_pack, int4_linear_cpu, pack_int4_cpu
-from tandem.quant.format import QuantizedWeight
+from tandem.quant.format import QuantizedWeight, permute_rows
 from tandem.quant.linear import linear
 
 CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
@@ -47,3 +47,26 @@ def cpu_linear(x: torch.Tensor, w: CpuWeight, bias: torch.Tensor | None = None) 
     if isinstance(w, torch.Tensor) and w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return linear(x, w, bias)
+
+
+# The LM head through the INT4 kernel gives bfloat16 logits: at the magnitudes of a model's best
+# logits (~10-30) their spacing is 0.06-0.125, so the two best tokens often come out exactly tied
+# and greedy decoding picks by index. The best few are therefore computed again in float32
+# from the stored codes (a gather of LOGIT_REFINE rows per token: microseconds).
+LOGIT_REFINE = 16
+
+
+def cpu_logits(
+    x: torch.Tensor, head: CpuWeight, stored: torch.Tensor | QuantizedWeight
+) -> torch.Tensor:
+    """Logits [T, vocab] float32 of hidden states x [T, H] on CPU: `head` is the LM head packed
+    by `pack_cpu_weight`, `stored` the same weight unpacked (for the float32 recomputation of the
+    best logits when `head` computes in bfloat16)."""
+    logits = cpu_linear(x, head).float()
+    if not isinstance(head, CpuInt4Weight) or not isinstance(stored, QuantizedWeight):
+        return logits
+    k = min(LOGIT_REFINE, logits.shape[-1])
+    best = logits.topk(k, dim=-1).indices  # [T, k]
+    rows = permute_rows(stored, best.reshape(-1)).dequantize(torch.float32)  # [T * k, H]
+    exact = torch.bmm(rows.view(*best.shape, -1), x.float().unsqueeze(-1)).squeeze(-1)
+    return logits.scatter_(1, best, exact)

@@ -32,7 +32,7 @@ from tandem.kernels.w4a16 import (
     w4a16_matmul,
 )
 from tandem.kv.cache import KVCache
-from tandem.layers.cpu_linear import cpu_linear, pack_cpu_weight
+from tandem.layers.cpu_linear import cpu_linear, cpu_logits, pack_cpu_weight
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import QuantizedWeight, cat_rows, permute_rows
@@ -465,4 +465,4 @@ class LlamaModel:
             if isinstance(self.lm_head, QuantizedWeight):  # the GEMV stores them so: no cast
                 return w4a16_matmul(hidden, self.lm_head, out_dtype=torch.float32)
             return _cuda_linear(hidden, self.lm_head).float()
-        return cpu_linear(hidden, self.cpu_lm_head).float()
+        return cpu_logits(hidden, self.cpu_lm_head, self.lm_head)

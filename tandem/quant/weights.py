@@ -106,9 +106,7 @@ def q4_1_tensor(t: Any, cfg: ModelConfig, permuted: bool) -> tuple[str, Quantize
     return hf, qw
 
 
-def load_gguf_q4_1(
-    path: str, cfg: ModelConfig, heads: bool = False
-) -> dict[str, QuantizedWeight]:
+def load_gguf_q4_1(path: str, cfg: ModelConfig, heads: bool = False) -> dict[str, QuantizedWeight]:
     """The Q4_1 linear weights of a GGUF file as QuantizedWeights under HF names; with `heads`
     also the token embedding and LM head when they are Q4_1 or Q8_0."""
     import gguf

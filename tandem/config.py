@@ -15,6 +15,20 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
+# OpenMP (torch's CPU threads) sleeps between parallel regions instead of spinning. libgomp spins
+# ~300k iterations after each region; when another process holds a core, the spinning thread
+# takes the core the working one needs. Measured on the 2-core Xeon of bench/README.md with other
+# work running, SmolLM2-135M batch-1 decode, 2 threads: 2-4 tok/s spinning, 20-47 sleeping
+# (1 thread: 13-33 either way). Read by OpenMP when torch loads, so it is put in the process
+# environment when `tandem` is imported (before torch); a value set there already wins.
+OPENMP_WAIT_POLICY = "PASSIVE"
+
+
+def set_openmp_defaults() -> None:
+    """Give OpenMP Tandem's wait policy unless the environment sets one (see above)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine (in-process `LLM`, a prefill worker or a decode worker)."""
@@ -33,7 +47,8 @@ class EngineConfig:
     # scale per (block, kv head).
     kv_dtype: str = "auto"
     # Linear weights: "auto" (as the checkpoint stores them: a `tandem quantize` output loads
-    # quantized, a GGUF file is dequantized to float), "int4" (GGUF Q4_1 tensors load natively as
+    # quantized; a GGUF file keeps its Q4_1 / Q8_0 codes on CPU, the embedding and LM head too,
+    # and is dequantized to float on CUDA), "int4" (GGUF Q4_1 tensors load natively as
     # INT4 g32, float weights are quantized at load to INT4 g128 by round-to-nearest) or "none"
     # (everything dequantized to float).
     quantization: str = "auto"

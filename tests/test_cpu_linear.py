@@ -1,4 +1,4 @@
-"""CPU linear layers through oneDNN with weights packed at load (tandem.model.llama.cpu_linear)."""
+"""CPU linear layers through oneDNN with weights packed at load (tandem.model.layer.cpu_linear)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.model import llama
+from tandem.layers import cpu_linear as layer
 
 pytestmark = pytest.mark.skipif(
-    not llama.CPU_PACKED_LINEAR, reason="torch built without oneDNN (mkldnn)"
+    not layer.CPU_PACKED_LINEAR, reason="torch built without oneDNN (mkldnn)"
 )
 
 
@@ -20,10 +20,10 @@ def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
     w = torch.randn(96, 64, generator=g)
     x = torch.randn(rows, 64, generator=g)
     b = torch.randn(96, generator=g) if with_bias else None
-    packed = llama.pack_cpu_weight(w)
+    packed = layer.pack_cpu_weight(w)
     assert packed.is_mkldnn
     with torch.inference_mode():
-        got = llama.cpu_linear(x, packed, b)
+        got = layer.cpu_linear(x, packed, b)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
@@ -31,10 +31,10 @@ def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
 
 def test_only_float32_cpu_weights_are_packed() -> None:
     w16 = torch.randn(8, 8, dtype=torch.bfloat16)
-    assert llama.pack_cpu_weight(w16) is w16
+    assert layer.pack_cpu_weight(w16) is w16
     w = torch.randn(8, 8)
-    packed = llama.pack_cpu_weight(w)
-    assert llama.pack_cpu_weight(packed) is packed  # packing twice is a no-op
+    packed = layer.pack_cpu_weight(w)
+    assert layer.pack_cpu_weight(packed) is packed  # packing twice is a no-op
 
 
 def test_cpu_model_holds_packed_weights(model_factory) -> None:

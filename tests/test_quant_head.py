@@ -44,21 +44,42 @@ def _generate(loaded) -> list[list[int]]:
     from tandem.engine.llm_engine import LLMEngine
 
     eng = LLMEngine(loaded, EngineConfig(num_blocks=32))
-    sp = tandem.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    sp = tandem.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     eng.add_request([5, 9, 33, 100, 7], sp, request_id="a")
     eng.add_request([11, 12], sp, request_id="b")
     got: dict = {}
     while eng.has_unfinished():
         for o in eng.step():
-            got.setdefault(o.seq.seq_id, []).extend(o.new_token_ids)
+            ids, lps = got.setdefault(o.seq.seq_id, ([], []))
+            ids.extend(o.new_token_ids)
+            lps.extend(o.new_logprobs)
     return [got[k] for k in sorted(got)]
+
+
+# The CPU INT4 kernel computes in bfloat16 (tandem.kernels.cpu_int4): on these test models it
+# moved log-probabilities by up to 0.08 nats, so where the float model's two best tokens are
+# closer than this the quantized engine may pick the other one and continue differently.
+NEAR_TIE = 0.15
+
+
+def _assert_equal_up_to_a_near_tie(got: list, want: list) -> None:
+    """`got`, `want`: per sequence, the (token ids, TokenLogprobs) of a quantized engine and of
+    the float engine on its dequantized weights. Equal tokens with log-probabilities within
+    NEAR_TIE, up to a first difference where the float engine's best two were a near-tie."""
+    for (ta, la), (tb, lb) in zip(got, want, strict=True):
+        i = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        for j in range(i):
+            assert abs(la[j].logprob - lb[j].logprob) <= NEAR_TIE, (j, la[j], lb[j])
+        if i < len(ta):
+            (_, best), (_, second) = lb[i].top[:2]
+            assert best - second <= NEAR_TIE, f"differs at {i}, not a near-tie: {lb[i]}"
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3"], ids=["untied", "tied"])
 def test_quantized_head_and_embedding_equal_dequantized_float(model_factory, tmp_path, kind):
     """`tandem quantize --method rtn` with the head and embedding named: the checkpoint holds
     them as QuantizedWeights, and the model's logits equal a float model's on the dequantized
-    weights (CPU runs dequantize + matmul)."""
+    weights (on CPU up to the INT4 kernel's bfloat16 rounding, the best logits exactly)."""
     from tandem.cli import main
     from tandem.model.llama import LlamaModel
     from tandem.model.loader import LoadedModel, load_model
@@ -98,12 +119,22 @@ def test_quantized_head_and_embedding_equal_dequantized_float(model_factory, tmp
     assert torch.equal(quant.embed_tokens(ids), ref.embed_tokens(ids))
     hidden = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     got = quant.logits(hidden)
-    # The float model multiplies through oneDNN's packed weight: equal to float32 rounding.
-    torch.testing.assert_close(got, ref.logits(hidden), rtol=1e-5, atol=1e-5)
+    want = ref.logits(hidden)
+    # The quantized head on CPU is the bfloat16 INT4 kernel (tandem.kernels.cpu_int4) with each
+    # row's best logits computed again in float32 (tandem.layers.cpu_linear.cpu_logits): those
+    # equal the float model's to float32 rounding, the rest to bfloat16's.
+    best = want.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(1, best), want.gather(1, best), rtol=1e-5, atol=1e-5)
+    assert ((got - want).abs() <= 2**-7 * want.abs().amax()).all()
     # The quantized head is not the float one: the check above can tell them apart.
     float_head = LlamaModel(cfg, load_model(path).weights)
     assert (got - float_head.logits(hidden)).abs().max() > 1e-3
     # Whole engines: the quantized checkpoint generates the dequantized model's tokens.
-    assert _generate(back) == _generate(
-        LoadedModel(cfg, dequantize_weights(back.weights, torch.float32), back.tokenizer, str(out))
+    _assert_equal_up_to_a_near_tie(
+        _generate(back),
+        _generate(
+            LoadedModel(
+                cfg, dequantize_weights(back.weights, torch.float32), back.tokenizer, str(out)
+            )
+        ),
     )

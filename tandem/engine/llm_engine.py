@@ -94,7 +94,7 @@ class LLMEngine:
         progress.report(
             f"building the model ({dtype}, quantization {config.quantization}) on {device}"
         )
-        weights = prepare_weights(loaded, config.quantization, dtype)
+        weights = prepare_weights(loaded, config.quantization, dtype, device)
         self.model = LlamaModel(mc, weights, dtype, device, max_positions=self.max_model_len)
         if kv is None:
             layout = self.pool_layout(loaded, config)

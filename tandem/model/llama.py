@@ -32,6 +32,7 @@ from tandem.kernels.w4a16 import (
     w4a16_matmul,
 )
 from tandem.kv.cache import KVCache
+from tandem.layers.cpu_linear import cpu_linear, cpu_logits, pack_cpu_weight
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import QuantizedWeight, cat_rows, permute_rows
@@ -122,36 +123,6 @@ class _CpuDecodeAttention:
             q.unsqueeze(2), kv[0], kv[1], attn_mask=self.mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(2)
-
-
-# CPU matmuls through oneDNN with weights packed once at load ("packed" below) instead of F.linear
-# (MKL sgemm). Measured on the 2-core AMD EPYC of bench/README.md, one thread, SmolLM2-135M's
-# linear layers + LM head: 73 -> 39 ms at 8 rows (a batch-8 decode step), 45 -> 37 ms at one row.
-# Only float32 weights; quantized ones and every CUDA path are unaffected.
-CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
-
-
-def pack_cpu_weight(w: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
-    """`w` [N, K] in oneDNN's blocked layout for `cpu_linear` (a float32 CPU tensor; anything
-    else is returned as it is). The packed tensor is opaque: only `cpu_linear` reads it."""
-    if (
-        not CPU_PACKED_LINEAR
-        or not isinstance(w, torch.Tensor)
-        or w.device.type != "cpu"
-        or w.dtype != torch.float32
-        or w.is_mkldnn
-    ):
-        return w
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-
-
-def cpu_linear(
-    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`linear` on CPU: x [T, K] times a weight packed by `pack_cpu_weight` goes through oneDNN."""
-    if isinstance(w, torch.Tensor) and w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return linear(x, w, bias)
 
 
 def decode_partition_size(batch: int, kv_heads: int) -> int:
@@ -494,4 +465,4 @@ class LlamaModel:
             if isinstance(self.lm_head, QuantizedWeight):  # the GEMV stores them so: no cast
                 return w4a16_matmul(hidden, self.lm_head, out_dtype=torch.float32)
             return _cuda_linear(hidden, self.lm_head).float()
-        return cpu_linear(hidden, self.cpu_lm_head).float()
+        return cpu_logits(hidden, self.cpu_lm_head, self.lm_head)

@@ -1,0 +1,1 @@
+"""Layers of the model that own their weight format and kernel choice."""

@@ -451,6 +451,8 @@ class OpenAIServer:
                 return error_response(str(e), 429, kind="rate_limit_exceeded")
             except ValueError as e:
                 return error_response(str(e), 400, _param_of(str(e)))
+            finally:
+                await events.aclose()  # a failed choice cancels the others
             out = []
             for i, c in enumerate(choices):
                 full = "".join(c.text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 
 import grpc
@@ -24,7 +25,7 @@ from tandem.rpc import api_pb2, api_pb2_grpc
 from tandem.rpc.convert import logprob_to_proto, sampling_from_proto
 
 log = logging.getLogger("tandem.gateway")
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: as system
 
 
 class Frontend:
@@ -53,7 +54,7 @@ class Frontend:
         if model and model != self.model_name:
             raise ValueError(f"model {model!r} is not served here; available: {self.model_name!r}")
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         if len(messages) > self.limits.max_messages:
@@ -68,12 +69,21 @@ class Frontend:
                 )
             if not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content must be a string")
+            if m["role"] == "developer":
+                messages[i] = m = {**m, "role": "system"}
             total += len(m["content"])
         if total > self.limits.max_prompt_chars:
             raise ValueError(
                 f"messages hold {total} characters; at most {self.limits.max_prompt_chars} are allowed"
             )
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if tools:
+            total += len(json.dumps(tools))
+            if total > self.limits.max_prompt_chars:
+                raise ValueError(
+                    f"messages and tools hold {total} characters; at most "
+                    f"{self.limits.max_prompt_chars} are allowed"
+                )
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         if not prompt:

@@ -8,17 +8,37 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
 from services.gateway.grpc_api import Frontend
 from services.gateway.observe import RequestTrace
+from services.gateway.openai_request import (
+    FieldError,
+    logit_bias_from_body,
+    n_from_body,
+    normalize_messages,
+    structured_from_body,
+)
+from services.gateway.openai_tools import (
+    ForcedCallStream,
+    ToolError,
+    ToolRequest,
+    call_schema,
+    may_be_tool_call,
+    parse_tool_calls,
+    parse_tools,
+    render_messages,
+    template_takes_tools,
+)
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from tandem import telemetry
 from tandem.config import GatewayConfig
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 
 log = logging.getLogger("tandem.gateway.http")
 TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request
@@ -54,12 +74,6 @@ def _num(body: dict, name: str, kind: type, default: Any) -> Any:
 
 def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     """OpenAI request fields -> SamplingParams; unsupported or mistyped fields name themselves."""
-    n = body.get("n", 1)
-    if n != 1:
-        raise RequestError("n must be 1: Tandem returns one choice per request", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(body, name, float, 0.0) != 0.0:
-            raise RequestError(f"{name} is not supported (use repetition_penalty)", name)
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _num(body, "max_tokens", int, 256 if chat else 16)
@@ -74,6 +88,8 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
         raise RequestError("stop must be a string or a list of strings", "stop")
     if chat:
         lp = body.get("logprobs", False)
+        if lp is None:
+            lp = False
         if not isinstance(lp, bool):
             raise RequestError("logprobs must be a boolean", "logprobs")
         logprobs = _num(body, "top_logprobs", int, 0) if lp else None
@@ -87,6 +103,11 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    try:
+        structured = structured_from_body(body)
+        logit_bias = logit_bias_from_body(body)
+    except FieldError as e:
+        raise RequestError(str(e), e.param) from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_num(body, "temperature", float, 1.0),
@@ -94,6 +115,10 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
         top_k=_num(body, "top_k", int, 0),
         min_p=_num(body, "min_p", float, 0.0),
         repetition_penalty=_num(body, "repetition_penalty", float, 1.0),
+        presence_penalty=_num(body, "presence_penalty", float, 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", float, 0.0),
+        logit_bias=logit_bias,
+        structured=structured,
         seed=seed,
         stop=stop,
         stop_token_ids=stop_ids,
@@ -134,6 +159,7 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model_id:.+}", self.model)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/livez", self.livez)
         self.app.on_response_prepare.append(_trace_header)
@@ -151,6 +177,11 @@ class OpenAIServer:
                 )
         return await handler(request)
 
+    async def _count_errors(self, request: web.Request, response: web.StreamResponse) -> None:
+        metrics = self.fe.telemetry.metrics if self.fe.telemetry is not None else None
+        if metrics is not None and response.status >= 400:
+            metrics.http_errors.labels(str(response.status)).inc()
+
     def _not_ready(self) -> web.Response | None:
         """503 with the reason while no request could be served (workers starting or down)."""
         reason = self.fe.pipeline.router.not_ready_reason()
@@ -162,11 +193,6 @@ class OpenAIServer:
             headers={"Retry-After": "1"},
         )
 
-    async def _count_errors(self, request: web.Request, response: web.StreamResponse) -> None:
-        metrics = self.fe.telemetry.metrics if self.fe.telemetry is not None else None
-        if metrics is not None and response.status >= 400:
-            metrics.http_errors.labels(str(response.status)).inc()
-
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 only when a request can be served now."""
         return self._not_ready() or web.json_response({"status": "ok"})
@@ -175,24 +201,32 @@ class OpenAIServer:
         """Liveness: the gateway process answers (its workers may still be starting)."""
         return web.json_response({"status": "alive"})
 
+    def _model_card(self) -> dict:
+        return {
+            "id": self.fe.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": self.fe.pipeline.max_model_len,
+        }
+
     async def models(self, request: web.Request) -> web.Response:
         not_ready = self._not_ready()
         if not_ready is not None:
             return not_ready
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.fe.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "tandem",
-                        "max_model_len": self.fe.pipeline.max_model_len,
-                    }
-                ],
-            }
-        )
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the served model's card, or 404 naming what is served."""
+        mid = request.match_info["model_id"]
+        if mid != self.fe.model_name:
+            return error_response(
+                f"model {mid!r} is not served here; available: {self.fe.model_name!r}",
+                404,
+                "model",
+                kind="not_found_error",
+            )
+        return web.json_response(self._model_card())
 
     async def _body(self, request: web.Request, allowed: frozenset[str]) -> dict:
         """The request's JSON object, checked: JSON by its Content-Type, UTF-8, bounded depth,
@@ -227,13 +261,7 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         _check_json(body)
-        unknown = sorted(k for k in body if k not in allowed)
-        if unknown:
-            raise RequestError(
-                f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
-                "not supported by this endpoint",
-                unknown[0],
-            )
+        _refuse_fields(body, allowed)
         return body
 
     def _begin(self, request: web.Request, operation: str) -> RequestTrace:
@@ -247,26 +275,29 @@ class OpenAIServer:
         try:
             body = await self._body(request, CHAT_FIELDS)
             self.fe.check_model(body.get("model") or "")
-            msgs = body.get("messages")
-            if not isinstance(msgs, list):
-                raise RequestError("messages must be a list of {role, content} objects", "messages")
-            norm = []
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict):
-                    raise RequestError(f"messages[{i}] must be an object", "messages")
-                content = m.get("content")
-                if isinstance(content, list):  # content parts: text only
-                    content = "".join(_text_part(p, i, j) for j, p in enumerate(content))
-                norm.append({"role": m.get("role"), "content": content})
-            ids = self.fe.chat_ids(norm)
+            tools = parse_tools(body)
+            msgs = normalize_messages(body.get("messages"))
+            native = template_takes_tools(self.fe.tokenizer.chat_template)
+            rendered, template_tools = render_messages(msgs, tools, native)
+            ids = self.fe.chat_ids(rendered, template_tools)
             params = sampling_from_body(body, chat=True)
+            if tools is not None and tools.active and params.structured is not None:
+                raise RequestError(
+                    "response_format cannot be combined with tools (unless tool_choice is "
+                    "'none'): a reply is either a tool call or text in the format",
+                    "response_format",
+                )
+            if tools is not None and tools.forced:
+                # The reply is one call of the allowed function(s), its arguments their schema.
+                params.structured = StructuredOutput("json_schema", call_schema(tools))
+            n = n_from_body(body)
             self.fe.check(ids, params)
             rt.tokenized(ids, params, body.get("model") or "")
-        except RequestError as e:
-            return error_response(str(e), e.status, e.param)
+        except (RequestError, FieldError, ToolError) as e:
+            return error_response(str(e), getattr(e, "status", 400), e.param)
         except ValueError as e:
             return error_response(str(e), 400, _param_of(str(e)))
-        return await self._respond(request, body, ids, params, chat=True)
+        return await self._respond(request, body, ids, params, chat=True, n=n, tools=tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         rt = self._begin(request, "text_completion")
@@ -290,15 +321,100 @@ class OpenAIServer:
                     "prompt",
                 )
             params = sampling_from_body(body, chat=False)
+            echo = body.get("echo", False)
+            if not isinstance(echo, bool):
+                raise RequestError("echo must be a boolean", "echo")
+            if echo and params.logprobs is not None:
+                raise RequestError(
+                    "echo with logprobs is not supported: it needs the prompt's logprobs, which "
+                    "Tandem does not compute (use echo or logprobs alone)",
+                    "echo",
+                )
+            n = n_from_body(body)
             self.fe.check(ids, params)
             rt.tokenized(ids, params, body.get("model") or "")
-        except RequestError as e:
-            return error_response(str(e), e.status, e.param)
+        except (RequestError, FieldError) as e:
+            return error_response(str(e), getattr(e, "status", 400), e.param)
         except ValueError as e:
             return error_response(str(e), 400, _param_of(str(e)))
-        return await self._respond(request, body, ids, params, chat=False)
+        if echo:
+            echo_text = prompt if isinstance(prompt, str) else self.fe.tokenizer.decode(ids)
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                echo_text = prompt[0]
+        else:
+            echo_text = None
+        return await self._respond(request, body, ids, params, chat=False, n=n, echo=echo_text)
 
-    async def _respond(self, request, body, ids, params, chat: bool) -> web.StreamResponse:
+    async def _choices(self, ids, params, rid, rt, n: int):
+        """(choice index, event) of `n` runs of one prompt. The first runs alone until its
+        first token (the prompt is then prefilled, its KV blocks named in the prefix caches);
+        the others start after it and find the prompt's blocks cached: one prefill, not n."""
+        pipe = self.fe.pipeline
+        first_run = rt.watch(pipe.run(ids, params, rid, trace=rt))
+        if n == 1:
+            async with aclosing(first_run):
+                async for ev in first_run:
+                    yield 0, ev
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+        runs = [first_run]
+        tasks: list[asyncio.Task] = []
+
+        async def pump(i: int, run) -> None:
+            try:
+                async for ev in run:
+                    await queue.put((i, ev))
+                await queue.put((i, end))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+                await queue.put((i, e))
+
+        try:
+            try:
+                first = await anext(first_run)
+            except StopAsyncIteration:
+                return
+            yield 0, first
+            tasks.append(asyncio.ensure_future(pump(0, first_run)))
+            for i in range(1, n):
+                # A seeded request gives each choice its own stream (seed, seed + 1, ...).
+                p = params if params.seed is None else replace(params, seed=params.seed + i)
+                run = pipe.run(ids, p, rid)
+                runs.append(run)
+                tasks.append(asyncio.ensure_future(pump(i, run)))
+            left = n
+            while left:
+                i, ev = await queue.get()
+                if ev is end:
+                    left -= 1
+                elif isinstance(ev, Exception):
+                    raise ev
+                else:
+                    yield i, ev
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing down
+                    pass
+            for run in runs:
+                await run.aclose()
+
+    async def _respond(
+        self,
+        request,
+        body,
+        ids,
+        params,
+        chat: bool,
+        n: int = 1,
+        tools: ToolRequest | None = None,
+        echo: str | None = None,
+    ) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         model = self.fe.model_name
@@ -317,41 +433,58 @@ class OpenAIServer:
             return error_response("stream_options must be an object", 400, "stream_options")
         include_usage = bool(opts.get("include_usage", False))
         rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
-        events = rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt))
+        events = self._choices(ids, params, rid, rt, n)
+        tool_names = tools.names if tools is not None and tools.active else None
+        choices = [_ChoiceState() for _ in range(n)]
         if not stream:
-            text, toks, lps, fin = [], [], [], None
             try:
-                async for ev in events:
+                async for i, ev in events:
+                    c = choices[i]
                     if isinstance(ev, TextDelta):
-                        text.append(ev.text)
-                        toks.extend(ev.token_ids)
-                        lps.extend(ev.logprobs)
+                        c.text.append(ev.text)
+                        c.logprobs.extend(ev.logprobs)
                     else:
-                        fin = ev
+                        c.finished = ev
             except StageUnavailable as e:
                 return error_response(str(e), 503, kind="service_unavailable")
             except Overloaded as e:
                 return error_response(str(e), 429, kind="rate_limit_exceeded")
             except ValueError as e:
                 return error_response(str(e), 400, _param_of(str(e)))
-            full = "".join(text)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": fin.reason}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": full}
-                choice["logprobs"] = (
-                    self._chat_logprobs(lps) if params.logprobs is not None else None
-                )
-            else:
-                choice["text"] = full
-                choice["logprobs"] = None
+            finally:
+                await events.aclose()  # a failed choice cancels the others
+            out = []
+            for i, c in enumerate(choices):
+                full = "".join(c.text)
+                reason = c.finished.reason if c.finished else "stop"
+                choice: dict[str, Any] = {"index": i, "finish_reason": reason}
+                if chat:
+                    message: dict[str, Any] = {"role": "assistant", "content": full}
+                    if tool_names:
+                        content, calls = parse_tool_calls(full, tool_names, tools.parallel)
+                        if calls:
+                            message = {"role": "assistant", "content": content, "tool_calls": calls}
+                            choice["finish_reason"] = "tool_calls"
+                    choice["message"] = message
+                    choice["logprobs"] = (
+                        self._chat_logprobs(c.logprobs) if params.logprobs is not None else None
+                    )
+                else:
+                    choice["text"] = (echo or "") + full
+                    choice["logprobs"] = (
+                        self._legacy_logprobs(c.logprobs, len(echo or ""))[0]
+                        if params.logprobs is not None
+                        else None
+                    )
+                out.append(choice)
             return web.json_response(
                 {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": model,
-                    "choices": [choice],
-                    "usage": _usage(fin),
+                    "choices": out,
+                    "usage": _usage([c.finished for c in choices]),
                 }
             )
         # The 200 waits for the first event: a request refused before its first token (a full
@@ -370,39 +503,86 @@ class OpenAIServer:
         async def send(payload: dict) -> None:
             await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
 
+        def chunk(i: int, part: dict, finish: str | None = None) -> dict:
+            return _chunk(rid, chunk_obj, created, model, part, finish, i)
+
         try:
-            if chat:
-                await send(
-                    _chunk(
-                        rid,
-                        chunk_obj,
-                        created,
-                        model,
-                        {"delta": {"role": "assistant", "content": ""}},
-                    )
-                )
-            async for ev in _after(first, events):
+            for i in range(n):
+                if chat:
+                    await send(chunk(i, {"delta": {"role": "assistant", "content": ""}}))
+                elif echo:
+                    await send(chunk(i, {"text": echo, "logprobs": None}))
+                    choices[i].offset = len(echo)
+            async for i, ev in _after(first, events):
+                c = choices[i]
                 if isinstance(ev, TextDelta):
                     if not ev.text:
                         continue
-                    part = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                    if chat and tools is not None and tools.forced:
+                        # The grammar makes the reply one call: stream it as a call.
+                        c.forced = c.forced or ForcedCallStream()
+                        for piece in c.forced.feed(ev.text):
+                            await send(chunk(i, {"delta": {"tool_calls": [piece]}}))
+                        continue
+                    if chat and tool_names:
+                        # A reply that may be a tool call is held until it is known.
+                        c.text.append(ev.text)
+                        c.logprobs.extend(ev.logprobs)
+                        if c.holding and (tools.forced or may_be_tool_call("".join(c.text))):
+                            continue
+                        text, lps, c.holding = "".join(c.text), c.logprobs, False
+                        c.text, c.logprobs = [], []
+                    else:
+                        text, lps = ev.text, ev.logprobs
+                    part = {"delta": {"content": text}} if chat else {"text": text}
                     if chat and params.logprobs is not None:
-                        part["logprobs"] = self._chat_logprobs(ev.logprobs)
-                    await send(_chunk(rid, chunk_obj, created, model, part))
+                        part["logprobs"] = self._chat_logprobs(lps)
+                    elif not chat and params.logprobs is not None:
+                        part["logprobs"], c.offset = self._legacy_logprobs(ev.logprobs, c.offset)
+                    elif not chat:
+                        part["logprobs"] = None
+                    await send(chunk(i, part))
                 else:
+                    c.finished = ev
+                    reason = ev.reason
+                    if c.forced is not None:
+                        pieces, complete = c.forced.finish()
+                        for piece in pieces:
+                            await send(chunk(i, {"delta": {"tool_calls": [piece]}}))
+                        if complete:
+                            reason = "tool_calls"
+                    elif chat and tool_names and c.text:
+                        held = "".join(c.text)
+                        content, calls = parse_tool_calls(held, tool_names, tools.parallel)
+                        if calls:
+                            reason = "tool_calls"
+                            if content:
+                                await send(chunk(i, {"delta": {"content": content}}))
+                            for k, call in enumerate(calls):
+                                f = call["function"]
+                                head = {"index": k, "id": call["id"], "type": "function"}
+                                head["function"] = {"name": f["name"], "arguments": ""}
+                                await send(chunk(i, {"delta": {"tool_calls": [head]}}))
+                                piece = {"index": k, "function": {"arguments": f["arguments"]}}
+                                await send(chunk(i, {"delta": {"tool_calls": [piece]}}))
+                        else:
+                            part = {"delta": {"content": held}}
+                            if params.logprobs is not None:
+                                part["logprobs"] = self._chat_logprobs(c.logprobs)
+                            await send(chunk(i, part))
                     part = {"delta": {}} if chat else {"text": ""}
-                    await send(_chunk(rid, chunk_obj, created, model, part, ev.reason))
-                    if include_usage:
-                        await send(
-                            {
-                                "id": rid,
-                                "object": chunk_obj,
-                                "created": created,
-                                "model": model,
-                                "choices": [],
-                                "usage": _usage(ev),
-                            }
-                        )
+                    await send(chunk(i, part, reason))
+            if include_usage:
+                await send(
+                    {
+                        "id": rid,
+                        "object": chunk_obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage([c.finished for c in choices]),
+                    }
+                )
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
             pass  # the client went away; closing `events` cancels the request
@@ -450,6 +630,34 @@ class OpenAIServer:
             )
         return {"content": content}
 
+    def _legacy_logprobs(self, lps, offset: int) -> tuple[dict, int]:
+        """The completions API's logprobs: tokens, token_logprobs, top_logprobs (one {token:
+        logprob} per position) and text_offset (each token's start in the choice's text)."""
+        tok = self.fe.tokenizer
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in lps:
+            t = tok.decode([lp.token_id], skip_special_tokens=False)
+            tokens.append(t)
+            values.append(lp.logprob)
+            tops.append({tok.decode([i], skip_special_tokens=False): v for i, v in lp.top})
+            offsets.append(offset)
+            offset += len(t)
+        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
+        out["text_offset"] = offsets
+        return out, offset
+
+
+class _ChoiceState:
+    """One choice of a response while it streams in."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list = []
+        self.finished: Finished | None = None
+        self.holding = True  # tools: its text is held until it is known not to be a tool call
+        self.offset = 0  # completions logprobs: characters of the choice's text so far
+        self.forced: ForcedCallStream | None = None  # a forced tool call, as it streams
+
 
 async def _trace_header(request: web.Request, response: web.StreamResponse) -> None:
     """Name the request's trace in the response (`x-trace-id`); a refusal ends the trace."""
@@ -461,9 +669,41 @@ async def _trace_header(request: web.Request, response: web.StreamResponse) -> N
         rt.fail(f"HTTP {response.status}")
 
 
-# The request fields each endpoint takes: the OpenAI ones Tandem serves or can safely ignore
-# (user, store, metadata, service_tier), and Tandem's own sampling fields. Anything else (tools,
-# response_format, logit_bias, echo, best_of, ...) is refused by name rather than ignored.
+def _chunk(
+    rid: str,
+    obj: str,
+    created: int,
+    model: str,
+    part: dict,
+    finish: str | None = None,
+    index: int = 0,
+) -> dict:
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "finish_reason": finish, **part}],
+    }
+
+
+def _usage(fins: list[Finished | None]) -> dict:
+    """Usage of a response: its prompt once, the completion tokens of every choice."""
+    done = [f for f in fins if f is not None]
+    if not done:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    prompt = done[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in done)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": done[0].cached_prompt_tokens},
+    }
+
+
+# The request fields each endpoint takes (README: "OpenAI request fields"). Every other field
+# is refused with a 400 naming it, never ignored; `_REFUSED` says why for the known ones.
 _COMMON_FIELDS = frozenset(
     {
         "model",
@@ -476,6 +716,7 @@ _COMMON_FIELDS = frozenset(
         "stop",
         "presence_penalty",
         "frequency_penalty",
+        "logit_bias",
         "logprobs",
         "seed",
         "user",
@@ -487,10 +728,30 @@ _COMMON_FIELDS = frozenset(
         "repetition_penalty",
         "ignore_eos",
         "stop_token_ids",
+        "response_format",
     }
 )
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
+_REFUSED = {
+    "suffix": "insertion (suffix) is not supported",
+    "functions": "the deprecated functions field is not supported: use tools",
+    "function_call": "the deprecated function_call field is not supported: use tool_choice",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "the served model has no reasoning modes",
+    "web_search_options": "web search is not supported",
+}
+
+
 MAX_JSON_DEPTH = 32
 
 
@@ -518,21 +779,6 @@ def _check_json(body: dict) -> None:
             stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
 
 
-def _text_part(part: Any, i: int, j: int) -> str:
-    """The text of one content part; other kinds (images, audio, files) are refused."""
-    where = f"messages[{i}].content[{j}]"
-    if not isinstance(part, dict):
-        raise RequestError(f"{where} must be an object", "messages")
-    if part.get("type", "text") != "text":
-        raise RequestError(
-            f"{where} is a {part.get('type')!r} part: only text content is supported", "messages"
-        )
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise RequestError(f"{where}.text must be a string", "messages")
-    return text
-
-
 def _error_for(e: Exception) -> web.Response:
     """The error response of a request refused before its first token."""
     if isinstance(e, Overloaded):
@@ -550,30 +796,16 @@ async def _after(first, events):
         yield ev
 
 
-def _chunk(
-    rid: str, obj: str, created: int, model: str, part: dict, finish: str | None = None
-) -> dict:
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "finish_reason": finish, **part}],
-    }
-
-
-def _usage(f: Finished | None) -> dict:
-    if f is None:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": f.cached_prompt_tokens},
-    }
+def _refuse_fields(body: dict, allowed: frozenset[str]) -> None:
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        why = _REFUSED.get(unknown[0], "not supported by this endpoint")
+        raise RequestError(f"unknown or unsupported field {unknown[0]!r}: {why}", unknown[0])
 
 
 def _param_of(message: str) -> str | None:
     """The request field an engine validation message is about (its first word)."""
     word = message.split(" ", 1)[0]
-    return {"prompt": "prompt"}.get(word, word if word.isidentifier() else None)
+    return {"prompt": "prompt", "structured": "response_format"}.get(
+        word, word if word.isidentifier() else None
+    )

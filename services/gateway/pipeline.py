@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -80,6 +80,15 @@ class Route:
     decode: DecodeClient
     prefill: PrefillClient | None
     uncached: int  # prompt tokens the prefilling worker probably lacks
+
+
+def _continued(params: SamplingParams, out_ids: list[int]) -> SamplingParams:
+    """The parameters of a sequence continuing elsewhere after `out_ids`: fewer tokens left,
+    and its grammar (if any) replays the tokens already generated."""
+    structured = params.structured
+    if structured is not None:
+        structured = replace(structured, accepted=[*structured.accepted, *out_ids])
+    return replace(params, max_tokens=params.max_tokens - len(out_ids), structured=structured)
 
 
 class Pipeline:
@@ -420,8 +429,7 @@ class Pipeline:
                         # Continue where it stopped: the prompt and the tokens streamed so far
                         # are prefilled on the new worker, which generates the rest.
                         decode = route.decode = new
-                        resumed = sampling_to_proto(params)
-                        resumed.max_tokens = left
+                        resumed = sampling_to_proto(_continued(params, out_ids))
                         admit = stages_pb2.Admit(
                             seq_id=seq_id,
                             prompt_token_ids=ids + out_ids,

@@ -13,6 +13,7 @@ import torch
 
 from tandem import progress
 from tandem.config import EngineConfig
+from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
 from tandem.engine.sampling_params import SamplingParams
@@ -154,6 +155,7 @@ class LLMEngine:
             else None
         )
         self._last_tokens = 0  # tokens computed by the step being timed
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
@@ -213,6 +215,7 @@ class LLMEngine:
             block_table=BlockTable(self.config.block_size),
             generator=None if params.greedy else make_generator(params.seed, self.device),
             prefill_only=prefill_only,
+            matcher=self._matcher(params),
         )
         self.seqs[rid] = seq
         self.scheduler.add(seq)
@@ -247,6 +250,8 @@ class LLMEngine:
             generator=gen,
             output_token_ids=[first_token],
             output_logprobs=[None],
+            # The prefill worker sampled the first token under the grammar: replay it.
+            matcher=self._matcher(params, [first_token]),
         )
         n = len(prompt_token_ids)
         table = seq.block_table
@@ -306,6 +311,33 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)  # joins when the batch has room; its KV stays here
         return seq, True
+
+    def _matcher(self, params: SamplingParams, replay: list[int] | tuple = ()):
+        """A grammar matcher for a constrained request (None when unconstrained)."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars.matcher(params.structured, replay)
+
+    def _masks(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
+        """The structured-output bitmask rows of a batch's constrained sequences (host side)."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None, []
+        assert self._grammars is not None
+        return self._grammars.bitmask([seqs[i].matcher for i in rows]), rows
+
+    @staticmethod
+    def _sample_inputs(seqs: list[Sequence]) -> tuple[list, list | None]:
+        """Histories for the repetition penalty and generated tokens for OpenAI's penalties."""
+        hist = [s.all_token_ids if s.params.repetition_penalty != 1.0 else () for s in seqs]
+        outs = None
+        if any(s.params.frequency_penalty or s.params.presence_penalty for s in seqs):
+            outs = [s.output_token_ids for s in seqs]
+        return hist, outs
 
     def _check_queue(self) -> None:
         if len(self.scheduler.waiting) >= self.config.max_queued_seqs:
@@ -439,15 +471,22 @@ class LLMEngine:
             ]
             items = [it for _, it in done]
             seqs = [s for s, _ in items]
+        # The forward is queued on the device; the masks are filled on the host meanwhile.
+        bitmask, mask_rows = self._masks(seqs)
+        hist, gen = self._sample_inputs(seqs)
         token_ids, logprobs = sample(
             logits,
             [s.params for s in seqs],
             [s.generator for s in seqs],
-            [s.all_token_ids if s.params.repetition_penalty != 1.0 else () for s in seqs],
+            hist,
+            gen,
+            bitmask,
+            mask_rows,
         )
         outs: list[StepOutput] = []
         for (seq, n), tok, lp in zip(items, token_ids, logprobs, strict=True):
             seq.num_computed += n
+            self._accept(seq, tok)
             seq.output_token_ids.append(tok)
             seq.output_logprobs.append(lp)
             reason = self._stop_reason(seq, tok)
@@ -503,7 +542,8 @@ class LLMEngine:
             and not s.spec_tokens
             and not s.prefill_only
             and s.params.logprobs is None
-            and s.params.repetition_penalty == 1.0
+            and not s.params.penalized
+            and s.matcher is None
             for s, n in items
         )
 
@@ -578,11 +618,17 @@ class LLMEngine:
             row += c
         sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
         if plain:
+            plain_seqs = [s for _, s in plain]
+            bitmask, mask_rows = self._masks(plain_seqs)
+            hist, gen = self._sample_inputs(plain_seqs)
             toks, lps = sample(
                 logits[torch.tensor(plain_rows, device=logits.device)],
-                [s.params for _, s in plain],
-                [s.generator for _, s in plain],
-                [s.all_token_ids if s.params.repetition_penalty != 1.0 else () for _, s in plain],
+                [s.params for s in plain_seqs],
+                [s.generator for s in plain_seqs],
+                hist,
+                gen,
+                bitmask,
+                mask_rows,
             )
             sampled = {i: (t, lp) for (i, _), t, lp in zip(plain, toks, lps, strict=True)}
         row = 0
@@ -594,7 +640,12 @@ class LLMEngine:
                 continue
             if draft:
                 new, new_lps = accept_draft_tokens(
-                    logits[row : row + c], draft, seq.params, seq.generator, seq.all_token_ids
+                    logits[row : row + c],
+                    draft,
+                    seq.params,
+                    seq.generator,
+                    seq.all_token_ids,
+                    seq.output_token_ids,
                 )
                 seq.spec_proposed += len(draft)
                 seq.spec_accepted += len(new) - 1
@@ -610,6 +661,7 @@ class LLMEngine:
             emitted: list[int] = []
             emitted_lps: list[TokenLogprobs | None] = []
             for tok, lp in zip(new, new_lps, strict=True):
+                self._accept(seq, tok)
                 seq.output_token_ids.append(tok)
                 seq.output_logprobs.append(lp)
                 emitted.append(tok)
@@ -629,14 +681,25 @@ class LLMEngine:
             seq = self.seqs.get(sid)
             if seq is None or seq.status is not SequenceStatus.RUNNING or not toks:
                 continue
+            if seq.matcher is not None:
+                continue  # no speculation under a grammar (see tandem/engine/grammar.py)
             room = min(
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
             seq.spec_tokens = [int(t) for t in toks[: max(0, room)]]
 
+    @staticmethod
+    def _accept(seq: Sequence, tok: int) -> None:
+        """Advance the sequence's grammar by its new token (sampled under the grammar's mask)."""
+        if seq.matcher is not None and not seq.matcher.is_terminated():
+            if not seq.matcher.accept_token(tok):
+                raise RuntimeError(f"sampled token {tok} is outside the sequence's grammar")
+
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar is complete: nothing may follow
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens aside

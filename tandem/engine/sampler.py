@@ -1,7 +1,8 @@
 """Turn a batch of next-token logits into token ids, one row per sequence.
 
 Semantics follow Hugging Face transformers' logits processors (and vLLM):
-repetition penalty, then greedy argmax or temperature -> top-k -> top-p -> min-p and a draw
+repetition penalty, OpenAI's frequency / presence penalties, logit_bias, the structured-output
+token mask (disallowed tokens -> -inf), then greedy argmax or temperature -> top-k -> top-p -> min-p and a draw
 from the renormalised distribution. Each non-greedy row draws its random numbers from its own
 `torch.Generator`, so a seeded sequence produces the same tokens whatever else shares its batch.
 Reported logprobs come from the raw logits (vLLM's default), not the processed distribution.
@@ -79,6 +80,87 @@ def apply_repetition_penalty(
     return out
 
 
+def apply_openai_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    outputs: Sequence[Sequence[int] | torch.Tensor],
+) -> torch.Tensor:
+    """OpenAI's frequency and presence penalties over each row's generated tokens:
+    logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0).
+
+    Returns a new tensor, or `logits` itself when no row has a penalty.
+    """
+    rows = [
+        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    ids_per_row = [torch.as_tensor(outputs[i], dtype=torch.long).reshape(-1).cpu() for i in rows]
+    lengths = torch.tensor([t.numel() for t in ids_per_row], dtype=torch.long)
+    out = logits.clone(memory_format=torch.contiguous_format)
+    flat = torch.cat(ids_per_row)
+    if flat.numel() == 0:
+        return out
+    row_of = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.long), lengths)
+    keep = (flat >= 0) & (flat < vocab)
+    lin = (row_of[keep] * vocab + flat[keep]).to(logits.device)
+    counts = torch.zeros(len(rows) * vocab, dtype=logits.dtype, device=logits.device)
+    counts.index_add_(0, lin, torch.ones(lin.numel(), dtype=logits.dtype, device=logits.device))
+    counts = counts.view(len(rows), vocab)
+    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype)
+    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype)
+    freq, pres = freq.to(logits.device), pres.to(logits.device)
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    penalty = counts * freq.unsqueeze(1) + (counts > 0).to(logits.dtype) * pres.unsqueeze(1)
+    out.index_copy_(0, idx, out.index_select(0, idx) - penalty)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's `logit_bias` to its logits; a new tensor, or `logits` when none has one."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    lin, vals = [], []
+    for i in rows:
+        for t, b in params[i].logit_bias.items():
+            if 0 <= t < vocab:
+                lin.append(i * vocab + int(t))
+                vals.append(float(b))
+    out = logits.clone(memory_format=torch.contiguous_format)
+    if lin:
+        view = out.view(-1)
+        idx = torch.tensor(lin, dtype=torch.long).to(logits.device)
+        view.index_add_(0, idx, torch.tensor(vals, dtype=logits.dtype).to(logits.device))
+    return out
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int] | torch.Tensor],
+    outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: Sequence[int] = (),
+) -> torch.Tensor:
+    """Every logits processor before temperature: repetition penalty (over `histories`,
+    prompt + output), frequency / presence penalties (over `outputs`), logit_bias, and the
+    structured-output mask (`bitmask` row j constrains logits row `mask_rows[j]`)."""
+    x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    if outputs is not None:
+        x = apply_openai_penalties(x, params, outputs)
+    x = apply_logit_bias(x, params)
+    if bitmask is not None and mask_rows:
+        from tandem.engine.grammar import apply_token_bitmask
+
+        if x is logits:
+            x = logits.clone()
+        apply_token_bitmask(x, bitmask, mask_rows)
+    return x
+
+
 def warp_logits(
     logits: torch.Tensor,
     temperatures: Sequence[float],
@@ -142,6 +224,9 @@ def sample_ids(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[Sequence[int] | torch.Tensor],
+    outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: Sequence[int] = (),
 ) -> torch.Tensor:
     """Pick one token per row and return the ids as a [B] int64 tensor on `logits.device`.
 
@@ -151,7 +236,7 @@ def sample_ids(
     batch = _check_inputs(logits, params, generators, histories)
     if logits.dtype != torch.float32:
         logits = logits.float()
-    x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    x = process_logits(logits, params, histories, outputs, bitmask, mask_rows)
     ids = argmax_rows(x)  # one Triton launch on CUDA, equal to x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -196,6 +281,9 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     histories: list[Sequence[int] | torch.Tensor],
+    outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
+    bitmask: torch.Tensor | None = None,
+    mask_rows: Sequence[int] = (),
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick the next token for every row and the logprobs each row asked for.
 
@@ -205,8 +293,11 @@ def sample(
         leave theirs untouched.
     histories: prompt + generated ids per row, read only for rows with repetition_penalty != 1.
         A CPU int64 tensor per row is far cheaper than a Python list (no per-int conversion).
+    outputs: generated ids per row (frequency / presence penalties); None when no row has one.
+    bitmask, mask_rows: structured output, `bitmask[j]` (xgrammar's packed int32 layout) holds
+        the tokens row `mask_rows[j]` may take.
     """
-    ids_t = sample_ids(logits, params, generators, histories)
+    ids_t = sample_ids(logits, params, generators, histories, outputs, bitmask, mask_rows)
     ids = ids_t.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(ids)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -6,6 +6,24 @@ from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1  # the wire format's int32
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutput:
+    """A grammar every generated token must keep the output inside (xgrammar compiles it).
+
+    kind: json_schema (spec: the schema as JSON text), json_object (any JSON object; spec
+    unused), regex (spec: the pattern), choice (spec: a JSON list of the allowed strings) or
+    grammar (spec: EBNF in xgrammar's GBNF dialect, with a `root` rule).
+    """
+
+    kind: str
+    spec: str = ""
+    # Tokens already generated under this grammar by a worker the sequence moved from: they are
+    # replayed into the new matcher (the prompt then ends with them).
+    accepted: list[int] = field(default_factory=list)
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +40,21 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token (0 = sampled only)
+    # OpenAI's penalties over the tokens generated so far (the prompt is not counted):
+    # logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured: StructuredOutput | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """True when a token's logit depends on the tokens generated so far (a host history)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +105,23 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to numbers")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {t!r}")
+            if vocab_size is not None and t >= vocab_size:
+                raise ValueError(f"logit_bias holds {t}, outside the vocabulary [0, {vocab_size})")
+            if not _finite(b) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
+        if self.structured is not None:
+            from tandem.engine.grammar import check_structured
+
+            check_structured(self.structured)
 
 
 def _finite(x: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class Sequence:
     # Asynchronous scheduling: tokens sampled on the device that the host has not read yet. They
     # count in num_tokens (the next step is scheduled around them) but are not in output_token_ids.
     num_pending: int = 0
+    # Structured output: the sequence's xgrammar GrammarMatcher (tandem/engine/grammar.py), which
+    # has accepted every token in output_token_ids; None when unconstrained.
+    matcher: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.sampler import TokenLogprobs, apply_repetition_penalty, warp_logits
+from tandem.engine.sampler import TokenLogprobs, process_logits, warp_logits
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +25,7 @@ def accept_draft_tokens(
     params: SamplingParams,
     generator: torch.Generator | None,
     history: Sequence[int],  # the sequence's tokens before the drafts (repetition penalty)
+    outputs: Sequence[int] = (),  # its generated tokens before the drafts (OpenAI penalties)
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Return the tokens to append: the accepted drafts, then one corrected or bonus token."""
     k = len(draft)
@@ -33,10 +34,10 @@ def accept_draft_tokens(
     raw = logits.float()
     out: list[int] = []
     hist = list(history) if params.repetition_penalty != 1.0 else []
+    gen = list(outputs)
     for j in range(k + 1):
-        row = raw[j : j + 1]
-        if params.repetition_penalty != 1.0:
-            row = apply_repetition_penalty(row, [params.repetition_penalty], [hist + out])
+        # Each position's processors see the drafts accepted before it as history.
+        row = process_logits(raw[j : j + 1], [params], [hist + out], [gen + out])
         d = draft[j] if j < k else None
         if params.greedy:
             tok = int(row.argmax(dim=-1))

@@ -41,18 +41,27 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
 
+    @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.hf, "chat_template", None)
+        return t if isinstance(t, str) else None
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Render chat messages with the model's template and tokenize the result."""
+        """Render chat messages (and the tools a template takes) and tokenize the result."""
         if not self.has_chat_template:
             # No template: a plain transcript, so base models still answer something sensible.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             if add_generation_prompt:
                 text += "assistant:"
             return self.encode(text)
+        extra = {"tools": tools} if tools else {}
         text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
         # The template already holds BOS where the model wants it.
         return self.encode(text, add_special_tokens=False)

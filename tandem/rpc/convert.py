@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 from tandem.kv.transport import PoolLayout
 from tandem.rpc import api_pb2, stages_pb2
 
@@ -28,6 +28,14 @@ def sampling_from_proto(
         stop=list(m.stop),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        presence_penalty=m.presence_penalty if m.HasField("presence_penalty") else 0.0,
+        frequency_penalty=m.frequency_penalty if m.HasField("frequency_penalty") else 0.0,
+        logit_bias={int(k): float(v) for k, v in m.logit_bias.items()},
+        structured=(
+            StructuredOutput(m.structured.kind, m.structured.spec, list(m.structured.accepted))
+            if m.HasField("structured")
+            else None
+        ),
     )
 
 
@@ -47,6 +55,17 @@ def sampling_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.presence_penalty:
+        m.presence_penalty = p.presence_penalty
+    if p.frequency_penalty:
+        m.frequency_penalty = p.frequency_penalty
+    for k, v in p.logit_bias.items():
+        m.logit_bias[k] = v
+    if p.structured is not None:
+        s = p.structured
+        m.structured.CopyFrom(
+            api_pb2.StructuredOutput(kind=s.kind, spec=s.spec, accepted=s.accepted)
+        )
     return m
 
 

@@ -165,7 +165,7 @@ HTTP_CASES = [
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, "max_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 99}, "n"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, "model"),
@@ -174,7 +174,7 @@ HTTP_CASES = [
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": "x"}, "seed"),
     (
         "chat",
-        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1},
+        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 5},
         "presence_penalty",
     ),
     (

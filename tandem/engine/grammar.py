@@ -1,0 +1,168 @@
+"""Structured output: xgrammar matchers per sequence, and their token bitmasks for the sampler.
+
+A constrained sequence owns one `xgrammar.GrammarMatcher` (`Sequence.matcher`). Each step, after
+the forward is launched, the host fills one bitmask row per constrained sequence (32 tokens per
+int32, bit set = allowed) while the device runs the forward; the sampler unpacks the rows on the
+logits' device and sets the disallowed logits to -inf; the sampled token is then accepted into
+the matcher. The matcher's state is a function of the tokens it accepted, so a worker that takes
+a sequence over (the decode worker after the prefill worker's first token, or after a failover)
+replays them into a fresh matcher; a preempted sequence keeps its matcher (its tokens stay).
+
+Speculative decoding is switched off for constrained sequences (`LLMEngine.set_proposals` gives
+them no drafts): verifying drafts against the grammar would need a rollback per rejected token
+and a mask per draft position, and this has not been measured to pay off.
+
+The grammar's end: once the matcher accepts a stop token it is terminated and the sequence
+finishes with "stop" (whatever `ignore_eos` says: nothing may follow a complete grammar).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # no wheel for this platform
+        raise ValueError(
+            "structured output (response_format) needs the xgrammar package, which is not "
+            f"installed here: {e}"
+        ) from None
+    return xgrammar
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF accepting exactly one of `choices` (JSON string escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _choices(spec: str) -> list[str]:
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"structured output (response_format) choice spec is not JSON: {e}"
+        ) from None
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise ValueError(
+            "structured output (response_format) choice must be a non-empty list of "
+            "non-empty strings"
+        )
+    return choices
+
+
+def check_structured(so: StructuredOutput) -> None:
+    """Raise `ValueError` when the grammar is malformed (parsed without a tokenizer: cheap)."""
+    if so.kind not in STRUCTURED_KINDS:
+        raise ValueError(
+            f"structured output (response_format) kind must be one of "
+            f"{', '.join(STRUCTURED_KINDS)}, got {so.kind!r}"
+        )
+    for t in so.accepted:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"structured output accepted tokens must be token ids, got {t!r}")
+    xgr = _xgrammar()
+    try:
+        if so.kind == "json_schema":
+            try:
+                json.loads(so.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"structured output (response_format) json_schema is not JSON: {e}"
+                ) from None
+            xgr.Grammar.from_json_schema(so.spec, strict_mode=True)
+        elif so.kind == "regex":
+            xgr.Grammar.from_regex(so.spec)
+        elif so.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_grammar(_choices(so.spec)))
+        elif so.kind == "grammar":
+            xgr.Grammar.from_ebnf(so.spec)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
+        raise ValueError(
+            f"structured output (response_format) {so.kind} is invalid: {_short(e)}"
+        ) from None
+
+
+def _short(e: Exception) -> str:
+    # xgrammar's messages start with "[time] /path/file.cc:line: Check failed: ..."
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutput`s for one tokenizer (xgrammar caches compiled grammars)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self._xgr = xgr
+
+    def compile(self, so: StructuredOutput):
+        check_structured(so)
+        c = self._compiler
+        if so.kind == "json_schema":
+            return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
+        if so.kind == "json_object":  # OpenAI's JSON mode: an object, not any JSON value
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if so.kind == "regex":
+            return c.compile_regex(so.spec)
+        if so.kind == "choice":
+            return c.compile_grammar(choice_grammar(_choices(so.spec)))
+        return c.compile_grammar(so.spec)
+
+    def matcher(self, so: StructuredOutput, replay: Sequence[int] = ()):
+        """A fresh matcher for `so` that has accepted `so.accepted` and then `replay`."""
+        m = self._xgr.GrammarMatcher(self.compile(so))
+        for t in [*so.accepted, *replay]:
+            if not m.accept_token(int(t)):
+                raise ValueError(
+                    f"token {t} does not continue the structured output grammar "
+                    "(the sequence's tokens do not match its response_format)"
+                )
+        return m
+
+    def bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
+        """[len(matchers), ceil(V / 32)] int32 on the host: the tokens each matcher allows."""
+        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose bit in the matching `bitmask` row is 0.
+
+    logits: [B, V] float on any device; bitmask: [len(rows), W] int32 (on any device; moved to
+    the logits' device), bit k of word w allows token 32 * w + k.
+    """
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    device = logits.device
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)  # [R, W * 32]
+    if allowed.shape[1] < vocab:  # ids past the mask's width are never allowed
+        pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=torch.bool, device=device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    allowed = allowed[:, :vocab]
+    idx = torch.tensor(list(rows), dtype=torch.long, device=device)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)

@@ -1,0 +1,421 @@
+"""The OpenAI API as clients use it, with the official `openai` client against real processes
+(gateway, prefill, decode and an n-gram draft worker on the default model): structured output,
+tool calls, logit_bias, n, legacy logprobs / echo, penalties, and 400s naming refused fields.
+
+Every prompt goes through the prefill worker (`--disagg-threshold 0`), so a constrained
+sequence's first token is sampled there and its grammar continues on the decode worker."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+
+import tandem
+from tandem.engine.sampling_params import StructuredOutput
+from tests.integration.cluster import start_cluster
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 8},
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+RECORD = [{"role": "user", "content": "Give me a user record as JSON."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 16}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(["--disagg-threshold", "0", "--draft", "ngram"])
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tandem.LLM()
+
+
+def _schema_format(strict: bool = True) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "user", "schema": SCHEMA, "strict": strict},
+    }
+
+
+def test_json_schema_greedy_equals_in_process_and_validates(client, llm):
+    r = client.chat.completions.create(
+        model="", messages=RECORD, max_tokens=120, temperature=0, response_format=_schema_format()
+    )
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+    # The same grammar in process, with no draft worker: token for token the same reply.
+    sp = tandem.SamplingParams(
+        max_tokens=120,
+        temperature=0,
+        structured=StructuredOutput("json_schema", json.dumps(SCHEMA)),
+    )
+    assert llm.generate([llm.chat_prompt(RECORD)], sp)[0].text == text
+
+
+def test_json_schema_sampled_and_streamed_validates(client):
+    stream = client.chat.completions.create(
+        model="",
+        messages=RECORD,
+        max_tokens=120,
+        temperature=0.9,
+        seed=11,
+        stream=True,
+        response_format=_schema_format(strict=False),
+    )
+    parts, reasons = [], []
+    for ch in stream:
+        for c in ch.choices:
+            parts.append(c.delta.content or "")
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    jsonschema.validate(json.loads("".join(parts)), SCHEMA)
+    assert reasons == ["stop"]
+
+
+def test_json_object_and_extensions(client):
+    r = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    q = [
+        {"role": "developer", "content": "Answer yes or no."},
+        {"role": "user", "content": "Is fire hot?"},
+    ]
+    r = client.chat.completions.create(
+        model="",
+        messages=q,
+        max_tokens=8,
+        temperature=0.7,
+        n=3,
+        response_format={"type": "choice", "choice": ["yes", "no"]},
+    )
+    assert len(r.choices) == 3 and all(c.message.content in ("yes", "no") for c in r.choices)
+    r = client.completions.create(
+        model="",
+        prompt="My PIN is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"response_format": {"type": "regex", "regex": " [0-9]{4}"}},
+    )
+    assert re.fullmatch(" [0-9]{4}", r.choices[0].text)
+    r = client.completions.create(
+        model="",
+        prompt="The answer is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"response_format": {"type": "grammar", "grammar": 'root ::= " " ("A" | "B")'}},
+    )
+    assert r.choices[0].text in (" A", " B")
+
+
+def test_logit_bias_bans_the_greedy_token(client, llm):
+    prompt = "The capital of France is"
+    ids = llm.tokenizer.encode(prompt)
+    greedy = llm.generate([ids], tandem.SamplingParams(max_tokens=3, temperature=0))[0]
+    banned = greedy.token_ids[0]
+    r = client.completions.create(
+        model="", prompt=ids, max_tokens=3, temperature=0, logit_bias={str(banned): -100}
+    )
+    want = llm.generate(
+        [ids], tandem.SamplingParams(max_tokens=3, temperature=0, logit_bias={banned: -100.0})
+    )[0]
+    assert r.choices[0].text == want.text and want.token_ids[0] != banned
+    assert r.choices[0].text != greedy.text
+
+
+def _prefill_prompt_tokens(cluster) -> float:
+    body = urllib.request.urlopen(cluster.metrics_url("prefill"), timeout=10).read().decode()
+    m = re.search(r"^tandem_prompt_tokens_total (\S+)$", body, re.M)
+    assert m, "prefill worker exports tandem_prompt_tokens_total"
+    return float(m.group(1))
+
+
+def test_n_choices_share_one_prefill(cluster, client):
+    prompt = "Here is a list of colours, fruits and animals, one of each per line: " * 4
+    before = _prefill_prompt_tokens(cluster)
+    r = client.completions.create(
+        model="", prompt=prompt, max_tokens=6, temperature=1.0, seed=3, n=3
+    )
+    computed = _prefill_prompt_tokens(cluster) - before
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.text for c in r.choices}) > 1  # seeds 3, 4, 5: different samples
+    n_prompt = r.usage.prompt_tokens
+    assert 3 <= r.usage.completion_tokens <= 18  # three choices of at most 6 tokens
+    # One full prefill; the other two choices computed only what follows the cached blocks.
+    assert n_prompt <= computed < n_prompt + 2 * 16, (computed, n_prompt)
+
+
+def test_legacy_logprobs_and_echo(client, llm):
+    prompt = "Once upon a time"
+    r = client.completions.create(model="", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    want = llm.generate([prompt], tandem.SamplingParams(max_tokens=5, temperature=0, logprobs=2))[0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == r.choices[0].text == want.text
+    for got, ref in zip(lp.token_logprobs, want.logprobs, strict=True):
+        assert abs(got - ref.logprob) < 1e-3
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    r = client.completions.create(model="", prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert r.choices[0].text == prompt + want.text
+
+
+def test_penalties_change_the_output_as_defined(client, llm):
+    prompt = "hello hello hello hello hello hello"
+    plain = llm.generate([prompt], tandem.SamplingParams(max_tokens=10, temperature=0))[0]
+    sp = tandem.SamplingParams(
+        max_tokens=10, temperature=0, frequency_penalty=1.5, presence_penalty=0.5
+    )
+    want = llm.generate([prompt], sp)[0]
+    r = client.completions.create(
+        model="",
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+    )
+    assert r.choices[0].text == want.text
+    assert want.text != plain.text
+    # Only generated tokens count: no token repeats more than the penalty lets it.
+    assert len(set(want.token_ids)) > len(set(plain.token_ids))
+
+
+def _args_ok(call, tool) -> dict:
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def test_tool_choice_named_required_none(client):
+    q = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+    r = client.chat.completions.create(
+        model="",
+        messages=q,
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [t.function.name for t in c.message.tool_calls] == ["get_time"]
+    _args_ok(c.message.tool_calls[0], TIME)
+    r = client.chat.completions.create(
+        model="", messages=q, max_tokens=60, temperature=0, tools=[WEATHER], tool_choice="required"
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _args_ok(call, WEATHER)
+    r = client.chat.completions.create(
+        model="", messages=q, max_tokens=8, temperature=0, tools=[WEATHER], tool_choice="none"
+    )
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    r = client.chat.completions.create(
+        model="", messages=q, max_tokens=40, temperature=0, tools=[WEATHER], tool_choice="auto"
+    )
+    m = r.choices[0].message
+    assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or m.content
+
+
+def test_tool_call_streamed_and_multi_turn_history(client):
+    q = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+    stream = client.chat.completions.create(
+        model="",
+        messages=q,
+        max_tokens=60,
+        temperature=0,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    reasons = []
+    for ch in stream:
+        for c in ch.choices:
+            for t in c.delta.tool_calls or []:
+                cur = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
+                cur["id"] = t.id or cur["id"]
+                if t.function is not None:
+                    cur["name"] += t.function.name or ""
+                    cur["arguments"] += t.function.arguments or ""
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    assert reasons == ["tool_calls"] and list(calls) == [0]
+    call = calls[0]
+    assert call["name"] == "get_weather" and call["id"]
+    args = json.loads(call["arguments"])
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    history = q + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call["arguments"]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21}'},
+    ]
+    r = client.chat.completions.create(
+        model="", messages=history, max_tokens=12, temperature=0, tools=[WEATHER]
+    )
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"suffix": "!"}, "suffix"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"audio": {"voice": "alloy"}}, "audio"),
+        ({"made_up_field": 1}, "made_up_field"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ],
+)
+def test_refused_fields_name_themselves(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=extra
+        )
+    assert e.value.body["param"] == param, e.value.body
+    assert param.split("_")[0] in e.value.body["message"]
+
+
+def test_refused_completion_fields_and_parts(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt="hi", max_tokens=2, best_of=3)
+    assert e.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                }
+            ],
+        )
+    assert e.value.body["param"] == "messages" and "image_url" in e.value.body["message"]
+
+
+def test_model_by_id(client):
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_grpc_sampling_params_carry_the_same(cluster):
+    import grpc
+
+    from tandem.rpc import api_pb2
+
+    stub = cluster.gateway()
+
+    def run(**sampling) -> tuple[str, list[int]]:
+        req = api_pb2.GenerateRequest(
+            prompt="Is fire hot? Answer:",
+            sampling=api_pb2.SamplingParams(max_tokens=4, temperature=0, **sampling),
+        )
+        chunks = [r.chunk for r in stub.Generate(req) if r.HasField("chunk")]
+        return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+    spec = json.dumps([" yes", " no"])
+    text, _ = run(structured=api_pb2.StructuredOutput(kind="choice", spec=spec))
+    assert text in (" yes", " no")
+    _, plain = run()
+    _, banned = run(logit_bias={plain[0]: -100.0})
+    assert banned[0] != plain[0]
+    with pytest.raises(grpc.RpcError) as e:
+        run(structured=api_pb2.StructuredOutput(kind="regex", spec="(unclosed"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()

@@ -1,0 +1,124 @@
+"""Tool-call parsing and rendering of the gateway's OpenAI tools support."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_tools import (
+    ToolError,
+    call_schema,
+    may_be_tool_call,
+    parse_tool_calls,
+    parse_tools,
+    render_messages,
+)
+
+NAMES = ["get_weather", "get_time"]
+
+
+def test_hermes_blocks_parse_with_surrounding_text():
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    )
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == NAMES
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Lisbon"}
+    assert len({c["id"] for c in calls}) == 2
+    assert len(parse_tool_calls(text, NAMES, parallel=False)[1]) == 1
+
+
+def test_llama_and_generic_json_calls_parse():
+    content, calls = parse_tool_calls(
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', NAMES
+    )
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "CET"}
+    _, calls = parse_tool_calls(
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}', NAMES
+    )
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is fine.",
+        '{"name": "unknown_fn", "arguments": {}}',
+        "<tool_call>{bad</tool_call>",
+    ],
+)
+def test_non_calls_stay_text(text):
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def test_streaming_holds_only_what_may_become_a_call():
+    assert may_be_tool_call("  <tool") and may_be_tool_call('{"na') and may_be_tool_call("")
+    assert not may_be_tool_call("Sure, ")
+
+
+def test_tool_choice_parsing_and_schema():
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        for n in NAMES
+    ]
+    req = parse_tools(
+        {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    )
+    assert req.forced and req.name == "get_time"
+    assert json.loads(call_schema(req))["properties"]["name"] == {"enum": ["get_time"]}
+    assert "anyOf" in json.loads(
+        call_schema(parse_tools({"tools": tools, "tool_choice": "required"}))
+    )
+    with pytest.raises(ToolError, match="not in tools"):
+        parse_tools(
+            {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "x"}}}
+        )
+    with pytest.raises(ToolError) as e:
+        parse_tools({"tool_choice": "required"})
+    assert e.value.param == "tool_choice"
+
+
+def test_generic_rendering_of_a_tool_history():
+    tools = parse_tools({"tools": [{"type": "function", "function": {"name": "get_time"}}]})
+    msgs = [
+        {"role": "user", "content": "time?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "name": "get_time", "arguments": {"zone": "UTC"}}],
+        },
+        {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
+    ]
+    out, template_tools = render_messages(msgs, tools, native=False)
+    assert template_tools is None and out[0]["role"] == "system" and "get_time" in out[0]["content"]
+    assert json.loads(out[2]["content"]) == {"name": "get_time", "arguments": {"zone": "UTC"}}
+    assert out[3]["role"] == "user" and "12:00" in out[3]["content"]
+    native, template_tools = render_messages(msgs, tools, native=True)
+    assert (
+        template_tools == tools.tools
+        and native[1]["tool_calls"][0]["function"]["name"] == "get_time"
+    )
+    assert all(isinstance(m["content"], str) for m in out)
+
+
+def test_forced_call_streams_its_arguments_in_pieces():
+    from services.gateway.openai_tools import ForcedCallStream
+
+    text = '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius"}}'
+    st = ForcedCallStream()
+    deltas = []
+    for i in range(0, len(text), 5):
+        deltas += st.feed(text[i : i + 5])
+    rest, complete = st.finish()
+    deltas += rest
+    assert complete and deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["id"].startswith("call_")
+    args = "".join(d["function"]["arguments"] for d in deltas[1:])
+    assert json.loads(args) == {"city": "Lisbon", "unit": "celsius"}
+    assert len(deltas) > 3  # arguments arrive in several pieces, not at the end
+    cut = ForcedCallStream()
+    cut.feed('{"name": "get_weather", "arguments": {"city": "Lis')
+    assert cut.finish()[1] is False

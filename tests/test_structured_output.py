@@ -1,0 +1,165 @@
+"""Structured output and the OpenAI logits processors in the engine, against references: the
+bitmask against xgrammar's own kernel, the penalties against a float64 loop, grammars under
+preemption and across a prefill -> decode handover."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+import tandem
+from tandem.engine.grammar import apply_token_bitmask, check_structured
+from tandem.engine.sampler import apply_logit_bias, apply_openai_penalties, sample
+from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.kv.transport import gather_copy
+
+xgr = pytest.importorskip("xgrammar")
+
+REGEX = "(w3|w4){30}"
+
+
+def _words(ids: list[int], eos: int = 1) -> str:
+    return "".join(f"w{t}" for t in ids if t != eos)
+
+
+def test_bitmask_matches_xgrammar_kernel():
+    g = torch.Generator().manual_seed(0)
+    vocab, batch = 1000, 5
+    logits = torch.randn(batch, vocab, generator=g)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    rows = [0, 2, 4]
+    ours = logits.clone()
+    apply_token_bitmask(ours, bitmask, rows)
+    ref = logits.clone()
+    full = torch.full((batch, words), -1, dtype=torch.int32)  # rows 1, 3 unconstrained
+    full[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(ref, full, vocab_size=vocab)
+    assert torch.equal(ours, ref)
+    assert torch.isinf(ours[0]).any() and not torch.isinf(ours[1]).any()
+
+
+def test_openai_penalties_match_float64_reference():
+    g = torch.Generator().manual_seed(1)
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=g)
+    outputs = [[3, 3, 7, 49], [], [1, 1, 1, 2]]
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=1.25),
+        SamplingParams(frequency_penalty=2.0),
+        SamplingParams(presence_penalty=-0.75, frequency_penalty=-0.5),
+    ]
+    got = apply_openai_penalties(logits, params, outputs)
+    for r, (p, out) in enumerate(zip(params, outputs, strict=True)):
+        for j in range(vocab):
+            c = out.count(j)
+            want = float(logits[r, j]) - c * p.frequency_penalty - (c > 0) * p.presence_penalty
+            assert abs(float(got[r, j]) - want) < 1e-6, (r, j)
+    biased = apply_logit_bias(logits, [SamplingParams(logit_bias={4: -100.0, 9: 3.5})] * 3)
+    assert torch.allclose(biased[:, 4], logits[:, 4] - 100) and torch.allclose(
+        biased[:, 9], logits[:, 9] + 3.5
+    )
+    others = [j for j in range(vocab) if j not in (4, 9)]
+    assert torch.equal(biased[:, others], logits[:, others])
+
+
+def test_logit_bias_bans_the_greedy_token():
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    top = logits.argmax(dim=-1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={top[0]: -100.0}),
+        SamplingParams(temperature=0),
+    ]
+    ids, _ = sample(logits, params, [None, None], [(), ()])
+    assert ids[0] != top[0] and ids[0] == logits[0].topk(2).indices[1].item()
+    assert ids[1] == top[1]
+
+
+@pytest.mark.parametrize(
+    ("so", "fragment"),
+    [
+        (StructuredOutput("json_schema", "{not json"), "json_schema"),
+        (StructuredOutput("regex", "(unclosed"), "regex"),
+        (StructuredOutput("choice", "[]"), "choice"),
+        (StructuredOutput("grammar", "root ::= "), "grammar"),
+        (StructuredOutput("xml"), "kind"),
+    ],
+)
+def test_malformed_grammars_are_value_errors(so, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        check_structured(so)
+
+
+@pytest.fixture(scope="module")
+def path(model_factory):
+    return model_factory("llama")[1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_holds_under_preemption(path, temperature):
+    llm = tandem.LLM(path, num_blocks=12)  # too few blocks for all six at full length
+    prompts = [[5 + i] * 30 for i in range(6)]
+    sp = SamplingParams(
+        max_tokens=60, temperature=temperature, seed=3, structured=StructuredOutput("regex", REGEX)
+    )
+    outs = llm.generate(prompts + [[9, 9, 9]], [sp] * 6 + [SamplingParams(max_tokens=8)])
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for o in outs[:6]:
+        assert re.fullmatch(REGEX, _words(o.token_ids)), o.token_ids
+        assert o.finish_reason == "stop" and o.token_ids[-1] == 1  # EOS once the grammar ends
+    assert len(outs[6].token_ids) == 8  # an unconstrained neighbour is left alone
+    assert llm.engine.pool.num_used == 0
+
+
+def test_choice_grammar_sampled(path):
+    llm = tandem.LLM(path, num_blocks=64)
+    sp = SamplingParams(
+        max_tokens=10,
+        temperature=1.0,
+        structured=StructuredOutput("choice", json.dumps(["w5w7w9", "w11"])),
+    )
+    outs = llm.generate([[4 + i, 8] for i in range(8)], sp)
+    assert {tuple(o.token_ids) for o in outs} <= {(5, 7, 9, 1), (11, 1)}
+
+
+def test_grammar_survives_the_handover(path):
+    """Prefill worker samples the first token under the grammar; the decode engine replays it
+    into a fresh matcher and continues inside the grammar."""
+    sp = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput("regex", REGEX))
+    prompt = [7] * 20
+    want = tandem.LLM(path, num_blocks=64).generate([prompt], sp)[0].token_ids
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64).engine
+    pre.add_request(prompt, sp, "r", prefill_only=True)
+    outs = []
+    while pre.has_unfinished():
+        outs += pre.step()
+    first = outs[0].new_token_ids[0]
+    assert first in (3, 4) or re.fullmatch("w3|w4|(w3|w4)+", f"w{first}")
+    got = dec.reserve_prefilled(prompt, first, sp, "r")
+    assert got is not None
+    gather_copy(dec.kv, got[1], pre.kv, pre.leases.leases["r"].blocks)
+    pre.leases.release("r")
+    assert dec.start_prefilled("r")
+    seq = dec.seqs["r"]
+    while dec.has_unfinished():
+        dec.step()
+    assert seq.output_token_ids == want
+    assert re.fullmatch(REGEX, _words(want))
+
+
+def test_constrained_sequences_get_no_drafts(path):
+    eng = tandem.LLM(path, num_blocks=64).engine
+    sp = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput("regex", REGEX))
+    eng.add_request([3, 4] * 10, sp, "c")
+    eng.add_request([3, 4] * 10, SamplingParams(max_tokens=60, temperature=0), "u")
+    eng.step()  # both prompts computed, one token each
+    eng.set_proposals({"c": [4, 4, 4], "u": [4, 4, 4]})
+    assert eng.seqs["c"].spec_tokens == [] and eng.seqs["u"].spec_tokens == [4, 4, 4]
+    llm = tandem.LLM(path, num_blocks=64, speculative="ngram")
+    want = tandem.LLM(path, num_blocks=64).generate([[3, 4] * 10], sp)[0].token_ids
+    assert llm.generate([[3, 4] * 10], sp)[0].token_ids == want
+    assert re.fullmatch(REGEX, _words(want))

@@ -200,8 +200,9 @@ class Pipeline:
         Raises `Overloaded` before doing anything when a gateway limit is reached or the request
         cannot meet its time-to-first-token target (with load shedding).
         """
-        route = self.admit(ids, session)
         await self.check_fits(ids, params)
+        # No await between the limits' check and the count: concurrent requests see each other.
+        route = self.admit(ids, session)
         self.inflight += 1
         self.waiting += 1
         state = {"waiting": True}

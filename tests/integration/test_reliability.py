@@ -349,7 +349,7 @@ def test_overload_is_refused_at_once(stack, tmp_path):
         codes = [c for c, _ in results]
         assert codes.count("ok") >= 2
         refused = [t for c, t in results if c == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert refused and len(refused) + codes.count("ok") == 8
+        assert refused and len(refused) + codes.count("ok") == 8, codes
         ok_time = max(t for c, t in results if c == "ok")
         assert max(refused) < ok_time  # refused immediately, not after waiting
         # HTTP says 429 while the limit holds.

@@ -134,8 +134,9 @@ class _NoTokenizer:
     eos_token_ids: list[int] = []
 
 
-def tandem_engine(hf_model, **engine_options: Any):
-    """An `LLMEngine` over the transformers model's own weights (no copy where shapes agree)."""
+def tandem_engine(hf_model, tokenizer: Any = None, **engine_options: Any):
+    """An `LLMEngine` over the transformers model's own weights (no copy where shapes agree);
+    `tokenizer` (a `tandem.model.tokenizer.Tokenizer`) where the run needs one (grammars)."""
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.model.config import ModelConfig
@@ -143,7 +144,7 @@ def tandem_engine(hf_model, **engine_options: Any):
 
     cfg = ModelConfig.from_hf(hf_model.config.to_dict(), name="random-llama")
     weights = dict(hf_model.state_dict())
-    loaded = LoadedModel(cfg, weights, _NoTokenizer(), "random-llama")
+    loaded = LoadedModel(cfg, weights, tokenizer or _NoTokenizer(), "random-llama")
     config = EngineConfig(**engine_options)
     config.validate()
     return LLMEngine(loaded, config)

@@ -2,9 +2,11 @@
 
 A constrained sequence owns one `xgrammar.GrammarMatcher` (`Sequence.matcher`). Each step, after
 the forward is launched, the host fills one bitmask row per constrained sequence (32 tokens per
-int32, bit set = allowed) while the device runs the forward; the sampler unpacks the rows on the
-logits' device and sets the disallowed logits to -inf; the sampled token is then accepted into
-the matcher. The matcher's state is a function of the tokens it accepted, so a worker that takes
+int32, bit set = allowed; a batch's rows on several threads) while the device runs the forward;
+the sampler unpacks the rows on the logits' device and sets the disallowed logits to -inf; the
+sampled token is then accepted into the matcher. Under asynchronous scheduling a constrained
+decode step runs ahead like any other: its forward is enqueued, the previous step's tokens are
+read and accepted while the device runs it, and only its sampling waits for the masks. The matcher's state is a function of the tokens it accepted, so a worker that takes
 a sequence over (the decode worker after the prefill worker's first token, or after a failover)
 replays them into a fresh matcher; a preempted sequence keeps its matcher (its tokens stay).
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.sampler import device_tensor, to_device
 from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
 
 
@@ -112,6 +115,8 @@ class GrammarCompiler:
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        # Fills a batch's masks on several threads (half the host's cores).
+        self._batch = xgr.BatchGrammarMatcher()
         self._xgr = xgr
 
     def compile(self, so: StructuredOutput):
@@ -141,8 +146,10 @@ class GrammarCompiler:
     def bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
         """[len(matchers), ceil(V / 32)] int32 on the host: the tokens each matcher allows."""
         mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(mask, i)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(mask, 0)
+        else:
+            self._batch.batch_fill_next_token_bitmask(list(matchers), mask)
         return mask
 
 
@@ -156,13 +163,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
         return
     vocab = logits.shape[1]
     device = logits.device
-    words = bitmask.to(device, non_blocking=True)
+    words = to_device(bitmask, device)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)  # [R, W * 32]
     if allowed.shape[1] < vocab:  # ids past the mask's width are never allowed
         pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=torch.bool, device=device)
         allowed = torch.cat([allowed, pad], dim=1)
     allowed = allowed[:, :vocab]
-    idx = torch.tensor(list(rows), dtype=torch.long, device=device)
+    idx = device_tensor(list(rows), torch.long, device)
     sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, idx, sub)

@@ -322,13 +322,18 @@ class LLMEngine:
             )
         return self._grammars.matcher(params.structured, replay)
 
-    def _masks(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
-        """The structured-output bitmask rows of a batch's constrained sequences (host side)."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
+    def _masks(
+        self, seqs: list[Sequence], batch: list[Sequence] | None = None
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """The structured-output bitmask rows (host side) of the constrained sequences among
+        `seqs`, and their rows in `batch` (default: `seqs` itself)."""
+        constrained = [s for s in seqs if s.matcher is not None]
+        if not constrained:
             return None, []
         assert self._grammars is not None
-        return self._grammars.bitmask([seqs[i].matcher for i in rows]), rows
+        row_of = {id(s): i for i, s in enumerate(batch if batch is not None else seqs)}
+        rows = [row_of[id(s)] for s in constrained]
+        return self._grammars.bitmask([s.matcher for s in constrained]), rows
 
     @staticmethod
     def _sample_inputs(seqs: list[Sequence]) -> tuple[list, list | None]:
@@ -520,9 +525,9 @@ class LLMEngine:
         # A sequence whose pending token is its last (length limit) needs no further step.
         items = [(s, n) for s, n in batch.items if not (s.num_pending and self._ends_by_length(s))]
         if items and self._can_run_ahead(items):
-            self._inflight = self._launch(items, prev)
+            self._inflight, outs = self._launch(items, prev)
             self._last_tokens = len(items)
-            return self._collect(prev) if prev is not None else []
+            return outs
         if prev is not None:
             return self._collect(prev)
         self._last_tokens = batch.num_tokens
@@ -543,12 +548,19 @@ class LLMEngine:
             and not s.prefill_only
             and s.params.logprobs is None
             and not s.params.penalized
-            and s.matcher is None
             for s, n in items
         )
 
-    def _launch(self, items: list[tuple[Sequence, int]], prev: _InFlight | None) -> _InFlight:
-        """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids."""
+    def _launch(
+        self, items: list[tuple[Sequence, int]], prev: _InFlight | None
+    ) -> tuple[_InFlight, list[StepOutput]]:
+        """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids;
+        returns it with the outputs of the step `prev` (read once this one is enqueued).
+
+        A batch with constrained sequences needs their grammars advanced by the tokens of
+        `prev` before its masks exist: the forward is enqueued first, `prev` is read while the
+        device runs it, the masks are filled, and only the sampling waits for them.
+        """
         rows: list[int] = []
         prev_rows: list[int] = []
         for j, (seq, _) in enumerate(items):
@@ -560,7 +572,22 @@ class LLMEngine:
         logits = self.runner.execute(items, pending=pending)
         seqs = [s for s, _ in items]
         params = [s.params for s in seqs]
-        ids = sample_ids(logits, params, [s.generator for s in seqs], [()] * len(seqs))
+        outs: list[StepOutput] = []
+        bitmask, mask_rows = None, []
+        if any(s.matcher is not None for s in seqs):
+            outs = self._collect(prev) if prev is not None else []
+            prev = None
+            # A sequence that finished with `prev` (its grammar complete) still has its row in
+            # this step; its token is dropped on collection, so it needs no mask.
+            bitmask, mask_rows = self._masks([s for s in seqs if not s.is_finished], seqs)
+        ids = sample_ids(
+            logits,
+            params,
+            [s.generator for s in seqs],
+            [()] * len(seqs),
+            bitmask=bitmask,
+            mask_rows=mask_rows,
+        )
         for seq in seqs:
             seq.num_computed += 1
             seq.num_pending += 1
@@ -580,7 +607,10 @@ class LLMEngine:
             event.record()
         else:
             host.copy_(ids)
-        return _InFlight(items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)})
+        step = _InFlight(items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)})
+        if prev is not None:
+            outs = self._collect(prev)
+        return step, outs
 
     def _collect(self, step: _InFlight) -> list[StepOutput]:
         """Wait for a launched step's tokens and apply them (stop checks, finishing)."""
@@ -591,6 +621,7 @@ class LLMEngine:
             if seq.is_finished or seq.num_pending == 0:
                 continue  # finished (stop token, abort) while this step was in flight
             seq.num_pending -= 1
+            self._accept(seq, tok)
             seq.output_token_ids.append(tok)
             seq.output_logprobs.append(None)
             reason = self._stop_reason(seq, tok)

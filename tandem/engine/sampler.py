@@ -23,6 +23,20 @@ from tandem.kernels.argmax import argmax_rows
 _TOPK_WITHOUT_SORT_MAX = 1024
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the work queued there: a plain copy to
+    a GPU synchronizes its stream, so the host would stall until the forward in flight is done;
+    from pinned memory the copy is queued like a kernel."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype)` on `device`, queued without a synchronization."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities reported for one sampled token (from the raw logits)."""
@@ -71,8 +85,8 @@ def apply_repetition_penalty(
         flat, row_of, pen_of = flat[keep], row_of[keep], pen_of[keep]
     # Index math stays on the host; one copy per tensor moves it, and only the history positions
     # are touched on the device (a full [B, V] pass would cost far more).
-    lin = (row_of * vocab + flat).to(logits.device)
-    pen_of = pen_of.to(logits.device)
+    lin = to_device(row_of * vocab + flat, logits.device)
+    pen_of = to_device(pen_of, logits.device)
     view = out.view(-1)
     seen = view.index_select(0, lin)
     # Repeated ids write the same value (penalised once, from the original logit), as in HF.
@@ -104,14 +118,14 @@ def apply_openai_penalties(
         return out
     row_of = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.long), lengths)
     keep = (flat >= 0) & (flat < vocab)
-    lin = (row_of[keep] * vocab + flat[keep]).to(logits.device)
+    lin = to_device(row_of[keep] * vocab + flat[keep], logits.device)
     counts = torch.zeros(len(rows) * vocab, dtype=logits.dtype, device=logits.device)
     counts.index_add_(0, lin, torch.ones(lin.numel(), dtype=logits.dtype, device=logits.device))
     counts = counts.view(len(rows), vocab)
     freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype)
     pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype)
-    freq, pres = freq.to(logits.device), pres.to(logits.device)
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    freq, pres = to_device(freq, logits.device), to_device(pres, logits.device)
+    idx = device_tensor(rows, torch.long, logits.device)
     penalty = counts * freq.unsqueeze(1) + (counts > 0).to(logits.dtype) * pres.unsqueeze(1)
     out.index_copy_(0, idx, out.index_select(0, idx) - penalty)
     return out
@@ -132,8 +146,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     out = logits.clone(memory_format=torch.contiguous_format)
     if lin:
         view = out.view(-1)
-        idx = torch.tensor(lin, dtype=torch.long).to(logits.device)
-        view.index_add_(0, idx, torch.tensor(vals, dtype=logits.dtype).to(logits.device))
+        idx = device_tensor(lin, torch.long, logits.device)
+        view.index_add_(0, idx, device_tensor(vals, logits.dtype, logits.device))
     return out
 
 
@@ -175,7 +189,7 @@ def warp_logits(
     """
     vocab = logits.shape[1]
     device = logits.device
-    temp = torch.tensor([float(t) for t in temperatures], dtype=logits.dtype, device=device)
+    temp = device_tensor([float(t) for t in temperatures], logits.dtype, device)
     x = logits / temp.unsqueeze(1)
 
     # top_k == 0 (off) or >= V keeps everything.
@@ -186,10 +200,10 @@ def warp_logits(
         # Same recipe as HF / vLLM: ascending sort, mask in sorted space, scatter back.
         x_sort, idx = x.sort(dim=-1, descending=False)
         if need_k:
-            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device)
+            pos = device_tensor([vocab - k for k in ks], torch.long, device)
             kth = x_sort.gather(1, pos.unsqueeze(1))
             x_sort = x_sort.masked_fill(x_sort < kth, float("-inf"))
-        p = torch.tensor([float(v) for v in top_ps], dtype=logits.dtype, device=device)
+        p = device_tensor([float(v) for v in top_ps], logits.dtype, device)
         cum = x_sort.softmax(dim=-1).cumsum(dim=-1)
         drop = (cum <= (1 - p).unsqueeze(1)) & (p < 1.0).unsqueeze(1)
         drop[:, -1] = False  # the most likely token always survives
@@ -199,20 +213,20 @@ def warp_logits(
         max_k = max(k for k in ks if k < vocab)
         if max_k <= _TOPK_WITHOUT_SORT_MAX:
             top = x.topk(max_k, dim=-1).values
-            pos = torch.tensor([min(k, max_k) - 1 for k in ks], dtype=torch.long, device=device)
+            pos = device_tensor([min(k, max_k) - 1 for k in ks], torch.long, device)
             kth = top.gather(1, pos.unsqueeze(1))
             # Rows without top-k get a threshold that removes nothing.
-            off = torch.tensor([k >= vocab for k in ks], dtype=torch.bool, device=device)
+            off = device_tensor([k >= vocab for k in ks], torch.bool, device)
             kth = kth.masked_fill(off.unsqueeze(1), float("-inf"))
         else:
             x_sort = x.sort(dim=-1, descending=False).values
-            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long, device=device)
+            pos = device_tensor([vocab - k for k in ks], torch.long, device)
             kth = x_sort.gather(1, pos.unsqueeze(1))
         # `<` keeps ties with the k-th value, as HF's TopKLogitsWarper does.
         x = x.masked_fill(x < kth, float("-inf"))
 
     if any(m > 0.0 for m in min_ps):
-        m = torch.tensor([float(v) for v in min_ps], dtype=logits.dtype, device=device)
+        m = device_tensor([float(v) for v in min_ps], logits.dtype, device)
         probs = x.softmax(dim=-1)
         top_prob = probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill(probs < m.unsqueeze(1) * top_prob, float("-inf"))
@@ -251,7 +265,7 @@ def sample_ids(
             raise ValueError(
                 f"row {i}: generator is on {g.device.type} but logits are on {device.type}"
             )
-    sel = torch.tensor(rows, dtype=torch.long, device=device)
+    sel = device_tensor(rows, torch.long, device)
     sub = x if len(rows) == batch else x.index_select(0, sel)
     ps = [params[i] for i in rows]
     warped = warp_logits(

@@ -1,0 +1,230 @@
+"""Structured output's cost: decode under a JSON schema against the same decode unconstrained.
+
+On random Llama-3-8B-shaped weights built on the GPU (nothing downloaded) with a real tokenizer
+(the embedded SmolLM2's, or --tokenizer DIR; ids past its vocabulary are never allowed by a
+grammar), for each batch size in --batches and each of greedy and seeded sampling
+(temperature 0.7):
+
+  constrained  every sequence decodes under SCHEMA (`response_format` json_schema, strict):
+               up to --new-tokens tokens, fewer where the JSON completes first;
+  plain        the same prompts, unconstrained, each sequence generating exactly as many tokens
+               as its constrained run did (ignore_eos), so both runs step the same batch shapes.
+
+Both through `LLMEngine.step` with CUDA graphs and asynchronous scheduling, as the performance
+gate runs them; the two alternate for --repeats rounds after a warm-up of each. Per run:
+decode time = last token - every sequence's first token; TPOT = decode time / decode steps.
+The cost is the median constrained decode time over the median plain one, minus 1 (target:
+at most 10% at batch 1 and 32). The constrained outputs are checked: every finished one parses
+as JSON and validates against SCHEMA (jsonschema), every unfinished one is a prefix the grammar
+accepted.
+
+    python bench/structured.py                              # H200: batches 1 and 32
+    python bench/structured.py --smoke                      # a tiny model on a CPU
+    python bench/structured.py --out bench/results/h200_structured.json
+
+Results (JSON with the exact command, revision and hardware) go to --out; a table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import llama_random as lr  # noqa: E402
+import torch  # noqa: E402
+
+# What an extraction API asks of a model: nested objects, arrays of objects, enums, bounded
+# integers, short patterned strings and required fields.
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{4}"},
+        "status": {"type": "string", "enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "pattern": "[A-Za-z ]{1,24}"},
+                "age": {"type": "integer", "minimum": 18, "maximum": 120},
+                "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]},
+            },
+            "required": ["name", "age", "tier"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "[a-z0-9]{2,10}"},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "gift": {"type": "boolean"},
+                },
+                "required": ["sku", "quantity", "gift"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+        },
+    },
+    "required": ["order_id", "status", "customer", "items"],
+    "additionalProperties": False,
+}
+
+
+def _tokenizer(path: str | None):
+    from tandem.model.loader import load_model_info
+    from tandem.model.tokenizer import Tokenizer
+
+    if path:
+        return Tokenizer.from_dir(path)
+    return load_model_info()[1]
+
+
+def _run(engine, prompts: list[list[int]], params: list) -> dict[str, Any]:
+    """Every prompt with its own params through `LLMEngine.step`; decode time and the outputs."""
+    lr.sync()
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    steps = 0
+    t_first = None
+    while engine.has_unfinished():
+        engine.step()
+        if t_first is None:
+            if all(s.output_token_ids for s in seqs):
+                lr.sync()
+                t_first = time.perf_counter()
+        else:
+            steps += 1
+    lr.sync()
+    t1 = time.perf_counter()
+    assert t_first is not None
+    return {
+        "decode_s": t1 - t_first,
+        "steps": steps,
+        "tokens": [list(s.output_token_ids) for s in seqs],
+        "finish": [s.finish_reason for s in seqs],
+    }
+
+
+def _check(tok, outs: dict[str, Any], xgr_check) -> int:
+    """Finished constrained outputs validate against SCHEMA; returns how many finished."""
+    import jsonschema
+
+    done = 0
+    for ids, reason in zip(outs["tokens"], outs["finish"], strict=True):
+        text = tok.decode(ids, skip_special_tokens=True)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMA)
+            done += 1
+        else:
+            xgr_check(ids)
+    return done
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokenizer", default=None, help="a local HF tokenizer directory")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    shape = dict(lr.SMOKE if not cuda else lr.LLAMA3_8B)
+    tok = _tokenizer(args.tokenizer)
+    if not cuda:
+        shape["vocab_size"] = max(shape["vocab_size"], len(tok.hf))  # a grammar needs its tokens
+        args.new_tokens = min(args.new_tokens, 48)
+        args.repeats = min(args.repeats, 2)
+    batches = [int(b) for b in args.batches.split(",")]
+    hf = lr.build_hf_model(shape, dev, torch.bfloat16 if cuda else torch.float32)
+    engine = lr.tandem_engine(
+        hf, tokenizer=tok, device=dev, dtype="bfloat16" if cuda else "float32", cuda_graphs=True,
+        async_scheduling=True, max_model_len=1024, kv_cache_memory_gb=8.0 if cuda else 0.25,
+        max_num_seqs=max(8, max(batches)), enable_prefix_cache=False,
+    )  # fmt: skip
+    hf = None
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    res: dict[str, Any] = {"benchmark": "structured", **lr.run_info(sys.argv), "smoke": not cuda}
+    if cuda:
+        res["hardware"] = {"gpu": torch.cuda.get_device_name(), "cpu_count": os.cpu_count()}
+    res["settings"] = {"batches": batches, "new_tokens": args.new_tokens,
+                       "prompt_len": args.prompt_len, "repeats": args.repeats,
+                       "shape": "llama3-8b" if cuda else "smoke", "schema": SCHEMA,
+                       "tokenizer": args.tokenizer or "embedded SmolLM2-135M-Instruct",
+                       "engine": "cuda_graphs, async_scheduling, bf16" if cuda else "cpu"}  # fmt: skip
+
+    def xgr_check(ids: list[int]) -> None:
+        m = engine._grammars.matcher(so)
+        for t in ids:
+            if not m.accept_token(int(t)):
+                raise AssertionError(f"token {t} is outside the grammar")
+
+    rows = []
+    for b in batches:
+        prompts = lr.random_prompts(b, args.prompt_len, shape["vocab_size"], seed=b)
+        for mode, temp in (("greedy", 0.0), ("sampled", 0.7)):
+
+            def constrained(temp=temp, b=b, prompts=prompts):
+                sp = [SamplingParams(max_tokens=args.new_tokens, temperature=temp, seed=i,
+                                     structured=so) for i in range(b)]  # fmt: skip
+                return _run(engine, prompts, sp)
+
+            first = constrained()  # warm-up; also fixes each sequence's length
+            lengths = [len(t) for t in first["tokens"]]
+
+            def plain(temp=temp, lengths=lengths, prompts=prompts):
+                sp = [SamplingParams(max_tokens=n, temperature=temp, seed=i, ignore_eos=True)
+                      for i, n in enumerate(lengths)]  # fmt: skip
+                return _run(engine, prompts, sp)
+
+            plain()  # warm-up
+            c_s, p_s, steps, finished = [], [], [], 0
+            for _ in range(args.repeats):
+                c = constrained()
+                if [len(t) for t in c["tokens"]] != lengths:
+                    raise AssertionError("a seeded constrained run changed its lengths")
+                finished = _check(tok, c, xgr_check)
+                p = plain()
+                c_s.append(c["decode_s"])
+                p_s.append(p["decode_s"])
+                steps.append(c["steps"])
+            cm, pm = statistics.median(c_s), statistics.median(p_s)
+            n_steps = statistics.median(steps)
+            row = {"batch": b, "mode": mode, "tokens_per_seq": lengths,
+                   "finished_valid_json": finished, "decode_steps": n_steps,
+                   "constrained_decode_s": c_s, "plain_decode_s": p_s,
+                   "constrained_tpot_ms": cm / n_steps * 1e3, "plain_tpot_ms": pm / n_steps * 1e3,
+                   "cost": cm / pm - 1}  # fmt: skip
+            rows.append(row)
+            print(f"batch {b:>3} {mode:<8} TPOT constrained {row['constrained_tpot_ms']:.3f} ms, "
+                  f"plain {row['plain_tpot_ms']:.3f} ms: cost {row['cost'] * 100:+.1f}%", flush=True)  # fmt: skip
+    res["rows"] = rows
+    print(f"\n{'batch':>5} {'mode':<8} {'tokens/seq':>11} {'valid JSON':>10} "
+          f"{'TPOT constr ms':>15} {'TPOT plain ms':>14} {'cost':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:>5} {r['mode']:<8} {statistics.mean(r['tokens_per_seq']):>11.1f} "
+              f"{r['finished_valid_json']:>10} {r['constrained_tpot_ms']:>15.3f} "
+              f"{r['plain_tpot_ms']:>14.3f} {r['cost'] * 100:>+6.1f}%")  # fmt: skip
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -137,3 +137,20 @@ def test_prompt_logprobs_is_validated(model):
     for bad in (21, -1, True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             llm.generate([[3, 4, 5]], tandem.SamplingParams(prompt_logprobs=bad))
+
+
+def test_text_offsets_count_a_split_character_once():
+    from services.gateway.http_api import _text_offsets
+    from tandem.model.loader import load_model_info
+
+    _, tok, _ = load_model_info()
+    text = "Once upon a time, café 日本"
+    ids = tok.encode(text)
+    offsets = _text_offsets(tok, ids)
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    # Each token starts where the text of the tokens before it ends (a character whose UTF-8
+    # bytes span several tokens is counted at the token completing it).
+    for i in range(len(ids)):
+        done = tok.decode(ids[:i]).rstrip("\ufffd")
+        assert offsets[i] == len(done), (i, offsets)
+    assert text.startswith(tok.decode(ids[:3])) and offsets[3] == len("Once upon a")

@@ -26,6 +26,8 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs | None] | None = None
     stop_string: str | None = None
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -36,6 +38,8 @@ class CompletionChunk:
     text: str
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # The first chunk, with `SamplingParams.prompt_logprobs`: one entry per prompt token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -160,6 +164,11 @@ class LLM:
                     finish_reason=seq.finish_reason or "stop",
                     logprobs=lps,
                     stop_string=d.stopped_by,
+                    prompt_logprobs=(
+                        list(seq.prompt_logprobs)
+                        if seq.params.prompt_logprobs is not None
+                        else None
+                    ),
                 )
             )
         return results
@@ -189,9 +198,9 @@ class LLM:
                 if finished:
                     text += d.finish()
                     reason = "stop" if d.stopped_by is not None else (seq.finish_reason or "stop")
-                    yield CompletionChunk(new_ids, text, reason, new_lps)
+                    yield CompletionChunk(new_ids, text, reason, new_lps, out.prompt_logprobs)
                     return
-                yield CompletionChunk(new_ids, text, None, new_lps)
+                yield CompletionChunk(new_ids, text, None, new_lps, out.prompt_logprobs)
         finally:
             if not seq.is_finished:
                 self.engine.abort(seq.seq_id)

@@ -43,6 +43,7 @@ from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     status_for,
 )
@@ -654,6 +655,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 list(o.new_logprobs),
                 o.seq.finish_reason if o.finished else None,
                 (o.seq.spec_proposed, o.seq.spec_accepted),
+                o.prompt_logprobs,
             )
             for o in outs
         ]
@@ -676,12 +678,12 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
     def _on_error(self, seq_ids: list[str], message: str) -> None:
-        items = [(sid, [], [], "error:" + message, (0, 0)) for sid in seq_ids]
+        items = [(sid, [], [], "error:" + message, (0, 0), None) for sid in seq_ids]
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
     def _dispatch(self, items) -> None:
         per_session: dict[int, tuple[Session, stages_pb2.DecodeOut]] = {}
-        for sid, toks, lps, reason, (proposed, accepted) in items:
+        for sid, toks, lps, reason, (proposed, accepted), prompt_lps in items:
             sess = self.owner.get(sid)
             if sess is None:
                 if reason is not None:
@@ -696,6 +698,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                         logprobs=[logprob_to_proto(lp) for lp in lps if lp is not None],
                         proposed_draft_tokens=proposed,
                         accepted_draft_tokens=accepted,
+                        prompt_logprobs=(
+                            prompt_logprobs_to_proto(prompt_lps) if prompt_lps is not None else []
+                        ),
                     )
                 )
             if reason is not None:

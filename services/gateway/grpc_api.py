@@ -22,7 +22,7 @@ from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import validate_request
 from tandem.rpc import api_pb2, api_pb2_grpc
-from tandem.rpc.convert import logprob_to_proto, sampling_from_proto
+from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
 
 log = logging.getLogger("tandem.gateway")
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: as system
@@ -146,7 +146,12 @@ def finish_to_proto(f: Finished, trace_id: str = "") -> api_pb2.Finish:
 
 def chunk_to_proto(d: TextDelta) -> api_pb2.Chunk:
     return api_pb2.Chunk(
-        text=d.text, token_ids=d.token_ids, logprobs=[logprob_to_proto(lp) for lp in d.logprobs]
+        text=d.text,
+        token_ids=d.token_ids,
+        logprobs=[logprob_to_proto(lp) for lp in d.logprobs],
+        prompt_logprobs=(
+            prompt_logprobs_to_proto(d.prompt_logprobs) if d.prompt_logprobs is not None else []
+        ),
     )
 
 

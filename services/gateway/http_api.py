@@ -324,12 +324,19 @@ class OpenAIServer:
             echo = body.get("echo", False)
             if not isinstance(echo, bool):
                 raise RequestError("echo must be a boolean", "echo")
+            score_only = params.max_tokens == 0
+            if score_only:
+                if not echo:
+                    raise RequestError(
+                        "max_tokens must be >= 1; 0 is accepted only with echo (the prompt "
+                        "alone, scored when logprobs is set)",
+                        "max_tokens",
+                    )
+                # OpenAI's "score a text": the prompt (and its logprobs), nothing generated. The
+                # prefill always samples a first token: it is computed and left out.
+                params.max_tokens = 1
             if echo and params.logprobs is not None:
-                raise RequestError(
-                    "echo with logprobs is not supported: it needs the prompt's logprobs, which "
-                    "Tandem does not compute (use echo or logprobs alone)",
-                    "echo",
-                )
+                params.prompt_logprobs = params.logprobs
             n = n_from_body(body)
             self.fe.check(ids, params)
             rt.tokenized(ids, params, body.get("model") or "")
@@ -343,7 +350,9 @@ class OpenAIServer:
                 echo_text = prompt[0]
         else:
             echo_text = None
-        return await self._respond(request, body, ids, params, chat=False, n=n, echo=echo_text)
+        return await self._respond(
+            request, body, ids, params, chat=False, n=n, echo=echo_text, score_only=score_only
+        )
 
     async def _choices(self, ids, params, rid, rt, n: int):
         """(choice index, event) of `n` runs of one prompt. The first runs alone until its
@@ -381,6 +390,9 @@ class OpenAIServer:
             for i in range(1, n):
                 # A seeded request gives each choice its own stream (seed, seed + 1, ...).
                 p = params if params.seed is None else replace(params, seed=params.seed + i)
+                # The prompt is scored once, by the first choice (the same for every choice):
+                # the others take its cached blocks instead of computing the prompt again.
+                p = replace(p, prompt_logprobs=None)
                 run = pipe.run(ids, p, rid)
                 runs.append(run)
                 tasks.append(asyncio.ensure_future(pump(i, run)))
@@ -414,7 +426,12 @@ class OpenAIServer:
         n: int = 1,
         tools: ToolRequest | None = None,
         echo: str | None = None,
+        score_only: bool = False,
     ) -> web.StreamResponse:
+        """Run the request and answer it (SSE when streaming). `echo`: the prompt's text, put
+        in front of each completion (with its logprobs when the request scores the prompt);
+        `score_only` (completions' max_tokens 0 with echo): the echo alone, the one token
+        generated is left out."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         model = self.fe.model_name
@@ -436,15 +453,20 @@ class OpenAIServer:
         events = self._choices(ids, params, rid, rt, n)
         tool_names = tools.names if tools is not None and tools.active else None
         choices = [_ChoiceState() for _ in range(n)]
+        prompt_lps = None  # the first choice's first event brings them (params.prompt_logprobs)
         if not stream:
             try:
                 async for i, ev in events:
                     c = choices[i]
                     if isinstance(ev, TextDelta):
+                        if ev.prompt_logprobs is not None:
+                            prompt_lps = ev.prompt_logprobs
+                        if score_only:
+                            continue
                         c.text.append(ev.text)
                         c.logprobs.extend(ev.logprobs)
                     else:
-                        c.finished = ev
+                        c.finished = _scored(ev) if score_only else ev
             except StageUnavailable as e:
                 return error_response(str(e), 503, kind="service_unavailable")
             except Overloaded as e:
@@ -471,11 +493,14 @@ class OpenAIServer:
                     )
                 else:
                     choice["text"] = (echo or "") + full
-                    choice["logprobs"] = (
-                        self._legacy_logprobs(c.logprobs, len(echo or ""))[0]
-                        if params.logprobs is not None
-                        else None
-                    )
+                    if params.logprobs is None:
+                        choice["logprobs"] = None
+                    elif echo is not None:  # the prompt's tokens first, then the completion's
+                        head, offset = self._echo_logprobs(ids, prompt_lps, echo)
+                        tail, _ = self._legacy_logprobs(c.logprobs, offset)
+                        choice["logprobs"] = {k: v + tail[k] for k, v in head.items()}
+                    else:
+                        choice["logprobs"] = self._legacy_logprobs(c.logprobs, 0)[0]
                 out.append(choice)
             return web.json_response(
                 {
@@ -510,13 +535,18 @@ class OpenAIServer:
             for i in range(n):
                 if chat:
                     await send(chunk(i, {"delta": {"role": "assistant", "content": ""}}))
-                elif echo:
+                elif echo is not None and params.prompt_logprobs is not None:
+                    # The echoed prompt and its logprobs, from the first choice's first event.
+                    prompt_lps = getattr(first[1], "prompt_logprobs", None) if first else None
+                    lps, choices[i].offset = self._echo_logprobs(ids, prompt_lps, echo)
+                    await send(chunk(i, {"text": echo, "logprobs": lps}))
+                elif echo is not None:
                     await send(chunk(i, {"text": echo, "logprobs": None}))
                     choices[i].offset = len(echo)
             async for i, ev in _after(first, events):
                 c = choices[i]
                 if isinstance(ev, TextDelta):
-                    if not ev.text:
+                    if not ev.text or score_only:
                         continue
                     if chat and tools is not None and tools.forced:
                         # The grammar makes the reply one call: stream it as a call.
@@ -543,7 +573,7 @@ class OpenAIServer:
                         part["logprobs"] = None
                     await send(chunk(i, part))
                 else:
-                    c.finished = ev
+                    c.finished = ev = _scored(ev) if score_only else ev
                     reason = ev.reason
                     if c.forced is not None:
                         pieces, complete = c.forced.finish()
@@ -630,6 +660,27 @@ class OpenAIServer:
             )
         return {"content": content}
 
+    def _echo_logprobs(self, ids: list[int], lps: list | None, echo: str) -> tuple[dict, int]:
+        """The completions API's logprobs of the echoed prompt: its tokens, the first with null
+        token_logprobs and top_logprobs, each later one scored given the tokens before it;
+        text_offset is where each token starts in `echo`. Also returns where the completion
+        starts (the end of `echo`)."""
+        if lps is None or len(lps) != len(ids):
+            # Never expected: a run that asked for them brings them with its first token.
+            raise StageUnavailable("the prompt's logprobs did not come back from the workers")
+        tok = self.fe.tokenizer
+        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        values = [None if lp is None else lp.logprob for lp in lps]
+        tops = [
+            None
+            if lp is None
+            else {tok.decode([i], skip_special_tokens=False): v for i, v in lp.top}
+            for lp in lps
+        ]
+        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
+        out["text_offset"] = _text_offsets(tok, ids)
+        return out, len(echo)
+
     def _legacy_logprobs(self, lps, offset: int) -> tuple[dict, int]:
         """The completions API's logprobs: tokens, token_logprobs, top_logprobs (one {token:
         logprob} per position) and text_offset (each token's start in the choice's text)."""
@@ -685,6 +736,31 @@ def _chunk(
         "model": model,
         "choices": [{"index": index, "finish_reason": finish, **part}],
     }
+
+
+def _scored(f: Finished) -> Finished:
+    """The end of a score-only completion (max_tokens 0): nothing generated, as OpenAI says."""
+    return replace(f, reason="length", completion_tokens=0, stop_string=None)
+
+
+def _text_offsets(tok, ids: list[int]) -> list[int]:
+    """Where each token of `ids` starts in their decoded text. A character split over several
+    tokens (UTF-8 bytes of byte-level BPE) is counted once, from the token that completes it;
+    the tokens before that point at it. Special tokens take no room (the text skips them)."""
+    offsets: list[int] = []
+    start = 0  # where the run of tokens not yet decoded to whole characters begins
+    run: list[int] = []
+    for t in ids:
+        done = tok.decode(run).rstrip("\ufffd") if run else ""
+        offsets.append(start + len(done))
+        run.append(t)
+        text = tok.decode(run)
+        # A run stays open while it ends in an incomplete character; a byte-level character
+        # spans at most 4 tokens, so a longer run is a real U+FFFD in the text.
+        if not text.endswith("\ufffd") or len(run) >= 4:
+            start += len(text)
+            run = []
+    return offsets
 
 
 def _usage(fins: list[Finished | None]) -> dict:

@@ -34,7 +34,7 @@ from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2
-from tandem.rpc.convert import logprob_from_proto, sampling_to_proto
+from tandem.rpc.convert import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto
 from tandem.rpc.lease import release_until_acknowledged
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ class TextDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The first delta, when the request asked for prompt logprobs: one entry per prompt token,
+    # the first None (nothing comes before it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -84,11 +87,17 @@ class Route:
 
 def _continued(params: SamplingParams, out_ids: list[int]) -> SamplingParams:
     """The parameters of a sequence continuing elsewhere after `out_ids`: fewer tokens left,
-    and its grammar (if any) replays the tokens already generated."""
+    its grammar (if any) replays the tokens already generated, and its prompt logprobs (sent
+    with the first token) are not computed again once that token was streamed."""
     structured = params.structured
     if structured is not None:
         structured = replace(structured, accepted=[*structured.accepted, *out_ids])
-    return replace(params, max_tokens=params.max_tokens - len(out_ids), structured=structured)
+    return replace(
+        params,
+        max_tokens=params.max_tokens - len(out_ids),
+        structured=structured,
+        prompt_logprobs=None if out_ids else params.prompt_logprobs,
+    )
 
 
 class Pipeline:
@@ -121,10 +130,12 @@ class Pipeline:
         self.prefills = {"prefill": 0, "decode": 0}  # requests by where they were prefilled
         self._background: set[asyncio.Task] = set()
 
-    def admit(self, ids: list[int] | None = None, session: Session | None = None) -> Route | None:
+    def admit(
+        self, ids: list[int] | None = None, session: Session | None = None, scored: bool = False
+    ) -> Route | None:
         """Refuse at once (rather than queue without bound) when a limit is reached, or (with
         `ids`, when shedding load) when the prompt's time-to-first-token target is out of reach.
-        Returns the route the prompt would take now."""
+        Returns the route the prompt would take now (`scored`: see `route`)."""
         if self.inflight >= self.max_inflight:
             raise Overloaded(
                 f"gateway is at its limit of {self.max_inflight} requests in progress; retry later"
@@ -136,7 +147,7 @@ class Pipeline:
             )
         if ids is None:
             return None
-        route = self.route(ids, session)
+        route = self.route(ids, session, scored)
         if route.decode.full:
             raise Overloaded(
                 f"the decode worker is full ({route.decode.load} sequences running or queued); "
@@ -164,19 +175,22 @@ class Pipeline:
                 f"lower max_tokens to at most {max(0, fits - len(ids))}"
             )
 
-    def route(self, ids: list[int], session: Session | None = None) -> Route:
-        """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down)."""
+    def route(self, ids: list[int], session: Session | None = None, scored: bool = False) -> Route:
+        """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down).
+        `scored`: the prompt's logprobs are asked for, so it is computed whole wherever it goes
+        (a cached prefix is not reused: tandem/engine/prompt_logprobs.py)."""
         index = self.router.index
         names = index.names(ids)
         decode = self.router.pick_decode(names, session.decode if session else None)
         # The worker computes at least the last token, however much it holds.
         uncached = max(1, len(ids) - index.matched_tokens(decode.address, names))
+        if scored:
+            uncached = len(ids)
         if uncached < self.disagg_threshold:
             return Route(names, decode, None, uncached)
         prefill = self.router.pick_prefill(names)
-        return Route(
-            names, decode, prefill, max(1, len(ids) - index.matched_tokens(prefill.address, names))
-        )
+        uncached = max(1, len(ids) - index.matched_tokens(prefill.address, names))
+        return Route(names, decode, prefill, len(ids) if scored else uncached)
 
     def _stop_reason(
         self, params: SamplingParams, tok: int, n_out: int, n_total: int
@@ -202,7 +216,7 @@ class Pipeline:
         """
         await self.check_fits(ids, params)
         # No await between the limits' check and the count: concurrent requests see each other.
-        route = self.admit(ids, session)
+        route = self.admit(ids, session, scored=params.prompt_logprobs is not None)
         self.inflight += 1
         self.waiting += 1
         state = {"waiting": True}
@@ -349,7 +363,10 @@ class Pipeline:
             if detok.stopped_by is not None:
                 reason = "stop"
             lps = [logprob_from_proto(resp.first_logprob)] if resp.has_logprob else []
-            yield TextDelta(text, [first], lps)
+            prompt_lps = None
+            if params.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_from_proto(resp.prompt_logprobs)
+            yield TextDelta(text, [first], lps, prompt_lps)
             timings.update(
                 queue_ms=resp.queue_ms, prefill_ms=resp.prefill_ms, ttft_ms=(t_first - t0) * 1e3
             )
@@ -357,7 +374,8 @@ class Pipeline:
                 seq_id=seq_id,
                 prompt_token_ids=ids,
                 first_token=first,
-                sampling=sampling_to_proto(params),
+                # The prompt was scored by the prefill worker: the decode worker only continues.
+                sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
                 kv=resp.kv,
                 prefill_address=prefill.address,
                 rng_state=resp.rng_state,
@@ -378,6 +396,8 @@ class Pipeline:
             if not decode.healthy and prefill is not None:
                 decode = route.decode = self.router.pick_decode(route.names)
             done = False
+            # Prefilled on the decode worker: its first tokens message carries them.
+            awaiting_prompt_lps = prefill is None and params.prompt_logprobs is not None
             try:
                 q = await decode.open(seq_id, admit)
                 lease["owned"] = False  # the decode worker releases it after its copy
@@ -396,12 +416,17 @@ class Pipeline:
                         toks = toks[:n]
                         out_ids.extend(toks)
                         lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
+                        prompt_lps = None
+                        if awaiting_prompt_lps and toks:
+                            # Prefilled there: the prompt's logprobs come with the first token.
+                            prompt_lps = prompt_logprobs_from_proto(msg.prompt_logprobs)
+                            awaiting_prompt_lps = False
                         if msg.proposed_draft_tokens:  # running totals; SeqFinished has the last
                             spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
                         if detok.stopped_by is not None:
                             reason, done = "stop", True
-                        if text or toks:
-                            yield TextDelta(text, toks, lps)
+                        if text or toks or prompt_lps is not None:
+                            yield TextDelta(text, toks, lps, prompt_lps)
                     elif kind == "finished":
                         done = True
                         if msg.finish_reason == "error":

@@ -35,6 +35,7 @@ from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     status_for,
 )
@@ -70,6 +71,7 @@ class PrefillResult:
     queue_ms: float
     prefill_ms: float
     cached_tokens: int = 0  # prompt tokens found in this worker's prefix cache
+    prompt_logprobs: list | None = None  # sampling.prompt_logprobs: one entry per prompt token
 
 
 class PrefillService(stages_pb2_grpc.PrefillServicer):
@@ -144,6 +146,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 queue_ms=((seq.first_scheduled_time or now) - seq.arrival_time) * 1e3,
                 prefill_ms=(now - (seq.first_scheduled_time or now)) * 1e3,
                 cached_tokens=seq.num_cached_tokens,
+                prompt_logprobs=o.prompt_logprobs,
             )
             self.loop.call_soon_threadsafe(self._resolve, seq.seq_id, res)
 
@@ -322,6 +325,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             prefill_ms=res.prefill_ms,
             cached_tokens=res.cached_tokens,
         )
+        if res.prompt_logprobs is not None:
+            out.prompt_logprobs.extend(prompt_logprobs_to_proto(res.prompt_logprobs))
         if res.logprob is not None:
             out.first_logprob.CopyFrom(logprob_to_proto(res.logprob))
             out.has_logprob = True

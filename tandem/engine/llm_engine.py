@@ -15,6 +15,7 @@ from tandem import progress
 from tandem.config import EngineConfig
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.prompt_logprobs import plan_prompt_scoring
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -41,6 +42,9 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
     finished: bool
+    # On the step that emits a sequence's first token, when it asked for prompt logprobs: one
+    # entry per prompt token, the first None (tandem/engine/prompt_logprobs.py).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -234,6 +238,11 @@ class LLMEngine:
         after it. `first` is None when the pool has no room: the sequence then waits in the
         queue and will be recomputed here."""
         self.validate_request(prompt_token_ids, params)
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the worker "
+                "that prefills the prompt returns them (send this sequence without them)"
+            )
         self._check_queue()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -461,7 +470,10 @@ class LLMEngine:
         seqs = [s for s, _ in items]
         if any(s.spec_tokens for s in seqs):
             return self._step_speculative(items)
-        logits = self.runner.execute(items)
+        scoring = plan_prompt_scoring(items)
+        logits = self.runner.execute(items, scoring=scoring)
+        if scoring is not None:
+            scoring.record()
         # A sequence finishing its prompt (or a decode step) samples; one that computed only a
         # chunk of its prompt does not (nor does it draw from its generator).
         done = [(i, (s, n)) for i, (s, n) in enumerate(items) if s.num_computed + n >= s.num_tokens]
@@ -490,6 +502,7 @@ class LLMEngine:
         )
         outs: list[StepOutput] = []
         for (seq, n), tok, lp in zip(items, token_ids, logprobs, strict=True):
+            scored = self._prompt_scores(seq)
             seq.num_computed += n
             self._accept(seq, tok)
             seq.output_token_ids.append(tok)
@@ -510,7 +523,7 @@ class LLMEngine:
             elif reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
-            outs.append(StepOutput(seq, [tok], [lp], reason is not None))
+            outs.append(StepOutput(seq, [tok], [lp], reason is not None, scored))
         return outs
 
     # ---- asynchronous scheduling ---------------------------------------------------------
@@ -635,7 +648,10 @@ class LLMEngine:
     def _step_speculative(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
         """One target forward that also scores every sequence's draft tokens (k + 1 positions)."""
         counts = [1 + len(s.spec_tokens) for s, _ in items]
-        logits = self.runner.execute(items, counts)
+        scoring = plan_prompt_scoring(items)
+        logits = self.runner.execute(items, counts, scoring=scoring)
+        if scoring is not None:
+            scoring.record()
         outs: list[StepOutput] = []
         row = 0
         # Rows sampled plainly: decodes without drafts and prompts completed by this step (a prompt
@@ -688,6 +704,7 @@ class LLMEngine:
                 seq.num_computed += n
             row += c
             seq.spec_tokens = []
+            scored = self._prompt_scores(seq)
             reason = None
             emitted: list[int] = []
             emitted_lps: list[TokenLogprobs | None] = []
@@ -703,7 +720,7 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
-            outs.append(StepOutput(seq, emitted, emitted_lps, reason is not None))
+            outs.append(StepOutput(seq, emitted, emitted_lps, reason is not None, scored))
         return outs
 
     def set_proposals(self, proposals: dict[str, list[int]]) -> None:
@@ -719,6 +736,14 @@ class LLMEngine:
                 self.max_model_len - seq.num_tokens - 1,
             )
             seq.spec_tokens = [int(t) for t in toks[: max(0, room)]]
+
+    @staticmethod
+    def _prompt_scores(seq: Sequence) -> list[TokenLogprobs | None] | None:
+        """The prompt logprobs to report with the token this step samples for `seq`: the full
+        list with its first token (called before that token is appended), else None."""
+        if seq.params.prompt_logprobs is None or seq.output_token_ids:
+            return None
+        return list(seq.prompt_logprobs)
 
     @staticmethod
     def _accept(seq: Sequence, tok: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.cuda_graphs import DecodeGraphs, PendingIds, write_pending_ids
+from tandem.engine.prompt_logprobs import PromptScoring
 from tandem.engine.sequence import Sequence
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -81,16 +82,19 @@ class ModelRunner:
         items: list[tuple[Sequence, int]],
         num_logits: list[int] | None = None,
         pending: PendingIds | None = None,
+        scoring: PromptScoring | None = None,
     ) -> torch.Tensor:
         """Compute the new tokens' KV and return logits at each sequence's last positions.
 
         `num_logits[i]`: how many trailing positions of sequence i need logits (1 + its draft
         tokens when verifying); default one each. Rows come sequence by sequence, in order.
         `pending`: input tokens still on the device, sampled by the step in flight.
+        `scoring`: prompt positions whose logprobs are computed too (into `scoring.results`).
         A decode batch on CUDA graphs returns a view that the next replay overwrites.
         """
         if (
             self.graphs is not None
+            and scoring is None
             and all(n == 1 for _, n in items)
             and (num_logits is None or all(m == 1 for m in num_logits))
             and self.graphs.bucket_for(len(items)) is not None
@@ -99,6 +103,8 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(items)
         write_pending_ids(input_ids, pending)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
+        if scoring is not None:
+            scoring.compute(self.model.logits, hidden)
         if num_logits is not None and any(m != 1 for m in num_logits):
             rows = [
                 r

@@ -40,6 +40,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to report per token (0 = sampled only)
+    # Score the prompt too: each prompt token after the first gets its logprob given the tokens
+    # before it, with this many top alternatives (vLLM's prompt_logprobs; None: not computed).
+    prompt_logprobs: int | None = None
     # OpenAI's penalties over the tokens generated so far (the prompt is not counted):
     # logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0).
     presence_penalty: float = 0.0
@@ -95,6 +98,14 @@ class SamplingParams:
             or not 0 <= self.logprobs <= 20
         ):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"
+            )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")

@@ -10,7 +10,8 @@ Every step, in this order, within a token budget:
    is computed over several steps, mixed with the decodes, never all at once);
 3. waiting sequences join in arrival order while the budget, the sequence limit and the pool
    allow. With a prefix cache, a joining sequence first takes the cached blocks of its longest
-   cached prefix and computes only the rest.
+   cached prefix and computes only the rest (unless it asked for prompt logprobs, which need
+   every prompt position computed).
 
 With a time-per-output-token target (`tpot_slo_s`), the budget of a step that carries decodes
 and the number of running sequences follow from the measured step time (`StepTimeModel`), so
@@ -23,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.engine.prompt_logprobs import wants_prompt_logprobs
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.step_time import StepTimeModel
 from tandem.kv.block_pool import BlockPool
@@ -166,8 +168,10 @@ class Scheduler:
         table = seq.block_table
         hit: list[int] = []
         names: list[bytes] = []
-        # A sequence queued with its KV (imported while the batch was full) has its blocks.
-        cache = self.prefix_cache if not table.blocks else None
+        # A sequence queued with its KV (imported while the batch was full) has its blocks. One
+        # that still needs prompt logprobs computes its whole prompt: a cached prefix would skip
+        # the forward of positions it must score (tandem/engine/prompt_logprobs.py).
+        cache = self.prefix_cache if not table.blocks and not wants_prompt_logprobs(seq) else None
         if cache is not None:
             # At least the last token is computed (its logits give the next token), so a fully
             # cached sequence still leaves its last block to be written privately.

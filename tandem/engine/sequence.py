@@ -31,6 +31,9 @@ class Sequence:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Asked for with `params.prompt_logprobs`: one entry per prompt token scored so far, the
+    # first None (nothing comes before it); see tandem/engine/prompt_logprobs.py.
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -52,6 +55,10 @@ class Sequence:
     # Structured output: the sequence's xgrammar GrammarMatcher (tandem/engine/grammar.py), which
     # has accepted every token in output_token_ids; None when unconstrained.
     matcher: Any = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -28,6 +28,7 @@ def sampling_from_proto(
         stop=list(m.stop),
         ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         presence_penalty=m.presence_penalty if m.HasField("presence_penalty") else 0.0,
         frequency_penalty=m.frequency_penalty if m.HasField("frequency_penalty") else 0.0,
         logit_bias={int(k): float(v) for k, v in m.logit_bias.items()},
@@ -55,6 +56,8 @@ def sampling_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     if p.presence_penalty:
         m.presence_penalty = p.presence_penalty
     if p.frequency_penalty:
@@ -79,6 +82,16 @@ def logprob_to_proto(lp: TokenLogprobs) -> api_pb2.TokenLogprob:
 
 def logprob_from_proto(m: api_pb2.TokenLogprob) -> TokenLogprobs:
     return TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+
+
+def prompt_logprobs_to_proto(lps: list[TokenLogprobs | None]) -> list[api_pb2.TokenLogprob]:
+    """A prompt's logprobs on the wire: the entries after the first (which is always None)."""
+    return [logprob_to_proto(lp) for lp in lps[1:] if lp is not None]
+
+
+def prompt_logprobs_from_proto(ms) -> list[TokenLogprobs | None]:
+    """The wire's prompt logprobs back to one entry per prompt token, the first None."""
+    return [None, *(logprob_from_proto(m) for m in ms)]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

@@ -1,20 +1,24 @@
 """The OpenAI API as clients use it, with the official `openai` client against real processes
 (gateway, prefill, decode and an n-gram draft worker on the default model): structured output,
-tool calls, logit_bias, n, legacy logprobs / echo, penalties, and 400s naming refused fields.
+tool calls, logit_bias, n, legacy logprobs / echo (with the prompt's logprobs), penalties, and
+400s naming refused fields.
 
 Every prompt goes through the prefill worker (`--disagg-threshold 0`), so a constrained
-sequence's first token is sampled there and its grammar continues on the decode worker."""
+sequence's first token is sampled there and its grammar continues on the decode worker; one
+more cluster prefills every prompt on the decode worker itself (conditional disaggregation)."""
 
 from __future__ import annotations
 
 import json
 import re
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
 import tandem
 from tandem.engine.sampling_params import StructuredOutput
+from tandem.rpc import api_pb2
 from tests.integration.cluster import start_cluster
 
 openai = pytest.importorskip("openai")
@@ -232,6 +236,139 @@ def test_legacy_logprobs_and_echo(client, llm):
     assert r.choices[0].text == prompt + want.text
 
 
+ECHO_PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the sun."
+
+
+def _scored_in_process(llm, prompt: str, max_tokens: int):
+    """The engine's own answer (greedy, logprobs and prompt logprobs of 2): the reference."""
+    sp = tandem.SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, prompt_logprobs=2)
+    return llm.generate([prompt], sp)[0]
+
+
+def _check_echo_logprobs(lp, text: str, ids: list[int], want, completion: int) -> None:
+    """Legacy logprobs of an echoed, scored prompt followed by `completion` generated tokens."""
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + completion
+    assert len(lp.text_offset) == n + completion
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for got, ref in zip(lp.token_logprobs[1:n], want.prompt_logprobs[1:], strict=True):
+        assert abs(got - ref.logprob) < 1e-3
+    # The whole prompt in one forward on both sides: the same numbers. A generated token's
+    # logprob moves by up to a few 1e-2 with the step that computes it (an n-gram verification
+    # step, a cached prefix), so the completion's are compared more loosely.
+    for got, ref in zip(lp.token_logprobs[n:], want.logprobs[:completion], strict=True):
+        assert abs(got - ref.logprob) < 5e-2
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    # Every alternative of a prompt token is at least as likely as the token itself or is it.
+    for tok, v, top in zip(
+        lp.tokens[1:n], lp.token_logprobs[1:n], lp.top_logprobs[1:n], strict=True
+    ):
+        assert tok in top or min(top.values()) >= v - 1e-4
+    # text_offset: where each token starts in the returned text (prompt, then completion).
+    assert "".join(lp.tokens) == text
+    for tok, off in zip(lp.tokens, lp.text_offset, strict=True):
+        assert text[off : off + len(tok)] == tok
+    assert lp.text_offset[0] == 0 and (completion == 0 or lp.text_offset[n] == len(ECHO_PROMPT))
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    ids = llm.encode_prompt(ECHO_PROMPT)
+    want = _scored_in_process(llm, ECHO_PROMPT, 5)
+    r = client.completions.create(
+        model="", prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=5, temperature=0
+    )
+    c = r.choices[0]
+    assert c.text == ECHO_PROMPT + want.text
+    _check_echo_logprobs(c.logprobs, c.text, ids, want, 5)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 5
+    # Asked again, the prompt is in the prefix caches: every position is still scored.
+    again = client.completions.create(
+        model="", prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=5, temperature=0
+    )
+    assert again.choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+
+
+def test_echo_with_logprobs_streamed(client, llm):
+    ids = llm.encode_prompt(ECHO_PROMPT)
+    want = _scored_in_process(llm, ECHO_PROMPT, 5)
+    chunks = list(
+        client.completions.create(
+            model="",
+            prompt=ECHO_PROMPT,
+            echo=True,
+            logprobs=2,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.text == ECHO_PROMPT  # the first chunk: the echoed prompt and its logprobs
+    _check_echo_logprobs(first.logprobs, first.text, ids, want, 0)
+    # The rest continue the text and its offsets after the prompt.
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == ECHO_PROMPT + want.text
+    merged = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for ch in chunks:
+        if ch.choices and ch.choices[0].logprobs is not None:
+            for k in merged:
+                merged[k] += getattr(ch.choices[0].logprobs, k)
+    _check_echo_logprobs(SimpleNamespace(**merged), text, ids, want, 5)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(client, llm, stream):
+    ids = llm.encode_prompt(ECHO_PROMPT)
+    want = _scored_in_process(llm, ECHO_PROMPT, 1)
+    args = dict(model="", prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=0)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **args))
+        assert "".join(ch.choices[0].text for ch in chunks) == ECHO_PROMPT
+        _check_echo_logprobs(chunks[0].choices[0].logprobs, ECHO_PROMPT, ids, want, 0)
+        assert all(ch.choices[0].logprobs is None for ch in chunks[1:])
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        r = client.completions.create(**args)
+        c = r.choices[0]
+        assert c.text == ECHO_PROMPT and c.finish_reason == "length"
+        _check_echo_logprobs(c.logprobs, c.text, ids, want, 0)
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    """Every prompt prefilled on the decode worker itself (conditional disaggregation)."""
+    c = start_cluster(["--disagg-threshold", "100000"])
+    yield c
+    c.stop()
+
+
+def test_prompt_logprobs_when_prefilled_on_the_decode_worker(local_cluster, llm):
+    ids = llm.encode_prompt(ECHO_PROMPT)
+    want = _scored_in_process(llm, ECHO_PROMPT, 5)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{local_cluster.http_port}/v1", api_key="unused"
+    )
+    r = client.completions.create(
+        model="", prompt=ECHO_PROMPT, echo=True, logprobs=2, max_tokens=5, temperature=0
+    )
+    _check_echo_logprobs(r.choices[0].logprobs, r.choices[0].text, ids, want, 5)
+    # The public gRPC API: the first chunk carries the prompt's logprobs (after the first token).
+    req = api_pb2.GenerateRequest(
+        prompt=ECHO_PROMPT,
+        sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2),
+    )
+    out = list(local_cluster.gateway().Generate(req, timeout=60))
+    chunks = [m.chunk for m in out if m.WhichOneof("kind") == "chunk"]
+    scored = chunks[0].prompt_logprobs
+    assert [m.token_id for m in scored] == ids[1:]
+    for m, ref in zip(scored, want.prompt_logprobs[1:], strict=True):
+        assert abs(m.logprob - ref.logprob) < 1e-3 and len(m.top) == 2
+    assert all(not c.prompt_logprobs for c in chunks[1:])
+    assert out[-1].finish.prefill_worker == "decode"
+
+
 def test_penalties_change_the_output_as_defined(client, llm):
     prompt = "hello hello hello hello hello hello"
     plain = llm.generate([prompt], tandem.SamplingParams(max_tokens=10, temperature=0))[0]
@@ -370,8 +507,11 @@ def test_refused_fields_name_themselves(client, extra, param):
 
 def test_refused_completion_fields_and_parts(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="", prompt="hi", max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
+        client.completions.create(model="", prompt="hi", max_tokens=2, echo=True, logprobs=21)
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens" and "echo" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="", prompt="hi", max_tokens=2, best_of=3)
     assert e.value.body["param"] == "best_of"

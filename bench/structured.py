@@ -78,6 +78,54 @@ SCHEMA: dict[str, Any] = {
 }
 
 
+class HostTimes:
+    """Seconds the engine thread spends per step: waiting for the step in flight, reading its
+    tokens into the grammars, filling masks, enqueueing sampling, and in `step()` overall."""
+
+    def __init__(self, engine) -> None:
+        import tandem.engine.llm_engine as le
+
+        self.t = {"step": 0.0, "wait": 0.0, "collect": 0.0, "masks": 0.0, "sample": 0.0}
+        self.steps = 0
+        collect, masks, step, sample = engine._collect, engine._masks, engine.step, le.sample_ids
+
+        def timed(name, fn):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.t[name] += time.perf_counter() - t0
+
+            return run
+
+        def collect_timed(inflight):
+            t0 = time.perf_counter()
+            if inflight.event is not None:
+                inflight.event.synchronize()
+            t1 = time.perf_counter()
+            out = collect(inflight)
+            self.t["wait"] += t1 - t0
+            self.t["collect"] += time.perf_counter() - t1
+            return out
+
+        def step_timed():
+            self.steps += 1
+            return timed("step", step)()
+
+        engine._collect = collect_timed
+        engine._masks = timed("masks", masks)
+        engine.step = step_timed
+        le.sample_ids = timed("sample", sample)
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: v / max(1, self.steps) * 1e3 for k, v in self.t.items()}
+
+    def reset(self) -> None:
+        self.t = dict.fromkeys(self.t, 0.0)
+        self.steps = 0
+
+
 def _tokenizer(path: str | None):
     from tandem.model.loader import load_model_info
     from tandem.model.tokenizer import Tokenizer
@@ -171,6 +219,7 @@ def main() -> int:
             if not m.accept_token(int(t)):
                 raise AssertionError(f"token {t} is outside the grammar")
 
+    host = HostTimes(engine)
     rows = []
     for b in batches:
         prompts = lr.random_prompts(b, args.prompt_len, shape["vocab_size"], seed=b)
@@ -191,12 +240,17 @@ def main() -> int:
 
             plain()  # warm-up
             c_s, p_s, steps, finished = [], [], [], 0
+            host_c, host_p = [], []
             for _ in range(args.repeats):
+                host.reset()
                 c = constrained()
+                host_c.append(host.per_step_ms())
                 if [len(t) for t in c["tokens"]] != lengths:
                     raise AssertionError("a seeded constrained run changed its lengths")
                 finished = _check(tok, c, xgr_check)
+                host.reset()
                 p = plain()
+                host_p.append(host.per_step_ms())
                 c_s.append(c["decode_s"])
                 p_s.append(p["decode_s"])
                 steps.append(c["steps"])
@@ -206,7 +260,11 @@ def main() -> int:
                    "finished_valid_json": finished, "decode_steps": n_steps,
                    "constrained_decode_s": c_s, "plain_decode_s": p_s,
                    "constrained_tpot_ms": cm / n_steps * 1e3, "plain_tpot_ms": pm / n_steps * 1e3,
-                   "cost": cm / pm - 1}  # fmt: skip
+                   "cost": cm / pm - 1,
+                   "host_ms_per_step_constrained": {k: statistics.median(h[k] for h in host_c)
+                                                    for k in host_c[0]},
+                   "host_ms_per_step_plain": {k: statistics.median(h[k] for h in host_p)
+                                              for k in host_p[0]}}  # fmt: skip
             rows.append(row)
             print(f"batch {b:>3} {mode:<8} TPOT constrained {row['constrained_tpot_ms']:.3f} ms, "
                   f"plain {row['plain_tpot_ms']:.3f} ms: cost {row['cost'] * 100:+.1f}%", flush=True)  # fmt: skip
@@ -217,6 +275,15 @@ def main() -> int:
         print(f"{r['batch']:>5} {r['mode']:<8} {statistics.mean(r['tokens_per_seq']):>11.1f} "
               f"{r['finished_valid_json']:>10} {r['constrained_tpot_ms']:>15.3f} "
               f"{r['plain_tpot_ms']:>14.3f} {r['cost'] * 100:>+6.1f}%")  # fmt: skip
+    print(
+        "\nhost ms per step (median of repeats): step = engine.step() overall, wait = for the "
+        "step in flight, collect = reading its tokens (grammars advanced), masks, sample"
+    )
+    for r in rows:
+        for what in ("constrained", "plain"):
+            h = r[f"host_ms_per_step_{what}"]
+            print(f"{r['batch']:>5} {r['mode']:<8} {what:<12} "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in h.items()))  # fmt: skip
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

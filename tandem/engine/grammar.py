@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.sampler import device_tensor, to_device
+from tandem.engine.sampler import to_device
 from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
 
 
@@ -143,33 +143,30 @@ class GrammarCompiler:
                 )
         return m
 
-    def bitmask(self, matchers: Sequence[Any]) -> torch.Tensor:
-        """[len(matchers), ceil(V / 32)] int32 on the host: the tokens each matcher allows."""
-        mask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+    def bitmask(self, matchers: Sequence[Any], rows: Sequence[int], batch: int) -> torch.Tensor:
+        """[batch, ceil(V / 32)] int32 on the host: row `rows[j]` holds the tokens `matchers[j]`
+        allows (the other rows allow everything and are never applied)."""
+        mask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
         if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(mask, 0)
+            matchers[0].fill_next_token_bitmask(mask, rows[0])
         else:
-            self._batch.batch_fill_next_token_bitmask(list(matchers), mask)
+            self._batch.batch_fill_next_token_bitmask(list(matchers), mask, list(rows))
         return mask
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set to -inf, in place, the logits of `rows` whose bit in the matching `bitmask` row is 0.
+    """Set to -inf, in place, the logits of each row in `rows` whose bit in the same row of
+    `bitmask` is 0 (bit k of word w allows token 32 * w + k; ids past the mask are disallowed).
 
-    logits: [B, V] float on any device; bitmask: [len(rows), W] int32 (on any device; moved to
-    the logits' device), bit k of word w allows token 32 * w + k.
+    logits: [B, V] float on any device; bitmask: [B, W] int32 on the host (copied to the logits'
+    device without a synchronization). xgrammar's kernel: one Triton launch on a GPU, its C++
+    loop on a CPU.
     """
     if not rows:
         return
     vocab = logits.shape[1]
-    device = logits.device
-    words = to_device(bitmask, device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)  # [R, W * 32]
-    if allowed.shape[1] < vocab:  # ids past the mask's width are never allowed
-        pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=torch.bool, device=device)
-        allowed = torch.cat([allowed, pad], dim=1)
-    allowed = allowed[:, :vocab]
-    idx = device_tensor(list(rows), torch.long, device)
-    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
+    _xgrammar().apply_token_bitmask_inplace(
+        logits, to_device(bitmask, logits.device), vocab_size=vocab, indices=list(rows)
+    )

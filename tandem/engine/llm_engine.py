@@ -334,15 +334,16 @@ class LLMEngine:
     def _masks(
         self, seqs: list[Sequence], batch: list[Sequence] | None = None
     ) -> tuple[torch.Tensor | None, list[int]]:
-        """The structured-output bitmask rows (host side) of the constrained sequences among
-        `seqs`, and their rows in `batch` (default: `seqs` itself)."""
+        """The structured-output bitmask (host side, one row per sequence of `batch`, default
+        `seqs` itself) of the constrained sequences among `seqs`, and their rows."""
         constrained = [s for s in seqs if s.matcher is not None]
         if not constrained:
             return None, []
         assert self._grammars is not None
-        row_of = {id(s): i for i, s in enumerate(batch if batch is not None else seqs)}
+        batch = batch if batch is not None else seqs
+        row_of = {id(s): i for i, s in enumerate(batch)}
         rows = [row_of[id(s)] for s in constrained]
-        return self._grammars.bitmask([s.matcher for s in constrained]), rows
+        return self._grammars.bitmask([s.matcher for s in constrained], rows, len(batch)), rows
 
     @staticmethod
     def _sample_inputs(seqs: list[Sequence]) -> tuple[list, list | None]:

@@ -161,7 +161,7 @@ def process_logits(
 ) -> torch.Tensor:
     """Every logits processor before temperature: repetition penalty (over `histories`,
     prompt + output), frequency / presence penalties (over `outputs`), logit_bias, and the
-    structured-output mask (`bitmask` row j constrains logits row `mask_rows[j]`)."""
+    structured-output mask (`bitmask` row i constrains logits row i, for each i in `mask_rows`)."""
     x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
     if outputs is not None:
         x = apply_openai_penalties(x, params, outputs)
@@ -308,8 +308,8 @@ def sample(
     histories: prompt + generated ids per row, read only for rows with repetition_penalty != 1.
         A CPU int64 tensor per row is far cheaper than a Python list (no per-int conversion).
     outputs: generated ids per row (frequency / presence penalties); None when no row has one.
-    bitmask, mask_rows: structured output, `bitmask[j]` (xgrammar's packed int32 layout) holds
-        the tokens row `mask_rows[j]` may take.
+    bitmask, mask_rows: structured output, `bitmask[i]` (xgrammar's packed int32 layout) holds
+        the tokens row i may take, for each i in `mask_rows`.
     """
     ids_t = sample_ids(logits, params, generators, histories, outputs, bitmask, mask_rows)
     ids = ids_t.tolist()

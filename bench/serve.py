@@ -478,12 +478,24 @@ def run_services(
     warm: list[Req],
     roots: list[int],
     launched: Launched | None = None,
+    level_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
+    """Each level through the gateway at `address`, after the warm-up requests; a level that
+    takes more than `level_timeout_s` raises TimeoutError (None: no limit)."""
     asyncio.run(_warmup_grpc(address, warm, 60.0))
     out = []
     for level in levels:
         with CpuMonitor(roots) as mon:
-            recs, wall = asyncio.run(_run_level_grpc(address, level))
+            try:
+                recs, wall = asyncio.run(
+                    asyncio.wait_for(_run_level_grpc(address, level), level_timeout_s)
+                )
+            except TimeoutError:
+                if launched is not None:
+                    launched.check_alive()
+                raise TimeoutError(
+                    f"services level {level.name!r} took more than {level_timeout_s:.0f} s"
+                ) from None
         s = summarize(level, recs, wall)
         _add_cpu(s, mon.result)
         out.append(s)

@@ -320,6 +320,16 @@ def free_base_port() -> int:
     raise RuntimeError("no free port range found")
 
 
+def _die_with_parent() -> None:
+    """In a child before it runs: SIGTERM when this process dies, even by SIGKILL (Linux), so a
+    benchmark killed mid-run leaves no stages holding the memory (they are in sessions of their
+    own, out of reach of a signal to this one's)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def engine_flags(options: dict[str, Any]) -> list[str]:
     """`tandem up` flags for engine options (EngineConfig field names), so the launched stages
     and an in-process `tandem.LLM(**options)` run with the same settings."""
@@ -361,7 +371,12 @@ class Launched:
         print(f"launching: {self.command}  (output in {self.log.name})", flush=True)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         while True:
             with open(self.log.name, errors="replace") as f:
@@ -596,14 +611,14 @@ class InProcessEngine:
                json.dumps({"engine": engine_options, "main_thread": main_thread})]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdin=subprocess.PIPE, text=True, start_new_session=True,
-            stdout=sys.stderr, pass_fds=(result_w,),
+            stdout=sys.stderr, pass_fds=(result_w,), preexec_fn=_die_with_parent,
         )  # fmt: skip
         os.close(result_w)
         self.results = os.fdopen(self.result_r, "r")
 
-    def run(self, levels: list[Level], warm: list[Req] = ()) -> list[dict[str, Any]]:
+    def run(self, levels: list[Level], warm: list[Req] | None = None) -> list[dict[str, Any]]:
         job = {"levels": [dataclasses.asdict(lv) for lv in levels],
-               "warm": [dataclasses.asdict(r) for r in warm]}  # fmt: skip
+               "warm": [dataclasses.asdict(r) for r in warm or []]}  # fmt: skip
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(job) + "\n")

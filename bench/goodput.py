@@ -36,9 +36,14 @@ GAP_RATIO_LIMIT = 1.3  # threshold workload: the decode worker "loses" past this
 # ---- a random checkpoint ----------------------------------------------------------------------
 def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> str:
     """A Hugging Face directory with random weights of `shape` (llama3-8b | smoke) and a
-    word-level tokenizer over its vocabulary; reused when it already exists."""
+    word-level tokenizer over its vocabulary; reused when it already exists (it is written
+    beside `path` and renamed into place, so an interrupted write leaves no partial one)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"{path!r} exists and is no checkpoint: give a new or empty directory")
+    import shutil
+
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -49,14 +54,22 @@ def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = build_hf_model(dims, device, getattr(torch, dtype))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
+    partial = f"{path.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    model.save_pretrained(partial)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the stages that load it need the memory more than we do
     vocab = dims["vocab_size"]
     tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w2", bos_token="w1").save_pretrained(
-        path
+        partial
     )
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty (checked above)
+    os.rename(partial, path)
     return path
 
 

@@ -224,6 +224,7 @@ class Record:
     n_tokens: int = 0
     error: str | None = None
     server: dict[str, float] = field(default_factory=dict)
+    kv_transport: str = ""  # services: how the prompt's KV reached the decode worker
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -287,6 +288,9 @@ def summarize(level: Level, recs: list[Record], wall_s: float) -> dict[str, Any]
         for key in ("ttft_ms", "mean_tpot_ms"):
             vals = [r.server[key] for r in ok if key in r.server]
             out[f"server_{key}_p50"] = percentile(vals, 50)
+    transports = sorted({r.kv_transport for r in ok if r.kv_transport})
+    if transports:
+        out["kv_transports"] = transports
     return out
 
 
@@ -316,6 +320,34 @@ def free_base_port() -> int:
     raise RuntimeError("no free port range found")
 
 
+def _die_with_parent() -> None:
+    """In a child before it runs: SIGTERM when this process dies, even by SIGKILL (Linux), so a
+    benchmark killed mid-run leaves no stages holding the memory (they are in sessions of their
+    own, out of reach of a signal to this one's)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """`tandem up` flags for engine options (EngineConfig field names), so the launched stages
+    and an in-process `tandem.LLM(**options)` run with the same settings."""
+    from tandem.config import EngineConfig
+
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+    flags = []
+    for name, value in options.items():
+        if value is None:
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        flags += ["--" + name.replace("_", "-"), text]
+    return flags
+
+
 class Launched:
     """`tandem up` in a subprocess; ready once it prints its banner."""
 
@@ -339,7 +371,12 @@ class Launched:
         print(f"launching: {self.command}  (output in {self.log.name})", flush=True)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         while True:
             with open(self.log.name, errors="replace") as f:
@@ -398,6 +435,7 @@ async def _one_grpc(stub: Any, pb: Any, req: Req) -> Record:
             else:
                 t = resp.finish.timings
                 rec.server = {"ttft_ms": t.ttft_ms, "mean_tpot_ms": t.mean_tpot_ms}
+                rec.kv_transport = resp.finish.kv_transport
                 if resp.finish.usage.completion_tokens != req.max_tokens:
                     rec.error = (
                         f"completion_tokens {resp.finish.usage.completion_tokens} "
@@ -455,12 +493,24 @@ def run_services(
     warm: list[Req],
     roots: list[int],
     launched: Launched | None = None,
+    level_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
+    """Each level through the gateway at `address`, after the warm-up requests; a level that
+    takes more than `level_timeout_s` raises TimeoutError (None: no limit)."""
     asyncio.run(_warmup_grpc(address, warm, 60.0))
     out = []
     for level in levels:
         with CpuMonitor(roots) as mon:
-            recs, wall = asyncio.run(_run_level_grpc(address, level))
+            try:
+                recs, wall = asyncio.run(
+                    asyncio.wait_for(_run_level_grpc(address, level), level_timeout_s)
+                )
+            except TimeoutError:
+                if launched is not None:
+                    launched.check_alive()
+                raise TimeoutError(
+                    f"services level {level.name!r} took more than {level_timeout_s:.0f} s"
+                ) from None
         s = summarize(level, recs, wall)
         _add_cpu(s, mon.result)
         out.append(s)
@@ -528,7 +578,7 @@ def run_inprocess(levels: list[Level], warm: list[Req], llm: Any) -> list[dict[s
 
 
 def run_inprocess_here(
-    levels: list[Level], warm: list[Req], kv_gb: float, main_thread: bool
+    levels: list[Level], warm: list[Req], engine_options: dict[str, Any], main_thread: bool
 ) -> list[dict[str, Any]]:
     """Load the model in this (main) thread and step the engine in a worker thread, as the
     decode service does. This is not a detail: with libgomp (torch's OpenMP on Linux) a process
@@ -538,48 +588,113 @@ def run_inprocess_here(
     spin, as in the decode service. --inprocess-main-thread measures the other regime."""
     import tandem
 
-    llm = tandem.LLM(kv_cache_memory_gb=kv_gb)
+    llm = tandem.LLM(**engine_options)
     if main_thread:
         return run_inprocess(levels, warm, llm)
     return in_worker_thread(run_inprocess, levels, warm, llm)
 
 
-def run_inprocess_isolated(
-    levels: list[Level], warm: list[Req], kv_gb: float, main_thread: bool
-) -> list[dict[str, Any]]:
+class InProcessEngine:
     """The in-process path in a child process of its own session, as each stage of `tandem up`
-    runs: with the kernel's autogroup scheduling (Linux default), CPU is shared fairly between
-    sessions, so on a busy machine a process in this script's session would get a smaller share
-    than the stages and the comparison would measure the scheduler, not Tandem."""
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-        with open(job, "w") as f:
-            json.dump(
-                {
-                    "levels": [dataclasses.asdict(lv) for lv in levels],
-                    "warm": [dataclasses.asdict(r) for r in warm],
-                    "kv_gb": kv_gb,
-                    "main_thread": main_thread,
-                },
-                f,
+    runs, holding its model between calls: `run(levels, warm)` runs levels there and returns
+    their summaries. With the kernel's autogroup scheduling (Linux default), CPU is shared fairly
+    between sessions, so on a busy machine a process in this script's session would get a
+    smaller share than the stages and the comparison would measure the scheduler, not Tandem.
+
+    The child loads the model as soon as it starts (beside a `tandem up` starting at the same
+    time, say); the first `run` waits for it. Its printed progress goes to this process's
+    stderr; levels and results travel as JSON lines over its stdin and a pipe of its own."""
+
+    def __init__(self, engine_options: dict[str, Any], main_thread: bool = False) -> None:
+        self.result_r, result_w = os.pipe()
+        cmd = [sys.executable, os.path.abspath(__file__), "--_inprocess-child", str(result_w),
+               json.dumps({"engine": engine_options, "main_thread": main_thread})]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=sys.stderr, pass_fds=(result_w,), preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        os.close(result_w)
+        self.results = os.fdopen(self.result_r, "r")
+
+    def run(self, levels: list[Level], warm: list[Req] | None = None) -> list[dict[str, Any]]:
+        job = {"levels": [dataclasses.asdict(lv) for lv in levels],
+               "warm": [dataclasses.asdict(r) for r in warm or []]}  # fmt: skip
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the empty read below says how
+        line = self.results.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(
+                f"the in-process engine's process exited with code {code} (its output is above)"
             )
-        cmd = [sys.executable, os.path.abspath(__file__), "--_inprocess-child", job, result]
-        subprocess.run(cmd, cwd=ROOT, check=True, start_new_session=True)
-        with open(result) as f:
-            return json.load(f)
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"in-process engine: {reply['error']}")
+        return reply["summaries"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # the child's loop ends at end of input
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.results.close()
+
+    def __enter__(self) -> InProcessEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _inprocess_child(job_path: str, result_path: str) -> int:
-    with open(job_path) as f:
-        job = json.load(f)
-    levels = [
-        Level(lv["name"], lv["kind"], lv["value"], [Req(**r) for r in lv["requests"]])
-        for lv in job["levels"]
-    ]
-    warm = [Req(**r) for r in job["warm"]]
-    out = run_inprocess_here(levels, warm, job["kv_gb"], job["main_thread"])
-    with open(result_path, "w") as f:
-        json.dump(out, f)
+def run_inprocess_isolated(
+    levels: list[Level], warm: list[Req], engine_options: dict[str, Any], main_thread: bool
+) -> list[dict[str, Any]]:
+    """All levels through an `InProcessEngine` started for them."""
+    with InProcessEngine(engine_options, main_thread) as engine:
+        return engine.run(levels, warm)
+
+
+def _inprocess_child(result_fd: int, spec_json: str) -> int:
+    """The child of `InProcessEngine`: load, then answer one JSON line per job line."""
+    spec = json.loads(spec_json)
+    results = os.fdopen(result_fd, "w")
+    import tandem
+
+    try:
+        llm = tandem.LLM(**spec["engine"])
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        import traceback
+
+        traceback.print_exc()
+        results.write(json.dumps({"error": f"loading the model failed: {e!r}"}) + "\n")
+        return 1
+    for line in sys.stdin:
+        job = json.loads(line)
+        levels = [
+            Level(lv["name"], lv["kind"], lv["value"], [Req(**r) for r in lv["requests"]])
+            for lv in job["levels"]
+        ]
+        warm = [Req(**r) for r in job["warm"]]
+        try:
+            if spec["main_thread"]:
+                out = run_inprocess(levels, warm, llm)
+            else:
+                out = in_worker_thread(run_inprocess, levels, warm, llm)
+            reply: dict[str, Any] = {"summaries": out}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+            import traceback
+
+            traceback.print_exc()
+            reply = {"error": repr(e)}
+        results.write(json.dumps(reply) + "\n")
+        results.flush()
     return 0
 
 
@@ -627,12 +742,13 @@ def add_goodput_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload", choices=["levels", "chat", "burst", "threshold", "all"], default="levels"
     )
-    g.add_argument("--model", default=None, help="model path for the launched stages")
-    g.add_argument("--device", default=None, help="engine device of the stages (cpu, cuda)")
-    g.add_argument(
+    m = ap.add_argument_group("model (every workload; levels: both paths)")
+    m.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
+    m.add_argument("--device", default=None, help="engine device (cpu, cuda; default: auto)")
+    m.add_argument(
         "--random-llama", default=None, help="write (once) and serve random weights here"
     )
-    g.add_argument("--random-shape", choices=["llama3-8b", "smoke"], default="llama3-8b")
+    m.add_argument("--random-shape", choices=["llama3-8b", "smoke"], default="llama3-8b")
     g.add_argument("--sessions", type=int, default=8, help="chat: conversations")
     g.add_argument("--turns", type=int, default=3, help="chat: turns per conversation")
     g.add_argument("--session-rate", type=float, default=0.5, help="chat: sessions/s (Poisson)")
@@ -691,7 +807,7 @@ def goodput_main(args: argparse.Namespace) -> int:
 # ---- main -----------------------------------------------------------------------------------
 def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--_inprocess-child":
-        return _inprocess_child(sys.argv[2], sys.argv[3])
+        return _inprocess_child(int(sys.argv[2]), sys.argv[3])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--address", help="host:port of a running gateway")
@@ -741,7 +857,14 @@ def main() -> int:
 
     from tandem.model.loader import load_model_info
 
-    mc, _, model_path = load_model_info(None)
+    if args.random_llama:
+        from goodput import write_random_checkpoint
+
+        args.model = write_random_checkpoint(args.random_llama, args.random_shape)
+    mc, _, model_path = load_model_info(args.model)
+    # The same engine settings for the launched stages and the in-process engine.
+    engine_options: dict[str, Any] = {"kv_cache_memory_gb": args.kv_cache_memory_gb}
+    engine_options.update({k: v for k in ("model", "device") if (v := getattr(args, k))})
     levels = make_levels(args, mc.vocab_size)
     warm_rng = random.Random(args.seed + 1)
     warm = [Req([warm_rng.randrange(mc.vocab_size) for _ in range(32)], 8) for _ in range(2)]
@@ -758,7 +881,7 @@ def main() -> int:
     t_start = time.monotonic()
     try:
         if args.launch:
-            up_args = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb), *args.up_args]
+            up_args = [*engine_flags(engine_options), *args.up_args]
             launched = Launched(up_args, args.start_timeout)
             address, roots = launched.address, [os.getpid(), launched.proc.pid]
         else:
@@ -770,7 +893,7 @@ def main() -> int:
             print("services stopped", flush=True)
     inproc: list[dict[str, Any]] = []
     if not args.skip_inprocess:
-        job = (levels, warm, args.kv_cache_memory_gb, args.inprocess_main_thread)
+        job = (levels, warm, engine_options, args.inprocess_main_thread)
         inproc = run_inprocess_here(*job) if args.inprocess_here else run_inprocess_isolated(*job)
 
     print()
@@ -841,6 +964,7 @@ def main() -> int:
             "sampling": "greedy, ignore_eos, max_tokens = output length",
             "warmup_requests": len(warm),
             "kv_cache_memory_gb": args.kv_cache_memory_gb,
+            "engine_options": engine_options,
             "inprocess_thread": "main" if args.inprocess_main_thread else "worker",
             "inprocess_process": "this process"
             if args.inprocess_here

@@ -90,5 +90,77 @@ def test_readme_table_is_current_with_the_baseline() -> None:
         "README.md's performance table differs from bench/baseline_h200.json: "
         "run `python bench/gate.py --readme`"
     )
-    for name in gate.ROWS:
-        assert "value" in baseline["rows"][name], f"the baseline lacks {name}"
+    # A row the baseline lacks is reported `new` (test_errors_fail_and_new_rows_do_not).
+    unknown = set(baseline["rows"]) - set(gate.ROWS)
+    assert not unknown, f"the baseline has rows the gate does not measure: {sorted(unknown)}"
+
+
+def _level(name: str, tok_s: float, tpot: float, ttft: float, **extra) -> dict:
+    """A level summary as bench/serve.py's `summarize` writes it."""
+    return {"level": name, "errors": 0, "output_tokens": 384, "expected_output_tokens": 384,
+            "output_tokens_per_s": tok_s, "tpot_p50_ms": tpot, "ttft_p50_ms": ttft, **extra}  # fmt: skip
+
+
+def _services(tok_s: list[float], tpot: list[float], ttft: float = 20.0) -> list[dict]:
+    return [
+        _level(f"r{i}", t, p, ttft, kv_transports=["cuda_ipc"])
+        for i, (t, p) in enumerate(zip(tok_s, tpot, strict=True))
+    ]
+
+
+def test_services_row_gates_services_throughput_and_records_the_overhead() -> None:
+    services = _services([100.0, 90.0, 120.0], [10.0, 11.0, 8.0])
+    in_process = [_level(f"r{i}", t, p, 5.0) for i, (t, p) in
+                  enumerate([(200.0, 5.0), (100.0, 4.0), (150.0, 6.0)])]  # fmt: skip
+    row = gate.services_row(services, in_process, "cuda_ipc")
+    assert row["value"] == 100.0 and row["statistic"] == "median"
+    assert row["repeats"] == [100.0, 90.0, 120.0]
+    # Paired by repeat: 100/200, 90/100, 120/150.
+    assert row["fraction_repeats"] == pytest.approx([0.5, 0.9, 0.8])
+    assert row["fraction_of_inprocess"] == pytest.approx(0.8)
+    assert row["inprocess_value"] == 150.0
+    assert row["services_tpot_p50_ms"] == 10.0 and row["inprocess_tpot_p50_ms"] == 5.0
+    assert row["tpot_ratio"] == pytest.approx(2.0)
+    assert row["services_ttft_p50_ms"] == 20.0 and row["inprocess_ttft_p50_ms"] == 5.0
+    assert gate.fraction(row) == row["fraction_of_inprocess"]
+    # It compares with a baseline like every row: higher is better.
+    (v,) = gate.compare({"services_b1": row}, {"services_b1": {**row, "value": 110.0}})
+    assert v["verdict"] == "fail" and v["ratio"] == pytest.approx(100 / 110)
+
+
+def test_services_row_refuses_errors_lost_tokens_and_another_transport() -> None:
+    ok = _services([100.0], [10.0])
+    in_process = [_level("r0", 200.0, 5.0, 5.0)]
+    with pytest.raises(RuntimeError, match="2 errors"):
+        gate.services_row([{**ok[0], "errors": 2}], in_process, "cuda_ipc")
+    with pytest.raises(RuntimeError, match="380 of 384 tokens"):
+        gate.services_row(ok, [{**in_process[0], "output_tokens": 380}], "cuda_ipc")
+    with pytest.raises(RuntimeError, match="inline"):
+        gate.services_row([{**ok[0], "kv_transports": ["cuda_ipc", "inline"]}], in_process,
+                          "cuda_ipc")  # fmt: skip
+    with pytest.raises(RuntimeError, match="not 'shm'"):
+        gate.services_row(ok, in_process, "shm")
+    with pytest.raises(ValueError, match="1 services levels for 2"):
+        gate.services_row(ok, in_process * 2, "cuda_ipc")
+
+
+def test_the_fraction_column_is_of_the_roofline_or_of_in_process() -> None:
+    assert gate.fraction({"value": 1.0, "fraction_of_roofline": 0.9}) == 0.9
+    assert gate.fraction({"value": 1.0, "fraction_of_inprocess": 0.7}) == 0.7
+    assert gate.fraction({"value": 1.0}) is None
+
+
+def test_readme_explains_services_rows_only_when_the_baseline_has_them() -> None:
+    with open(gate.BASELINE) as f:
+        baseline = json.load(f)
+    rows = {k: v for k, v in baseline["rows"].items() if k not in gate.SERVICES_ROWS}
+    plain = gate.readme_block({**baseline, "rows": rows})
+    assert "in-process" not in plain.split("| row |")[0]
+    services = gate.services_row(_services([2000.0], [30.0]), [_level("r", 2500.0, 25.0, 9.0)],
+                                 "cuda_ipc")  # fmt: skip
+    block = gate.readme_block({**baseline, "rows": {**rows, "services_b64": services}})
+    assert "through the engine in-process" in block
+    (line,) = [
+        ln for ln in block.splitlines() if ln.startswith(f"| {gate.ROWS['services_b64'][1]}")
+    ]
+    assert "| 2,000 tok/s |" in line and line.endswith("| 0.800 |")

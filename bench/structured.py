@@ -126,6 +126,58 @@ class HostTimes:
         self.steps = 0
 
 
+def grammar_strategies(grammars, so, outputs: list[list[int]], threads: int) -> dict[str, float]:
+    """The host's grammar work per step, replayed along the constrained outputs of one batch
+    (each step: every live sequence accepts its token, then its next mask is filled), timed
+    per strategy: serial calls, xgrammar's batch matcher, or a thread pool of `threads`
+    (which helps only where xgrammar releases the GIL). Median ms per step. The batch matcher
+    runs with its default thread count and with `threads`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(threads)
+    xgr = grammars._xgr
+    batch = {"batch_matcher": xgr.BatchGrammarMatcher(),  # "auto": half the hardware threads
+             "batch_matcher_n": xgr.BatchGrammarMatcher(max_threads=threads)}  # fmt: skip
+    steps = max(len(o) for o in outputs)
+    times: dict[str, list[float]] = {}
+
+    def chunks(items: list, n: int) -> list[list]:
+        k = (len(items) + n - 1) // n
+        return [items[i : i + k] for i in range(0, len(items), k)]
+
+    for strategy in ("serial", "batch_matcher", "batch_matcher_n", "thread_pool"):
+        ms = [grammars.matcher(so) for _ in outputs]
+        mask = xgr.allocate_token_bitmask(len(ms), grammars.vocab_size)
+        acc, fill = [], []
+        for j in range(steps - 1):
+            live = [(i, m, outputs[i][j]) for i, m in enumerate(ms) if j < len(outputs[i]) - 1]
+            t0 = time.perf_counter()
+            if strategy == "thread_pool" and len(live) > 1:
+                list(pool.map(lambda part: [m.accept_token(t) for _, m, t in part],
+                              chunks(live, threads)))  # fmt: skip
+            else:
+                for _, m, t in live:
+                    m.accept_token(t)
+            t1 = time.perf_counter()
+            if strategy in batch and len(live) > 1:
+                batch[strategy].batch_fill_next_token_bitmask(
+                    [m for _, m, _ in live], mask, [i for i, _, _ in live]
+                )
+            elif strategy == "thread_pool" and len(live) > 1:
+                list(pool.map(lambda part, mask=mask: [m.fill_next_token_bitmask(mask, i) for i, m, _ in part],
+                              chunks(live, threads)))  # fmt: skip
+            else:
+                for i, m, _ in live:
+                    m.fill_next_token_bitmask(mask, i)
+            t2 = time.perf_counter()
+            acc.append(t1 - t0)
+            fill.append(t2 - t1)
+        times[f"{strategy}_accept"] = acc
+        times[f"{strategy}_fill"] = fill
+    pool.shutdown()
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
 def _tokenizer(path: str | None):
     from tandem.model.loader import load_model_info
     from tandem.model.tokenizer import Tokenizer
@@ -221,6 +273,7 @@ def main() -> int:
 
     host = HostTimes(engine)
     rows = []
+    last_tokens: dict[int, list[list[int]]] = {}  # batch -> greedy constrained outputs
     for b in batches:
         prompts = lr.random_prompts(b, args.prompt_len, shape["vocab_size"], seed=b)
         for mode, temp in (("greedy", 0.0), ("sampled", 0.7)):
@@ -248,6 +301,8 @@ def main() -> int:
                 if [len(t) for t in c["tokens"]] != lengths:
                     raise AssertionError("a seeded constrained run changed its lengths")
                 finished = _check(tok, c, xgr_check)
+                if mode == "greedy":
+                    last_tokens[b] = c["tokens"]
                 host.reset()
                 p = plain()
                 host_p.append(host.per_step_ms())
@@ -269,6 +324,15 @@ def main() -> int:
             print(f"batch {b:>3} {mode:<8} TPOT constrained {row['constrained_tpot_ms']:.3f} ms, "
                   f"plain {row['plain_tpot_ms']:.3f} ms: cost {row['cost'] * 100:+.1f}%", flush=True)  # fmt: skip
     res["rows"] = rows
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    res["grammar_host_ms_per_step"] = {}
+    print(f"\ngrammar work per step on the host, replayed along the outputs ({threads} threads)")
+    for r in rows:
+        if r["mode"] != "greedy":
+            continue
+        g = grammar_strategies(engine._grammars, so, last_tokens[r["batch"]], threads)
+        res["grammar_host_ms_per_step"][str(r["batch"])] = g
+        print(f"batch {r['batch']:>3}: " + "  ".join(f"{k} {v:.3f}" for k, v in g.items()))
     print(f"\n{'batch':>5} {'mode':<8} {'tokens/seq':>11} {'valid JSON':>10} "
           f"{'TPOT constr ms':>15} {'TPOT plain ms':>14} {'cost':>7}")  # fmt: skip
     for r in rows:

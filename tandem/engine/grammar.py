@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.sampler import to_device
+from tandem.engine.sampler import device_tensor, to_device
 from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
 
 
@@ -143,10 +143,14 @@ class GrammarCompiler:
                 )
         return m
 
-    def bitmask(self, matchers: Sequence[Any], rows: Sequence[int], batch: int) -> torch.Tensor:
-        """[batch, ceil(V / 32)] int32 on the host: row `rows[j]` holds the tokens `matchers[j]`
-        allows (the other rows allow everything and are never applied)."""
-        mask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
+    def bitmask(
+        self, matchers: Sequence[Any], rows: Sequence[int], batch: int, pin: bool = False
+    ) -> torch.Tensor:
+        """[batch, ceil(V / 32)] int32 on the host (in pinned memory with `pin`, for a GPU to
+        copy without a synchronization): row `rows[j]` holds the tokens `matchers[j]` allows (the
+        other rows allow everything and are never applied)."""
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((batch, words), -1, dtype=torch.int32, pin_memory=pin)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(mask, rows[0])
         else:
@@ -167,6 +171,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     vocab = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
+    device = logits.device
     _xgrammar().apply_token_bitmask_inplace(
-        logits, to_device(bitmask, logits.device), vocab_size=vocab, indices=list(rows)
+        logits,
+        to_device(bitmask, device),
+        vocab_size=vocab,
+        indices=device_tensor(list(rows), torch.int32, device),
     )

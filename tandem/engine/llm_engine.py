@@ -343,7 +343,10 @@ class LLMEngine:
         batch = batch if batch is not None else seqs
         row_of = {id(s): i for i, s in enumerate(batch)}
         rows = [row_of[id(s)] for s in constrained]
-        return self._grammars.bitmask([s.matcher for s in constrained], rows, len(batch)), rows
+        mask = self._grammars.bitmask(
+            [s.matcher for s in constrained], rows, len(batch), pin=self.device.type == "cuda"
+        )
+        return mask, rows
 
     @staticmethod
     def _sample_inputs(seqs: list[Sequence]) -> tuple[list, list | None]:

@@ -28,7 +28,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     a GPU synchronizes its stream, so the host would stall until the forward in flight is done;
     from pinned memory the copy is queued like a kernel."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -11,6 +11,8 @@ import logging
 
 LOGGER = "tandem.progress"
 log = logging.getLogger(LOGGER)
+# Whatever --log-level the stage runs at: `tandem up` waits for these lines (its "ready" among them).
+log.setLevel(logging.INFO)
 
 
 def report(message: str) -> None:

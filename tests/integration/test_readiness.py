@@ -231,3 +231,23 @@ def test_up_with_tls_becomes_ready_and_serves(tmp_path, model_factory):
             assert r.status == 200
     finally:
         c.stop()
+
+
+def test_up_at_log_level_warning_becomes_ready(model_factory):
+    """`tandem up --log-level WARNING`: the stages log no INFO lines, but the start-up progress
+    that `tandem up` waits for (a stage's "ready" among it) still reaches it: it comes up and
+    serves."""
+    from tests.integration.cluster import start_cluster
+
+    _, path = model_factory("llama")
+    c = start_cluster(["--model", path, "--num-blocks", "64", "--log-level", "WARNING"])
+    try:
+        assert health(c.address) == SERVING
+        stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(c.address))
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        assert list(stub.Generate(req, timeout=60))[-1].finish.usage.completion_tokens == 3
+    finally:
+        c.stop()

@@ -2,13 +2,15 @@
 
 A constrained sequence owns one `xgrammar.GrammarMatcher` (`Sequence.matcher`). Each step, after
 the forward is launched, the host fills one bitmask row per constrained sequence (32 tokens per
-int32, bit set = allowed; a batch's rows on several threads) while the device runs the forward;
+int32, bit set = allowed) while the device runs the forward;
 the sampler unpacks the rows on the logits' device and sets the disallowed logits to -inf; the
 sampled token is then accepted into the matcher. Under asynchronous scheduling a constrained
 decode step runs ahead like any other: its forward is enqueued, the previous step's tokens are
-read and accepted while the device runs it, and only its sampling waits for the masks. The matcher's state is a function of the tokens it accepted, so a worker that takes
-a sequence over (the decode worker after the prefill worker's first token, or after a failover)
-replays them into a fresh matcher; a preempted sequence keeps its matcher (its tokens stay).
+read and accepted while the device runs it, and only its sampling waits for the masks.
+
+The matcher's state is a function of the tokens it accepted, so a worker that takes a sequence
+over (the decode worker after the prefill worker's first token, or after a failover) replays
+them into a fresh matcher; a preempted sequence keeps its matcher (its tokens stay).
 
 Speculative decoding is switched off for constrained sequences (`LLMEngine.set_proposals` gives
 them no drafts): verifying drafts against the grammar would need a rollback per rejected token
@@ -108,16 +110,37 @@ def _short(e: Exception) -> str:
 class GrammarCompiler:
     """Compiles `StructuredOutput`s for one tokenizer (xgrammar caches compiled grammars)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        pin_memory: bool = False,
+    ) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-        # Fills a batch's masks on several threads (half the host's cores).
-        self._batch = xgr.BatchGrammarMatcher()
         self._xgr = xgr
+        # Two bitmask buffers, used in turn (pinned for a GPU engine): allocating pinned memory
+        # every step cost milliseconds on an H200 host, more than the filling. A buffer is
+        # written again two steps later, by when the copy that read it has run (each step
+        # waits for the one before it).
+        self._pin = pin_memory
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+
+    def _buffer(self, batch: int) -> torch.Tensor:
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < batch:
+            rows = 1 << (batch - 1).bit_length()  # room to grow: power-of-two rows
+            words = (self.vocab_size + 31) // 32
+            buf = torch.empty((rows, words), dtype=torch.int32, pin_memory=self._pin)
+            self._buffers[self._turn] = buf
+        self._turn ^= 1
+        return buf[:batch]
 
     def compile(self, so: StructuredOutput):
         check_structured(so)
@@ -143,18 +166,16 @@ class GrammarCompiler:
                 )
         return m
 
-    def bitmask(
-        self, matchers: Sequence[Any], rows: Sequence[int], batch: int, pin: bool = False
-    ) -> torch.Tensor:
-        """[batch, ceil(V / 32)] int32 on the host (in pinned memory with `pin`, for a GPU to
-        copy without a synchronization): row `rows[j]` holds the tokens `matchers[j]` allows (the
-        other rows allow everything and are never applied)."""
-        words = (self.vocab_size + 31) // 32
-        mask = torch.full((batch, words), -1, dtype=torch.int32, pin_memory=pin)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(mask, rows[0])
-        else:
-            self._batch.batch_fill_next_token_bitmask(list(matchers), mask, list(rows))
+    def bitmask(self, matchers: Sequence[Any], rows: Sequence[int], batch: int) -> torch.Tensor:
+        """[batch, ceil(V / 32)] int32 on the host (pinned for a GPU engine, so that its copy
+        needs no synchronization): row `rows[j]` holds the tokens `matchers[j]` allows; the
+        other rows are never applied. Valid until the next call but one.
+
+        One matcher after another: on an H200 host, replaying 32 JSON-schema outputs, the 32
+        fills took 0.11 ms in a loop and 0.39 ms through xgrammar's threaded batch matcher."""
+        mask = self._buffer(batch)
+        for m, row in zip(matchers, rows, strict=True):
+            m.fill_next_token_bitmask(mask, row)
         return mask
 
 

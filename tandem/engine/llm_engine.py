@@ -327,7 +327,10 @@ class LLMEngine:
             return None
         if self._grammars is None:
             self._grammars = GrammarCompiler(
-                self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids
+                self.tokenizer.hf,
+                self.model_config.vocab_size,
+                self.eos_token_ids,
+                pin_memory=self.device.type == "cuda",
             )
         return self._grammars.matcher(params.structured, replay)
 
@@ -343,10 +346,7 @@ class LLMEngine:
         batch = batch if batch is not None else seqs
         row_of = {id(s): i for i, s in enumerate(batch)}
         rows = [row_of[id(s)] for s in constrained]
-        mask = self._grammars.bitmask(
-            [s.matcher for s in constrained], rows, len(batch), pin=self.device.type == "cuda"
-        )
-        return mask, rows
+        return self._grammars.bitmask([s.matcher for s in constrained], rows, len(batch)), rows
 
     @staticmethod
     def _sample_inputs(seqs: list[Sequence]) -> tuple[list, list | None]:

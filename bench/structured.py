@@ -21,6 +21,12 @@ accepted.
     python bench/structured.py                              # H200: batches 1 and 32
     python bench/structured.py --smoke                      # a tiny model on a CPU
     python bench/structured.py --out bench/results/h200_structured.json
+    python bench/structured.py --spec --repeats 3 --out bench/results/structured_spec_cpu.json
+
+--spec measures instead what n-gram drafts (speculative decoding by prompt lookup) do under a
+grammar: the embedded default model answers four order questions under SCHEMA, greedy, with
+and without drafts, on this machine's device (target steps, tokens/s, and that both give the
+same tokens).
 
 Results (JSON with the exact command, revision and hardware) go to --out; a table is printed.
 """
@@ -227,6 +233,63 @@ def _check(tok, outs: dict[str, Any], xgr_check) -> int:
     return done
 
 
+SPEC_QUESTIONS = [
+    "Order ABC-1234 was shipped to Maria Lopez, 34, a pro customer: two mugs (sku mug01) and "
+    "one gift card (sku gc50, a gift).",
+    "Create an order record for John Smith, age 52, enterprise tier; status pending; items: 3 "
+    "of sku a1b2, 1 of sku zz9 as a gift.",
+    "Write the JSON for a cancelled order XYZ-0042 from Ann Lee (27, free tier) with 5 pens "
+    "(sku pen5) and 2 notebooks (sku nb2).",
+    "Give me a sample delivered order with three items.",
+]
+
+
+def spec_rows(new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The default model (real weights, this machine's device) answering SPEC_QUESTIONS under
+    SCHEMA, greedy, without drafts and with n-gram drafts: target steps, tokens per step and
+    wall time (median of `repeats`); the two must give the same tokens."""
+    import tandem
+    from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0, structured=so)
+    out: dict[str, Any] = {}
+    tokens_of = {}
+    for name, opts in (("plain", {}), ("ngram drafts", {"speculative": "ngram"})):
+        llm = tandem.LLM(enable_prefix_cache=False, **opts)
+        tok = llm.engine.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q + " Answer in JSON."}])
+                   for q in SPEC_QUESTIONS]  # fmt: skip
+        steps = [0]
+        step = llm.engine.step
+
+        def counted(step=step, steps=steps):
+            steps[0] += 1
+            return step()
+
+        llm.engine.step = counted
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+        times, n_steps = [], []
+        for _ in range(repeats):
+            steps[0] = 0
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            times.append(time.perf_counter() - t0)
+            n_steps.append(steps[0])
+        tokens_of[name] = [o.token_ids for o in outs]
+        n = sum(len(t) for t in tokens_of[name])
+        out[name] = {"tokens": n, "engine_steps": statistics.median(n_steps),
+                     "tokens_per_step": n / statistics.median(n_steps),
+                     "seconds": times, "tokens_per_s": n / statistics.median(times)}  # fmt: skip
+        print(f"{name:<13} {n} tokens, {out[name]['engine_steps']} engine steps "
+              f"({out[name]['tokens_per_step']:.2f} tokens a step), "
+              f"{out[name]['tokens_per_s']:.1f} tokens/s", flush=True)  # fmt: skip
+    out["same_tokens"] = tokens_of["plain"] == tokens_of["ngram drafts"]
+    out["speedup"] = out["ngram drafts"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    print(f"same tokens: {out['same_tokens']}; speedup {out['speedup']:.2f}x")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,32")
@@ -236,7 +299,20 @@ def main() -> int:
     ap.add_argument("--tokenizer", default=None, help="a local HF tokenizer directory")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--spec", action="store_true",
+                    help="n-gram drafts under a grammar on the default model instead")  # fmt: skip
     args = ap.parse_args()
+    if args.spec:
+        res = {"benchmark": "structured --spec", **lr.run_info(sys.argv), "schema": SCHEMA,
+               "questions": SPEC_QUESTIONS, "new_tokens": args.new_tokens,
+               "repeats": args.repeats}  # fmt: skip
+        res["results"] = spec_rows(args.new_tokens, args.repeats)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=2)
+                f.write("\n")
+            print(f"wrote {args.out}")
+        return 0
     from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 
     cuda = torch.cuda.is_available() and not args.smoke

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tandem
+from tandem.engine import llm_engine
 from tandem.engine.grammar import apply_token_bitmask, check_structured
 from tandem.engine.sampler import apply_logit_bias, apply_openai_penalties, sample
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
@@ -196,15 +197,40 @@ def test_grammar_survives_the_handover(path):
     assert re.fullmatch(REGEX, _words(want))
 
 
-def test_constrained_sequences_get_no_drafts(path):
+def test_drafts_under_a_grammar_are_cut_to_what_it_allows(path, monkeypatch):
+    """Speculation under a grammar: a draft keeps its longest prefix the grammar allows (the
+    matcher left as it was), verification masks every position, and greedy decoding with n-gram
+    drafts gives exactly the tokens of decoding without them, with drafts accepted."""
     eng = tandem.LLM(path, num_blocks=64).engine
     sp = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput("regex", REGEX))
     eng.add_request([3, 4] * 10, sp, "c")
     eng.add_request([3, 4] * 10, SamplingParams(max_tokens=60, temperature=0), "u")
     eng.step()  # both prompts computed, one token each
-    eng.set_proposals({"c": [4, 4, 4], "u": [4, 4, 4]})
-    assert eng.seqs["c"].spec_tokens == [] and eng.seqs["u"].spec_tokens == [4, 4, 4]
-    llm = tandem.LLM(path, num_blocks=64, speculative="ngram")
-    want = tandem.LLM(path, num_blocks=64).generate([[3, 4] * 10], sp)[0].token_ids
-    assert llm.generate([[3, 4] * 10], sp)[0].token_ids == want
-    assert re.fullmatch(REGEX, _words(want))
+    eng.set_proposals({"c": [4, 3, 5, 4], "u": [4, 5, 4]})
+    assert eng.seqs["c"].spec_tokens == [4, 3] and eng.seqs["u"].spec_tokens == [4, 5, 4]
+    assert eng.seqs["c"].matcher.accept_token(4)  # the matcher is where it was: w3/w4 next
+    eng.seqs["c"].matcher.rollback(1)
+    while eng.has_unfinished():
+        eng.step()
+    prompts = [[3, 4] * 10, [4, 3, 3] * 6, [7, 8]]
+    want = tandem.LLM(path, num_blocks=64).generate(prompts, sp)
+    spec = tandem.LLM(path, num_blocks=64, speculative="ngram")
+    accepted = []
+    verify = llm_engine.accept_draft_tokens
+
+    def counting(logits, draft, *a):
+        new, lps = verify(logits, draft, *a)
+        accepted.append(len(new) - 1)
+        return new, lps
+
+    monkeypatch.setattr(llm_engine, "accept_draft_tokens", counting)
+    got = spec.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(re.fullmatch(REGEX, _words(o.token_ids)) for o in got)
+    assert sum(accepted) > 0, "the drafts were meant to be used"
+    sampled = SamplingParams(
+        max_tokens=60, temperature=1.0, seed=4, structured=StructuredOutput("regex", REGEX)
+    )
+    for o in spec.generate(prompts, sampled):
+        assert re.fullmatch(REGEX, _words(o.token_ids)), o.token_ids
+    assert spec.engine.pool.num_used == 0

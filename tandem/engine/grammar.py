@@ -12,9 +12,13 @@ The matcher's state is a function of the tokens it accepted, so a worker that ta
 over (the decode worker after the prefill worker's first token, or after a failover) replays
 them into a fresh matcher; a preempted sequence keeps its matcher (its tokens stay).
 
-Speculative decoding is switched off for constrained sequences (`LLMEngine.set_proposals` gives
-them no drafts): verifying drafts against the grammar would need a rollback per rejected token
-and a mask per draft position, and this has not been measured to pay off.
+Speculative decoding works under a grammar: `LLMEngine.set_proposals` keeps the longest prefix
+of a draft that the grammar allows (the matcher accepts it and rolls back), and verification
+masks each of the k + 1 positions with the grammar's state after the drafts before it, so the
+accepted tokens are the ones plain constrained decoding would give (greedy: the same tokens).
+JSON repeats its keys and punctuation, so prompt lookup drafts well there: on the default
+model, four 200-token JSON-schema replies took 103 target steps instead of 200 with
+`speculative="ngram"` (bench/structured.py --spec).
 
 The grammar's end: once the matcher accepts a stop token it is terminated and the sequence
 finishes with "stop" (whatever `ignore_eos` says: nothing may follow a complete grammar).
@@ -165,6 +169,35 @@ class GrammarCompiler:
                     "(the sequence's tokens do not match its response_format)"
                 )
         return m
+
+    def draft_prefix(self, matcher: Any, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` the grammar allows from the matcher's state (up to and
+        including a token that completes it); the matcher is left as it was."""
+        n = 0
+        for t in draft:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return draft[:n]
+
+    def draft_masks(self, matcher: Any, draft: Sequence[int]) -> torch.Tensor:
+        """[len(draft) + 1, W] int32 on the host: row j holds the tokens allowed after the
+        first j draft tokens (which `draft_prefix` checked), for verifying them; a row after a
+        draft token that completes the grammar allows everything (a stop ends the sequence
+        there). The matcher is left as it was."""
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(draft) + 1, words), -1, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(mask, 0)
+        for j, t in enumerate(draft):
+            if not matcher.accept_token(int(t)):
+                matcher.rollback(j)
+                raise RuntimeError(f"draft token {t} is outside the sequence's grammar")
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(mask, j + 1)
+        matcher.rollback(len(draft))
+        return mask
 
     def bitmask(self, matchers: Sequence[Any], rows: Sequence[int], batch: int) -> torch.Tensor:
         """[batch, ceil(V / 32)] int32 on the host (pinned for a GPU engine, so that its copy

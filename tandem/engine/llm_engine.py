@@ -690,6 +690,10 @@ class LLMEngine:
                 row += c
                 continue
             if draft:
+                masks = None
+                if seq.matcher is not None:
+                    assert self._grammars is not None
+                    masks = self._grammars.draft_masks(seq.matcher, draft)
                 new, new_lps = accept_draft_tokens(
                     logits[row : row + c],
                     draft,
@@ -697,6 +701,7 @@ class LLMEngine:
                     seq.generator,
                     seq.all_token_ids,
                     seq.output_token_ids,
+                    masks,
                 )
                 seq.spec_proposed += len(draft)
                 seq.spec_accepted += len(new) - 1
@@ -733,13 +738,17 @@ class LLMEngine:
             seq = self.seqs.get(sid)
             if seq is None or seq.status is not SequenceStatus.RUNNING or not toks:
                 continue
-            if seq.matcher is not None:
-                continue  # no speculation under a grammar (see tandem/engine/grammar.py)
             room = min(
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
-            seq.spec_tokens = [int(t) for t in toks[: max(0, room)]]
+            toks = [int(t) for t in toks[: max(0, room)]]
+            if seq.matcher is not None:
+                if seq.num_pending:
+                    continue  # its grammar has not read the token in flight yet
+                assert self._grammars is not None
+                toks = self._grammars.draft_prefix(seq.matcher, toks)
+            seq.spec_tokens = toks
 
     @staticmethod
     def _prompt_scores(seq: Sequence) -> list[TokenLogprobs | None] | None:

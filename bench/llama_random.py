@@ -60,6 +60,15 @@ def run_info(argv: list[str]) -> dict[str, Any]:
             ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             rev = "unknown"
+    try:  # changes on top of that revision (a copy of the tree on another machine has them)
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=ROOT, capture_output=True, text=True, check=True,
+            ).stdout.strip()
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        dirty = None
     import transformers
     import triton
 
@@ -67,6 +76,7 @@ def run_info(argv: list[str]) -> dict[str, Any]:
     return {
         "command": "python " + " ".join(shlex.quote(a) for a in argv),
         "git_revision": rev,
+        "git_uncommitted_changes": dirty,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,

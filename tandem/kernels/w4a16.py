@@ -299,7 +299,7 @@ def _gemv_nmajor_kernel(
     gives v = 256 + c, code j+1 (bits 19..22) under 16.0 gives v = 16 + c, both exact. So
     v * x = offset * x + c * x and sum_k v x = X' + sum_k c x, X' = sum_k offset_k x_k per
     group. No quarter-rate int->float convert: ~4 instructions per code in all (the SASS count
-    of the loop, bench/README), one LOP3, half a shift and one FFMA of them per code.
+    of the loop, bench/gemv_probe.py --dump), one LOP3, half a shift and one FFMA of them per code.
 
     The next group's codes are loaded before this group's are used (two loads in flight per
     program). K is split over SPLIT programs; each writes its partial sums, and the last to

@@ -6,7 +6,7 @@ Two variants of the same FFMA arithmetic, each with `tl.range(..., num_stages=ST
 - `ptr`: the same tile through pointer loads (Triton turns them into cp.async copies).
 and `old`, the library kernel, in the same process. Each spec is KIND:block_n,split_k,stages,warps
 (stages unused for `old`). Median of 20 CUDA-graph replays of 16 calls over 16 weight copies.
-Measured slower than the library kernel on every shape (bench/README, session 5); kept so the
+Measured slower than the library kernel on every shape on the H200; kept so the
 comparison can be re-run.
 
     python bench/gemv_stream_probe.py 14336 4096 old:64,8,1,1 tma:64,4,3,1 ptr:64,4,3,1

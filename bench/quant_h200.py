@@ -463,7 +463,7 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
         lr.run_engine(engine, prompt, new)
     evs = device_events(prof)
     # A graph step's inputs come in one copy from pinned memory; the sampler's small tensors
-    # come from pageable memory (counting those too split each step in two: session 15).
+    # come from pageable memory (counting those too would split each step in two).
     starts = [i for i, (_, _, name) in enumerate(evs) if "HtoD (Pinned" in name]
     steps = list(zip(starts[skip:-1], starts[skip + 1 :], strict=False))
     if not steps:
@@ -590,7 +590,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # the attention's L2 prefetch before its PDL wait). Each other row changes one thing:
     # "no_prewait" (TANDEM_PDL_PREWAIT=0), "merge_last" / "merge_kernel" (TANDEM_DECODE_MERGE=1
     # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
-    # TANDEM_GEMV_H2=0); "session11" is session 11's default (merge_last, no prewait);
+    # TANDEM_GEMV_H2=0); "session11" is an older default (merge_last, no prewait);
     # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
     # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
@@ -615,7 +615,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
     if os.environ.get("QUANT_H200_M1_ROWS"):
         order = [tuple(r.split("/", 1)) for r in os.environ["QUANT_H200_M1_ROWS"].split()]
-    # Rows of one pass differ by up to ~5 % more than their kernels do (session 10), so the rows
+    # Rows of one pass differ by up to ~5 % more than their kernels do (H200), so the rows
     # run QUANT_H200_REPEAT passes (3 unless --smoke), every other one in reverse order; each row
     # reports every pass's time, their median (step_ms) and the kernel profile of its first.
     repeat = max(1, int(os.environ.get("QUANT_H200_REPEAT", "1" if smoke else "3")))
@@ -830,8 +830,8 @@ def argmax_two_stage(x: torch.Tensor, cols: int) -> torch.Tensor:
 def argmax_section(dev: str, smoke: bool, results: dict) -> None:
     """The greedy sampler's argmax over one row of Llama-3's 128256 logits (float32), as the
     engine runs it outside the step's graph: torch.argmax against `argmax_two_stage` at a few
-    run lengths and the sampler's one-launch Triton argmax at a few block sizes (session 15's
-    engine timeline put torch's at ~28 us a token). Each timed as 20
+    run lengths and the sampler's one-launch Triton argmax at a few block sizes (the engine
+    timeline puts torch's at ~28 us a token). Each timed as 20
     calls in one graph, us per call; every variant checked equal to torch.argmax first."""
     v = 512 if smoke else LLAMA3_8B["vocab_size"]
     g = torch.Generator(device=dev).manual_seed(0)

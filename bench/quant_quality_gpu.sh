@@ -50,11 +50,11 @@ run() {
 # RUNS: which runs, side by side: e2e_scales (scales and zero points only), qat_LR (codes too,
 # their latents at learning rate LR) and qat2_LR (QAT again, a fresh schedule, from the QAT
 # checkpoint in $QAT_FROM, e.g. build/qat/qat_1e-2/awq-autoround-gen-qat of an earlier call: a
-# call is at most 10 minutes, and in session 10 the held-out KL was still falling at its end).
-# Default qat_5e-3 alone (session 11, 2026-12-02: 1.0409 / 1.0436 on the eval text): with each
+# call is at most 10 minutes, and the held-out KL can still be falling at its end).
+# Default qat_5e-3 alone (2026-12-02: 1.0409 / 1.0436 on the eval text): with each
 # training step one CUDA graph replay, one run makes ~16 steps/s, so 230 s is ~3700 steps, ~5
 # passes over 6144 sampled sequences. At 1e-2 for that many steps (and 2048 sequences) the
-# held-out KL rose after step 300 (run 1 of quant_quality_h200_qat_session11.json); on
+# held-out KL rose after step 300 (run 1 of bench/results/quant_quality_h200_qat.json); on
 # 2026-12-01, eager steps, 2e-2 diverged (held-out KL 0.105 -> 0.25).
 for name in ${RUNS:-qat_5e-3}; do
   case $name in

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # libgomp's spin-wait holds a core the working thread needs when other processes compete for the
-# cores (bench/README.md, "OpenMP spin-waiting"): set before torch loads, for every engine alike.
+# cores (bench/README.md, "Measuring on a shared CPU host"): set before torch loads, for every engine alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402

@@ -17,7 +17,7 @@ _DTYPES = ("float32", "float16", "bfloat16")
 
 # OpenMP (torch's CPU threads) sleeps between parallel regions instead of spinning. libgomp spins
 # ~300k iterations after each region; when another process holds a core, the spinning thread
-# takes the core the working one needs. Measured on the 2-core Xeon of bench/README.md with other
+# takes the core the working one needs. Measured on a 2-core Xeon VM with other
 # work running, SmolLM2-135M batch-1 decode, 2 threads: 2-4 tok/s spinning, 20-47 sleeping
 # (1 thread: 13-33 either way). Read by OpenMP when torch loads, so it is put in the process
 # environment when `tandem` is imported (before torch); a value set there already wins.

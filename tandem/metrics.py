@@ -298,7 +298,7 @@ class DecodeMetrics(WorkerMetrics):
             "Sequences prefilled by this decode worker itself (conditional disaggregation).",
             registry=r,
         )
-        # Speculative decoding (issue #4): the draft worker's proposals checked by this worker.
+        # Speculative decoding: the draft worker's proposals checked by this worker.
         self.spec_proposals = Counter(
             "tandem_spec_proposals", "Draft proposals verified.", registry=r
         )

@@ -33,7 +33,7 @@ PREFILL_FORWARD = "prefill.forward"
 KV_TRANSFER = "kv.transfer"
 DECODE_QUEUE = "decode.queue"
 DECODE_GENERATE = "decode.generate"
-DRAFT_PROPOSE = "draft.propose"  # the draft worker's span (issue #4); parent: decode.generate
+DRAFT_PROPOSE = "draft.propose"  # the draft worker: one per propose step, linked to requests
 # Work done for a whole batch: one span per step, linked to the request spans it served.
 PREFILL_BATCH = "prefill.batch"
 DECODE_STEP = "decode.step"

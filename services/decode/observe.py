@@ -158,7 +158,7 @@ class DecodeTelemetry:
         )
         tel.end_span(st.generate, now, error)
 
-    # ---- speculative decoding hooks (issue #4) --------------------------------------------
+    # ---- speculative decoding hooks --------------------------------------------------------
     def draft_context(self, seq_id: str) -> dict[str, str]:
         """W3C context for a request to the draft worker: its `draft.propose` spans go under
         this sequence's `decode.generate`."""

@@ -105,7 +105,7 @@ def _silu_mul_launch(
         return out, xq
     # (A power of 2, so a multiple of the GemvX group: whole groups per program.) One row read
     # from a GEMV's float32 row and written in GemvX form: a group per one-warp program (H200,
-    # Llama-3-8B shape, bench/results/h200_session16.json call 5: the INT4 step 1.737 against
+    # Llama-3-8B shape: the INT4 step 1.737 against
     # 1.751 ms with 1024 per 4 warps, and bf16 4.398 against 4.389 ms with it, so only there).
     # The block and warps can be set for benchmarks (TANDEM_SILU_BLOCK, TANDEM_SILU_WARPS).
     per_group = xq is not None and acc_dtype is not None and rows == 1

@@ -2,7 +2,7 @@
 
 Greedy decoding takes the argmax of every row of the logits, [B, vocab] float32, once a token;
 torch's reduction over one row of Llama-3's 128256 logits runs as a single block and took
-26.8 us on the H200 (bench/results/h200_session16.json, the `argmax` section). Here each row is
+26.8 us on the H200 (bench/quant_h200.py's `argmax` section, bench/results/h200_quant.json). Here each row is
 split over many programs: each finds the largest value of its block and the first column that
 holds it, stores both as one int64, and the last program of the row to finish (an acq_rel arrival
 counter) takes the largest of those and re-zeroes the counter.

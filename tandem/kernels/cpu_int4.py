@@ -7,7 +7,7 @@ PyTorch's CPU INT4 kernel (`aten._weight_int4pack_mm_for_cpu`) takes codes packe
 
 in float32 from bfloat16 scales and zeros, with bfloat16 activations and output and a float32
 accumulator. Only its bfloat16 form is vectorized: float32 activations run a scalar loop, ~30x
-slower (measured on the 2-core Xeon of bench/README.md). A `QuantizedWeight`'s grid
+slower (measured on a 2-core Xeon VM). A `QuantizedWeight`'s grid
 (w = q * scale + min, see `tandem.quant.format`) maps onto it as zero = min + 8 * scale; the codes
 are kept as they are, the FP16 scales and zero points are rounded to bfloat16.
 

@@ -75,7 +75,7 @@ def prewait(t: torch.Tensor) -> bool:
     weights: what the host copies in before a step (positions, slots, context lengths, block
     tables) and, in the decode attention, an L2 prefetch of K/V that the step does not write.
     With PDL only; on unless `TANDEM_PDL_PREWAIT=0` (measured faster on the H200 for bf16 and
-    INT4 decode steps: bench/results/h200_session12.json)."""
+    INT4 decode steps, Llama-3-8B shape)."""
     return use_pdl(t) and os.environ.get("TANDEM_PDL_PREWAIT", "1") != "0"
 
 

@@ -299,7 +299,7 @@ def _gemv_nmajor_kernel(
     gives v = 256 + c, code j+1 (bits 19..22) under 16.0 gives v = 16 + c, both exact. So
     v * x = offset * x + c * x and sum_k v x = X' + sum_k c x, X' = sum_k offset_k x_k per
     group. No quarter-rate int->float convert: ~4 instructions per code in all (the SASS count
-    of the loop, bench/README), one LOP3, half a shift and one FFMA of them per code.
+    of the loop, bench/gemv_probe.py --dump), one LOP3, half a shift and one FFMA of them per code.
 
     The next group's codes are loaded before this group's are used (two loads in flight per
     program). K is split over SPLIT programs; each writes its partial sums, and the last to
@@ -892,7 +892,7 @@ class GemvH2Config:
     """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `addr`: code-word
     addresses from one 64-bit base per group plus 32-bit offsets (None: when x is read as it is,
     not as GemvX); `maxnreg`: a register cap for ptxas (None: its own choice; compiled CUDA
-    only). Measured on the H200 (bench/README, session 9): `addr` took 4096 x 4096 from 6.4-6.5
+    only). Measured on the H200: `addr` took 4096 x 4096 from 6.4-6.5
     to 6.2 us and the LM head (128256 x 4096) from 84-91 to 77 us with x read as it is, but was
     no faster reading GemvX (11.1 vs 10.9-11.1 us on 14336 x 4096) though it removes ~80 of the
     loop's 486 SASS instructions per group; a cap of 80 registers made that shape 13.3 us."""
@@ -904,7 +904,7 @@ class GemvH2Config:
     addr: bool | None = None
     maxnreg: int | None = None
     # Scales and zero points (and GemvX's scalars) loaded a group ahead. Measured on the H200
-    # (bench/results/h200_session13.json): summing the K split by the arrival counter, with
+    # (Llama-3-8B shapes): summing the K split by the arrival counter, with
     # maxnreg=72, 14336 x 4096 10.72 / 10.64 us against 10.98 / 10.81, 4096 x 14336 11.36 against
     # 11.24, the decode step unchanged; adding into a float32 row (`accumulate`), 9.02 / 9.07
     # against 10.20 and 9.37 / 9.42 against 10.58, the decode step 1.807 against 1.881 ms. So
@@ -974,7 +974,7 @@ class GemvX:
     it, for the GEMV's x16 codes) as fp16; and per group, float32, 2**24 / scale and the sum of
     x; in input order (the GEMV pairs x0 with x4 and so on itself: storing the pairs instead, by
     16-bit stores permuted inside each 16-byte word, made RMSNorm 125 -> 410 us per decode step
-    on the H200, bench/README session 9)."""
+    on the H200)."""
 
     scaled: torch.Tensor  # fp16 [M, K]
     scalars: torch.Tensor  # float32 [M, K // group, 2]
@@ -1049,7 +1049,7 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
     call). Only for the packed-fp16 GEMV, on compiled CUDA, unless `TANDEM_GEMV_ATOMIC=0`. The
     adds come in any order, so the float32 sums, and rarely their rounding to x's dtype, vary
     in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps.
-    Measured on the H200 (bench/results/h200_session13.json): the INT4 + INT4-head decode step
+    Measured on the H200 (Llama-3-8B shape): the INT4 + INT4-head decode step
     of a Llama-3-8B shape 1.807 / 1.807 / 1.803 ms against 2.023 / 2.029 with the counter."""
     if not isinstance(w, QuantizedWeight) or not w.qweight.is_cuda:
         return False
@@ -1112,7 +1112,7 @@ def default_config(
         and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
         and os.environ.get("TANDEM_GEMV_TC", "1") not in ("0", "false", "off")
     ):
-        # Tensor cores for 2 <= M <= 32 (bench/README, session 5): 16 rows and 256 columns per
+        # Tensor cores for 2 <= M <= 32 (measured on the H200): 16 rows and 256 columns per
         # program up to M = 16, then 32 rows and 128 columns; K split until ~1.5 (16 rows) or
         # ~1.8 (32 rows) programs per SM run, each keeping >= 2 groups. At M = 1 the FFMA kernel
         # below is faster; past M = 32 the tl.dot GEMM wins on some shapes.
@@ -1134,7 +1134,7 @@ def default_config(
         while split < 32 and (groups > 4 * split or blocks * split < 1536) and groups >= 2 * split:
             split *= 2
         if h2_eligible(w, k, x_dtype, device):
-            # The probe on the H200 (bench/README, session 7): one warp per 32 columns (64
+            # From bench/gemv_probe.py on the H200: one warp per 32 columns (64
             # registers); K split until >= 2048 programs run, and on until 3584 while a program
             # would hold more than 4 groups, and while it would hold more than 16 (the LM head:
             # 128256 x 4096 84 us at split 2, 99 unsplit); at most 32 ways, >= 1 group each.

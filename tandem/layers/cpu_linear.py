@@ -1,11 +1,11 @@
 """The linear layer on CPU: each weight is packed once at load into the form its kernel reads.
 
 - float32 weights: oneDNN's blocked layout (`torch.ops.mkldnn`), instead of F.linear (MKL
-  sgemm). Measured on the 2-core AMD EPYC of bench/README.md, one thread, SmolLM2-135M's linear
+  sgemm). Measured on a 2-core AMD EPYC VM, one thread, SmolLM2-135M's linear
   layers + LM head: 73 -> 39 ms at 8 rows (a batch-8 decode step), 45 -> 37 ms at one row.
 - per-group 4- and 8-bit weights (GGUF Q4_1 / Q8_0, `tandem quantize` outputs): the codes, read
-  by PyTorch's CPU INT4 kernel (`tandem.kernels.cpu_int4`). On the 2-core Xeon of
-  bench/README.md, one thread, one row, SmolLM2-135M's Q4_1 layers take 6.5 ms of CPU time a
+  by PyTorch's CPU INT4 kernel (`tandem.kernels.cpu_int4`). On a 2-core Xeon VM,
+  one thread, one row, SmolLM2-135M's Q4_1 layers take 6.5 ms of CPU time a
   token and its Q8_0 LM head 4.1 ms, against 20 + 10.5 ms in float32 through oneDNN.
 - anything else (other dtypes, other group sizes): `tandem.quant.linear.linear`.
 """

@@ -416,7 +416,7 @@ class LlamaModel:
                     v_scale=v_scale,
                     # One row of INT4 weights: the partitions merge faster in a kernel of their
                     # own (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights
-                    # by the last partition (4.54 against 4.59). bench/results/h200_session12.json
+                    # by the last partition (4.54 against 4.59).
                     merge_last=not (one_row and isinstance(lw.o, QuantizedWeight)),
                 )
             else:

@@ -209,8 +209,8 @@ def test_decode_step_with_gemv_x_matches_without(monkeypatch) -> None:
 
     The K split is summed by the arrival counter (TANDEM_GEMV_ATOMIC=0), not by float atomics:
     their order varies from run to run, and a last-bit change in one bf16 rounding grows to ~1 %
-    of these random logits after three layers (session 15: the two forms 0.0095 apart once, and
-    bit-equal in every later run)."""
+    of these random logits after three layers (on the H200 the two forms came out 0.0095 apart
+    in one run and bit-equal in others)."""
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -374,7 +374,7 @@ def test_engine_int4_fp8_kv_on_cuda(model_factory) -> None:
 
     (A random tiny model has near-ties: on prompt 0 bf16 KV leads by 0.25 nats, and the e4m3
     cache moves log-probabilities by up to ~0.2 nats, so an exact first-token check there tests
-    the tie, not the cache; measured on the H200, session 7.)"""
+    the tie, not the cache; measured on the H200.)"""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set")
     import tandem

@@ -413,7 +413,10 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    # SIGINT too: a process started in the background of a script inherits SIGINT ignored, and
+    # Python then leaves it ignored; Ctrl-C or `kill -INT` must still stop every stage.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         width = max(len(c.stage) for c in children)
         for c in children:

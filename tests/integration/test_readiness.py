@@ -251,3 +251,43 @@ def test_up_at_log_level_warning_becomes_ready(model_factory):
         assert list(stub.Generate(req, timeout=60))[-1].finish.usage.completion_tokens == 3
     finally:
         c.stop()
+
+
+def test_up_started_with_sigint_ignored_still_stops_on_sigint(tmp_path, model_factory):
+    """A background job of a script inherits SIGINT ignored; `tandem up` started so still stops
+    every stage on SIGINT (Ctrl-C, `kill -INT`), promptly and cleanly."""
+    _, path = model_factory("llama")
+    port, http_port, pp, dp, gm, pm, dm = free_ports(7)
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "up", "--model", path, "--num-blocks", "64",
+        "--port", str(port), "--http-port", str(http_port),
+        "--prefill-port", str(pp), "--decode-port", str(dp), "--metrics-port", str(gm),
+        "--prefill-metrics-port", str(pm), "--decode-metrics-port", str(dm),
+        "--log-dir", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Tandem is up"):
+                break
+        assert any(ln.startswith("Tandem is up") for ln in lines), "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    import socket
+
+    for p in (port, pp, dp):  # every stage stopped with it
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", p), timeout=2).close()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +51,28 @@ def _generate(address: str, n_prompt: int) -> api_pb2.Finish:
     out = list(stub.Generate(req, timeout=60))
     assert out[-1].HasField("finish"), out[-1]
     return out[-1].finish
+
+
+def _start_up(model: list[str], log_dir, **popen) -> tuple[subprocess.Popen, int, int, list[int]]:
+    """`tandem up` on free ports with its output piped: (process, gateway port, HTTP port, stage
+    ports [prefill, decode])."""
+    port, http_port, pp, dp, gm, pm, dm = free_ports(7)
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "up", *model,
+        "--port", str(port), "--http-port", str(http_port),
+        "--prefill-port", str(pp), "--decode-port", str(dp), "--metrics-port", str(gm),
+        "--prefill-metrics-port", str(pm), "--decode-metrics-port", str(dm),
+        "--log-dir", str(log_dir),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        **popen,
+    )
+    return proc, port, http_port, [pp, dp]
 
 
 def test_gateway_readiness_follows_its_workers(tmp_path, model_factory):
@@ -152,24 +175,10 @@ def test_a_client_that_waits_for_readiness_gets_no_error(tmp_path, model_factory
     _, tiny = model_factory("llama")
     probes = ["health", "models", "grpc"]
     for i in range(10):
-        port, http_port, pp, dp, gm, pm, dm = free_ports(7)
         log_dir = tmp_path / f"start-{i}"
         model = [] if i == 0 else ["--model", tiny, "--num-blocks", "64"]
-        cmd = [
-            sys.executable, "-m", "tandem.cli", "up", *model,
-            "--port", str(port), "--http-port", str(http_port),
-            "--prefill-port", str(pp), "--decode-port", str(dp), "--metrics-port", str(gm),
-            "--prefill-metrics-port", str(pm), "--decode-metrics-port", str(dm),
-            "--log-dir", str(log_dir),
-        ]  # fmt: skip
+        proc, port, http_port, _ = _start_up(model, log_dir)
         poller = _Poller(probes[i % 3], port, http_port)
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
         poller.start()
         lines: list[str] = []
         reader = threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True)
@@ -262,20 +271,9 @@ def test_up_started_with_sigint_ignored_still_stops_on_sigint(tmp_path, model_fa
     """A background job of a script inherits SIGINT ignored; `tandem up` started so still stops
     every stage on SIGINT (Ctrl-C, `kill -INT`), promptly and cleanly."""
     _, path = model_factory("llama")
-    port, http_port, pp, dp, gm, pm, dm = free_ports(7)
-    cmd = [
-        sys.executable, "-m", "tandem.cli", "up", "--model", path, "--num-blocks", "64",
-        "--port", str(port), "--http-port", str(http_port),
-        "--prefill-port", str(pp), "--decode-port", str(dp), "--metrics-port", str(gm),
-        "--prefill-metrics-port", str(pm), "--decode-metrics-port", str(dm),
-        "--log-dir", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    proc, port, _, stage_ports = _start_up(
+        ["--model", path, "--num-blocks", "64"],
+        tmp_path,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     lines: list[str] = []
@@ -291,8 +289,6 @@ def test_up_started_with_sigint_ignored_still_stops_on_sigint(tmp_path, model_fa
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    import socket
-
-    for p in (port, pp, dp):  # every stage stopped with it
+    for p in (port, *stage_ports):  # every stage stopped with it
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", p), timeout=2).close()

@@ -19,8 +19,8 @@ NIXL READ per request; prefill and decode get different TANDEM_HOST_ID values so
 memory is ruled out; UCX chooses its transports, or nixl:UCX_TLS forces them, e.g. nixl:tcp
 through the loopback interface as between two hosts without RDMA), cuda_ipc (--device cuda:
 CUDA IPC of the GPU pool). For reference, the same blocks are also copied within this process:
-tandem's gather copy (`index_select` + `index_copy_`, what the shm and cuda_ipc paths run) and
-a plain slice copy.
+tandem's gather copy (one kernel on a GPU, `index_select` + `index_copy_` on a CPU: what the
+cuda_ipc and shm paths run) and a plain slice copy.
 
 On one host UCX does not use the network: it reads the peer process's memory directly (CMA)
 or goes through loopback TCP (nixl:tcp). Between two machines the figures depend on the
@@ -303,7 +303,8 @@ def measure(
 
 def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any]]:
     """Local copies of the same blocks between two pools in this process: `gather` is
-    tandem's gather_copy (index_select + index_copy_, what the shm path runs), `memcpy` one
+    tandem's gather_copy (one kernel on a GPU, what the cuda_ipc path runs; index_select +
+    index_copy_ on a CPU, what the shm path runs), `memcpy` one
     slice copy of consecutive blocks. One CPU thread: the two-core machine is shared, and
     OpenMP's threads make these copies erratic when it is busy."""
     from tandem.kv.cache import KVCache

@@ -245,7 +245,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self.owner: dict[str, Session] = {}
-        self.transfer: dict[str, tuple[float, str]] = {}
+        # seq id -> (handover ms on the host, transport, CUDA events around the copy or None)
+        self.transfer: dict[str, tuple[float, str, list | None]] = {}
         self.imports_by_transport: dict[str, int] = {}
         # Per sequence, noted at its first step here: (prompt tokens found in the prefix cache,
         # queue ms, prefill ms); the last two only mean something for prefill_here sequences.
@@ -418,6 +419,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             return
         failure = ""
         verified = False  # the caller proved it holds the lease: it is released whatever happens
+        copied: list = []  # CUDA: events around the KV copy (its device time; the lease's end)
         try:
             peer = await self.peer(msg.prefill_address)
             if peer.pool_id != msg.kv.pool_id:
@@ -479,12 +481,17 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 if staging is not None:
                     idx = torch.tensor(dst_blocks, dtype=torch.long, device=kv.data.device)
                     kv.data.index_copy_(2, idx, staging[:, :, first : first + n].to(kv.data.device))
+                elif kv.data.is_cuda:
+                    # Enqueued, not waited for: the steps that read these blocks follow on the
+                    # same stream, and the lease is released once `copied` has passed.
+                    copied[:] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    copied[0].record()
+                    gather_copy(kv, dst_blocks, peer.src_kv, src_blocks[first : first + n])
+                    copied[1].record()
+                    moved[0] += n
                 else:
                     gather_copy(kv, dst_blocks, peer.src_kv, src_blocks[first : first + n])
                     moved[0] += n
-                    if kv.data.is_cuda:
-                        # The prefill worker may reuse its blocks once we release the lease.
-                        torch.cuda.current_stream(kv.data.device).synchronize()
 
             def join(e: LLMEngine) -> bool:
                 if peer.kind == "nixl":
@@ -498,15 +505,20 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 self.transfer[sid] = (
                     (joined[0] - t0) * 1e3,
                     peer.kind if imported else "recompute",
+                    copied if imported else None,
                 )
                 return imported
 
             joined = [0.0]
             imported = await asyncio.wrap_future(self.engine_loop.submit(join))
+            device_s = 0.0
+            if copied:
+                await _passed(copied[1])
+                device_s = copied[0].elapsed_time(copied[1]) / 1e3
             self.obs.admitted(
                 sid,
                 t0,
-                joined[0],
+                joined[0] + device_s,
                 peer.kind if imported else "recompute",
                 moved[0] if imported else 0,
             )
@@ -524,6 +536,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             # The blocks were copied (or will be recomputed, or never will be: then `failure`
             # tells the prefill side so): it may reuse them.
             if verified:
+                if copied:  # the prefill worker may reuse its blocks once the copy has run
+                    await _passed(copied[1])
                 asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
 
     def _refuse(self, sid: str, session: Session, t0: float, e: Exception) -> None:
@@ -571,7 +585,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             self._refuse(sid, session, t0, e)
             return
         self.local_prefills += 1
-        self.transfer[sid] = (0.0, "none")
+        self.transfer[sid] = (0.0, "none", None)
         self.obs.prefill_here(sid, t0)
 
     async def _read_nixl(
@@ -593,7 +607,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
             got = e.reserve_prefilled(ids, msg.first_token, params, sid, rng, peer_blocks)
             if got is None:
-                self.transfer[sid] = ((time.monotonic() - t0) * 1e3, "recompute")
+                self.transfer[sid] = ((time.monotonic() - t0) * 1e3, "recompute", None)
             return got
 
         got = await asyncio.wrap_future(self.engine_loop.submit(reserve))
@@ -712,7 +726,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             sess.out.put_nowait(msg)
 
     def _finished(self, sid: str, reason: str) -> stages_pb2.SeqFinished:
-        ms, kind = self.transfer.pop(sid, (0.0, ""))
+        ms, kind, copied = self.transfer.pop(sid, (0.0, "", None))
+        if copied and copied[1].query():
+            # The copy's device time (it ran before this sequence's steps, on the same stream;
+            # a sequence cancelled before its first step may end while it still runs).
+            ms += copied[0].elapsed_time(copied[1])
         proposed, accepted = self.spec_totals.pop(sid, (0, 0))
         cached, queue_ms, prefill_ms = self.prefill_info.pop(sid, (0, 0.0, 0.0))
         err = ""
@@ -829,6 +847,13 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             )
 
         return await asyncio.wrap_future(self.engine_loop.submit(snap))
+
+
+async def _passed(event: torch.cuda.Event) -> None:
+    """Until the device has passed `event`, polled from the event loop: a thread blocked in
+    cudaEventSynchronize spins on a core, and many admissions at once would starve the engine."""
+    while not event.query():
+        await asyncio.sleep(2e-4)
 
 
 async def _register_at_start(service: DecodeService, address: str, wait_s: float) -> None:

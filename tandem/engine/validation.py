@@ -13,9 +13,16 @@ def validate_request(
     """Raise `ValueError` naming the field when a request cannot be served."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: it must hold at least one token")
-    for t in prompt_token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    # The common case in C (set, map, min and max): plain ints within the vocabulary. Anything
+    # else takes the loop, which names the offending id.
+    if set(map(type, prompt_token_ids)) != {int} or not (
+        0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size
+    ):
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})"
+                )
     params.validate(vocab_size)
     n = len(prompt_token_ids)
     if n >= max_model_len:

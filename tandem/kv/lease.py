@@ -15,7 +15,9 @@ import hmac
 import itertools
 import secrets
 import struct
+import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,8 +107,19 @@ class LeaseTable:
         return sum(len(v.blocks) for v in self.leases.values())
 
 
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
 class LeaseRefused(ValueError):
     """A lease reference that does not check out (forged, altered, for other tokens, expired)."""
+
+
+def _u32_le(values: Sequence[int]) -> bytes:
+    """`values` as little-endian uint32s (what `struct.pack("<nI", ...)` gives, in one C call)."""
+    a = array(_U32, values)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
 
 
 def _lease_message(
@@ -122,9 +135,9 @@ def _lease_message(
         b"tandem-lease-v1",
         pool_id.encode(),
         token.encode(),
-        struct.pack(f"<{len(block_ids)}I", *block_ids),
+        _u32_le(block_ids),
         struct.pack("<Id", num_tokens, expires_at),
-        struct.pack(f"<{len(token_ids)}I", *token_ids),
+        _u32_le(token_ids),
     ]
     return b"".join(struct.pack("<I", len(p)) + p for p in parts)
 

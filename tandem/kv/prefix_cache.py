@@ -21,21 +21,28 @@ from tandem.kv.block_table import BlockTable
 _U32 = "I" if array("I").itemsize == 4 else "L"
 
 
+def _token_bytes(tokens: Sequence[int]) -> memoryview:
+    return memoryview(array(_U32, tokens).tobytes())
+
+
+def _chain(parent: bytes | None, data: memoryview, block_bytes: int):
+    """Names of consecutive blocks whose tokens are `data` (whole blocks), after `parent`."""
+    for i in range(0, len(data), block_bytes):
+        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h.update(data[i : i + block_bytes])
+        parent = h.digest()
+        yield parent
+
+
 def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """The name of a block holding `tokens` after the block named `parent` (None: the first)."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array(_U32, tokens).tobytes())
-    return h.digest()
+    return next(_chain(parent, _token_bytes(tokens), 4 * len(tokens)))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Names of every full block of `token_ids`, in order."""
-    out: list[bytes] = []
-    parent = None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+    full = len(token_ids) // block_size * block_size
+    return list(_chain(None, _token_bytes(token_ids[:full]), 4 * block_size))
 
 
 class PrefixCache:
@@ -57,15 +64,13 @@ class PrefixCache:
         bs = self.block_size
         blocks: list[int] = []
         names: list[bytes] = []
-        parent = None
-        for i in range(min(len(token_ids), max_tokens) // bs):
-            name = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+        full = min(len(token_ids), max_tokens) // bs * bs
+        for name in _chain(None, _token_bytes(token_ids[:full]), 4 * bs):
             b = self.pool.lookup(name)
             if b is None:
                 break
             blocks.append(b)
             names.append(name)
-            parent = name
         return blocks, names
 
     def count(self, queried: int, hit: int) -> None:
@@ -78,8 +83,10 @@ class PrefixCache:
         bs = self.block_size
         full = min(num_tokens, len(token_ids)) // bs
         names = table.hashes
-        while len(names) < full:
-            i = len(names)
-            name = hash_block(names[-1] if names else None, token_ids[i * bs : (i + 1) * bs])
+        done = len(names)
+        if done >= full:
+            return
+        data = _token_bytes(token_ids[done * bs : full * bs])
+        for i, name in enumerate(_chain(names[-1] if names else None, data, 4 * bs), done):
             names.append(name)
             self.pool.cache(table.blocks[i], name)

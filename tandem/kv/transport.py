@@ -18,6 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
+from tandem.kernels.kv_gather import gather_blocks
 from tandem.kv.cache import LAYOUT_VERSION, KVCache
 from tandem.quant.kv import is_quantized_kv
 
@@ -259,22 +260,30 @@ def block_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, 
 
 
 def gather_copy(dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: list[int]) -> None:
-    """Copy blocks of every layer, k and v, from one pool to another.
+    """Copy blocks of every layer, k and v, from one pool to another (enqueued on the current
+    stream on CUDA, without waiting for it).
 
-    Blocks adjacent in both pools (a sequence's blocks usually are) go as one strided slice copy
-    per run, straight from pool to pool; scattered blocks as one indexed gather into a temporary
-    and one indexed scatter (two passes, but two launches however many blocks)."""
+    On a GPU this is one kernel launch for all layers and blocks (`tandem.kernels.kv_gather`),
+    plus one for a quantized pool's scales. Elsewhere, blocks adjacent in both pools (a
+    sequence's blocks usually are) go as one strided slice copy per run, straight from pool to
+    pool; scattered blocks as one indexed gather into a temporary and one indexed scatter."""
     if len(dst_blocks) != len(src_blocks):
         raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
     if (src.scales is None) != (dst.scales is None):
         raise LayoutMismatch("copying blocks between a quantized and an unquantized KV pool")
-    src_data, dst_data = src.data, dst.data
-    if is_quantized_kv(dst_data.dtype):
-        # Byte views: index_copy_ is not implemented for float8 on every device.
-        src_data, dst_data = src_data.view(torch.uint8), dst_data.view(torch.uint8)
-    pairs = [(src_data, dst_data)]
+    pairs = [(src.data, dst.data)]
     if src.scales is not None and dst.scales is not None:
         pairs.append((src.scales, dst.scales))
+    if dst.data.is_cuda and src.data.device == dst.data.device:
+        # From pageable memory: the driver stages it at once, without waiting for the stream.
+        ids = torch.from_numpy(np.array([src_blocks, dst_blocks], dtype=np.int32))
+        ids = ids.to(dst.data.device, non_blocking=True)
+        for a, b in pairs:
+            gather_blocks(b, ids[1], a, ids[0])
+        return
+    if is_quantized_kv(dst.data.dtype):
+        # Byte views: index_copy_ is not implemented for float8 on every device.
+        pairs[0] = (src.data.view(torch.uint8), dst.data.view(torch.uint8))
     s0, d0, lengths = block_runs(src_blocks, dst_blocks)
     if len(lengths) <= max(4, len(src_blocks) // 8):
         for s, d, n in zip(s0.tolist(), d0.tolist(), lengths.tolist(), strict=True):

@@ -84,7 +84,7 @@ def _refuse(path: str, field: str, value: Any, supported: str) -> UnsupportedQua
 def _unpack_cols(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [R, W] -> [R, W * 32/bits]: value j of word w is bits j*bits.. of it."""
     per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits
+    shifts = torch.arange(per, dtype=torch.int32, device=words.device) * bits
     q = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return q.reshape(words.shape[0], -1)
 
@@ -127,13 +127,14 @@ def to_quantized(
     n, k = grid.codes.shape
     g = grid.group_size
     codes, perm = grid.codes, None
+    dev = codes.device
     if grid.g_idx is not None:
         g_idx = grid.g_idx.to(torch.int64)
         if g_idx.shape != (k,):
             raise ValueError(
                 f"{path}: {name} g_idx has shape {tuple(g_idx.shape)}, expected ({k},)"
             )
-        contiguous = torch.arange(k) // g
+        contiguous = torch.arange(k, device=dev) // g
         if not torch.equal(g_idx, contiguous):
             perm = torch.sort(g_idx, stable=True).indices
             if not torch.equal(g_idx[perm], contiguous):
@@ -144,7 +145,7 @@ def to_quantized(
             codes = codes[:, perm]
     t = _tile(g, path, f"{name} group_size") if g < k else max(SUPPORTED_GROUP_SIZES)
     kp = (k + t - 1) // t * t
-    src = torch.arange(kp // t) * t // g  # stored group of each Tandem group
+    src = torch.arange(kp // t, device=dev) * t // g  # stored group of each Tandem group
     if src.max() >= grid.scales.shape[1] or grid.zeros.shape != grid.scales.shape:
         raise ValueError(
             f"{path}: {name} has scales {tuple(grid.scales.shape)} and zero points "
@@ -159,7 +160,7 @@ def to_quantized(
         )
     zeros = grid.zeros[:, src]
     mins = (-zeros.float() * scales32).to(torch.float16)
-    padded = torch.zeros(n, kp, dtype=torch.int32)
+    padded = torch.zeros(n, kp, dtype=torch.int32, device=dev)
     padded[:, :k] = codes
     symmetric = bool((zeros == 1 << (grid.bits - 1)).all())
     qw = QuantizedWeight(pack(padded, grid.bits), scales, mins, grid.bits, t, k, not symmetric)
@@ -236,7 +237,8 @@ def _gptq(weights: dict, qc: dict, path: str) -> dict[str, IntGrid]:
         k = q.shape[1]
         if not qc.get("desc_act", False) and g_idx is not None:
             # Without act-order g_idx must be the contiguous layout; check rather than trust.
-            if not torch.equal(g_idx.to(torch.int64), torch.arange(k) // (g if g > 0 else k)):
+            contiguous = torch.arange(k, device=q.device) // (g if g > 0 else k)
+            if not torch.equal(g_idx.to(torch.int64), contiguous):
                 raise ValueError(f"{path}: {base}.g_idx is not contiguous but desc_act is false")
             g_idx = None
         z = z[:, : s.shape[1]]
@@ -308,7 +310,7 @@ def _ct(weights: dict, qc: dict, path: str) -> dict[str, IntGrid]:
             s = s[:, None]
         mid = 1 << (bits - 1)
         if w.get("symmetric", True):
-            z = torch.full(s.shape, mid, dtype=torch.int32)
+            z = torch.full(s.shape, mid, dtype=torch.int32, device=q.device)
         else:
             zp = _need(weights, base + ".weight_zero_point", path)
             # Signed zero points stored + 2**(bits-1): the unsigned code of the zero point.

@@ -418,6 +418,8 @@ def test_greedy_tokens_match_transformers_on_dequantized_weights(
     assert_greedy_matches(str(tmp_path / fmt), hf_greedy(ref, PROMPTS, 10))
 
 
+# transformers warns that the checkpoint's own quantization_config wins (run_compressed is kept).
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 def test_compressed_tensors_greedy_tokens_match_transformers_loading_it(
     model_factory, tmp_path
 ) -> None:

@@ -85,6 +85,35 @@ class LayerWeights:
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor | QuantizedWeight  # [2 I, H]
     down: torch.Tensor | QuantizedWeight  # [H, I]
+    # Act-order checkpoints (`tandem.quant.external`): a layer whose weight columns are stored
+    # grouped reads its input gathered by this permutation [K]. down_proj's is folded into the
+    # rows of gate/up at load, so it has none.
+    qkv_perm: torch.Tensor | None = None
+    o_perm: torch.Tensor | None = None
+    gate_up_perm: torch.Tensor | None = None
+
+
+def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] with its last dimension read in `perm` order (an act-order layer's input)."""
+    return x if perm is None else x.index_select(-1, perm)
+
+
+def _input_perm(weights: dict, names: list[str], device: torch.device) -> torch.Tensor | None:
+    """The input permutation shared by the layers `names` fused into one (None: no act-order)."""
+    perms = [weights.get(n + ".input_perm") for n in names]
+    if all(p is None for p in perms):
+        return None
+    if any(p is None or not torch.equal(p, perms[0]) for p in perms):
+        raise ValueError(
+            f"{', '.join(names)} share their input but not their act-order input permutation "
+            "(g_idx); Tandem fuses them into one layer and needs one order"
+        )
+    return perms[0].to(device=device, dtype=torch.long)
+
+
+def _rows(w: torch.Tensor | QuantizedWeight, index: torch.Tensor):
+    """`w` with its output rows reordered (`index[i]` is the source of row i)."""
+    return permute_rows(w, index) if isinstance(w, QuantizedWeight) else w[index]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -203,22 +232,38 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")
+        perms = {k.removesuffix(".input_perm") for k in weights if k.endswith(".input_perm")}
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             bias = None
             if cfg.attention_bias and p + "self_attn.q_proj.bias" in weights:
                 bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            mlp = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            gate, up = (w(n + ".weight") for n in mlp)
+            down_perm = _input_perm(weights, [p + "mlp.down_proj"], self.device)
+            if down_perm is not None:  # silu(gate) * up is elementwise: permute its producers
+                gate, up = _rows(gate, down_perm), _rows(up, down_perm)
+            perms -= {*qkv, p + "self_attn.o_proj", *mlp, p + "mlp.down_proj"}
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=cat_rows([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                    qkv=cat_rows([w(n + ".weight") for n in qkv]),
                     qkv_bias=bias,
                     o=w(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=cat_rows([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    gate_up=cat_rows([gate, up]),
                     down=w(p + "mlp.down_proj.weight"),
+                    qkv_perm=_input_perm(weights, qkv, self.device),
+                    o_perm=_input_perm(weights, [p + "self_attn.o_proj"], self.device),
+                    gate_up_perm=_input_perm(weights, mlp, self.device),
                 )
+            )
+        if perms:
+            raise ValueError(
+                f"act-order (g_idx) is supported for the decoder layers' linear layers, not for "
+                f"{', '.join(sorted(perms))}"
             )
         if self.device.type == "cuda":
             # INT4 weights stored N-major: the layout the single-row W4A16 kernel reads fastest.
@@ -294,7 +339,7 @@ class LlamaModel:
         )
         for i, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            qkv = cpu_linear(x, lw.qkv, lw.qkv_bias)
+            qkv = cpu_linear(_gather(x, lw.qkv_perm), lw.qkv, lw.qkv_bias)
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q = apply_rotary(q.view(t, hq, d), cos, sin)
             k = apply_rotary(k.view(t, hkv, d), cos, sin)
@@ -331,9 +376,9 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            h = h + cpu_linear(attn.reshape(t, hq * d), lw.o)
+            h = h + cpu_linear(_gather(attn.reshape(t, hq * d), lw.o_perm), lw.o)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = cpu_linear(x, lw.gate_up).chunk(2, dim=-1)
+            gate, up = cpu_linear(_gather(x, lw.gate_up_perm), lw.gate_up).chunk(2, dim=-1)
             h = h + cpu_linear(F.silu(gate) * up, lw.down)
         return rms_norm(h, self.norm, cfg.rms_norm_eps)
 
@@ -375,8 +420,11 @@ class LlamaModel:
             k_scale, v_scale = kv.layer_scales(i)
             qkv_acc = acc("qkv", i) if k_scale is None and lw.qkv_bias is None else None
             o_acc = acc("o", i)
-            x, residual, xq = _norm(h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc)
-            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc)
+            # A permuted input is gathered after the norm: its GemvX form would be in the wrong
+            # order, so the norm writes none (consumer None).
+            qkv_in = lw.qkv if lw.qkv_perm is None else None
+            x, residual, xq = _norm(h, lw.input_norm, eps, residual, qkv_in, one_row, h_acc)
+            qkv = _cuda_linear(_gather(x, lw.qkv_perm), lw.qkv, lw.qkv_bias, xq, qkv_acc)
             if k_scale is None:
                 q = rope_cache_write(
                     qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv,
@@ -437,13 +485,14 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            o = _cuda_linear(attn.reshape(t, hq * d), lw.o, accumulate=o_acc)
+            o = _cuda_linear(_gather(attn.reshape(t, hq * d), lw.o_perm), lw.o, accumulate=o_acc)
             # gate/up's reader takes its accumulator only where it writes down's GemvX form.
             gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
+            gu_in = lw.gate_up if lw.gate_up_perm is None else None
             x, residual, xq = _norm(
-                o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None
+                o, lw.post_norm, eps, residual, gu_in, one_row, o_acc is not None
             )
-            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
+            gu = _cuda_linear(_gather(x, lw.gate_up_perm), lw.gate_up, xq=xq, accumulate=gu_acc)
             act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
             down_acc = acc("down", i)
             h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc)

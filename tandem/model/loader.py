@@ -50,6 +50,8 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
     A directory written by `tandem quantize` (it holds quantization.json) loads its quantized
     layers as QuantizedWeights; their codes, scales and zero points keep their stored dtypes.
+    So does a directory whose config.json has a `quantization_config` (AWQ, GPTQ,
+    compressed-tensors: repacked by `tandem.quant.external`, which refuses what it cannot load).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -62,7 +64,13 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             f"{path!r} has no config.json; is it a Hugging Face model directory?"
         )
     with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        hf = json.load(f)
+    cfg = ModelConfig.from_hf(hf, name=os.path.basename(os.path.normpath(path)))
+    external = hf.get("quantization_config")
+    if external is not None:
+        from tandem.quant.external import check_quantization_config
+
+        check_quantization_config(external, path)  # refuse before reading gigabytes
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -72,6 +80,11 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if not files:
         raise FileNotFoundError(f"{path!r} holds no *.safetensors weights")
     quant = read_quantization(path)
+    if quant and external is not None:
+        raise ValueError(
+            f"{path!r} has both a quantization.json and a quantization_config in config.json; "
+            "remove the one that does not describe its weights"
+        )
     weights: dict[str, Any] = {}
     progress = Percent("loading weights", len(files), every=1)
     for name in files:
@@ -82,12 +95,19 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             shard = load_file(fp)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"cannot read {fp!r} (truncated or corrupt safetensors?): {e}") from e
-        weights.update(
-            {k: v if quant and is_quantized_part(k) else v.to(dtype) for k, v in shard.items()}
-        )
+        if external is not None:
+            weights.update(shard)  # cast by load_external, which knows the integer tensors
+        else:
+            weights.update(
+                {k: v if quant and is_quantized_part(k) else v.to(dtype) for k, v in shard.items()}
+            )
         progress.advance()
     if quant:
         weights = assemble_quantized(weights, quant, path)
+    elif external is not None:
+        from tandem.quant.external import load_external
+
+        weights = load_external(weights, external, path, dtype)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)
 

@@ -74,8 +74,7 @@ def parse_tenant_quotas(specs: Iterable[str]) -> dict[str, float]:
     rest = [n for n, v in given.items() if v is None]
     if rest and fixed >= 1 - 1e-9:
         raise ValueError(
-            f"tenant_quota: no share is left for {', '.join(rest)}: the fractions given add up "
-            "to 1"
+            f"tenant_quota: no share is left for {', '.join(rest)}: the fractions given add up to 1"
         )
     share = (1 - fixed) / len(rest) if rest else 0.0
     return {n: (share if v is None else v) for n, v in given.items()}

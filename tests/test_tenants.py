@@ -230,7 +230,9 @@ def test_b_keeps_its_prefix_hits_under_a_flood_only_with_quotas(tiny):
     unfair = _run(off, flood=True)
     assert off.pool.num_used == 0 and off.pool.num_free == 160
     # One LRU list: A's flood pushes B's prefix out between B's requests.
-    print(f"B's hit ratio: alone {alone:.3f}, beside A with quotas {shared:.3f}, without {unfair:.3f}")
+    print(
+        f"B's hit ratio: alone {alone:.3f}, beside A with quotas {shared:.3f}, without {unfair:.3f}"
+    )
     assert unfair < 0.5 * shared, (unfair, shared)
 
 

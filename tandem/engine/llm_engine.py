@@ -455,9 +455,7 @@ class LLMEngine:
         seq.num_computed = len(seq.prompt_token_ids)
         if self.prefix_cache is not None:
             # Name the full blocks read for later hits (the shared prefix already has names).
-            self.prefix_cache.count(
-                seq.num_computed, seq.num_cached_tokens, seq.block_table.tenant
-            )
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, seq.block_table.tenant)
             self.scheduler.cache_blocks(seq)
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)

@@ -195,9 +195,7 @@ class Scheduler:
         own = sum(1 for b in hit if self.pool.refcount(b) == 0 and self.pool.owner(b) == tenant)
         return self._quota_allows(seq, need + own)
 
-    def _tenant_quota_growth(
-        self, seq: Sequence, need: int, i: int, batch: ScheduledBatch
-    ) -> bool:
+    def _tenant_quota_growth(self, seq: Sequence, need: int, i: int, batch: ScheduledBatch) -> bool:
         """Make room within its tenant's quota for running sequence `seq` (at index i) to grow
         by `need` blocks: preempt the tenant's newest running sequences after it. False when
         that made room; True when `seq` itself left the running set (preempted, or ended when

@@ -69,6 +69,18 @@ class EngineConfig:
     # Time-per-output-token target in ms: while sequences decode, a step takes only as many
     # tokens (prompt chunks, joining sequences) as the measured step time says fit. None: off.
     tpot_slo_ms: float | None = None
+    # Tenant KV quotas, "NAME=FRACTION" items (the flag repeats; commas also separate them): a
+    # tenant's running sequences, leases and cached prefix blocks hold at most that fraction of
+    # the pool; "NAME" alone: an equal share of what the fractions leave. Requests of a tenant
+    # without a quota are refused; cached blocks are evicted LRU-2 within each tenant. None: no
+    # tenants (one pool, least recently used eviction). See tandem/tenants.py.
+    tenant_quota: str | None = field(default=None, metadata={"repeatable": True})
+
+    def tenant_quotas(self) -> dict[str, float]:
+        """{tenant: fraction of the KV pool} from tenant_quota ({} when unset)."""
+        from tandem.tenants import parse_tenant_quotas
+
+        return parse_tenant_quotas([self.tenant_quota]) if self.tenant_quota else {}
 
     def resolved_device(self) -> torch.device:
         import torch
@@ -125,6 +137,7 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps; got {self.device!r}")
+        self.tenant_quotas()  # raises naming what is wrong
         if self.quantization not in ("auto", "int4", "none"):
             raise ValueError(
                 f"quantization must be one of auto, int4, none; got {self.quantization!r}"
@@ -178,6 +191,10 @@ class GatewayConfig:
     # The API key read from a file (its first line), so that it needs to be in no command line;
     # TANDEM_API_KEY is the other way to keep it out of `ps`.
     api_key_file: str | None = None
+    # Several API keys, each naming a tenant: a file of `TENANT KEY` lines. The key that
+    # authenticates a request names its tenant (api_key, when also set, is tenant `default`).
+    # Without keys the tenant comes from the client: `X-Tenant` / gRPC metadata `x-tenant`.
+    api_keys: str | None = None
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
     # The HTTP listener: open connections at most (more are closed at once), seconds a new
@@ -295,6 +312,14 @@ class _RefuseOnCommandLine(argparse.Action):
         )
 
 
+class _JoinRepeated(argparse.Action):
+    """A repeatable flag whose values are kept as one comma-separated string."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        prev = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{prev},{values}" if prev else values)
+
+
 def _add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] = ()) -> None:
     for f in fields(cls):
         if f.name in skip:
@@ -314,6 +339,16 @@ def _add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] 
         t = str(f.type)
         default = "unset" if f.default is None else f.default
         env = f"TANDEM_{f.name.upper()}"
+        if f.metadata.get("repeatable"):
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=_JoinRepeated,
+                default=None,
+                metavar="ITEM",
+                help=f"{what} {f.name}, repeatable (default {default}; {env}, comma separated)",
+            )
+            continue
         if t == "bool":
             parser.add_argument(
                 flag,
@@ -356,6 +391,10 @@ def gateway_config_from_args(args: Any) -> GatewayConfig:
             raise ValueError("give the API key once: api_key or api_key_file, not both")
         cfg.api_key = _read_secret(cfg.api_key_file, "api_key_file")
     cfg.validate()
+    if cfg.api_keys is not None:
+        from tandem.tenants import load_api_keys
+
+        load_api_keys(cfg.api_keys)  # its mistakes are start-up errors
     return cfg
 
 

@@ -106,6 +106,25 @@ class GatewayMetrics:
             ["status"],
             registry=r,
         )
+        # Per tenant (the label is bounded: services/gateway/tenants.py).
+        self.tenant_requests = Counter(
+            "tandem_tenant_requests",
+            "Requests finished, by tenant and finish reason (error includes 429 refusals).",
+            ["tenant", "finish_reason"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "tandem_tenant_prompt_tokens",
+            "Prompt tokens of requests served, by tenant.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_prompt_cached_tokens = Counter(
+            "tandem_tenant_prompt_cached_tokens",
+            "Prompt tokens of requests served whose KV came from a prefix cache, by tenant.",
+            ["tenant"],
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -206,6 +225,7 @@ class _EngineCollector(Collector):
                 "Leases nobody released, reclaimed after their TTL.",
                 value=leases.num_expired,
             )
+        yield from _tenant_families(e)
         step_time = getattr(e.scheduler, "step_time", None)
         if step_time is not None and step_time.samples:
             yield GaugeMetricFamily(
@@ -215,6 +235,51 @@ class _EngineCollector(Collector):
             )
         if self.extra is not None:
             yield from self.extra()
+
+
+def _tenant_families(e: Any) -> Iterator[Any]:
+    """Per-tenant KV families of an engine with tenant quotas (none without)."""
+    stats = e.tenant_stats() if hasattr(e, "tenant_stats") else []
+    if not stats:
+        return
+    fams = {
+        "blocks": GaugeMetricFamily(
+            "tandem_tenant_kv_blocks",
+            "KV blocks charged to a tenant: held by its sequences and leases, and its cached "
+            "prefix blocks.",
+            labels=["tenant"],
+        ),
+        "quota_blocks": GaugeMetricFamily(
+            "tandem_tenant_kv_quota_blocks",
+            "KV blocks a tenant may hold (tenant_quota).",
+            labels=["tenant"],
+        ),
+        "hit_ratio": GaugeMetricFamily(
+            "tandem_tenant_prefix_cache_hit_ratio",
+            "A tenant's prompt tokens found in the prefix cache over those looked up.",
+            labels=["tenant"],
+        ),
+        "evictions": CounterMetricFamily(
+            "tandem_tenant_prefix_cache_evictions",
+            "A tenant's cached blocks evicted to make room.",
+            labels=["tenant"],
+        ),
+        "refusals": CounterMetricFamily(
+            "tandem_tenant_quota_refusals",
+            "Requests refused (RESOURCE_EXHAUSTED, HTTP 429) because the tenant's KV quota "
+            "could never hold them.",
+            labels=["tenant"],
+        ),
+    }
+    for s in stats:
+        t = [str(s["tenant"])]
+        q = s["prefix_query_tokens"]
+        fams["blocks"].add_metric(t, s["blocks"])
+        fams["quota_blocks"].add_metric(t, s["quota_blocks"])
+        fams["hit_ratio"].add_metric(t, s["prefix_hit_tokens"] / q if q else 0.0)
+        fams["evictions"].add_metric(t, s["evictions"])
+        fams["refusals"].add_metric(t, s["refusals"])
+    yield from fams.values()
 
 
 class WorkerMetrics:

@@ -52,6 +52,7 @@ RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 SEQ_ID = "tandem.seq_id"
+TENANT = "tandem.tenant"  # whose KV quota the request counts against (tandem/tenants.py)
 KV_TRANSPORT = "tandem.kv.transport"  # shm | cuda_ipc | inline | recompute
 KV_BLOCKS = "tandem.kv.blocks"
 KV_BYTES = "tandem.kv.bytes"

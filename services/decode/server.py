@@ -497,7 +497,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 if peer.kind == "nixl":
                     imported = read is not None and e.start_prefilled(sid)
                 else:
-                    _, imported = e.admit_prefilled(ids, msg.first_token, params, sid, copy_in, rng)
+                    _, imported = e.admit_prefilled(
+                        ids, msg.first_token, params, sid, copy_in, rng, tenant=msg.tenant
+                    )
                 # Noted on the engine thread, before a step can finish the sequence and report
                 # its transfer (a short sequence can finish before this coroutine resumes), and
                 # before a step can start it (the time its KV handover ended).
@@ -578,7 +580,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         self.owner[sid] = session
         try:
             await asyncio.wrap_future(
-                self.engine_loop.submit(lambda e: e.add_request(ids, params, sid))
+                self.engine_loop.submit(
+                    lambda e: e.add_request(ids, params, sid, tenant=msg.tenant)
+                )
             )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
             log.warning("admit %s (prefill here) failed: %s", sid, e)
@@ -605,7 +609,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         sid = msg.seq_id
 
         def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
-            got = e.reserve_prefilled(ids, msg.first_token, params, sid, rng, peer_blocks)
+            got = e.reserve_prefilled(
+                ids, msg.first_token, params, sid, rng, peer_blocks, tenant=msg.tenant
+            )
             if got is None:
                 self.transfer[sid] = ((time.monotonic() - t0) * 1e3, "recompute", None)
             return got

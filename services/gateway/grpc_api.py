@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 
@@ -18,11 +17,13 @@ from services.gateway.observe import (
 )
 from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
+from services.gateway.tenants import TENANT_HEADER, TenantAuth
 from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.validation import validate_request
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
+from tandem.tenants import load_api_keys
 
 log = logging.getLogger("tandem.gateway")
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: as system
@@ -49,6 +50,14 @@ class Frontend:
         ctx = pipeline.max_model_len
         self.max_prompt_tokens = min(self.limits.max_prompt_tokens or ctx - 1, ctx - 1)
         self.max_tokens_limit = min(self.limits.max_tokens_limit or ctx, ctx)
+        keys = load_api_keys(self.limits.api_keys) if self.limits.api_keys else None
+        self.tenants = TenantAuth(self.limits.api_key, keys)
+
+    def tenant_of_call(self, context: grpc.aio.ServicerContext) -> str:
+        """The tenant of a gRPC call: its API key's, else its `x-tenant` metadata's (ValueError
+        for a malformed name)."""
+        md = dict(context.invocation_metadata() or ())
+        return self.tenants.resolve(md.get("authorization"), md.get(TENANT_HEADER))
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
@@ -196,6 +205,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         if rt.trace_id:  # the client learns its trace id before the first token
             await context.send_initial_metadata(rt.response_metadata())
         try:
+            rt.set_tenant(self.fe.tenant_of_call(context), self.fe.tenants)
             ids, params = self._parse_generate(request)
         except ValueError as e:
             rt.fail(e)
@@ -203,7 +213,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         rt.tokenized(ids, params, request.model)
         try:
             async for ev in rt.watch(
-                self.fe.pipeline.run(ids, params, request.request_id, trace=rt)
+                self.fe.pipeline.run(ids, params, request.request_id, trace=rt, tenant=rt.tenant)
             ):
                 if isinstance(ev, TextDelta):
                     yield api_pb2.GenerateResponse(chunk=chunk_to_proto(ev))
@@ -219,6 +229,10 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         session = Session()  # later turns go where the earlier ones' KV is
 
         carrier = grpc_carrier(context)  # each turn is a request span under the client's
+        try:
+            tenant = self.fe.tenant_of_call(context)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         async def run_turn(
             turn_no: int, ids: list[int], params: SamplingParams, rid: str, rt: RequestTrace
@@ -226,7 +240,9 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
             text: list[str] = []
             try:
                 async for ev in rt.watch(
-                    self.fe.pipeline.run(ids, params, rid, trace=rt, session=session)
+                    self.fe.pipeline.run(
+                        ids, params, rid, trace=rt, session=session, tenant=rt.tenant
+                    )
                 ):
                     if isinstance(ev, TextDelta):
                         text.append(ev.text)
@@ -271,6 +287,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                         await asyncio.wait([t])  # turns run one after another
                     turn = req.turn
                     rt = self.fe.telemetry.begin("chat", carrier)
+                    rt.set_tenant(tenant, self.fe.tenants)
                     try:
                         self.fe.check_model(turn.model)
                         msgs = [{"role": m.role, "content": m.content} for m in turn.messages]
@@ -325,17 +342,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     OPEN = ("/grpc.health.v1.", "/grpc.reflection.")
 
-    def __init__(self, api_key: str) -> None:
-        self.expected = f"Bearer {api_key}".encode()
+    def __init__(self, tenants: TenantAuth) -> None:
+        self.tenants = tenants
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.OPEN):
             return handler
         md = dict(details.invocation_metadata or ())
-        got = md.get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        if hmac.compare_digest(got, self.expected):
+        if self.tenants.tenant_of_key(md.get("authorization", "")) is not None:
             return handler
         msg = "missing or wrong API key: send metadata 'authorization: Bearer <key>'"
 

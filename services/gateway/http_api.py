@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -36,12 +35,14 @@ from services.gateway.openai_tools import (
 )
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
+from services.gateway.tenants import TENANT_HEADER
 from tandem import telemetry
 from tandem.config import GatewayConfig
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 
 log = logging.getLogger("tandem.gateway.http")
 TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request
+TENANT_KEY = "tandem_tenant"  # the request's tenant (services/gateway/tenants.py)
 
 
 class RequestError(ValueError):
@@ -150,11 +151,10 @@ class OpenAIServer:
         self, frontend: Frontend, api_key: str | None = None, config: GatewayConfig | None = None
     ) -> None:
         self.fe = frontend
-        self.api_key = api_key
+        if api_key and not frontend.tenants.keys_on:
+            raise ValueError("the API key must be in the frontend's GatewayConfig (api_key)")
         self.body_timeout_s = (config or GatewayConfig()).http_body_timeout_s
-        middlewares = [errors_middleware]
-        if api_key:
-            middlewares.append(self._auth)
+        middlewares = [errors_middleware, self._who]
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -166,15 +166,21 @@ class OpenAIServer:
         self.app.on_response_prepare.append(self._count_errors)
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
+    async def _who(self, request: web.Request, handler):
+        """Authenticate (API keys on) and name the request's tenant (services/gateway/tenants)."""
         if request.path not in ("/health", "/livez"):
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
+            try:
+                request[TENANT_KEY] = self.fe.tenants.resolve(
+                    request.headers.get("Authorization"), request.headers.get(TENANT_HEADER)
+                )
+            except PermissionError:
                 return error_response(
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
                     401,
                     kind="authentication_error",
                 )
+            except ValueError as e:
+                return error_response(str(e), 400, "X-Tenant")
         return await handler(request)
 
     async def _count_errors(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -267,6 +273,7 @@ class OpenAIServer:
     def _begin(self, request: web.Request, operation: str) -> RequestTrace:
         """Start the request's trace; the client's `traceparent` header is its parent."""
         rt = self.fe.telemetry.begin(operation, request.headers if telemetry.enabled() else None)
+        rt.set_tenant(request[TENANT_KEY], self.fe.tenants)
         request[TRACE_KEY] = rt
         return rt
 
@@ -359,7 +366,7 @@ class OpenAIServer:
         first token (the prompt is then prefilled, its KV blocks named in the prefix caches);
         the others start after it and find the prompt's blocks cached: one prefill, not n."""
         pipe = self.fe.pipeline
-        first_run = rt.watch(pipe.run(ids, params, rid, trace=rt))
+        first_run = rt.watch(pipe.run(ids, params, rid, trace=rt, tenant=rt.tenant))
         if n == 1:
             async with aclosing(first_run):
                 async for ev in first_run:
@@ -393,7 +400,7 @@ class OpenAIServer:
                 # The prompt is scored once, by the first choice (the same for every choice):
                 # the others take its cached blocks instead of computing the prompt again.
                 p = replace(p, prompt_logprobs=None)
-                run = pipe.run(ids, p, rid)
+                run = pipe.run(ids, p, rid, tenant=rt.tenant)
                 runs.append(run)
                 tasks.append(asyncio.ensure_future(pump(i, run)))
             left = n

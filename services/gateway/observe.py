@@ -96,7 +96,7 @@ class TimedDetokenizer:
 class RequestTrace:
     """One request at the gateway: the root span and what the metrics need."""
 
-    __slots__ = ("tel", "t0", "span", "prompt_tokens", "detok", "_trace_id")
+    __slots__ = ("tel", "t0", "span", "prompt_tokens", "detok", "_trace_id", "tenant", "_label")
 
     def __init__(self, telemetry: GatewayTelemetry, operation: str, carrier: Any) -> None:
         self.tel = telemetry
@@ -105,6 +105,8 @@ class RequestTrace:
         self.prompt_tokens = 0
         self.detok: TimedDetokenizer | None = None
         self._trace_id: str | None = None
+        self.tenant = ""  # who the request is (services/gateway/tenants.py)
+        self._label = ""
         if tel.enabled():
             self.span = tel.start_span(
                 tel.GATEWAY_REQUEST,
@@ -124,6 +126,13 @@ class RequestTrace:
     def response_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata naming the trace, for the client (empty when tracing is off)."""
         return ((tel.TRACE_ID_HEADER, self.trace_id),) if self.trace_id else ()
+
+    def set_tenant(self, tenant: str, tenants: Any) -> None:
+        """The request's tenant (`tenants`, a TenantAuth, bounds its metrics label)."""
+        self.tenant = tenant
+        self._label = tenants.label(tenant)
+        if self.span is not None:
+            self.span.set_attribute(tel.TENANT, tenant)
 
     # ---- request phases -------------------------------------------------------------------
     def tokenized(self, ids: list[int], params: SamplingParams, model: str = "") -> None:
@@ -222,6 +231,8 @@ class RequestTrace:
         if m is not None:
             m.in_flight.dec()
             m.requests.labels(reason).inc()
+            if self._label:
+                m.tenant_requests.labels(self._label, reason).inc()
             if t_first is not None:
                 m.prompt_tokens.inc(self.prompt_tokens)
                 m.ttft.observe(t_first - self.t0)
@@ -233,6 +244,9 @@ class RequestTrace:
                     tpot = (t_end - t_first) / (n_tokens - 1)
                     m.tpot.observe(tpot)
                 m.observe_cache(fin.prompt_tokens, fin.cached_prompt_tokens)
+                if self._label:
+                    m.tenant_prompt_tokens.labels(self._label).inc(fin.prompt_tokens)
+                    m.tenant_prompt_cached_tokens.labels(self._label).inc(fin.cached_prompt_tokens)
                 m.prefills.labels(fin.prefill_worker).inc()
                 ttft_ok = self.tel.ttft_slo_s is None or (
                     t_first is not None and t_first - self.t0 <= self.tel.ttft_slo_s

@@ -208,8 +208,10 @@ class Pipeline:
         request_id: str = "",
         trace: RequestTrace | None = None,
         session: Session | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[TextDelta | Finished]:
         """Stream text deltas, then one `Finished`. Closing the iterator early cancels the request.
+        `tenant`: whose KV quota on the workers the request counts against ("": `default`).
 
         Raises `Overloaded` before doing anything when a gateway limit is reached or the request
         cannot meet its time-to-first-token target (with load shedding).
@@ -222,7 +224,7 @@ class Pipeline:
         state = {"waiting": True}
         try:
             async with aclosing(
-                self._run(ids, params, request_id, state, route, trace, session)
+                self._run(ids, params, request_id, state, route, trace, session, tenant)
             ) as events:
                 async for ev in events:
                     yield ev
@@ -245,6 +247,7 @@ class Pipeline:
         route: Route,
         trace: RequestTrace | None = None,
         session: Session | None = None,
+        tenant: str = "",
     ) -> AsyncIterator[TextDelta | Finished]:
         t0 = time.monotonic()
         seq_id = uuid.uuid4().hex
@@ -268,7 +271,18 @@ class Pipeline:
         try:
             async with aclosing(
                 self._stream(
-                    ids, params, request_id, state, trace, t0, seq_id, detok, route, lease, ticket
+                    ids,
+                    params,
+                    request_id,
+                    state,
+                    trace,
+                    t0,
+                    seq_id,
+                    detok,
+                    route,
+                    lease,
+                    ticket,
+                    tenant,
                 )
             ) as events:
                 async for ev in events:
@@ -303,11 +317,14 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state):
+    async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state, tenant=""):
         try:
             return await prefill.stub.Run(
                 stages_pb2.PrefillRequest(
-                    request_id=seq_id, prompt_token_ids=ids, sampling=sampling_to_proto(params)
+                    request_id=seq_id,
+                    prompt_token_ids=ids,
+                    sampling=sampling_to_proto(params),
+                    tenant=tenant,
                 ),
                 metadata=trace.metadata() if trace is not None else None,
             )
@@ -315,7 +332,7 @@ class Pipeline:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Overloaded(f"prefill worker is full: {e.details()}") from e
+                raise Overloaded(f"prefill worker cannot take it now: {e.details()}") from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 prefill.mark_down(e.details() or "unavailable")
             # Clients learn what failed, not where: the worker's address and gRPC's own details
@@ -341,6 +358,7 @@ class Pipeline:
         route: Route,
         lease: dict,
         ticket: Ticket,
+        tenant: str = "",
     ) -> AsyncIterator[TextDelta | Finished]:
         prefill = route.prefill
         timings = {"queue_ms": 0.0, "prefill_ms": 0.0, "ttft_ms": 0.0, "kv_transfer_ms": 0.0}
@@ -350,7 +368,7 @@ class Pipeline:
         t_first = None
         carrier = trace.carrier() if trace is not None else {}
         if prefill is not None:
-            resp = await self._prefill(prefill, ids, params, seq_id, trace, state)
+            resp = await self._prefill(prefill, ids, params, seq_id, trace, state, tenant)
             t_first = time.monotonic()
             self.admission.first_token(ticket)
             self.router.index.record(prefill.address, route.names)
@@ -380,6 +398,7 @@ class Pipeline:
                 prefill_address=prefill.address,
                 rng_state=resp.rng_state,
                 trace_context=carrier,
+                tenant=tenant,
             )
         else:
             admit = stages_pb2.Admit(
@@ -388,6 +407,7 @@ class Pipeline:
                 sampling=sampling_to_proto(params),
                 trace_context=carrier,
                 prefill_here=True,
+                tenant=tenant,
             )
         transport = "none"
         spec = (0, 0)  # draft tokens proposed and accepted for this sequence
@@ -462,6 +482,7 @@ class Pipeline:
                             sampling=resumed,
                             trace_context=carrier,
                             prefill_here=True,
+                            tenant=tenant,
                         )
                         self.resumed += 1
                         log.warning(

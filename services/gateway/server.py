@@ -80,7 +80,8 @@ async def serve(
     gateway_metrics.watch(lambda: _admission_metrics(pipeline))
     metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway")
 
-    interceptors = [ApiKeyInterceptor(gc.api_key)] if gc.api_key else []
+    tenants = frontend.tenants
+    interceptors = [ApiKeyInterceptor(tenants)] if tenants.keys_on else []
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.max_concurrent_streams", gc.max_concurrent_streams)],

@@ -271,7 +271,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                     f"this client holds {held} KV leases (max_leases_per_peer="
                     f"{self.max_leases_per_peer}): release some or let them expire, then retry"
                 )
-            e.add_request(ids, params, rid, prefill_only=True)
+            e.add_request(ids, params, rid, prefill_only=True, tenant=request.tenant)
             self.run_owner[rid] = owner
 
         self.pending[rid] = fut

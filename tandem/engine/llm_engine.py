@@ -30,6 +30,7 @@ from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.quant.weights import prepare_weights
+from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded, quota_blocks
 
 log = logging.getLogger("tandem.engine")
 
@@ -117,7 +118,13 @@ class LLMEngine:
             f"KV pool: {kv.num_blocks} blocks of {config.block_size} tokens "
             f"({kv.data.numel() * kv.data.element_size() / 2**20:.0f} MiB on {device})"
         )
-        self.pool = BlockPool(kv.num_blocks)
+        # Tenant quotas: blocks each tenant may hold (None: no tenants, one pool-wide account).
+        fractions = config.tenant_quotas()
+        self.pool = BlockPool(
+            kv.num_blocks, quota_blocks(fractions, kv.num_blocks) if fractions else None
+        )
+        # Requests refused because their tenant's quota could never hold them, per tenant.
+        self.tenant_refusals: dict[str, int] = {t: 0 for t in fractions}
         self.prefix_cache = (
             PrefixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         )
@@ -184,8 +191,11 @@ class LLMEngine:
         )
 
     # ---- requests -------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise `ValueError` naming the field when a request cannot be served."""
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None = None
+    ) -> None:
+        """Raise `ValueError` naming the field when a request cannot be served, and
+        `TenantQuotaExceeded` when its tenant's KV quota could never hold its prompt."""
         validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
         n = len(prompt_token_ids)
         bs = self.config.block_size
@@ -195,6 +205,19 @@ class LLMEngine:
                 f"prompt has {n} tokens, needing {need} KV blocks; the pool has only "
                 f"{self.pool.num_blocks} (raise num_blocks or kv_cache_memory_gb)"
             )
+        quota = self.pool.quota(self.tenant_of(tenant))  # ValueError: a tenant without a quota
+        if quota is not None and need > quota:
+            t = self.tenant_of(tenant)
+            self.tenant_refusals[t] += 1
+            raise TenantQuotaExceeded(
+                f"tenant {t!r} is over its KV quota: the prompt has {n} tokens, needing {need} "
+                f"KV blocks, and tenant_quota gives {t!r} {quota} of the pool's "
+                f"{self.pool.num_blocks} blocks"
+            )
+
+    def tenant_of(self, tenant: str | None) -> str:
+        """The tenant a request is charged to: the one it names, else `default`."""
+        return tenant or DEFAULT_TENANT
 
     def add_request(
         self,
@@ -202,12 +225,14 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prefill_only: bool = False,
+        tenant: str | None = None,
     ) -> Sequence:
         """Validate and queue a request; nothing is allocated when it is refused.
 
         `prefill_only`: stop after the first token and keep the KV under a lease (prefill worker).
+        `tenant`: whose KV quota its blocks count against (see `tandem.tenants`).
         """
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, tenant)
         self._check_queue()
         rid = request_id if request_id is not None else f"seq-{next(self._ids)}"
         if rid in self.seqs:
@@ -216,7 +241,7 @@ class LLMEngine:
             seq_id=rid,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            block_table=BlockTable(self.config.block_size),
+            block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=None if params.greedy else make_generator(params.seed, self.device),
             prefill_only=prefill_only,
             matcher=self._matcher(params),
@@ -232,12 +257,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         rng_state: torch.Tensor | None,
+        tenant: str | None = None,
     ) -> tuple[Sequence, int | None]:
         """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
         the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
-        after it. `first` is None when the pool has no room: the sequence then waits in the
-        queue and will be recomputed here."""
-        self.validate_request(prompt_token_ids, params)
+        after it. `first` is None when the pool (or its tenant's quota) has no room: the
+        sequence then waits in the queue and will be recomputed here."""
+        self.validate_request(prompt_token_ids, params, tenant)
         if params.prompt_logprobs is not None:
             raise ValueError(
                 "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the worker "
@@ -255,7 +281,7 @@ class LLMEngine:
             seq_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            block_table=BlockTable(self.config.block_size),
+            block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=gen,
             output_token_ids=[first_token],
             output_logprobs=[None],
@@ -270,7 +296,10 @@ class LLMEngine:
             hit, names = self.prefix_cache.match(prompt_token_ids, n)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         self.seqs[request_id] = seq
-        if not self.pool.can_allocate(table.blocks_needed(n + 1) - len(hit) + revived):
+        fresh = table.blocks_needed(n + 1) - len(hit)
+        if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
+            seq, hit, fresh
+        ):
             self.scheduler.add(seq)
             return seq, None
         if hit:
@@ -286,6 +315,7 @@ class LLMEngine:
         request_id: str,
         copy_in: Callable[[list[int], int], None],
         rng_state: torch.Tensor | None = None,
+        tenant: str | None = None,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
 
@@ -297,7 +327,7 @@ class LLMEngine:
         sequence limit or the TPOT target), it waits holding its KV.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant
         )
         if first is None:
             return seq, False
@@ -313,7 +343,7 @@ class LLMEngine:
         seq.num_computed = n
         seq.num_cached_tokens = first * table.block_size
         if self.prefix_cache is not None:
-            self.prefix_cache.count(n, seq.num_cached_tokens)
+            self.prefix_cache.count(n, seq.num_cached_tokens, table.tenant)
             self.scheduler.cache_blocks(seq)
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)
@@ -384,6 +414,7 @@ class LLMEngine:
         request_id: str,
         rng_state: torch.Tensor | None = None,
         peer_blocks: list[int] | None = None,
+        tenant: str | None = None,
     ) -> tuple[int, list[int]] | None:
         """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
         for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
@@ -397,7 +428,7 @@ class LLMEngine:
         has them, so a network read moves them in long pieces rather than block by block.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant
         )
         if first is None:
             return None
@@ -424,7 +455,7 @@ class LLMEngine:
         seq.num_computed = len(seq.prompt_token_ids)
         if self.prefix_cache is not None:
             # Name the full blocks read for later hits (the shared prefix already has names).
-            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens)
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, seq.block_table.tenant)
             self.scheduler.cache_blocks(seq)
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)
@@ -775,6 +806,29 @@ class LLMEngine:
         if len(seq.output_token_ids) >= p.max_tokens or known >= self.max_model_len:
             return "length"
         return None
+
+    def tenant_stats(self) -> list[dict[str, float | int | str]]:
+        """Per tenant (with tenant quotas; else empty): blocks charged and quota, prefix-cache
+        hit ratio, evictions and refusals. Plain reads, safe from another thread for metrics."""
+        pool, cache = self.pool, self.prefix_cache
+        if not pool.has_quotas:
+            return []
+        out = []
+        for i, t in enumerate(pool.tenants):
+            queried, hit = cache.by_tenant.get(t, (0, 0)) if cache is not None else (0, 0)
+            out.append(
+                {
+                    "tenant": t,
+                    "blocks": pool.charged(t),
+                    "held_blocks": pool.held(t),
+                    "quota_blocks": pool.quota(t) or 0,
+                    "prefix_query_tokens": queried,
+                    "prefix_hit_tokens": hit,
+                    "evictions": pool.evictions[i],
+                    "refusals": self.tenant_refusals.get(t, 0),
+                }
+            )
+        return out
 
     @property
     def num_running(self) -> int:

@@ -13,6 +13,12 @@ Every step, in this order, within a token budget:
    cached prefix and computes only the rest (unless it asked for prompt logprobs, which need
    every prompt position computed).
 
+With tenant quotas (`tandem.kv.tenants`), a tenant's sequences and leases together with its cached
+blocks never hold more than its quota: in 1, a sequence whose growth would pass it preempts its
+tenant's newest running sequence (itself last), never another tenant's; one that would need more
+than the whole quota alone ends (`length`, in `outgrown`). In 3, a waiting sequence whose tenant
+has no room is passed over, staying in its place, so other tenants still join in arrival order.
+
 With a time-per-output-token target (`tpot_slo_s`), the budget of a step that carries decodes
 and the number of running sequences follow from the measured step time (`StepTimeModel`), so
 prefill chunks and new sequences never push a decode step past the target.
@@ -98,11 +104,15 @@ class Scheduler:
             if self.in_prompt(seq):
                 i += 1
                 continue
-            if seq.spec_tokens and not self.pool.can_allocate(
-                seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
-            ):
-                seq.spec_tokens = []  # no room to verify drafts: decode one token instead
+            if seq.spec_tokens:
+                spec_need = seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
+                if not self.pool.can_allocate(spec_need) or not self._quota_allows(seq, spec_need):
+                    seq.spec_tokens = []  # no room to verify drafts: decode one token instead
             need = seq.block_table.blocks_needed(seq.num_tokens + len(seq.spec_tokens))
+            if not self._quota_allows(seq, need):
+                # Over its tenant's quota: the tenant's newer sequences give way, then itself.
+                if self._tenant_quota_growth(seq, need, i, batch):
+                    continue  # it was preempted or ended: the next one is now at index i
             while not self.pool.can_allocate(need) and self.running[-1] is not seq:
                 batch.preempted.append(self._preempt(self.running.pop()))
             if not self.pool.can_allocate(need):
@@ -133,18 +143,23 @@ class Scheduler:
                 batch.items.append((seq, n))
                 budget -= n
         # 3. Admit waiting sequences in arrival order.
-        while self.waiting and budget > 0 and len(self.running) < self._seq_limit():
-            seq = self.waiting[0]
+        at = 0  # sequences before it wait for their tenant's quota
+        while at < len(self.waiting) and budget > 0 and len(self.running) < self._seq_limit():
+            seq = self.waiting[at]
             if self._outgrows_pool(seq, seq.num_tokens + 1) and seq.output_token_ids:
                 # Preempted after it grew too long to ever be scheduled again: it ends here.
                 self.finish(seq, "length")
                 self.outgrown.append(seq)
                 continue
-            if not self._allocate_for(seq):
+            fit = self._allocate_for(seq)
+            if fit == "quota":
+                at += 1  # its tenant is at its quota: it waits, the others go on
+                continue
+            if fit == "pool":
                 if not self.running and self._drop_waiting_kv():
                     continue  # blocks held by queued sequences were freed: try again
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
@@ -155,12 +170,57 @@ class Scheduler:
         return batch
 
     def _outgrows_pool(self, seq: Sequence, num_tokens: int) -> bool:
-        """True when `num_tokens` of the sequence need more blocks than the whole pool has."""
+        """True when `num_tokens` of the sequence need more blocks than the whole pool has (or
+        than its tenant's whole quota)."""
         bs = seq.block_table.block_size
-        return (num_tokens + bs - 1) // bs > self.pool.num_blocks
+        cap = self.pool.num_blocks
+        quota = self.pool.quota(seq.block_table.tenant)
+        if quota is not None:
+            cap = min(cap, quota)
+        return (num_tokens + bs - 1) // bs > cap
 
-    def _allocate_for(self, seq: Sequence) -> bool:
-        """Give a joining sequence its blocks (cached prefix first); False when they do not fit.
+    def _quota_allows(self, seq: Sequence, new_blocks: int) -> bool:
+        """True when the sequence's tenant may hold `new_blocks` more blocks (no quota: True)."""
+        tenant = seq.block_table.tenant
+        quota = self.pool.quota(tenant)
+        return quota is None or self.pool.held(tenant) + new_blocks <= quota
+
+    def fits_quota(self, seq: Sequence, hit: list[int], need: int) -> bool:
+        """True when the tenant of a joining sequence may take `need` new blocks after the
+        cached blocks `hit`: those it finds among its own cached blocks nobody holds count
+        against its room too (they become held)."""
+        tenant = seq.block_table.tenant
+        if self.pool.quota(tenant) is None:
+            return True
+        own = sum(1 for b in hit if self.pool.refcount(b) == 0 and self.pool.owner(b) == tenant)
+        return self._quota_allows(seq, need + own)
+
+    def _tenant_quota_growth(self, seq: Sequence, need: int, i: int, batch: ScheduledBatch) -> bool:
+        """Make room within its tenant's quota for running sequence `seq` (at index i) to grow
+        by `need` blocks: preempt the tenant's newest running sequences after it. False when
+        that made room; True when `seq` itself left the running set (preempted, or ended when
+        even the whole quota cannot hold it)."""
+        tenant = seq.block_table.tenant
+        j = len(self.running) - 1
+        while j > i and not self._quota_allows(seq, need):
+            other = self.running[j]
+            if other.block_table.tenant == tenant:
+                del self.running[j]
+                batch.preempted.append(self._preempt(other))
+            j -= 1
+        if self._quota_allows(seq, need):
+            return False
+        if self._outgrows_pool(seq, seq.num_tokens + len(seq.spec_tokens)) and not seq.num_pending:
+            self.finish(seq, "length")  # takes it out of the running set
+            self.outgrown.append(seq)
+        else:
+            del self.running[i]
+            batch.preempted.append(self._preempt(seq))
+        return True
+
+    def _allocate_for(self, seq: Sequence) -> str:
+        """Give a joining sequence its blocks (cached prefix first): "ok", or why they do not
+        fit: "quota" (its tenant's) or "pool".
 
         Room is checked for the whole sequence plus its first decode token, so admission never
         thrashes; a prompt's blocks are all taken now, its chunks then only compute.
@@ -176,18 +236,20 @@ class Scheduler:
             # At least the last token is computed (its logits give the next token), so a fully
             # cached sequence still leaves its last block to be written privately.
             hit, names = cache.match(seq.all_token_ids, seq.num_tokens - 1)
+        fresh = table.blocks_needed(seq.num_tokens + 1) - len(hit)
+        if not table.blocks and not self.fits_quota(seq, hit, fresh):
+            return "quota"
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
-        need = table.blocks_needed(seq.num_tokens + 1) - len(hit) + revived
-        if not self.pool.can_allocate(need):
-            return False
+        if not self.pool.can_allocate(fresh + revived):
+            return "pool"
         if hit:
             table.adopt_cached(self.pool, hit, names)
             seq.num_computed = len(hit) * table.block_size
         if cache is not None and seq.first_scheduled_time is None:
-            cache.count(seq.num_tokens, len(hit) * table.block_size)
+            cache.count(seq.num_tokens, len(hit) * table.block_size, table.tenant)
             seq.num_cached_tokens = len(hit) * table.block_size
         table.ensure(self.pool, seq.num_tokens)
-        return True
+        return "ok"
 
     def _drop_waiting_kv(self) -> bool:
         """Free the KV of queued sequences that hold some (admitted with imported KV), newest

@@ -1,20 +1,42 @@
-"""Fixed-size KV blocks: a free list, reference counts, and blocks kept by content (prefix cache).
+"""Fixed-size KV blocks: a free list, reference counts, blocks kept by content (prefix cache),
+and the tenant each block is charged to.
 
 A block nobody holds normally goes back to the free list. A block that was given a content hash
-(`cache`: its KV is complete and will never be written again) is instead kept, least recently
-freed first, among the *evictable* blocks: `lookup` finds it by hash and `acquire` takes it back
-for a new owner. `allocate` uses the free list first and evicts the least recently freed cached
-block (dropping its hash) only when the free list is empty.
+(`cache`: its KV is complete and will never be written again) is instead kept among the
+*evictable* blocks: `lookup` finds it by hash and `acquire` takes it back for a new owner.
+`allocate` uses the free list first and evicts a cached block nobody holds (dropping its hash)
+only when the free list is empty, or when the tenant allocating is at its quota.
+
+Eviction order, LRU-K: a *use* of a block ends each time one holder lets it go (`free`), stamped
+with a pool-wide clock. With K = 1 (no tenants: the pool behaves as without them) the block whose
+last use ended longest ago goes first. With K = 2 (tenants configured) blocks used once go first,
+oldest first, then the others by the end of their second-most-recent use: a prompt seen once never
+pushes out a prefix used again and again. Blocks of one sequence are freed last-first, so the
+tail of a cached prefix goes before its head (a hit needs the whole chain up to a block).
+
+Tenants (`quotas`, blocks per tenant name; see `tandem.kv.tenants`): a block is charged to the
+tenant that allocated it until it returns to the free list or is evicted; a prefix hit by
+another tenant shares it without moving the charge. A tenant's charge counts blocks held by its
+sequences and leases and its cached blocks nobody holds. A tenant allocating at its quota evicts
+its own cached blocks first; when the free list is empty the victim is the tenant furthest over
+its quota. The pool never refuses for a quota: admission (`tandem.engine.scheduler`) checks
+`held` against `quota` before allocating, so that charge <= quota holds for every tenant.
 
 Counting: `num_used` is the blocks somebody holds (a sequence, a lease); cached blocks nobody
 holds are free for every purpose but keep their content (`num_cached_free`), so a pool with
 nothing running reports `num_used == 0` whatever it has cached.
+
+Costs: allocate, free and acquire are O(log n) per block (one heap per tenant, stale entries
+skipped and compacted); nothing scans the pool.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import deque
 from collections.abc import Iterable
+
+_NONE = ""  # the one account of a pool without tenants
 
 
 class OutOfBlocks(RuntimeError):
@@ -29,22 +51,42 @@ class OutOfBlocks(RuntimeError):
 class BlockPool:
     """Hands out block ids in [0, num_blocks); a block nobody holds is free (or cached-free)."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self, num_blocks: int, quotas: dict[str, int] | None = None, lru_k: int | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.lru_k = lru_k if lru_k is not None else (2 if quotas else 1)
+        if self.lru_k not in (1, 2):
+            raise ValueError(f"lru_k must be 1 or 2, got {self.lru_k}")
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
-        # Refcount-0 blocks that keep their content, least recently freed first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
-        self.num_evictions = 0
+        # Use history: clock values at which the last two uses of each block ended (-1: none).
+        self._clock = 0
+        self._last = [-1] * num_blocks
+        self._prev = [-1] * num_blocks
+        # Accounts: index 0.. per tenant (one account, "", without quotas).
+        self.tenants: list[str] = list(quotas) if quotas else [_NONE]
+        self._tid = {name: i for i, name in enumerate(self.tenants)}
+        self._quota: list[int | None] = [quotas[n] for n in self.tenants] if quotas else [None]
+        nt = len(self.tenants)
+        self._owner = [-1] * num_blocks  # account charged, -1 for a block on the free list
+        self._charged = [0] * nt
+        self._n_evictable = [0] * nt
+        self.evictions = [0] * nt
+        # Evictable blocks: per account a heap of (eviction key, block); `_key` holds the live
+        # key of each evictable block (heap entries whose key differs are stale).
+        self._heaps: list[list[tuple[tuple[int, ...], int]]] = [[] for _ in range(nt)]
+        self._key: dict[int, tuple[int, ...]] = {}
 
+    # ---- counts ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks `allocate` can hand out: free ones and cached ones nobody holds."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._key)
 
     @property
     def num_used(self) -> int:
@@ -59,7 +101,11 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         """Cached blocks nobody holds: kept for reuse, evicted when blocks run out."""
-        return len(self._evictable)
+        return len(self._key)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(self.evictions)
 
     @property
     def usage(self) -> float:
@@ -68,21 +114,87 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks (all or none); raises `OutOfBlocks`. Evicts cached blocks, LRU first."""
+    # ---- tenants --------------------------------------------------------------------------
+    @property
+    def has_quotas(self) -> bool:
+        return self._quota[0] is not None
+
+    def account(self, tenant: str | None) -> int:
+        """The account index of `tenant` (every tenant shares one without quotas)."""
+        if not self.has_quotas:
+            return 0
+        try:
+            return self._tid[tenant or ""]
+        except KeyError:
+            raise ValueError(f"tenant {tenant!r} has no KV quota on this worker") from None
+
+    def quota(self, tenant: str | None) -> int | None:
+        """Blocks `tenant` may hold (running, leased and cached); None: no limit."""
+        return self._quota[self.account(tenant)]
+
+    def charged(self, tenant: str | None) -> int:
+        """Blocks charged to `tenant`: held by its sequences and leases, and its cached ones."""
+        return self._charged[self.account(tenant)]
+
+    def held(self, tenant: str | None) -> int:
+        """Blocks charged to `tenant` that cannot be evicted (somebody holds them)."""
+        t = self.account(tenant)
+        return self._charged[t] - self._n_evictable[t]
+
+    def owner(self, block: int) -> str | None:
+        """The tenant a block is charged to (None: on the free list)."""
+        t = self._owner[block]
+        return None if t < 0 else self.tenants[t]
+
+    # ---- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int, tenant: str | None = None) -> list[int]:
+        """Take `n` blocks for `tenant` (all or none); raises `OutOfBlocks`. Evicts cached
+        blocks (the tenant's own first when it is at its quota) in LRU-K order."""
         if n > self.num_free:
             raise OutOfBlocks(n, self.num_free)
+        t = self.account(tenant)
         out = []
         for _ in range(n):
-            if self._free:
+            quota = self._quota[t]
+            if quota is not None and self._charged[t] >= quota and self._n_evictable[t]:
+                b = self._evict(t)  # at its quota: make room among its own cached blocks
+            elif self._free:
                 b = self._free.popleft()
             else:
-                b, _ = self._evictable.popitem(last=False)
-                del self._by_hash[self._hash_of.pop(b)]
-                self.num_evictions += 1
+                b = self._evict(self._victim())
             self._refs[b] = 1
+            self._owner[b] = t
+            self._charged[t] += 1
+            self._last[b] = self._prev[b] = -1
             out.append(b)
         return out
+
+    def _victim(self) -> int:
+        """The account to evict from when the free list is empty: furthest over its quota."""
+        best, best_excess = -1, None
+        for t, n in enumerate(self._n_evictable):
+            if not n:
+                continue
+            q = self._quota[t]
+            excess = self._charged[t] - (q if q is not None else 0)
+            if best_excess is None or excess > best_excess:
+                best, best_excess = t, excess
+        return best
+
+    def _evict(self, t: int) -> int:
+        """Drop the first evictable block of account `t` in LRU-K order; returns it, free."""
+        heap = self._heaps[t]
+        while True:
+            key, b = heapq.heappop(heap)
+            if self._key.get(b) == key and self._owner[b] == t:
+                break
+        del self._key[b]
+        self._n_evictable[t] -= 1
+        self._charged[t] -= 1
+        self._owner[b] = -1
+        del self._by_hash[self._hash_of.pop(b)]
+        self.evictions[t] += 1
+        return b
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Share held blocks with one more owner."""
@@ -92,15 +204,18 @@ class BlockPool:
             self._refs[b] += 1
 
     def acquire(self, block: int) -> None:
-        """Take a reference to a cached block, held or not (a prefix-cache hit)."""
+        """Take a reference to a cached block, held or not (a prefix-cache hit). The block stays
+        charged to the tenant that computed it."""
         if block not in self._hash_of:
             raise ValueError(f"block {block} is not cached")
         if self._refs[block] == 0:
-            del self._evictable[block]
+            del self._key[block]  # its heap entry is now stale
+            self._n_evictable[self._owner[block]] -= 1
         self._refs[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds become free (cached: evictable).
+        """Drop one reference to each block (one use ends); blocks nobody holds become free
+        (cached: evictable).
 
         Blocks freed later are evicted later: free a sequence's blocks last-first so that the
         tail of a cached prefix goes before its head (a hit needs the whole chain up to a block).
@@ -109,11 +224,38 @@ class BlockPool:
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
-            if self._refs[b] == 0:
-                if b in self._hash_of:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+            self._clock += 1
+            self._prev[b], self._last[b] = self._last[b], self._clock
+            if self._refs[b]:
+                continue
+            t = self._owner[b]
+            if b in self._hash_of:
+                key = self._eviction_key(b)
+                self._key[b] = key
+                self._n_evictable[t] += 1
+                heap = self._heaps[t]
+                heapq.heappush(heap, (key, b))
+                if len(heap) > 64 + 2 * self._n_evictable[t]:
+                    self._compact(t)
+            else:
+                self._charged[t] -= 1
+                self._owner[b] = -1
+                self._free.append(b)
+
+    def _eviction_key(self, b: int) -> tuple[int, ...]:
+        """Smaller goes first. K = 1: when its last use ended. K = 2: blocks used once (by when
+        that use ended) before blocks used more (by when their second-most-recent use ended)."""
+        if self.lru_k == 1:
+            return (self._last[b],)
+        if self._prev[b] < 0:
+            return (0, self._last[b])
+        return (1, self._prev[b], self._last[b])
+
+    def _compact(self, t: int) -> None:
+        """Rebuild account `t`'s heap from its live entries (stale ones outnumber them)."""
+        heap = [(k, b) for k, b in self._heaps[t] if self._key.get(b) == k and self._owner[b] == t]
+        heapq.heapify(heap)
+        self._heaps[t] = heap
 
     def refcount(self, block: int) -> int:
         return self._refs[block]

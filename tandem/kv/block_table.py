@@ -9,11 +9,13 @@ class BlockTable:
     """Logical block i of one sequence lives in pool block `blocks[i]`.
 
     `hashes[i]` is the prefix-cache name of block i, for the leading blocks that are full and
-    computed (see `tandem.kv.prefix_cache`); the rest of the table has none yet.
+    computed (see `tandem.kv.prefix_cache`); the rest of the table has none yet. Blocks it
+    allocates are charged to `tenant` (see `tandem.kv.tenants`).
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, tenant: str | None = None) -> None:
         self.block_size = block_size
+        self.tenant = tenant
         self.blocks: list[int] = []
         self.hashes: list[bytes] = []
 
@@ -30,7 +32,7 @@ class BlockTable:
         """Grow to hold `num_tokens` tokens (all-or-nothing; raises `OutOfBlocks`)."""
         n = self.blocks_needed(num_tokens)
         if n:
-            self.blocks.extend(pool.allocate(n))
+            self.blocks.extend(pool.allocate(n, self.tenant))
 
     def adopt_cached(self, pool: BlockPool, blocks: list[int], hashes: list[bytes]) -> None:
         """Start an empty table with cached blocks (a prefix-cache hit), one reference each."""

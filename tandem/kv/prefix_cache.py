@@ -54,6 +54,8 @@ class PrefixCache:
         # Hit ratio: prompt tokens looked up at admission, and of those found cached.
         self.query_tokens = 0
         self.hit_tokens = 0
+        # The same per tenant, with tenant quotas (a bounded set of names): [queried, hit].
+        self.by_tenant: dict[str, list[int]] = {t: [0, 0] for t in pool.tenants if t}
 
     @property
     def hit_ratio(self) -> float:
@@ -73,9 +75,17 @@ class PrefixCache:
             names.append(name)
         return blocks, names
 
-    def count(self, queried: int, hit: int) -> None:
+    def tenant_hit_ratio(self, tenant: str) -> float:
+        queried, hit = self.by_tenant.get(tenant, (0, 0))
+        return hit / queried if queried else 0.0
+
+    def count(self, queried: int, hit: int, tenant: str | None = None) -> None:
         self.query_tokens += queried
         self.hit_tokens += hit
+        per = self.by_tenant.get(tenant) if tenant else None
+        if per is not None:
+            per[0] += queried
+            per[1] += hit
 
     def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
         """Name (and cache) every full block among a sequence's first `num_tokens` tokens, which

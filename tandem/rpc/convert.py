@@ -101,8 +101,9 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     from tandem.engine.llm_engine import QueueFull
+    from tandem.tenants import TenantQuotaExceeded
 
-    if isinstance(exc, OutOfBlocks | QueueFull):
+    if isinstance(exc, OutOfBlocks | QueueFull | TenantQuotaExceeded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED

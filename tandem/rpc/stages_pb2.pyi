@@ -104,14 +104,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ..., lease_key: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _api_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens", "prompt_logprobs")
@@ -226,7 +228,7 @@ class WorkerStats(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here")
+    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here", "tenant")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +245,7 @@ class Admit(_message.Message):
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -252,7 +255,8 @@ class Admit(_message.Message):
     rng_state: bytes
     trace_context: _containers.ScalarMap[str, str]
     prefill_here: bool
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_here: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class CancelSeq(_message.Message):
     __slots__ = ("seq_id",)

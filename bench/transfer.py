@@ -307,7 +307,7 @@ def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any
     slice copy of consecutive blocks. One CPU thread: the two-core machine is shared, and
     OpenMP's threads make these copies erratic when it is busy."""
     from tandem.kv.cache import KVCache
-    from tandem.kv.transport import gather_copy
+    from tandem.kv.block_copy import gather_copy
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,7 +6,7 @@ import grpc
 
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
-from tandem.kv.transport import PoolLayout
+from tandem.kv.layout import PoolLayout
 from tandem.rpc import api_pb2, stages_pb2
 
 DEFAULT_MAX_TOKENS = 256

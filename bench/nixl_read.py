@@ -41,8 +41,9 @@ BLOCK_BYTES = BLOCK_SIZE * HEADS * HEAD_DIM * 4  # one (layer, k|v) row's piece 
 
 def _owner(conn, num_blocks: int) -> None:
     """The prefill side: a shared-memory pool registered with NIXL, until told to stop."""
-    from tandem.kv.nixl_pool import NixlEndpoint
-    from tandem.kv.transport import PoolLayout, SharedPool
+    from tandem.kv.layout import PoolLayout
+    from tandem.kv.transports.nixl import NixlEndpoint
+    from tandem.kv.transports.shm import SharedPool
 
     pool = SharedPool.create(PoolLayout(LAYERS, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM, "float32"))
     pool.kv.data.normal_()
@@ -64,8 +65,9 @@ def main() -> int:
     import numpy as np
     import torch
 
+    from tandem.kv.block_copy import block_runs
     from tandem.kv.cache import KVCache
-    from tandem.kv.nixl_pool import NixlEndpoint, block_runs
+    from tandem.kv.transports.nixl import NixlEndpoint
 
     torch.set_num_threads(1)
     num_blocks = max(args.blocks) + 2

@@ -85,14 +85,14 @@ from tandem.model.gguf_loader import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
 from tandem.quant.checkpoint import info_of, read_quantization, save_quantized  # noqa: E402
-from tandem.quant.cli import (  # noqa: E402
+from tandem.quant.eval import perplexity  # noqa: E402
+from tandem.quant.format import QuantizedWeight  # noqa: E402
+from tandem.quant.pipeline import (  # noqa: E402
     default_calibration_path,
     on_device,
     quantize_model,
     tune_end_to_end,
 )
-from tandem.quant.eval import perplexity  # noqa: E402
-from tandem.quant.format import QuantizedWeight  # noqa: E402
 from tandem.quant.profile import profile_weights, suggest_recipe  # noqa: E402
 from tandem.quant.recipe import LayerSpec, Recipe  # noqa: E402
 from tandem.quant.weights import dequantize_weights, load_gguf_q4_1  # noqa: E402

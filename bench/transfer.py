@@ -307,8 +307,8 @@ def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any
     index_copy_ on a CPU, what the shm path runs), `memcpy` one
     slice copy of consecutive blocks. One CPU thread: the two-core machine is shared, and
     OpenMP's threads make these copies erratic when it is busy."""
+    from tandem.kv.block_copy import gather_copy
     from tandem.kv.cache import KVCache
-    from tandem.kv.transport import gather_copy
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -453,7 +453,7 @@ def metrics_port_of(args: Any) -> int | None:
     return None if port < 0 else port
 
 
-# How KV moves from prefill to decode (tandem/kv/transport.py::accept_kinds says what auto picks).
+# How KV moves from prefill to decode (tandem/kv/transports: accept_kinds says what auto picks).
 KV_TRANSPORTS = ("auto", "cuda_ipc", "shm", "nixl", "inline")
 
 

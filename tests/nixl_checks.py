@@ -15,7 +15,7 @@ import sys
 import torch
 
 from tandem.kv.cache import KVCache
-from tandem.kv.transport import LayoutMismatch, PoolLayout
+from tandem.kv.layout import LayoutMismatch, PoolLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def nixl_missing_in_child() -> str | None:
     """None when NIXL loads (in a child process), else why it does not."""
     code = (
-        "from tandem.kv.nixl_pool import nixl_missing_reason as m; r = m(); "
+        "from tandem.kv.transports.nixl import nixl_missing_reason as m; r = m(); "
         "print(r or '', end=''); raise SystemExit(1 if r else 0)"
     )
     try:
@@ -38,7 +38,7 @@ def nixl_missing_in_child() -> str | None:
 
 
 def plugin_dir_points_into_the_installed_package() -> None:
-    from tandem.kv.nixl_pool import load_nixl
+    from tandem.kv.transports.nixl import load_nixl
 
     mod = load_nixl()
     plugins = os.environ["NIXL_PLUGIN_DIR"]
@@ -63,7 +63,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def read_copies_exactly_the_listed_blocks(dtype_name: str) -> None:
-    from tandem.kv.nixl_pool import NixlEndpoint
+    from tandem.kv.transports.nixl import NixlEndpoint
 
     dtype = getattr(torch, dtype_name)
     src = _pool(3, 10, dtype, 0)
@@ -100,7 +100,7 @@ def read_copies_exactly_the_listed_blocks(dtype_name: str) -> None:
 
 
 def refuses_a_peer_with_another_layout() -> None:
-    from tandem.kv.nixl_pool import NixlEndpoint
+    from tandem.kv.transports.nixl import NixlEndpoint
 
     src = _pool(3, 10, torch.float32, 0)
     dst = KVCache.allocate(2, 7, 4, 2, 8, torch.float32, "cpu")

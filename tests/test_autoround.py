@@ -171,8 +171,8 @@ def test_quantize_autoround_round_trips(model_factory, tmp_path) -> None:
     load back bit for bit, and bad options stop it before any work with a clear error."""
     from tandem.model.loader import load_model
     from tandem.quant.checkpoint import save_quantized
-    from tandem.quant.cli import quantize_model
     from tandem.quant.format import QuantizedWeight
+    from tandem.quant.pipeline import quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")

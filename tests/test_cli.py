@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from tandem.cli import _add_up_args, _stage_argv, main
+from tandem.cli import main
+from tandem.up import _stage_argv
+from tandem.up import add_up_args as _add_up_args
 
 
 def _up_args(argv: list[str]) -> argparse.Namespace:

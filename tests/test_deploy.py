@@ -407,7 +407,7 @@ def test_kv_handles_can_cross_from_prefill_to_decode(compose):
 
 
 def test_host_id_override(monkeypatch):
-    from tandem.kv.transport import host_id
+    from tandem.kv.layout import host_id
 
     monkeypatch.delenv("TANDEM_HOST_ID", raising=False)
     plain = host_id()

@@ -39,7 +39,7 @@ def _kl(float_w, quant_w, cfg, ids: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # untied head; tied head with biases
 def test_tuning_lowers_kl_and_keeps_codes(model_factory, tmp_path, kind) -> None:
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory(kind)
@@ -84,7 +84,7 @@ def test_tuning_lowers_kl_and_keeps_codes(model_factory, tmp_path, kind) -> None
 def test_start_is_kept_when_no_step_helps(model_factory, tmp_path) -> None:
     """A learning rate far too large makes every step worse: early stopping returns the start."""
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")
@@ -143,7 +143,7 @@ def test_quantize_model_e2e_round_trips(model_factory, tmp_path) -> None:
     clear error before any work."""
     from tandem.model.loader import load_model
     from tandem.quant.checkpoint import save_quantized
-    from tandem.quant.cli import quantize_model
+    from tandem.quant.pipeline import quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")
@@ -212,8 +212,8 @@ def test_calibration_with_sampled_sequences(model_factory, tmp_path, capsys) -> 
     are not among them); quantization.json records it; a negative count is refused by name."""
     from tandem.cli import main
     from tandem.model.loader import load_model
-    from tandem.quant.cli import CALIB_GENERATED_SEED, quantize_model
     from tandem.quant.e2e import sample_sequences
+    from tandem.quant.pipeline import CALIB_GENERATED_SEED, quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")
@@ -248,8 +248,8 @@ def test_training_codes_moves_codes_and_packs_what_it_trained(model_factory, tmp
     """`codes=True` (quantization-aware training): codes change, stay in range, the KL drops, and
     the packed checkpoint holds exactly the weight the forward pass used."""
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
     from tandem.quant.e2e import GroupParams
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")
@@ -313,7 +313,7 @@ def test_time_limit_and_cosine_schedule(model_factory, tmp_path) -> None:
     """A time limit stops tuning at the first evaluation past it (the best state kept); the
     cosine schedule runs the same loop with decaying learning rates."""
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")
@@ -415,7 +415,7 @@ def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
 
     from tandem.model.loader import load_model
     from tandem.quant.checkpoint import info_of, read_quantization, save_quantized
-    from tandem.quant.cli import quantize_model, tune_end_to_end
+    from tandem.quant.pipeline import quantize_model, tune_end_to_end
     from tandem.quant.recipe import Recipe
 
     _, path = model_factory("llama")

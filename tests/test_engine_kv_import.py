@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import tandem
-from tandem.kv.transport import gather_copy
+from tandem.kv.block_copy import gather_copy
 
 GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

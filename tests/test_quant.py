@@ -279,14 +279,11 @@ def test_quantized_kv_attention_matches_f64(kv_dtype) -> None:
 
 
 def test_shared_pool_and_gather_copy_carry_scales() -> None:
+    from tandem.kv.block_copy import gather_copy
     from tandem.kv.cache import KVCache
-    from tandem.kv.transport import (
-        PoolLayout,
-        SharedPool,
-        block_to_bytes,
-        bytes_to_block,
-        gather_copy,
-    )
+    from tandem.kv.layout import PoolLayout
+    from tandem.kv.transports.inline import block_to_bytes, bytes_to_block
+    from tandem.kv.transports.shm import SharedPool
 
     layout = PoolLayout(2, 6, 4, 2, 16, "float8_e4m3fn")
     pool = SharedPool.create(layout)

@@ -17,10 +17,8 @@ from services.gateway.grpc_api import Frontend
 from services.gateway.observe import RequestTrace
 from services.gateway.openai_request import (
     FieldError,
-    logit_bias_from_body,
     n_from_body,
     normalize_messages,
-    structured_from_body,
 )
 from services.gateway.openai_tools import (
     ForcedCallStream,
@@ -33,117 +31,37 @@ from services.gateway.openai_tools import (
     render_messages,
     template_takes_tools,
 )
+from services.gateway.openai_wire import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MAX_JSON_DEPTH,
+    TRACE_KEY,
+    RequestError,
+    _after,
+    _check_json,
+    _chunk,
+    _error_for,
+    _param_of,
+    _refuse_fields,
+    _scored,
+    _trace_header,
+    _usage,
+    chat_logprobs,
+    echo_logprobs,
+    error_response,
+    errors_middleware,
+    legacy_logprobs,
+    sampling_from_body,
+)
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER
 from tandem import telemetry
 from tandem.config import GatewayConfig
-from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.engine.sampling_params import StructuredOutput
 
 log = logging.getLogger("tandem.gateway.http")
-TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request
 TENANT_KEY = "tandem_tenant"  # the request's tenant (services/gateway/tenants.py)
-
-
-class RequestError(ValueError):
-    """A bad request: rendered as the OpenAI error body with HTTP 400."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
-def error_response(
-    message: str, status: int = 400, param: str | None = None, kind: str | None = None
-) -> web.Response:
-    etype = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": etype, "param": param, "code": None}}
-    return web.json_response(body, status=status)
-
-
-def _num(body: dict, name: str, kind: type, default: Any) -> Any:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
-        raise RequestError(
-            f"{name} must be a{'n integer' if kind is int else ' number'}, got {v!r}", name
-        )
-    return kind(v)
-
-
-def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
-    """OpenAI request fields -> SamplingParams; unsupported or mistyped fields name themselves."""
-    max_tokens = body.get("max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = _num(body, "max_tokens", int, 256 if chat else 16)
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise RequestError(
-            f"max_completion_tokens must be an integer, got {max_tokens!r}", "max_completion_tokens"
-        )
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("stop must be a string or a list of strings", "stop")
-    if chat:
-        lp = body.get("logprobs", False)
-        if lp is None:
-            lp = False
-        if not isinstance(lp, bool):
-            raise RequestError("logprobs must be a boolean", "logprobs")
-        logprobs = _num(body, "top_logprobs", int, 0) if lp else None
-    else:
-        logprobs = body.get("logprobs")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
-            raise RequestError("logprobs must be an integer", "logprobs")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError("seed must be an integer", "seed")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list):
-        raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
-    try:
-        structured = structured_from_body(body)
-        logit_bias = logit_bias_from_body(body)
-    except FieldError as e:
-        raise RequestError(str(e), e.param) from None
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_num(body, "temperature", float, 1.0),
-        top_p=_num(body, "top_p", float, 1.0),
-        top_k=_num(body, "top_k", int, 0),
-        min_p=_num(body, "min_p", float, 0.0),
-        repetition_penalty=_num(body, "repetition_penalty", float, 1.0),
-        presence_penalty=_num(body, "presence_penalty", float, 0.0),
-        frequency_penalty=_num(body, "frequency_penalty", float, 0.0),
-        logit_bias=logit_bias,
-        structured=structured,
-        seed=seed,
-        stop=stop,
-        stop_token_ids=stop_ids,
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=logprobs,
-    )
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
-    """Every failure answers with the OpenAI error body, never a traceback."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return error_response(e.reason or "request failed", e.status)
-    except Overloaded as e:
-        return error_response(str(e), 429, kind="rate_limit_exceeded")
-    except StageUnavailable as e:
-        return error_response(str(e), 503, kind="service_unavailable")
-    except Exception:  # noqa: BLE001 - logged here, a plain message to the client
-        log.exception("HTTP request failed")
-        return error_response("internal error", 500)
 
 
 class OpenAIServer:
@@ -496,18 +414,20 @@ class OpenAIServer:
                             choice["finish_reason"] = "tool_calls"
                     choice["message"] = message
                     choice["logprobs"] = (
-                        self._chat_logprobs(c.logprobs) if params.logprobs is not None else None
+                        chat_logprobs(self.fe.tokenizer, c.logprobs)
+                        if params.logprobs is not None
+                        else None
                     )
                 else:
                     choice["text"] = (echo or "") + full
                     if params.logprobs is None:
                         choice["logprobs"] = None
                     elif echo is not None:  # the prompt's tokens first, then the completion's
-                        head, offset = self._echo_logprobs(ids, prompt_lps, echo)
-                        tail, _ = self._legacy_logprobs(c.logprobs, offset)
+                        head, offset = echo_logprobs(self.fe.tokenizer, ids, prompt_lps, echo)
+                        tail, _ = legacy_logprobs(self.fe.tokenizer, c.logprobs, offset)
                         choice["logprobs"] = {k: v + tail[k] for k, v in head.items()}
                     else:
-                        choice["logprobs"] = self._legacy_logprobs(c.logprobs, 0)[0]
+                        choice["logprobs"] = legacy_logprobs(self.fe.tokenizer, c.logprobs, 0)[0]
                 out.append(choice)
             return web.json_response(
                 {
@@ -545,7 +465,7 @@ class OpenAIServer:
                 elif echo is not None and params.prompt_logprobs is not None:
                     # The echoed prompt and its logprobs, from the first choice's first event.
                     prompt_lps = getattr(first[1], "prompt_logprobs", None) if first else None
-                    lps, choices[i].offset = self._echo_logprobs(ids, prompt_lps, echo)
+                    lps, choices[i].offset = echo_logprobs(self.fe.tokenizer, ids, prompt_lps, echo)
                     await send(chunk(i, {"text": echo, "logprobs": lps}))
                 elif echo is not None:
                     await send(chunk(i, {"text": echo, "logprobs": None}))
@@ -573,9 +493,11 @@ class OpenAIServer:
                         text, lps = ev.text, ev.logprobs
                     part = {"delta": {"content": text}} if chat else {"text": text}
                     if chat and params.logprobs is not None:
-                        part["logprobs"] = self._chat_logprobs(lps)
+                        part["logprobs"] = chat_logprobs(self.fe.tokenizer, lps)
                     elif not chat and params.logprobs is not None:
-                        part["logprobs"], c.offset = self._legacy_logprobs(ev.logprobs, c.offset)
+                        part["logprobs"], c.offset = legacy_logprobs(
+                            self.fe.tokenizer, ev.logprobs, c.offset
+                        )
                     elif not chat:
                         part["logprobs"] = None
                     await send(chunk(i, part))
@@ -605,7 +527,7 @@ class OpenAIServer:
                         else:
                             part = {"delta": {"content": held}}
                             if params.logprobs is not None:
-                                part["logprobs"] = self._chat_logprobs(c.logprobs)
+                                part["logprobs"] = chat_logprobs(self.fe.tokenizer, c.logprobs)
                             await send(chunk(i, part))
                     part = {"delta": {}} if chat else {"text": ""}
                     await send(chunk(i, part, reason))
@@ -651,59 +573,6 @@ class OpenAIServer:
         except (ConnectionResetError, ConnectionError):
             pass
 
-    def _chat_logprobs(self, lps) -> dict:
-        tok = self.fe.tokenizer
-        content = []
-        for lp in lps:
-            content.append(
-                {
-                    "token": tok.decode([lp.token_id], skip_special_tokens=False),
-                    "logprob": lp.logprob,
-                    "top_logprobs": [
-                        {"token": tok.decode([t], skip_special_tokens=False), "logprob": v}
-                        for t, v in lp.top
-                    ],
-                }
-            )
-        return {"content": content}
-
-    def _echo_logprobs(self, ids: list[int], lps: list | None, echo: str) -> tuple[dict, int]:
-        """The completions API's logprobs of the echoed prompt: its tokens, the first with null
-        token_logprobs and top_logprobs, each later one scored given the tokens before it;
-        text_offset is where each token starts in `echo`. Also returns where the completion
-        starts (the end of `echo`)."""
-        if lps is None or len(lps) != len(ids):
-            # Never expected: a run that asked for them brings them with its first token.
-            raise StageUnavailable("the prompt's logprobs did not come back from the workers")
-        tok = self.fe.tokenizer
-        tokens = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        values = [None if lp is None else lp.logprob for lp in lps]
-        tops = [
-            None
-            if lp is None
-            else {tok.decode([i], skip_special_tokens=False): v for i, v in lp.top}
-            for lp in lps
-        ]
-        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
-        out["text_offset"] = _text_offsets(tok, ids)
-        return out, len(echo)
-
-    def _legacy_logprobs(self, lps, offset: int) -> tuple[dict, int]:
-        """The completions API's logprobs: tokens, token_logprobs, top_logprobs (one {token:
-        logprob} per position) and text_offset (each token's start in the choice's text)."""
-        tok = self.fe.tokenizer
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            t = tok.decode([lp.token_id], skip_special_tokens=False)
-            tokens.append(t)
-            values.append(lp.logprob)
-            tops.append({tok.decode([i], skip_special_tokens=False): v for i, v in lp.top})
-            offsets.append(offset)
-            offset += len(t)
-        out = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops}
-        out["text_offset"] = offsets
-        return out, offset
-
 
 class _ChoiceState:
     """One choice of a response while it streams in."""
@@ -715,180 +584,3 @@ class _ChoiceState:
         self.holding = True  # tools: its text is held until it is known not to be a tool call
         self.offset = 0  # completions logprobs: characters of the choice's text so far
         self.forced: ForcedCallStream | None = None  # a forced tool call, as it streams
-
-
-async def _trace_header(request: web.Request, response: web.StreamResponse) -> None:
-    """Name the request's trace in the response (`x-trace-id`); a refusal ends the trace."""
-    rt = request.get(TRACE_KEY)
-    if rt is None or not rt.trace_id:
-        return
-    response.headers[telemetry.TRACE_ID_HEADER] = rt.trace_id
-    if response.status >= 400:
-        rt.fail(f"HTTP {response.status}")
-
-
-def _chunk(
-    rid: str,
-    obj: str,
-    created: int,
-    model: str,
-    part: dict,
-    finish: str | None = None,
-    index: int = 0,
-) -> dict:
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [{"index": index, "finish_reason": finish, **part}],
-    }
-
-
-def _scored(f: Finished) -> Finished:
-    """The end of a score-only completion (max_tokens 0): nothing generated, as OpenAI says."""
-    return replace(f, reason="length", completion_tokens=0, stop_string=None)
-
-
-def _text_offsets(tok, ids: list[int]) -> list[int]:
-    """Where each token of `ids` starts in their decoded text. A character split over several
-    tokens (UTF-8 bytes of byte-level BPE) is counted once, from the token that completes it;
-    the tokens before that point at it. Special tokens take no room (the text skips them)."""
-    offsets: list[int] = []
-    start = 0  # where the run of tokens not yet decoded to whole characters begins
-    run: list[int] = []
-    for t in ids:
-        done = tok.decode(run).rstrip("\ufffd") if run else ""
-        offsets.append(start + len(done))
-        run.append(t)
-        text = tok.decode(run)
-        # A run stays open while it ends in an incomplete character; a byte-level character
-        # spans at most 4 tokens, so a longer run is a real U+FFFD in the text.
-        if not text.endswith("\ufffd") or len(run) >= 4:
-            start += len(text)
-            run = []
-    return offsets
-
-
-def _usage(fins: list[Finished | None]) -> dict:
-    """Usage of a response: its prompt once, the completion tokens of every choice."""
-    done = [f for f in fins if f is not None]
-    if not done:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    prompt = done[0].prompt_tokens
-    completion = sum(f.completion_tokens for f in done)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": done[0].cached_prompt_tokens},
-    }
-
-
-# The request fields each endpoint takes (README: "OpenAI request fields"). Every other field
-# is refused with a 400 naming it, never ignored; `_REFUSED` says why for the known ones.
-_COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stream",
-        "stream_options",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "seed",
-        "user",
-        "store",
-        "metadata",
-        "service_tier",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "ignore_eos",
-        "stop_token_ids",
-        "response_format",
-    }
-)
-CHAT_FIELDS = _COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-}
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
-_REFUSED = {
-    "suffix": "insertion (suffix) is not supported",
-    "functions": "the deprecated functions field is not supported: use tools",
-    "function_call": "the deprecated function_call field is not supported: use tool_choice",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "the served model has no reasoning modes",
-    "web_search_options": "web search is not supported",
-}
-
-
-MAX_JSON_DEPTH = 32
-
-
-def _check_json(body: dict) -> None:
-    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding text that is not Unicode (a
-    lone UTF-16 surrogate such as "\\ud800" parses as JSON but cannot be encoded)."""
-    stack: list[tuple[Any, str, int]] = [(body, "body", 1)]
-    while stack:
-        v, where, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise RequestError(f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise RequestError(
-                    f"{where} holds a lone surrogate ({v[e.start]!r}): not valid Unicode text",
-                    where.split(".", 2)[1].split("[")[0] if where.count(".") else None,
-                ) from None
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                stack.append((k, f"{where} key", depth + 1))
-                stack.append((x, f"{where}.{k}", depth + 1))
-        elif isinstance(v, list):
-            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
-
-
-def _error_for(e: Exception) -> web.Response:
-    """The error response of a request refused before its first token."""
-    if isinstance(e, Overloaded):
-        return error_response(str(e), 429, kind="rate_limit_exceeded")
-    if isinstance(e, StageUnavailable):
-        return error_response(str(e), 503, kind="service_unavailable")
-    return error_response(str(e), 400, _param_of(str(e)))
-
-
-async def _after(first, events):
-    """`first` (unless None), then the rest of `events`."""
-    if first is not None:
-        yield first
-    async for ev in events:
-        yield ev
-
-
-def _refuse_fields(body: dict, allowed: frozenset[str]) -> None:
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        why = _REFUSED.get(unknown[0], "not supported by this endpoint")
-        raise RequestError(f"unknown or unsupported field {unknown[0]!r}: {why}", unknown[0])
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an engine validation message is about (its first word)."""
-    word = message.split(" ", 1)[0]
-    return {"prompt": "prompt", "structured": "response_format"}.get(
-        word, word if word.isidentifier() else None
-    )

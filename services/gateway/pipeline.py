@@ -28,9 +28,9 @@ from services.gateway.router import (
     Router,
     StageUnavailable,
 )
+from tandem.api_types import TokenLogprobs
 from tandem.config import GatewayConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2

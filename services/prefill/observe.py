@@ -54,12 +54,15 @@ class PrefillTelemetry:
         m.prompt_tokens.inc(n_prompt)
         m.generation_tokens.inc(len(outs))
         if self.tracing and outs:
-            leases = self.engine.leases.leases
             items = [
-                (o.seq.seq_id, len(o.seq.prompt_token_ids), _leased_blocks(leases, o.seq.lease_id))
+                (o.seq.seq_id, len(o.seq.prompt_token_ids), self._leased_blocks(o.seq.lease_id))
                 for o in outs
             ]
             self.loop.call_soon_threadsafe(self._record_step, items, t0, t1, n_prompt)
+
+    def _leased_blocks(self, lease_id: str | None) -> int:
+        lease = self.engine.lease(lease_id)
+        return len(lease.blocks) if lease is not None else 0
 
     # ---- event loop -----------------------------------------------------------------------
     def _record_step(
@@ -94,8 +97,3 @@ class PrefillTelemetry:
                 {tel.BATCH_SIZE: len(items), tel.BATCH_TOKENS: n_prompt},
                 links,
             )
-
-
-def _leased_blocks(leases: dict, lease_id: str | None) -> int:
-    lease = leases.get(lease_id) if lease_id else None
-    return len(lease.blocks) if lease is not None else 0

@@ -12,25 +12,18 @@ from dataclasses import dataclass
 import grpc
 
 from services.prefill.observe import PrefillTelemetry
-from tandem import progress
+from services.worker import run_worker
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
-from tandem.kv import cuda_ipc
+from tandem.kv import transports
+from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
 from tandem.kv.lease import sign_lease
-from tandem.kv.nixl_pool import NixlEndpoint, nixl_missing_reason
-from tandem.kv.transport import (
-    LayoutMismatch,
-    PoolLayout,
-    SharedPool,
-    block_to_bytes,
-    host_id,
-    pick_kind,
-)
-from tandem.metrics import serve_metrics
+from tandem.kv.transports import PeerRequest, TransportKind
+from tandem.kv.transports.inline import InlineTransport
+from tandem.kv.transports.shm import SharedPool
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import count_refusals, server_interceptors
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -39,7 +32,6 @@ from tandem.rpc.convert import (
     sampling_from_proto,
     status_for,
 )
-from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.prefill")
 SERVICE = "tandem.v1.Prefill"
@@ -101,12 +93,16 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             kv = self.shared.kv
         self.engine = LLMEngine(loaded, config, kv=kv, lease_ttl_s=lease_ttl_s)
         self.layout = PoolLayout.of(self.engine.kv)
+        # Every transport this worker can serve its pool through (a decode peer picks).
+        self.transports = {
+            kind: transports.create(kind, self.engine.kv, name=self.pool_id, shared=self.shared)
+            for kind in TransportKind
+        }
+        self.inline = InlineTransport(self.engine.kv)  # serves FetchBlocks
         self.loop = asyncio.get_running_loop()
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
         self.inline_bytes_sent = 0
-        self.nixl: NixlEndpoint | None = None  # created by the first peer that asks for NIXL
-        self._nixl_lock = asyncio.Lock()
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
@@ -115,8 +111,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def close(self) -> None:
         self.engine_loop.stop()
-        if self.nixl is not None:
-            self.nixl.close()
+        for t in self.transports.values():
+            t.close()
         if self.shared is not None:
             self.shared.close()
 
@@ -128,7 +124,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             seq = o.seq
             if seq.lease_id is None:
                 continue
-            lease = self.engine.leases.leases[seq.lease_id]
+            lease = self.engine.lease(seq.lease_id)
             lease.owner = self.run_owner.get(seq.seq_id, "")
             state = (
                 seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
@@ -159,7 +155,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         fut = self.pending.pop(seq_id, None)
         if fut is None or fut.done():
             # The caller went away: nobody will collect these blocks.
-            self.engine_loop.submit(lambda e: e.leases.release(res.lease_id))
+            self.engine_loop.submit(lambda e: e.release_lease(res.lease_id))
             return
         fut.set_result(res)
 
@@ -182,70 +178,40 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"model mismatch: prefill serves {self.model_name!r}, peer serves {request.model!r}",
             )
-        kinds = list(request.accept_kinds) or ["inline"]
-        same_host = request.host_id == host_id()
-        kind, reasons = pick_kind(
-            kinds,
-            same_host=same_host,
-            pool_device_type=self.engine.kv.data.device.type,
-            has_shared_pool=self.shared is not None,
-            nixl_missing=nixl_missing_reason,
+        kinds, unknown = transports.accepted_by(request)
+        peer = PeerRequest(
+            peer_id=request.peer_id,
+            same_host=request.host_id == host_id(),
+            nixl_agent_metadata=request.nixl_agent_metadata,
         )
-        if kind is None:
+        transport, reasons = transports.pick(kinds, self.transports, peer)
+        if transport is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "no KV transport both workers can use (" + "; ".join(reasons) + ")",
+                "no KV transport both workers can use (" + "; ".join(unknown + reasons) + ")",
             )
-        if kind == "inline" and "nixl" in kinds:
+        if transport.kind is TransportKind.INLINE and reasons:
             log.warning(
                 "decode peer %s gets the inline KV transport: %s",
                 request.peer_id,
-                nixl_missing_reason(),
+                "; ".join(reasons),
             )
         handle = stages_pb2.PoolHandle(
-            kind=kind,
-            pool_id=self.pool_id,
-            layout=layout_to_proto(self.layout),
-            shm_name=self.shared.name if kind == "shm" else "",
-            host_id=host_id(),
+            pool_id=self.pool_id, layout=layout_to_proto(self.layout), host_id=host_id()
         )
+        transports.set_handle_kind(handle, transport.kind)
         try:
-            if kind == "nixl":
-                handle.nixl.CopyFrom(await self._nixl_pool(request))
-            elif kind == "cuda_ipc":
-                handle.cuda_ipc = cuda_ipc.export_pool(self.engine.kv)
-                handle.device_uuid = cuda_ipc.device_uuid(self.engine.kv.data.device)
+            await transport.export(handle, peer)
         except Exception as e:  # noqa: BLE001 - reported to the peer
-            log.exception("exporting the KV pool for %s failed", kind)
+            log.exception("exporting the KV pool for %s failed", transport.kind)
             await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"{kind} KV transport unavailable: {e}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{transport.kind} KV transport unavailable: {e}",
             )
         self.peers.add(request.peer_id)
-        log.info("registered decode peer %s (transport %s)", request.peer_id, kind)
+        log.info("registered decode peer %s (%s)", request.peer_id, transport.describe())
         return stages_pb2.RegisterResponse(
             handle=handle, model=self.model_name, lease_key=self.lease_key
-        )
-
-    async def _nixl_pool(self, request) -> stages_pb2.NixlPool:
-        """This worker's pool as a NIXL peer sees it (the agent is created on first use) and the
-        decode agent's metadata loaded, so the two agents know each other."""
-        async with self._nixl_lock:
-            if self.nixl is None:
-                self.nixl = await asyncio.to_thread(NixlEndpoint, self.pool_id, self.engine.kv)
-                log.info(
-                    "NIXL agent %s registered the KV pool (%s)", self.pool_id, self.nixl.mem_type
-                )
-            if request.nixl_agent_metadata:
-                await asyncio.to_thread(
-                    self.nixl.add_peer, request.peer_id, request.nixl_agent_metadata
-                )
-        info = self.nixl.info
-        return stages_pb2.NixlPool(
-            agent_metadata=info.agent_metadata,
-            mem_type=info.mem_type,
-            device_id=info.device_id,
-            data_addr=info.data_addr,
-            scales_addr=info.scales_addr,
         )
 
     def refuse(self, reason: str) -> None:
@@ -265,7 +231,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
 
         def add(e: LLMEngine) -> None:
-            held = e.leases.owned_by(owner) + sum(1 for o in self.run_owner.values() if o == owner)
+            held = e.leases_owned_by(owner) + sum(1 for o in self.run_owner.values() if o == owner)
             if held >= self.max_leases_per_peer:
                 raise LeaseLimit(
                     f"this client holds {held} KV leases (max_leases_per_peer="
@@ -295,7 +261,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             self.run_owner.pop(rid, None)
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 lease_id = fut.result().lease_id
-                self.engine_loop.submit(lambda e: e.leases.release(lease_id))
+                self.engine_loop.submit(lambda e: e.release_lease(lease_id))
             else:
                 self.engine_loop.submit(lambda e: e.abort(rid))
             raise
@@ -341,13 +307,15 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 "KV handover of %s failed at the decode worker: %s", ids, request.transfer_error
             )
         n = await asyncio.wrap_future(
-            self.engine_loop.submit(lambda e: sum(e.leases.release_token(i) for i in ids))
+            self.engine_loop.submit(lambda e: sum(e.release_lease_token(i) for i in ids))
         )
         return stages_pb2.ReleaseResponse(released=n)
 
     async def _lease(self, token: str, context):
         """The live lease a peer's token names, or the call ends with NOT_FOUND."""
-        lease = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.leases.get(token)))
+        lease = await asyncio.wrap_future(
+            self.engine_loop.submit(lambda e: e.lease_by_token(token))
+        )
         if lease is None:
             self.refuse("unknown_lease")
             await context.abort(
@@ -360,26 +328,27 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
     async def FetchBlocks(self, request, context):
         lease = await self._lease(request.kv.lease_id, context)
         for i, b in enumerate(lease.blocks):
-            data = block_to_bytes(self.engine.kv, b)
+            data = self.inline.block_bytes(b)
             self.inline_bytes_sent += len(data)
             yield stages_pb2.BlockBytes(index=i, data=data)
 
     async def Stats(self, request, context):
         def snap(e: LLMEngine):
+            st = e.stats()
             return stages_pb2.WorkerStats(
-                running=e.num_running,
-                waiting=e.num_waiting,
-                used_blocks=e.pool.num_used,
-                total_blocks=e.pool.num_blocks,
-                leased_blocks=e.leases.num_blocks,
+                running=st.running,
+                waiting=st.waiting,
+                used_blocks=st.used_blocks,
+                total_blocks=st.total_blocks,
+                leased_blocks=st.leased_blocks,
                 inline_bytes_sent=self.inline_bytes_sent,
                 registered_peers=len(self.peers),
                 kv_transfer_failures=self.transfer_failures,
-                cached_free_blocks=e.pool.num_cached_free,
-                prefix_query_tokens=e.prefix_cache.query_tokens if e.prefix_cache else 0,
-                prefix_hit_tokens=e.prefix_cache.hit_tokens if e.prefix_cache else 0,
-                block_size=e.config.block_size,
-                leases=len(e.leases.leases),
+                cached_free_blocks=st.cached_free_blocks,
+                prefix_query_tokens=st.prefix_query_tokens,
+                prefix_hit_tokens=st.prefix_hit_tokens,
+                block_size=st.block_size,
+                leases=st.leases,
                 refusals=self.refusals,
             )
 
@@ -398,41 +367,15 @@ async def serve(
     """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
 
     With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth)."""
-    auth = server_interceptors(stage_secret)
-    server = grpc.aio.server(
-        interceptors=auth, options=[("grpc.max_receive_message_length", 64 << 20)]
-    )
-    service = PrefillService(config, lease_ttl_s, max_leases_per_peer)
-    count_refusals(auth, service.refuse)
-    stages_pb2_grpc.add_PrefillServicer_to_server(service, server)
-    health = await add_health(server, [SERVICE])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"prefill: cannot bind {host}:{port}")
-    await server.start()
-    try:
-        metrics = serve_metrics(service.obs.metrics.registry, host, metrics_port, "prefill")
-    except OSError:
-        await server.stop(None)
-        service.close()
-        raise
-    await set_serving(health, [SERVICE], True)
-    progress.report("ready")
-    log.info(
-        "prefill serving on %s:%d (model %s, pool %s)",
+    await run_worker(
+        "prefill",
+        SERVICE,
+        lambda: PrefillService(config, lease_ttl_s, max_leases_per_peer),
+        stages_pb2_grpc.add_PrefillServicer_to_server,
         host,
-        bound,
-        service.model_name,
-        service.pool_id,
+        port,
+        metrics_port,
+        stage_secret,
+        options=[("grpc.max_receive_message_length", 64 << 20)],
+        ready_message=lambda s, _: f"(model {s.model_name}, pool {s.pool_id})",
     )
-    try:
-        await server.wait_for_termination()
-    finally:
-        try:
-            # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
-            # (a shared-memory pool is unlinked there).
-            await server.stop(1.0)
-        finally:
-            service.close()
-            if metrics is not None:
-                metrics.close()

@@ -105,8 +105,8 @@ def int4_weights(target: LoadedModel) -> dict[str, Any]:
 
     A target that already holds quantized layers (a `tandem quantize` checkpoint) is used as is.
     """
-    from tandem.quant.cli import quantize_model
     from tandem.quant.format import QuantizedWeight
+    from tandem.quant.pipeline import quantize_model
     from tandem.quant.recipe import Recipe
 
     if any(isinstance(w, QuantizedWeight) for w in target.weights.values()):

@@ -21,11 +21,12 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.spec_decode import accept_draft_tokens
+from tandem.engine.stats import EngineStats
 from tandem.engine.validation import validate_request
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
 from tandem.kv.cache import KVCache
-from tandem.kv.lease import LeaseTable
+from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
@@ -171,7 +172,7 @@ class LLMEngine:
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
         """The layout `__init__` would give this worker's KV pool (to allocate it elsewhere)."""
-        from tandem.kv.transport import DTYPE_NAMES, PoolLayout
+        from tandem.kv.layout import DTYPE_NAMES, PoolLayout
 
         mc = loaded.config
         dtype = config.resolved_kv_dtype()
@@ -829,6 +830,55 @@ class LLMEngine:
                 }
             )
         return out
+
+    # ---- what services ask of the engine ------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (call it on the engine thread)."""
+        pc, pool, cfg = self.prefix_cache, self.pool, self.config
+        return EngineStats(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            used_blocks=pool.num_used,
+            total_blocks=pool.num_blocks,
+            cached_free_blocks=pool.num_cached_free,
+            leases=len(self.leases.leases),
+            leased_blocks=self.leases.num_blocks,
+            prefix_query_tokens=pc.query_tokens if pc else 0,
+            prefix_hit_tokens=pc.hit_tokens if pc else 0,
+            block_size=cfg.block_size,
+            max_sequences=cfg.max_num_seqs + cfg.max_queued_seqs,
+            max_seq_tokens=pool.num_blocks * cfg.block_size,
+        )
+
+    def lease(self, lease_id: str | None) -> Lease | None:
+        """The live lease of a prefilled request (by its id inside this process), or None."""
+        return self.leases.leases.get(lease_id) if lease_id else None
+
+    def lease_by_token(self, token: str) -> Lease | None:
+        """The live lease a peer's token names; None when unknown, released or expired."""
+        return self.leases.get(token)
+
+    def leases_owned_by(self, owner: str) -> int:
+        """Live leases counted against `owner` (a per-peer limit)."""
+        return self.leases.owned_by(owner)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Give a lease's blocks back (by its id inside this process); False when unknown."""
+        return self.leases.release(lease_id)
+
+    def release_lease_token(self, token: str) -> bool:
+        """Give back the lease a peer's token names; False when it names no live lease."""
+        return self.leases.release_token(token)
+
+    def withhold(self, request_id: str) -> bool:
+        """Forget a request without freeing its blocks: a transfer that could not be cancelled
+        may still write into them, so they stay out of circulation. False when unknown."""
+        return self.seqs.pop(request_id, None) is not None
+
+    @property
+    def kv_device(self) -> torch.device:
+        """Where this engine's KV pool lives."""
+        return self.kv.data.device
 
     @property
     def num_running(self) -> int:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from tandem.api_types import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kernels.argmax import argmax_rows
 
@@ -35,15 +35,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype)` on `device`, queued without a synchronization."""
     return to_device(torch.tensor(values, dtype=dtype), device)
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities reported for one sampled token (from the raw logits)."""
-
-    token_id: int
-    logprob: float  # log-probability of the sampled token
-    top: list[tuple[int, float]]  # the `logprobs` most likely (id, logprob), best first
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

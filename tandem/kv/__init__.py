@@ -1,5 +1,5 @@
-from tandem.kv.block_pool import BlockPool, OutOfBlocks
-from tandem.kv.block_table import BlockTable
-from tandem.kv.cache import KVCache
+"""KV cache: the pool tensor (cache.py), its blocks (block_pool.py, block_table.py), prefix
+sharing (prefix_cache.py), leases (lease.py) and the transports between workers (transports/).
 
-__all__ = ["BlockPool", "BlockTable", "KVCache", "OutOfBlocks"]
+Import the modules themselves: this package loads nothing, so that a process that only needs
+block hashes (the gateway's prefix index) does not load torch."""

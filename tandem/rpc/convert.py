@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
-from tandem.engine.sampler import TokenLogprobs
+from tandem.api_types import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
-from tandem.kv.transport import PoolLayout
 from tandem.rpc import api_pb2, stages_pb2
+
+if TYPE_CHECKING:
+    from tandem.kv.layout import PoolLayout  # loads torch: only the workers need it
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -115,6 +119,8 @@ def layout_to_proto(layout: PoolLayout) -> stages_pb2.PoolLayout:
 
 
 def layout_from_proto(m: stages_pb2.PoolLayout) -> PoolLayout:
+    from tandem.kv.layout import PoolLayout
+
     return PoolLayout(
         m.num_layers, m.num_blocks, m.block_size, m.kv_heads, m.head_dim, m.dtype, m.layout_version
     )

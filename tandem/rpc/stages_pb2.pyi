@@ -1,11 +1,25 @@
 from tandem.rpc import api_pb2 as _api_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTransport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSPORT_UNSPECIFIED: _ClassVar[KvTransport]
+    KV_TRANSPORT_CUDA_IPC: _ClassVar[KvTransport]
+    KV_TRANSPORT_SHM: _ClassVar[KvTransport]
+    KV_TRANSPORT_NIXL: _ClassVar[KvTransport]
+    KV_TRANSPORT_INLINE: _ClassVar[KvTransport]
+KV_TRANSPORT_UNSPECIFIED: KvTransport
+KV_TRANSPORT_CUDA_IPC: KvTransport
+KV_TRANSPORT_SHM: KvTransport
+KV_TRANSPORT_NIXL: KvTransport
+KV_TRANSPORT_INLINE: KvTransport
 
 class PoolLayout(_message.Message):
     __slots__ = ("num_layers", "num_blocks", "block_size", "kv_heads", "head_dim", "dtype", "layout_version")
@@ -26,7 +40,7 @@ class PoolLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., layout_version: _Optional[int] = ...) -> None: ...
 
 class PoolHandle(_message.Message):
-    __slots__ = ("kind", "pool_id", "layout", "shm_name", "cuda_ipc", "device_uuid", "host_id", "nixl")
+    __slots__ = ("kind", "pool_id", "layout", "shm_name", "cuda_ipc", "device_uuid", "host_id", "nixl", "transport")
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +49,7 @@ class PoolHandle(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     kind: str
     pool_id: str
     layout: PoolLayout
@@ -43,7 +58,8 @@ class PoolHandle(_message.Message):
     device_uuid: str
     host_id: str
     nixl: NixlPool
-    def __init__(self, kind: _Optional[str] = ..., pool_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ...) -> None: ...
+    transport: KvTransport
+    def __init__(self, kind: _Optional[str] = ..., pool_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., shm_name: _Optional[str] = ..., cuda_ipc: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., host_id: _Optional[str] = ..., nixl: _Optional[_Union[NixlPool, _Mapping]] = ..., transport: _Optional[_Union[KvTransport, str]] = ...) -> None: ...
 
 class NixlPool(_message.Message):
     __slots__ = ("agent_metadata", "mem_type", "device_id", "data_addr", "scales_addr")
@@ -76,7 +92,7 @@ class KvRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid")
+    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid", "accept")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_KINDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +100,7 @@ class RegisterRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     layout: PoolLayout
     accept_kinds: _containers.RepeatedScalarFieldContainer[str]
@@ -91,7 +108,8 @@ class RegisterRequest(_message.Message):
     model: str
     nixl_agent_metadata: bytes
     device_uuid: str
-    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    accept: _containers.RepeatedScalarFieldContainer[KvTransport]
+    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[KvTransport, str]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("handle", "model", "lease_key")

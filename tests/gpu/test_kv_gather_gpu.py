@@ -44,8 +44,8 @@ def test_gather_blocks_equals_indexing(dtype: torch.dtype, scattered: bool) -> N
 
 
 def test_gather_copy_quantized_pool_moves_data_and_scales() -> None:
+    from tandem.kv.block_copy import gather_copy
     from tandem.kv.cache import KVCache
-    from tandem.kv.transport import gather_copy
 
     g = torch.Generator(device="cuda").manual_seed(2)
     data = torch.randint(-128, 127, (2, 2, 30, 16, 8, 128), device="cuda", generator=g)
@@ -65,8 +65,8 @@ def test_gather_copy_quantized_pool_moves_data_and_scales() -> None:
 
 
 def test_gather_copy_fp8_pool() -> None:
+    from tandem.kv.block_copy import gather_copy
     from tandem.kv.cache import KVCache
-    from tandem.kv.transport import gather_copy
 
     fp8 = torch.float8_e4m3fn
     src = KVCache(_pool(2, 20, torch.float32, 3).to(fp8), torch.rand(2, 2, 20, 8, device="cuda"))

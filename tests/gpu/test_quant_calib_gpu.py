@@ -24,7 +24,7 @@ def test_block_wise_calibration_on_cuda_matches_cpu(model_factory, tmp_path) -> 
     autoround's signed-gradient steps turn last-bit differences of the sums into other roundings,
     so the comparison is the quantized model's KL to the float model on the calibration text."""
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, on_device, quantize_model
+    from tandem.quant.pipeline import calibration_batch, on_device, quantize_model
     from tandem.quant.recipe import Recipe
     from tandem.quant.weights import dequantize_weights
     from tests.test_e2e import _kl
@@ -53,8 +53,8 @@ def test_block_wise_calibration_on_cuda_matches_cpu(model_factory, tmp_path) -> 
 
 def test_sampling_and_e2e_on_cuda(model_factory, tmp_path) -> None:
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
     from tandem.quant.e2e import e2e_tune, sample_sequences
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
     from tandem.quant.weights import dequantize_weights
 
@@ -90,8 +90,8 @@ def test_e2e_cuda_graph_steps_equal_eager(model_factory, tmp_path) -> None:
     and the capture, with the cosine schedule setting the learning rates in place, and the same
     packed codes, scales and zero points at the end."""
     from tandem.model.loader import load_model
-    from tandem.quant.cli import calibration_batch, quantize_model
     from tandem.quant.e2e import e2e_tune
+    from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
     from tandem.quant.weights import dequantize_weights
 

@@ -1,21 +1,25 @@
-"""KV pool handles between processes of one GPU host: CUDA IPC of the pool allocation.
+"""The `cuda_ipc` KV transport: GPU pools of one host, mapped through CUDA IPC.
 
 The prefill worker exports its pool tensors once (torch's storage sharing, i.e.
 `cudaIpcGetMemHandle` of the allocation); a decode worker on the same host opens them once
-(`cudaIpcOpenMemHandle`) and afterwards gathers blocks with `gather_copy`: one indexed copy of
-the whole `[layers, 2, blocks, ...]` tensor, however many layers there are.
+(`cudaIpcOpenMemHandle`) and afterwards gathers blocks with `CudaIpcTransport.read_blocks`: one
+indexed copy of the whole `[layers, 2, blocks, ...]` tensor, however many layers there are.
 
 The handle is written as JSON (never pickled): it crosses a network boundary.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from typing import Any
 
 import torch
 
+from tandem.kv.block_copy import DeviceCopy, copy_blocks
 from tandem.kv.cache import KVCache
-from tandem.kv.transport import DTYPE_NAMES, DTYPES, LayoutMismatch, PoolLayout
+from tandem.kv.layout import DTYPE_NAMES, DTYPES, LayoutMismatch, PoolLayout
+from tandem.kv.transports.base import MappedPeerPool, PeerLink, PeerRequest, TransportKind
 
 FORMAT = 1
 
@@ -154,3 +158,49 @@ def open_pool(
             f"{layout.shape} {layout.dtype}"
         )
     return KVCache(data, scales)
+
+
+class CudaIpcTransport:
+    """CUDA IPC: the owner exports its GPU pool once; a reader on the same host maps it."""
+
+    kind = TransportKind.CUDA_IPC
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv  # this worker's pool
+        self.pool_device_type = kv.data.device.type
+
+    def unavailable(self, peer: PeerRequest) -> str | None:
+        if not peer.same_host:
+            return "prefill and decode are on different hosts"
+        if self.pool_device_type != "cuda":
+            return "the prefill KV pool is not on a GPU"
+        return None
+
+    async def export(self, handle: Any, peer: PeerRequest) -> None:
+        handle.cuda_ipc = export_pool(self.kv)
+        handle.device_uuid = device_uuid(self.kv.data.device)
+
+    def offer(self, request: Any) -> None:
+        request.device_uuid = device_uuid(self.kv.data.device)
+
+    async def open(self, link: PeerLink) -> MappedPeerPool:
+        h = link.handle
+        src = open_pool(h.cuda_ipc, link.layout, h.device_uuid, self.kv.data.device)
+        return MappedPeerPool(self.kind, self.kv, src, functools.partial(self.read_blocks, src))
+
+    def read_blocks(
+        self, peer: KVCache, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> DeviceCopy | None:
+        """Enqueue the copy of blocks of the peer's mapped pool into this worker's pool (one
+        kernel, no wait): the decode steps after it on the stream see the blocks, and the lease
+        is released once the returned copy has passed (the peer then reuses its blocks)."""
+        return copy_blocks(self.kv, dst_block_ids, peer, src_block_ids)
+
+    def describe(self) -> dict[str, str]:
+        return {
+            "tandem.kv.transport": self.kind.value,
+            "tandem.kv.device": device_uuid(self.kv.data.device),
+        }
+
+    def close(self) -> None:
+        pass

@@ -1,4 +1,4 @@
-"""KV handover between hosts through NIXL: one READ per request, straight into the pool.
+"""The `nixl` KV transport, between hosts: one NIXL READ per request, straight into the pool.
 
 Each worker process has one NIXL agent (UCX backend) with its KV pool registered once (DRAM on a
 CPU host, VRAM on a GPU host). At peer registration the agents' metadata travel over the gRPC
@@ -18,20 +18,31 @@ long runs (bench/nixl_read.py, bench/results/nixl_read_cpu.json).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
+from tandem.kv.block_copy import block_runs
 from tandem.kv.cache import KVCache
-from tandem.kv.transport import PoolLayout, block_runs
+from tandem.kv.layout import PoolLayout
+from tandem.kv.transports.base import (
+    PeerLink,
+    PeerRequest,
+    TransferError,
+    TransportKind,
+    handle_kind,
+)
 
 log = logging.getLogger("tandem.kv.nixl")
 
@@ -46,7 +57,7 @@ class NixlUnavailable(RuntimeError):
     """The NIXL Python package is not installed (or does not load)."""
 
 
-class NixlTransferError(RuntimeError):
+class NixlTransferError(TransferError):
     """A NIXL READ failed, timed out, or the peer is gone."""
 
 
@@ -161,7 +172,7 @@ def _run_descs(
 def _elt(layout: PoolLayout) -> int:
     import torch
 
-    from tandem.kv.transport import DTYPES
+    from tandem.kv.layout import DTYPES
 
     return torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
 
@@ -316,7 +327,12 @@ class NixlRead:
 
 
 class NixlPeerPool:
-    """A peer's KV pool; `read` copies blocks of it into ours with one READ."""
+    """A peer's KV pool; `read` copies blocks of it into ours with one READ. As a `PeerPool`,
+    it reads into blocks the engine reserved, off the engine thread."""
+
+    kind = TransportKind.NIXL
+    reads_into_reserved_blocks = True
+    timeout_s = 10.0  # how long `read_blocks` waits for a READ
 
     def __init__(
         self,
@@ -390,7 +406,111 @@ class NixlPeerPool:
             e.blocks_safe = r.settle(timeout_s)  # type: ignore[attr-defined]
             raise
 
+    async def fetch(self, kv_ref: Any) -> _NixlSource:
+        return _NixlSource(self)
+
     def close(self) -> None:
         name = self.endpoint.peers.pop(self.peer_id, None)
         if name is not None:
             self.endpoint._forget(name)
+
+
+@dataclass
+class _NixlSource:
+    """One request's blocks at a NIXL peer: `read_blocks` posts the READ and waits for it."""
+
+    pool: NixlPeerPool
+    blocks_moved: int = 0
+    pending: None = None  # the read is done when read_blocks returns
+
+    def read_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        self.pool.read(src_block_ids, dst_block_ids, self.pool.timeout_s)
+        self.blocks_moved += len(dst_block_ids)
+
+
+class NixlTransport:
+    """NIXL: each side's agent (created on first use) has its pool registered; the two agents
+    learn each other's metadata at registration, and the reader READs blocks by address."""
+
+    kind = TransportKind.NIXL
+
+    def __init__(
+        self,
+        kv: KVCache,
+        name: str,
+        timeout_s: float = 10.0,
+        missing: Callable[[], str | None] = nixl_missing_reason,
+    ) -> None:
+        self.kv = kv  # this worker's pool
+        self.name = name  # this worker's NIXL agent name
+        self.timeout_s = timeout_s
+        self.missing = missing
+        self.endpoint: NixlEndpoint | None = None
+        self._lock = asyncio.Lock()
+
+    async def _endpoint(self) -> NixlEndpoint:
+        """This worker's NIXL agent with its pool registered (created once, on first use)."""
+        async with self._lock:
+            if self.endpoint is None:
+                self.endpoint = await asyncio.to_thread(NixlEndpoint, self.name, self.kv)
+                log.info(
+                    "NIXL agent %s registered the KV pool (%s)", self.name, self.endpoint.mem_type
+                )
+            return self.endpoint
+
+    # ---- the pool's owner ------------------------------------------------------------------
+    def unavailable(self, peer: PeerRequest) -> str | None:
+        # Asked only when NIXL is the best remaining choice: a host that never needs it never
+        # loads it.
+        missing = self.missing()
+        return None if missing is None else f"not usable on the prefill worker: {missing}"
+
+    async def export(self, handle: Any, peer: PeerRequest) -> None:
+        """This worker's pool as a NIXL peer sees it, with the reader's agent metadata loaded
+        so the two agents know each other."""
+        ep = await self._endpoint()
+        if peer.nixl_agent_metadata:
+            await asyncio.to_thread(ep.add_peer, peer.peer_id, peer.nixl_agent_metadata)
+        info = ep.info
+        handle.nixl.agent_metadata = info.agent_metadata
+        handle.nixl.mem_type = info.mem_type
+        handle.nixl.device_id = info.device_id
+        handle.nixl.data_addr = info.data_addr
+        handle.nixl.scales_addr = info.scales_addr
+
+    # ---- the reader ------------------------------------------------------------------------
+    def offer(self, request: Any) -> None:
+        if self.endpoint is not None:
+            request.nixl_agent_metadata = self.endpoint.info.agent_metadata
+
+    async def open(self, link: PeerLink) -> NixlPeerPool:
+        if not link.request.nixl_agent_metadata:
+            # Our agent exists from now on: register again so that the owner's agent loads its
+            # metadata too (the two agents know each other, whichever side connects).
+            await self._endpoint()
+            h = await link.register_again()
+            if handle_kind(h) is not self.kind:
+                raise RuntimeError(
+                    f"prefill {link.address} changed transport to {handle_kind(h).value!r}"
+                )
+            link.handle = h
+        h = link.handle
+        info = NixlPoolInfo(
+            agent_metadata=h.nixl.agent_metadata,
+            mem_type=h.nixl.mem_type,
+            device_id=h.nixl.device_id,
+            data_addr=h.nixl.data_addr,
+            scales_addr=h.nixl.scales_addr,
+        )
+        assert self.endpoint is not None
+        pool = await asyncio.to_thread(self.endpoint.open_peer, h.pool_id, info, link.layout)
+        pool.timeout_s = self.timeout_s
+        return pool
+
+    def describe(self) -> dict[str, str]:
+        return {"tandem.kv.transport": self.kind.value, "tandem.kv.nixl_agent": self.name}
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

@@ -1,0 +1,277 @@
+"""How a sequence joins the decode worker: its KV handed over from a prefill worker, or prefilled here.
+
+An Admit naming a prefill worker goes through four steps, each a method below:
+1. `_verified_peer`: the registered peer (registering again when it restarted) and a check of
+   the lease's signature against the prompt: the peer, not the caller, says which blocks hold it;
+2. `_fetch`: the transport readies the blocks (the inline transport streams them, NIXL reads them
+   into blocks the engine reserved); a cancel meanwhile is noted, and honoured when it ends;
+3. `_join`: on the engine thread, the sequence joins (copying the blocks its prefix cache lacks,
+   or starting the reserved sequence);
+4. telemetry (`obs.admitted`), and the lease released whatever happened (with the failure, if
+   any, so the prefill worker counts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.decode.peers import PrefillPeer
+from tandem.engine.llm_engine import LLMEngine
+from tandem.kv.lease import check_lease
+from tandem.kv.transports import BlockSource, TransferError
+from tandem.rpc import stages_pb2
+from tandem.rpc.convert import sampling_from_proto, status_for
+from tandem.rpc.lease import release_until_acknowledged
+
+log = logging.getLogger("tandem.decode")
+
+
+@dataclass
+class _Request:
+    """One Admit, parsed."""
+
+    msg: stages_pb2.Admit
+    ids: list[int]
+    params: object
+    rng: torch.Tensor | None
+    t0: float
+
+    @property
+    def sid(self) -> str:
+        return self.msg.seq_id
+
+
+class AdmissionMixin:
+    """The admission half of `DecodeService` (services/decode/server.py holds its state)."""
+
+    async def admit(self, msg: stages_pb2.Admit, session) -> None:
+        rng = (
+            torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
+        )
+        ids = list(msg.prompt_token_ids)
+        req = _Request(msg, ids, sampling_from_proto(msg.sampling), rng, time.monotonic())
+        self.obs.begin(msg)
+        if msg.prefill_here:
+            await self._prefill_here(req, session)
+            return
+        sid = msg.seq_id
+        failure = ""
+        verified = False  # the caller proved it holds the lease: it is released whatever happens
+        source = None
+        try:
+            peer = await self._verified_peer(req)
+            verified = True
+            if session.closed:
+                return  # the gateway went away meanwhile (the lease is released below)
+            session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
+            self.owner[sid] = session
+            fetched = await self._fetch(peer, req, session)
+            if fetched is None:
+                return  # cancelled while its KV was on the way
+            source, reserved = fetched
+            joined = [0.0]
+            imported = await asyncio.wrap_future(
+                self.engine_loop.submit(
+                    lambda e: self._join(e, peer, source, reserved, req, joined)
+                )
+            )
+            kind = peer.kind.value if imported else "recompute"
+            ended = joined[0]
+            if source.pending is not None:  # a GPU copy: it ends when the device has run it
+                await source.pending.wait()
+                ended += source.pending.device_ms() / 1e3
+            self.obs.admitted(sid, req.t0, ended, kind, source.blocks_moved if imported else 0)
+            if imported:
+                self.imports_by_transport[kind] = self.imports_by_transport.get(kind, 0) + 1
+        except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
+            log.warning("admit %s failed: %s", sid, e)
+            failure = str(e) or type(e).__name__
+            if isinstance(e, TransferError):
+                self.transfer_failures += 1
+            self._refuse(sid, session, req.t0, e)
+        finally:
+            # The blocks were copied (or will be recomputed, or never will be: then `failure`
+            # tells the prefill side so): it may reuse them.
+            if verified:
+                if source is not None and source.pending is not None:
+                    await source.pending.wait()  # the peer's blocks stay put until it has run
+                asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+
+    async def _verified_peer(self, req: _Request) -> PrefillPeer:
+        """The prefill peer the Admit names, once its lease checks out against the prompt."""
+        msg = req.msg
+        peer = await self.peers.peer(msg.prefill_address)
+        if peer.pool_id != msg.kv.pool_id:
+            # The prefill worker restarted since we registered: register again.
+            self.peers.forget(msg.prefill_address)
+            peer = await self.peers.peer(msg.prefill_address)
+            if peer.pool_id != msg.kv.pool_id:
+                raise ValueError(
+                    f"KV reference names pool {msg.kv.pool_id!r}, unknown at its prefill worker"
+                )
+        kv = msg.kv
+        check_lease(
+            peer.lease_key,
+            kv.lease_signature,
+            kv.pool_id,
+            kv.lease_id,
+            kv.block_ids,
+            kv.num_tokens,
+            kv.expires_at,
+            req.ids,
+        )
+        return peer
+
+    async def _fetch(
+        self, peer: PrefillPeer, req: _Request, session
+    ) -> tuple[BlockSource, tuple[int, list[int]] | None] | None:
+        """Ready the blocks: (source, the blocks reserved and read when the transport reads into
+        reserved blocks). None when the sequence was cancelled meanwhile (then it is dropped)."""
+        sid = req.sid
+        self.importing[sid] = None
+        reserved = None
+        try:
+            source = await peer.pool.fetch(req.msg.kv)
+            if peer.pool.reads_into_reserved_blocks:
+                reserved = await self._read_reserved(source, req)
+        finally:
+            cancelled = self.importing.pop(sid, None)
+        if cancelled is None:
+            return source, reserved
+        # Cancelled while its KV was on the way: drop it (and the blocks it reserved).
+        await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
+        session.seqs.discard(sid)
+        self.owner.pop(sid, None)
+        self.obs.finished(sid, "abort")
+        if cancelled:
+            session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
+        return None
+
+    async def _read_reserved(
+        self, source: BlockSource, req: _Request
+    ) -> tuple[int, list[int]] | None:
+        """Reserve the sequence's blocks, then fill those its prefix cache lacks with one read
+        waited for off the engine thread (the running sequences keep decoding). None when this
+        pool has no room: the sequence is then queued and recomputed here, nothing is read."""
+        sid, msg = req.sid, req.msg
+        peer_blocks = list(msg.kv.block_ids)
+
+        def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
+            got = e.reserve_prefilled(
+                req.ids, msg.first_token, req.params, sid, req.rng, peer_blocks, tenant=msg.tenant
+            )
+            if got is None:
+                self.transfer[sid] = ((time.monotonic() - req.t0) * 1e3, "recompute")
+            return got
+
+        got = await asyncio.wrap_future(self.engine_loop.submit(reserve))
+        if got is None:
+            return None
+        first, blocks = got
+        src = peer_blocks[first : first + len(blocks)]
+        try:
+            await asyncio.to_thread(source.read_blocks, src, blocks)
+        except BaseException as e:
+            if getattr(e, "blocks_safe", True):
+                await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.abort(sid)))
+            else:
+                # The read could not be cancelled: it may still write into these blocks, so
+                # they stay out of circulation rather than corrupt another sequence's KV.
+                log.error(
+                    "a KV read could not be cancelled; %d KV blocks are withheld", len(blocks)
+                )
+                await asyncio.wrap_future(self.engine_loop.submit(lambda en: en.withhold(sid)))
+            raise
+        return got
+
+    def _join(
+        self,
+        e: LLMEngine,
+        peer: PrefillPeer,
+        source: BlockSource,
+        reserved: tuple[int, list[int]] | None,
+        req: _Request,
+        joined: list[float],
+    ) -> bool:
+        """On the engine thread: the sequence joins the batch with its KV, or is recomputed."""
+        sid, msg = req.sid, req.msg
+        src_blocks = list(msg.kv.block_ids)
+        if peer.pool.reads_into_reserved_blocks:
+            imported = reserved is not None and e.start_prefilled(sid)
+        else:
+
+            def copy_in(dst_blocks: list[int], first: int = 0) -> None:
+                # dst_blocks[j] receives the prompt's block first + j.
+                source.read_blocks(src_blocks[first : first + len(dst_blocks)], dst_blocks)
+
+            _, imported = e.admit_prefilled(
+                req.ids, msg.first_token, req.params, sid, copy_in, req.rng, tenant=msg.tenant
+            )
+        # Noted on the engine thread, before a step can finish the sequence and report its
+        # transfer (a short sequence can finish before the admission resumes), and before a step
+        # can start it (the time its KV handover ended).
+        joined[0] = time.monotonic()
+        kind = peer.kind.value if imported else "recompute"
+        self.transfer[sid] = ((joined[0] - req.t0) * 1e3, kind)
+        if imported and source.pending is not None:
+            self.copies[sid] = source.pending  # its device time completes the handover's
+        return imported
+
+    async def _release(self, address: str, lease_id: str, failure: str = "") -> None:
+        p = self.peers.get(address)
+        if p is None or not lease_id:
+            return
+        req = stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure)
+        await release_until_acknowledged(p.stub, req, f"prefill {address}")
+
+    def _refuse(self, sid: str, session, t0: float, e: Exception) -> None:
+        """End a sequence whose admission failed, telling the gateway why (and how: its code)."""
+        code = status_for(e)
+        self.refuse(code.name.lower())
+        self.obs.admit_failed(sid, t0, e)
+        session.seqs.discard(sid)
+        self.owner.pop(sid, None)
+        session.out.put_nowait(
+            stages_pb2.DecodeOut(
+                finished=[
+                    stages_pb2.SeqFinished(
+                        seq_id=sid,
+                        finish_reason="error",
+                        error=f"decode admit: {e}",
+                        error_code=code.name,
+                    )
+                ]
+            )
+        )
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
+
+    async def _prefill_here(self, req: _Request, session) -> None:
+        """Conditional disaggregation: this worker prefills the prompt itself (no KV transfer),
+        computing only what its prefix cache lacks, in chunks mixed with its decodes."""
+        sid = req.sid
+        if session.closed:
+            return
+        session.seqs.add(sid)
+        self.owner[sid] = session
+        try:
+            await asyncio.wrap_future(
+                self.engine_loop.submit(
+                    lambda e: e.add_request(req.ids, req.params, sid, tenant=req.msg.tenant)
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
+            log.warning("admit %s (prefill here) failed: %s", sid, e)
+            self._refuse(sid, session, req.t0, e)
+            return
+        self.local_prefills += 1
+        self.transfer[sid] = (0.0, "none")
+        self.obs.prefill_here(sid, req.t0)

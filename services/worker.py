@@ -1,0 +1,72 @@
+"""Running a worker stage (prefill, decode) as a gRPC server: the start-up and shut-down they share.
+
+A worker's service object offers `refuse(reason)` (counts refused calls), `obs.metrics.registry`
+(its Prometheus metrics) and `close()` (stops its engine, frees its pool). `run_worker` builds
+the server with the stage-secret interceptors, health and metrics, runs the stage's own steps
+before it reports SERVING, and closes everything however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from tandem import progress
+from tandem.metrics import serve_metrics
+from tandem.rpc.auth import count_refusals, server_interceptors
+from tandem.rpc.health import add_health, set_serving
+
+
+async def run_worker(
+    stage: str,
+    service_name: str,
+    make_service: Callable[[], Any],
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    stage_secret: bytes | None,
+    *,
+    options: list[tuple[str, Any]] | None = None,
+    before_serving: Callable[[Any], Awaitable[None]] | None = None,
+    ready_message: Callable[[Any, int], str] = lambda service, bound: "",
+) -> None:
+    """Serve `make_service()` until cancelled.
+
+    With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth).
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint). `before_serving`
+    runs after the server started and before health says SERVING; if it fails, the worker stops.
+    """
+    auth = server_interceptors(stage_secret)
+    server = grpc.aio.server(interceptors=auth, options=options)
+    service = make_service()
+    metrics = None
+    try:
+        count_refusals(auth, service.refuse)
+        add_servicer(service, server)
+        health = await add_health(server, [service_name])
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"{stage}: cannot bind {host}:{port}")
+        await server.start()
+        metrics = serve_metrics(service.obs.metrics.registry, host, metrics_port, stage)
+        if before_serving is not None:
+            await before_serving(service)
+        await set_serving(health, [service_name], True)
+        progress.report("ready")
+        logging.getLogger(f"tandem.{stage}").info(
+            "%s serving on %s:%d %s", stage, host, bound, ready_message(service, bound)
+        )
+        await server.wait_for_termination()
+    finally:
+        try:
+            # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
+            # (a shared-memory pool is unlinked there).
+            await server.stop(1.0)
+        finally:
+            service.close()
+            if metrics is not None:
+                metrics.close()

@@ -1,0 +1,115 @@
+"""Copying KV blocks between two pools mapped into one process: runs and gathers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.kernels.kv_gather import gather_blocks
+from tandem.kv.cache import KVCache
+from tandem.kv.layout import LayoutMismatch
+from tandem.quant.kv import is_quantized_kv
+
+
+def block_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copying block src[i] into dst[i] for every i, as runs: (src starts, dst starts, lengths),
+    each run a stretch of blocks adjacent in both pools, ordered by source block."""
+    s = np.asarray(src, dtype=np.int64)
+    d = np.asarray(dst, dtype=np.int64)
+    if s.size == 0:
+        return s, d, s
+    order = np.argsort(s, kind="stable")
+    s, d = s[order], d[order]
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [s.size])))
+    return s[starts], d[starts], lengths
+
+
+def gather_copy(dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: list[int]) -> None:
+    """Copy blocks of every layer, k and v, from one pool to another (enqueued on the current
+    stream on CUDA, without waiting for it).
+
+    On a GPU this is one kernel launch for all layers and blocks (`tandem.kernels.kv_gather`),
+    plus one for a quantized pool's scales. Elsewhere, blocks adjacent in both pools (a
+    sequence's blocks usually are) go as one strided slice copy per run, straight from pool to
+    pool; scattered blocks as one indexed gather into a temporary and one indexed scatter."""
+    if len(dst_blocks) != len(src_blocks):
+        raise ValueError(f"copying {len(src_blocks)} blocks into {len(dst_blocks)}")
+    if (src.scales is None) != (dst.scales is None):
+        raise LayoutMismatch("copying blocks between a quantized and an unquantized KV pool")
+    pairs = [(src.data, dst.data)]
+    if src.scales is not None and dst.scales is not None:
+        pairs.append((src.scales, dst.scales))
+    if dst.data.is_cuda and src.data.device == dst.data.device:
+        # From pageable memory: the driver stages it at once, without waiting for the stream.
+        ids = torch.from_numpy(np.array([src_blocks, dst_blocks], dtype=np.int32))
+        ids = ids.to(dst.data.device, non_blocking=True)
+        for a, b in pairs:
+            gather_blocks(b, ids[1], a, ids[0])
+        return
+    if is_quantized_kv(dst.data.dtype):
+        # Byte views: index_copy_ is not implemented for float8 on every device.
+        pairs[0] = (src.data.view(torch.uint8), dst.data.view(torch.uint8))
+    s0, d0, lengths = block_runs(src_blocks, dst_blocks)
+    if len(lengths) <= max(4, len(src_blocks) // 8):
+        for s, d, n in zip(s0.tolist(), d0.tolist(), lengths.tolist(), strict=True):
+            for a, b in pairs:
+                b[:, :, d : d + n].copy_(a[:, :, s : s + n], non_blocking=True)
+        return
+    si = torch.tensor(src_blocks, dtype=torch.long, device=src.data.device)
+    di = torch.tensor(dst_blocks, dtype=torch.long, device=dst.data.device)
+    for a, b in pairs:
+        b.index_copy_(2, di, a.index_select(2, si).to(b.device, non_blocking=True))
+
+
+def copy_blocks_and_wait(
+    dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: list[int]
+) -> None:
+    """`gather_copy`, returning once the copy is done: the peer may reuse its blocks as soon as
+    the lease on them is released."""
+    gather_copy(dst, dst_blocks, src, src_blocks)
+    if dst.data.is_cuda:
+        torch.cuda.current_stream(dst.data.device).synchronize()
+
+
+@dataclass
+class DeviceCopy:
+    """A copy enqueued on a GPU stream, between two timing events. Work enqueued after it on
+    that stream (the decode steps) sees the copied blocks; the host learns that it has run
+    (so the peer may reuse its blocks) from `passed` or `wait`."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+    def passed(self) -> bool:
+        return self.end.query()
+
+    async def wait(self) -> None:
+        """Until the device has run the copy, polled from the event loop: a thread blocked in
+        cudaEventSynchronize spins on a core, and many admissions at once would starve the
+        engine thread."""
+        while not self.end.query():
+            await asyncio.sleep(2e-4)
+
+    def device_ms(self) -> float:
+        """The copy's time on the device (once it has passed)."""
+        return self.start.elapsed_time(self.end)
+
+
+def copy_blocks(
+    dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: list[int]
+) -> DeviceCopy | None:
+    """`gather_copy`. On a GPU it is only enqueued, without a host synchronisation: the returned
+    `DeviceCopy` says when it has run. Elsewhere it is done on return (None)."""
+    if not dst.data.is_cuda:
+        gather_copy(dst, dst_blocks, src, src_blocks)
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    gather_copy(dst, dst_blocks, src, src_blocks)
+    end.record()
+    return DeviceCopy(start, end)

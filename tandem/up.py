@@ -1,0 +1,505 @@
+"""`tandem up`: every stage on this host as child processes, shown while they start, supervised.
+
+The stages run as `python -m services.<stage>` (tandem/ never imports services/); each setting is
+checked before anything starts, and a stage that exits is restarted (`--restart`) or stops the
+rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from tandem.chat import cmd_chat
+from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
+from tandem.progress import LOGGER as PROGRESS_LOGGER
+
+STAGES = ("prefill", "decode", "gateway", "draft")
+
+
+def exec_stage(stage: str, argv: list[str]) -> None:
+    """Replace this process with the stage `stage` (its own command line `argv`)."""
+    # Stages live in services/; tandem/ never imports them, it runs them as modules.
+    os.execv(sys.executable, [sys.executable, "-m", f"services.{stage}", *argv])
+
+
+# Flags of `tandem up` that go to one stage only, beside the engine settings every stage takes and
+# the gateway's own (GatewayConfig). Each is declared once, in the stage parsers (config.py).
+STAGE_FLAGS = {
+    "prefill": ["--lease-ttl", "--max-leases-per-peer"],
+    "decode": [
+        "--prefill-wait",
+        "--kv-transfer-timeout",
+        "--spec-k-min",
+        "--spec-k-max",
+        "--draft-timeout-ms",
+    ],
+    "draft": ["--draft-blocks"],
+}
+
+
+@dataclass
+class Child:
+    stage: str
+    proc: subprocess.Popen
+    log_path: str
+    cmd: list[str]
+    failures: int = 0
+    started: float = 0.0
+    ready: bool = False
+    _offset: int = 0
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def progress(self) -> list[str]:
+        """The progress lines the stage logged since the last call (tandem/progress.py)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(self._offset)
+                text = f.read()
+        except OSError:
+            return []
+        # Only whole lines: a line still being written is read next time.
+        cut = text.rfind("\n") + 1
+        self._offset += len(text[:cut].encode(errors="replace"))
+        marker = f" {PROGRESS_LOGGER}: "
+        return [ln.split(marker, 1)[1] for ln in text[:cut].splitlines() if marker in ln]
+
+
+def _die_with_parent() -> None:
+    # A stage must not outlive `tandem up`, even when `tandem up` is killed with SIGKILL.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _spawn(
+    cmd: list[str], log_path: str, secret: str | None, append: bool = False
+) -> subprocess.Popen:
+    logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
+    env = _stage_env(cmd[2].removeprefix("services."))  # cmd: python -m services.<stage> ...
+    if secret is not None:
+        env["TANDEM_STAGE_SECRET"] = secret  # in the environment: a command line is public
+    return subprocess.Popen(
+        cmd,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+        preexec_fn=_die_with_parent,
+    )
+
+
+def _wait_ready(children: list[Child], timeout: float, t0: float) -> None:
+    """Show each stage's progress until every one reports `ready`; fail at a death or timeout."""
+    deadline = time.monotonic() + timeout
+    width = max(len(c.stage) for c in children)
+    while True:
+        for c in children:
+            for line in c.progress():
+                print(f"  [{time.monotonic() - t0:5.1f}s] {c.stage:<{width}}  {line}", flush=True)
+                if line == "ready":
+                    c.ready = True
+            if c.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{c.stage} exited with code {c.proc.returncode} during start-up; "
+                    f"last lines of {c.log_path}:\n{c.tail()}"
+                )
+        if all(c.ready for c in children):
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(c.stage for c in children if not c.ready)
+            raise RuntimeError(
+                f"timed out after {timeout:.0f}s (--start-timeout) waiting for {names}; "
+                f"logs in {os.path.dirname(children[0].log_path)}"
+            )
+        time.sleep(0.1)
+
+
+def _stop(children: list[Child]) -> None:
+    """Stop the stages front to back (gateway, then decode, then the rest), so that none sees
+    a peer vanish while it still serves."""
+    order = {"gateway": 0, "decode": 1}
+    for c in sorted(children, key=lambda c: order.get(c.stage, 2)):
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+            try:
+                c.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def _stage_env(stage: str) -> dict[str, str]:
+    """The environment of a stage: one OTEL_SERVICE_NAME per process (`<name>-<stage>`)."""
+    env = dict(os.environ)
+    name = env.get("OTEL_SERVICE_NAME")
+    if name:
+        env["OTEL_SERVICE_NAME"] = f"{name}-{stage}"
+    return env
+
+
+def add_up_args(up: argparse.ArgumentParser) -> None:
+    """`tandem up`'s own flags, then the settings it passes to the stages, grouped."""
+    from tandem.config import add_engine_args, add_gateway_args, add_stage_auth_args, stage_parser
+
+    up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gateway binds: its gRPC, HTTP and /metrics ports (default %(default)s)",
+    )
+    up.add_argument(
+        "--stage-host",
+        default="127.0.0.1",
+        help="address the prefill, decode and draft workers bind (default %(default)s: only "
+        "this host reaches them, whatever --host says)",
+    )
+    up.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_GATEWAY_PORT,
+        help="gateway gRPC port (default %(default)s)",
+    )
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"OpenAI HTTP port (default {DEFAULT_HTTP_PORT} with the default --port, else "
+        "port+3; -1: none)",
+    )
+    for st in ("prefill", "decode", "draft"):
+        up.add_argument(
+            f"--{st}-device",
+            default=None,
+            help=f"the {st} worker's device, e.g. cuda:1 (default: --device, for every stage)",
+        )
+    up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
+    up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="gateway Prometheus /metrics port (default: port+1000; -1: no stage serves metrics)",
+    )
+    up.add_argument(
+        "--prefill-metrics-port", type=int, default=None, help="default: prefill-port+1000"
+    )
+    up.add_argument(
+        "--decode-metrics-port", type=int, default=None, help="default: decode-port+1000"
+    )
+    up.add_argument(
+        "--kv-transport",
+        choices=["auto", "cuda_ipc", "shm", "nixl", "inline"],
+        default="auto",
+        help="how KV moves from prefill to decode (auto: CUDA IPC or shared memory on one host, "
+        "NIXL between hosts)",
+    )
+    up.add_argument(
+        "--draft",
+        default=None,
+        help="speculative decoding with a draft worker: ngram, self:N, self-int4, "
+        "self-int4:DIR or a model path",
+    )
+    up.add_argument("--draft-port", type=int, default=None, help="default: port+4")
+    up.add_argument("--spec-k", type=int, default=None, help="fixed speculation length")
+    up.add_argument(
+        "--log-dir", default=None, help="where the stage logs go (default: a new temporary folder)"
+    )
+    up.add_argument(
+        "--log-level",
+        default=None,
+        help="log level of every stage (default INFO, or TANDEM_LOG_LEVEL)",
+    )
+    up.add_argument(
+        "--restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart a stage that dies, with exponential backoff (1 s doubling to 30 s) while "
+        "the others keep serving (default on; --no-restart: stop everything instead)",
+    )
+    up.add_argument(
+        "--start-timeout", type=float, default=600.0, help="seconds (default %(default)s)"
+    )
+    up.add_argument(
+        "--then-chat",
+        default=None,
+        metavar="MESSAGE",
+        help="once ready, stream one chat reply to MESSAGE, then keep serving",
+    )
+    add_engine_args(
+        up.add_argument_group("engine settings, for every stage (or TANDEM_<NAME> variables)"),
+        skip=("model",),
+    )
+    add_gateway_args(up.add_argument_group("gateway settings (or TANDEM_<NAME> variables)"))
+    add_stage_auth_args(
+        up.add_argument_group(
+            "stage credential (default: a fresh random secret at every start, or "
+            "TANDEM_STAGE_SECRET)"
+        )
+    )
+    for stage, flags in STAGE_FLAGS.items():
+        group = up.add_argument_group(f"{stage} worker settings")
+        for action in stage_parser(stage)._actions:
+            if action.option_strings and action.option_strings[0] in flags:
+                group._add_action(action)
+
+
+def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The flags each stage gets from `tandem up`'s parsed settings (only those given)."""
+    from dataclasses import fields
+
+    from tandem.config import EngineConfig, GatewayConfig
+
+    def flag(name: str, value) -> list[str]:
+        return ["--" + name.replace("_", "-"), str(value)]
+
+    common: list[str] = []
+    for f in fields(EngineConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            common += flag(f.name, v)
+    if args.log_level is not None:
+        common += ["--log-level", args.log_level]
+    out = {st: list(common) for st in STAGES}
+    for f in fields(GatewayConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            out["gateway"] += flag(f.name, v)
+    for stage, flags in STAGE_FLAGS.items():
+        for fl in flags:
+            v = getattr(args, fl[2:].replace("-", "_"), None)
+            if v is not None:
+                out[stage] += [fl, str(v)]
+    return out
+
+
+def _stage_secret(args: argparse.Namespace) -> str:
+    """The secret every stage requires and sends: the one given (TANDEM_STAGE_SECRET or
+    --stage-secret-file), else a fresh random one, so that no stage port is ever open."""
+    import secrets
+
+    from tandem.config import stage_secret_from_args
+
+    given = stage_secret_from_args(args)
+    return given.decode() if given is not None else secrets.token_urlsafe(32)
+
+
+def _dial(host: str) -> str:
+    """The address to connect to a server bound to `host` from this host."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
+    """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
+    from tandem.config import (
+        engine_config_from_args,
+        gateway_config_from_args,
+        stage_secret_from_args,
+    )
+
+    if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
+        return f"--model {args.model}: no such file or directory"
+    try:
+        engine_config_from_args(args)
+        gateway_config_from_args(args)
+        stage_secret_from_args(args)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    import socket
+
+    for host, port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                return (
+                    f"cannot listen on {host}:{port} ({e.strerror}); is another Tandem "
+                    "running? choose another --port"
+                )
+    return None
+
+
+def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    t0 = time.monotonic()
+    host = args.host
+    port = args.port
+    http_port = args.http_port
+    if http_port is None:
+        http_port = DEFAULT_HTTP_PORT if port == DEFAULT_GATEWAY_PORT else port + 3
+    prefill_port = args.prefill_port or port + 1
+    decode_port = args.decode_port or port + 2
+    draft_port = args.draft_port or port + 4
+    # Prometheus /metrics of each stage: its gRPC port + 1000 unless given; -1 turns all off.
+    metrics_ports = {
+        "gateway": args.metrics_port if args.metrics_port is not None else port + 1000,
+        "prefill": args.prefill_metrics_port or prefill_port + 1000,
+        "decode": args.decode_metrics_port or decode_port + 1000,
+        "draft": draft_port + 1000,
+    }
+    if args.metrics_port is not None and args.metrics_port < 0:
+        metrics_ports = dict.fromkeys(metrics_ports, -1)
+    stages = ["draft"] if args.draft else []
+    stages += ["prefill", "decode", "gateway"]
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
+    os.makedirs(log_dir, exist_ok=True)
+    print(f"Starting Tandem: {', '.join(stages)} (logs in {log_dir})", flush=True)
+    grpc_ports = {"prefill": prefill_port, "decode": decode_port, "gateway": port}
+    grpc_ports["draft"] = draft_port
+    binds = {s: args.host if s == "gateway" else args.stage_host for s in STAGES}
+    ports = [(binds[s], grpc_ports[s]) for s in stages]
+    ports += [(binds[s], p) for s, p in metrics_ports.items() if s in stages and p >= 0]
+    if http_port >= 0:
+        ports.append((host, http_port))
+    problem = _validate_up(args, ports)
+    if problem:
+        parser.error(problem)
+    argv = _stage_argv(args)
+    secret = _stage_secret(args)
+    stage_host = _dial(args.stage_host)
+    prefill_addr = f"{stage_host}:{prefill_port}"
+    decode_addr = f"{stage_host}:{decode_port}"
+    draft_addr = f"{stage_host}:{draft_port}"
+    argv["prefill"] += ["--port", str(prefill_port)]
+    argv["decode"] += [
+        "--port",
+        str(decode_port),
+        "--prefill",
+        prefill_addr,
+        "--kv-transport",
+        args.kv_transport,
+    ]
+    argv["gateway"] += [
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+        "--prefill",
+        prefill_addr,
+        "--decode",
+        decode_addr,
+    ]
+    if args.draft:
+        argv["draft"] += ["--port", str(draft_port), "--draft", args.draft]
+        argv["decode"] += ["--draft", draft_addr]
+        argv["gateway"] += ["--draft", draft_addr]
+        if args.spec_k is not None:
+            argv["decode"] += ["--spec-k", str(args.spec_k)]
+    children: list[Child] = []
+    for stage in stages:
+        extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_ports[stage])]
+        if args.model:
+            extra += ["--model", args.model]
+        # Per-stage devices (prefill and decode on separate GPUs): the last --device on a
+        # command line wins, so these follow the shared flags.
+        dev = getattr(args, f"{stage}_device", None)
+        if dev:
+            extra += ["--device", dev]
+        cmd = [sys.executable, "-m", f"services.{stage}", *extra]
+        children.append(Child(stage, None, os.path.join(log_dir, f"{stage}.log"), cmd))  # type: ignore[arg-type]
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    # SIGINT too: a process started in the background of a script inherits SIGINT ignored, and
+    # Python then leaves it ignored; Ctrl-C or `kill -INT` must still stop every stage.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        width = max(len(c.stage) for c in children)
+        for c in children:
+            c.proc = _spawn(c.cmd, c.log_path, secret)
+            c.started = time.monotonic()
+            print(
+                f"  [{c.started - t0:5.1f}s] {c.stage:<{width}}  starting (pid {c.proc.pid})",
+                flush=True,
+            )
+        _wait_ready(children, args.start_timeout, t0)
+        print(f"Tandem is up in {time.monotonic() - t0:.1f}s (logs in {log_dir})", flush=True)
+        scheme = "https" if args.tls_cert else "http"
+        tls = ", TLS" if args.tls_cert else ""
+        print(
+            f"  gateway gRPC  {host}:{port}   (tandem.v1.Gateway; reflection on{tls})", flush=True
+        )
+        if http_port >= 0:
+            print(f"  OpenAI HTTP   {scheme}://{host}:{http_port}/v1", flush=True)
+        print(f"  prefill       {prefill_addr}", flush=True)
+        print(f"  decode        {decode_addr}", flush=True)
+        if args.draft:
+            print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
+        if metrics_ports["gateway"] >= 0:
+            urls = "  ".join(
+                f"{s}=http://{host if s == 'gateway' else stage_host}:{metrics_ports[s]}/metrics"
+                for s in ("gateway", "prefill", "decode")
+            )
+            print(f"  metrics       {urls}", flush=True)
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
+        if endpoint:
+            print(f"  traces        OTLP/gRPC to {endpoint}", flush=True)
+        if args.then_chat:
+            rc = cmd_chat(
+                argparse.Namespace(
+                    message=args.then_chat,
+                    address=f"{_dial(host)}:{port}",
+                    port=None,
+                    tls_ca=args.tls_cert,
+                    max_tokens=128,
+                    temperature=0.0,
+                    system=None,
+                    seed=None,
+                ),
+            )
+            if rc != 0:
+                return rc
+            print("Still serving; Ctrl-C stops every stage.", flush=True)
+        return _supervise(children, args.restart, secret)
+    except KeyboardInterrupt:
+        print("stopping...", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"tandem up: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        _stop([c for c in children if c.proc is not None])
+
+
+def _supervise(children: list[Child], restart: bool, secret: str | None) -> int:
+    """Watch the stages while they serve: a stage that dies is restarted (the others keep
+    serving) or, with --no-restart, stops `tandem up`."""
+    while True:
+        for c in children:
+            c.progress()  # keep the read position at the end of the log
+            if c.proc.poll() is None:
+                if c.failures and time.monotonic() - c.started > 60:
+                    c.failures = 0  # it stayed up: the next crash starts the backoff again
+                continue
+            print(
+                f"tandem up: {c.stage} (pid {c.proc.pid}) exited with code {c.proc.returncode}; "
+                f"last lines of {c.log_path}:\n{c.tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if not restart:
+                return 1
+            delay = min(30.0, 2.0**c.failures)
+            c.failures += 1
+            print(f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            c.proc = _spawn(c.cmd, c.log_path, secret, append=True)
+            c.started = time.monotonic()
+        time.sleep(0.5)

@@ -640,7 +640,7 @@ class LLMEngine:
         `prev` before its masks exist: the forward is enqueued first, `prev` is read while the
         device runs it, the masks are filled, and only the sampling waits for them.
         """
-        collects = prev is not None
+        started, collects = time.perf_counter(), prev is not None
         rows: list[int] = []
         prev_rows: list[int] = []
         for j, (seq, _) in enumerate(items):
@@ -694,7 +694,9 @@ class LLMEngine:
         )
         if prev is not None:
             outs = self._collect(prev)
-        if collects:  # `prev` was seen to end while this step was queued behind it
+        if event is None:  # a CPU step ran within this call: its time is the call's
+            self._read = (kv_tokens, time.perf_counter() - started)
+        elif collects:  # `prev` was seen to end while this step was queued behind it
             step.queued_at = self._collected_at
         return step, outs
 

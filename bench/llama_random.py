@@ -100,22 +100,9 @@ def captured(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
 
 def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
     """Device-to-device copy bandwidth, (bytes read + bytes written) / time; median of reps."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _ in range(5):
-        dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    times.sort()
-    return 2 * nbytes / times[len(times) // 2]
+    from tandem.engine.roofline import copy_bandwidth as measure
+
+    return measure(nbytes, reps)
 
 
 def build_hf_model(shape: dict[str, Any], device: str, dtype: torch.dtype):
@@ -162,23 +149,15 @@ def tandem_engine(hf_model, tokenizer: Any = None, **engine_options: Any):
 
 def weight_bytes_per_step(engine) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head."""
-    m = engine.model
+    from tandem.engine.roofline import weight_bytes
 
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes
-
-    total = nbytes(m.norm) + nbytes(m.lm_head)
-    for lw in m.layers:
-        total += sum(nbytes(t) for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm))
-        total += nbytes(lw.gate_up) + nbytes(lw.down)
-        if lw.qkv_bias is not None:
-            total += nbytes(lw.qkv_bias)
-    return total
+    return weight_bytes(engine.model)
 
 
 def kv_bytes_per_token(engine) -> int:
-    kv = engine.kv
-    return kv.num_layers * 2 * kv.data.shape[4] * kv.data.shape[5] * kv.data.element_size()
+    from tandem.engine.roofline import kv_bytes_per_token as per_token
+
+    return per_token(engine.kv)
 
 
 @dataclass

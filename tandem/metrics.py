@@ -2,7 +2,10 @@
 
 Every process has its own registry. Request latencies are observed once per request; engine
 state (running and waiting sequences, KV cache usage, preemptions) is read when scraped, so the
-engine thread pays nothing for it. The names are listed in the README ("Observability").
+engine thread pays nothing for it. A worker on a GPU also exports the GPU's own gauges (NVML,
+read when scraped) and, on the decode worker, how close each decode step came to the memory
+roofline; on a CPU these series do not exist. The names are listed in the README
+("Observability").
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 60, 120, 240, 480)
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 BYTES_BUCKETS = tuple(float(4**i) for i in range(6, 17))  # 4 KiB .. 4 GiB
+ROOFLINE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1)
 
 
 def new_registry() -> CollectorRegistry:
@@ -147,6 +151,74 @@ class _CallbackCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         yield from self.read()
+
+
+class _GpuCollector(Collector):
+    """The GPU's own gauges (`tandem.nvml.GpuGauges`), read when `/metrics` is scraped."""
+
+    def __init__(self, gpu: Any) -> None:
+        self.gpu = gpu
+
+    def collect(self) -> Iterator[Any]:
+        g = self.gpu
+        s = g.read()
+        info = GaugeMetricFamily(
+            "tandem_gpu_info", "The GPU this worker runs on (value 1).", labels=["name", "uuid"]
+        )
+        info.add_metric([g.name, g.uuid], 1)
+        yield info
+        gauges = (
+            ("tandem_gpu_sm_utilization_ratio", s.sm_utilization,
+             "Fraction of NVML's last sample period in which a kernel ran on the GPU."),
+            ("tandem_gpu_memory_bandwidth_utilization_ratio", s.memory_utilization,
+             "Fraction of NVML's last sample period in which device memory was read or written."),
+            ("tandem_gpu_memory_used_bytes", s.memory_used_bytes,
+             "Device memory in use, by every process on the GPU."),
+            ("tandem_gpu_memory_total_bytes", s.memory_total_bytes, "Device memory in all."),
+            ("tandem_gpu_power_watts", s.power_watts, "Power drawn by the GPU board."),
+            ("tandem_gpu_temperature_celsius", s.temperature_celsius, "GPU core temperature."),
+            ("tandem_gpu_sm_clock_hertz", s.sm_clock_hz, "Current SM clock."),
+            ("tandem_gpu_memory_clock_hertz", s.memory_clock_hz, "Current memory clock."),
+        )  # fmt: skip
+        for name, value, doc in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
+        reasons = s.throttle_reasons()
+        if reasons:
+            fam = GaugeMetricFamily(
+                "tandem_gpu_clock_throttle",
+                "1 while NVML reports this reason for holding the clocks down (sw_power_cap, "
+                "hw_thermal_slowdown, gpu_idle, ...), else 0.",
+                labels=["reason"],
+            )
+            for reason, on in reasons.items():
+                fam.add_metric([reason], on)
+            yield fam
+        if g.errors:
+            fam = CounterMetricFamily(
+                "tandem_gpu_nvml_read_errors",
+                "NVML readings that failed, by reading (left out of that scrape).",
+                labels=["reading"],
+            )
+            for what, n in sorted(g.errors.items()):
+                fam.add_metric([what], n)
+            yield fam
+
+
+def watch_gpu(registry: CollectorRegistry, device: Any) -> bool:
+    """Export the NVML gauges of CUDA `device` in `registry`; True when they are exported.
+
+    On a CPU device nothing is registered; where NVML cannot be used, one warning is logged
+    and nothing is registered either: absent series, never zeros."""
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return False
+    from tandem.nvml import open_gpu
+
+    gpu = open_gpu(device)
+    if gpu is None:
+        return False
+    registry.register(_GpuCollector(gpu))
+    return True
 
 
 class _EngineCollector(Collector):
@@ -289,6 +361,7 @@ class WorkerMetrics:
         r = self.registry = registry or new_registry()
         self.engine_collector = _EngineCollector(engine)
         r.register(self.engine_collector)
+        watch_gpu(r, getattr(engine, "device", None))
         self.queue_time = Histogram(
             "tandem_request_queue_time_seconds",
             "Arrival at this worker to the first step that computes the sequence.",
@@ -374,6 +447,38 @@ class DecodeMetrics(WorkerMetrics):
             "tandem_spec_accepted_tokens", "Draft tokens accepted.", registry=r
         )
 
+        self.roofline: Histogram | None = None  # set by watch_roofline (GPU workers)
+        self.last_roofline: Gauge | None = None
+
+    def watch_roofline(self, copy_bandwidth: float) -> None:
+        """Export how close each decode step came to the memory roofline, against the device's
+        copy bandwidth (bytes per second) measured at start-up (GPU workers only)."""
+        r = self.registry
+        Gauge(
+            "tandem_gpu_copy_bandwidth_bytes_per_second",
+            "Device-to-device copy bandwidth measured at start-up ((read + written) bytes / s): "
+            "the roofline's bandwidth.",
+            registry=r,
+        ).set(copy_bandwidth)
+        self.roofline = Histogram(
+            "tandem_decode_step_roofline_fraction",
+            "Per decode step: bytes it read (weights and its sequences' KV) over its time, as a "
+            "fraction of the copy bandwidth (1 = at the memory roofline).",
+            registry=r,
+            buckets=ROOFLINE_BUCKETS,
+        )
+        self.last_roofline = Gauge(
+            "tandem_decode_roofline_fraction",
+            "tandem_decode_step_roofline_fraction of the latest decode step.",
+            registry=r,
+        )
+
+    def observe_roofline(self, fraction: float) -> None:
+        """One decode step's fraction of the roofline (after `watch_roofline`)."""
+        if self.roofline is not None and self.last_roofline is not None:
+            self.roofline.observe(fraction)
+            self.last_roofline.set(fraction)
+
     def observe_speculation(self, proposed: int, accepted: int) -> None:
         """Count one verified proposal (the hook the draft-verification step will call)."""
         self.spec_proposals.inc()
@@ -384,8 +489,14 @@ class DecodeMetrics(WorkerMetrics):
 class DraftMetrics:
     """Metrics of a draft worker: the sequences it tracks, proposals, refused calls."""
 
-    def __init__(self, num_seqs: Callable[[], int], registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        num_seqs: Callable[[], int],
+        registry: CollectorRegistry | None = None,
+        device: Any = None,
+    ) -> None:
         r = self.registry = registry or new_registry()
+        watch_gpu(r, device)  # a draft model's GPU (an n-gram proposer has none)
 
         def read() -> Iterator[Any]:
             yield GaugeMetricFamily(

@@ -58,6 +58,10 @@ KV_BLOCKS = "tandem.kv.blocks"
 KV_BYTES = "tandem.kv.bytes"
 BATCH_SIZE = "tandem.batch.size"
 BATCH_TOKENS = "tandem.batch.tokens"
+# A decode step's memory traffic (GPU workers): bytes it read (weights and its sequences' KV),
+# and that over its time as a fraction of the device's copy bandwidth (the memory roofline).
+STEP_READ_BYTES = "tandem.step.read_bytes"
+STEP_ROOFLINE_FRACTION = "tandem.step.roofline_fraction"
 DRAFT_ACCEPTED_TOKENS = "tandem.draft.accepted_tokens"
 DRAFT_PROPOSED_TOKENS = "tandem.draft.proposed_tokens"
 

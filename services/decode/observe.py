@@ -5,6 +5,8 @@ Per sequence, children of the gateway's `gateway.request` (whose context arrives
 stepped) and `decode.generate` (first step to finish). Per step: one `decode.step` span linked to
 the `decode.generate` spans of the sequences it advanced — never a span per token. The engine
 thread only counts and hands its two clock readings to the event loop, which records the spans.
+On a GPU, each decode step's bytes read over its time, as a fraction of the copy bandwidth
+measured here at start-up, goes to the roofline metrics and onto its `decode.step` span.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from opentelemetry.trace import Link, Span
 
 from tandem import telemetry as tel
+from tandem.engine.roofline import startup_copy_bandwidth
 from tandem.metrics import DecodeMetrics
 
 
@@ -35,6 +38,11 @@ class SeqTrace:
 class DecodeTelemetry:
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, block_bytes: int) -> None:
         self.metrics = DecodeMetrics(engine)
+        self.engine = engine
+        # The roofline's bandwidth (None on a CPU: no roofline series at all).
+        self.copy_bandwidth = startup_copy_bandwidth(engine.device)
+        if self.copy_bandwidth is not None:
+            self.metrics.watch_roofline(self.copy_bandwidth)
         self.loop = loop
         self.block_bytes = block_bytes
         self.tracing = tel.enabled()
@@ -105,11 +113,23 @@ class DecodeTelemetry:
             if len(seq.output_token_ids) == 2:  # its first step here (the first token came along)
                 m.queue_time.observe(max(0.0, t0 - seq.arrival_time))
         m.generation_tokens.inc(n)
+        read = self.engine.last_step_read() if self.copy_bandwidth is not None else None
+        roofline: dict[str, Any] = {}
+        if read is not None:
+            fraction = read.fraction_of(self.copy_bandwidth)
+            m.observe_roofline(fraction)
+            roofline = {tel.STEP_READ_BYTES: read.nbytes, tel.STEP_ROOFLINE_FRACTION: fraction}
         if self.tracing and outs:
             items = [(o.seq.seq_id, len(o.new_token_ids)) for o in outs]
-            self.loop.call_soon_threadsafe(self._record_step, items, t0, t1)
+            self.loop.call_soon_threadsafe(self._record_step, items, t0, t1, roofline)
 
-    def _record_step(self, items: list[tuple[str, int]], t0: float, t1: float) -> None:
+    def _record_step(
+        self,
+        items: list[tuple[str, int]],
+        t0: float,
+        t1: float,
+        roofline: dict[str, Any] | None = None,
+    ) -> None:
         links = []
         n_tokens = 0
         for sid, n in items:
@@ -131,7 +151,7 @@ class DecodeTelemetry:
                 tel.DECODE_STEP,
                 t0,
                 t1,
-                {tel.BATCH_SIZE: len(items), tel.BATCH_TOKENS: n_tokens},
+                {tel.BATCH_SIZE: len(items), tel.BATCH_TOKENS: n_tokens, **(roofline or {})},
                 links,
             )
 

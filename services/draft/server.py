@@ -29,7 +29,10 @@ class DraftService(stages_pb2_grpc.DraftServicer):
         # One thread owns the proposer: calls never overlap, the event loop never blocks.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tandem-draft")
         self.proposals = 0
-        self.metrics = DraftMetrics(lambda: self.proposer.num_seqs)
+        model = getattr(proposer, "model", None)  # a draft model's GPU gets its gauges
+        self.metrics = DraftMetrics(
+            lambda: self.proposer.num_seqs, device=getattr(model, "device", None)
+        )
 
     async def _run(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)

@@ -16,6 +16,7 @@ from tandem.config import EngineConfig
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
+from tandem.engine.roofline import StepRead, kv_bytes_per_token, weight_bytes
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -58,6 +59,10 @@ class _InFlight:
     host: torch.Tensor  # [B] int64 (pinned on CUDA): their copy, valid once `event` completes
     event: torch.cuda.Event | None  # None on CPU, where the copy is already done
     rows: dict[str, int]  # seq_id -> row in `items`
+    kv_tokens: int = 0  # tokens of KV the step reads: every sequence's, its new token's included
+    # perf_counter() when the step before it was seen complete, if this step was queued on the
+    # device by then (it then ran right after it): the start of its time on the device.
+    queued_at: float | None = None
 
 
 class QueueFull(RuntimeError):
@@ -167,6 +172,12 @@ class LLMEngine:
             else None
         )
         self._last_tokens = 0  # tokens computed by the step being timed
+        # Memory traffic of decode steps (tandem.engine.roofline): fixed bytes per step, KV bytes
+        # per token, and what the latest step read (None: it was no decode step, or untimed).
+        self._weight_bytes = weight_bytes(self.model)
+        self._kv_token_bytes = kv_bytes_per_token(self.kv)
+        self._read: tuple[int, float] | None = None  # (KV tokens, seconds)
+        self._step_started = self._collected_at = 0.0  # perf_counter() readings
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     @staticmethod
@@ -471,7 +482,8 @@ class LLMEngine:
         Under `async_scheduling` a plain decode step returns the tokens of the step before it
         (launched by the previous call), so the GPU already has the next step when Python waits.
         """
-        t0 = time.perf_counter()
+        t0 = self._step_started = time.perf_counter()
+        self._read = None
         if self.config.async_scheduling or self._inflight is not None:
             outs = self._step_async()
         else:
@@ -479,12 +491,25 @@ class LLMEngine:
             if not batch:
                 return self._outgrown()
             self._last_tokens = batch.num_tokens
+            kv_tokens = _decode_kv_tokens(batch.items)
             outs = self._run_batch(batch.items)
+            if kv_tokens:
+                self._read = (kv_tokens, time.perf_counter() - t0)
         self.scheduler.step_time.observe(self._last_tokens, time.perf_counter() - t0)
         self._last_tokens = 0
         if self.scheduler.outgrown:
             outs = self._outgrown() + outs
         return outs
+
+    def last_step_read(self) -> StepRead | None:
+        """Bytes the latest decode step read (weights and its sequences' KV) and its time:
+        from its start on the device (the previous step's end, when the steps ran back to back)
+        to its end as the host saw it, so host time that left the device idle counts. None
+        when the latest `step()` ran no decode step, or none whose start is known."""
+        if self._read is None:
+            return None
+        kv_tokens, seconds = self._read
+        return StepRead(self._weight_bytes + kv_tokens * self._kv_token_bytes, seconds)
 
     def _outgrown(self) -> list[StepOutput]:
         """Sequences the scheduler ended because even the whole pool cannot hold them."""
@@ -580,7 +605,13 @@ class LLMEngine:
         if prev is not None:
             return self._collect(prev)
         self._last_tokens = batch.num_tokens
-        return self._run_batch(batch.items) if batch else []
+        if not batch:
+            return []
+        kv_tokens = _decode_kv_tokens(batch.items)
+        outs = self._run_batch(batch.items)
+        if kv_tokens:
+            self._read = (kv_tokens, time.perf_counter() - self._step_started)
+        return outs
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """True when the sequence is at its length limit once its pending tokens are read."""
@@ -610,6 +641,7 @@ class LLMEngine:
         `prev` before its masks exist: the forward is enqueued first, `prev` is read while the
         device runs it, the masks are filled, and only the sampling waits for them.
         """
+        started, collects = time.perf_counter(), prev is not None
         rows: list[int] = []
         prev_rows: list[int] = []
         for j, (seq, _) in enumerate(items):
@@ -637,9 +669,11 @@ class LLMEngine:
             bitmask=bitmask,
             mask_rows=mask_rows,
         )
+        kv_tokens = 0
         for seq in seqs:
             seq.num_computed += 1
             seq.num_pending += 1
+            kv_tokens += seq.num_computed
         host = self._ring[self._ring_next][: len(items)]
         self._ring_next ^= 1
         event = None
@@ -656,15 +690,24 @@ class LLMEngine:
             event.record()
         else:
             host.copy_(ids)
-        step = _InFlight(items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)})
+        step = _InFlight(
+            items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens
+        )
         if prev is not None:
             outs = self._collect(prev)
+        if event is None:  # a CPU step ran within this call: its time is the call's
+            self._read = (kv_tokens, time.perf_counter() - started)
+        elif collects:  # `prev` was seen to end while this step was queued behind it
+            step.queued_at = self._collected_at
         return step, outs
 
     def _collect(self, step: _InFlight) -> list[StepOutput]:
         """Wait for a launched step's tokens and apply them (stop checks, finishing)."""
         if step.event is not None:
             step.event.synchronize()
+        self._collected_at = time.perf_counter()
+        if step.queued_at is not None:
+            self._read = (step.kv_tokens, self._collected_at - step.queued_at)
         outs: list[StepOutput] = []
         for (seq, _), tok in zip(step.items, step.host.tolist(), strict=True):
             if seq.is_finished or seq.num_pending == 0:
@@ -887,3 +930,14 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _decode_kv_tokens(items: list[tuple[Sequence, int]]) -> int:
+    """Tokens of KV a batch's step reads when every sequence computes one token (a decode
+    step: each reads its whole KV, the new token's included); 0 for a batch with a prompt."""
+    total = 0
+    for seq, n in items:
+        if n != 1:
+            return 0
+        total += seq.num_computed + 1
+    return total

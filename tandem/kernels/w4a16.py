@@ -9,7 +9,7 @@ Five kernels, all dequantizing in registers (the weight is read from memory once
   are multiplied and added per packed-fp16 instruction. Its K split is summed either by the last
   program to arrive, or, in one-row decode steps (`gemv_accumulates`), by float atomics into a
   zeroed float32 row that the kernel reading it rounds and zeroes again.
-- `_gemv_nmajor_kernel`, the same layout in float32 FMAs (`TANDEM_GEMV_H2=0`): codes become
+- `_gemv_nmajor_kernel`, the same layout in float32 FMAs (x not bf16): codes become
   floats by a shift and a LOP3 under a float exponent, and split-K partials are added by the
   last program to arrive (no zero-fill or cast launches).
 - `_gemv_tc_kernel` for 2 <= M <= 32 (bf16 x, INT4 N-major, groups of 64 or more): the same
@@ -25,12 +25,12 @@ added with float32 atomics into a zeroed buffer that is cast to the activation d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tandem.config import kernel_config
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
 from tandem.kernels.arrival import arrival_counters
@@ -889,26 +889,21 @@ class GemvNConfig:
 
 @dataclass(frozen=True)
 class GemvH2Config:
-    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. `addr`: code-word
-    addresses from one 64-bit base per group plus 32-bit offsets (None: when x is read as it is,
-    not as GemvX); `maxnreg`: a register cap for ptxas (None: its own choice; compiled CUDA
-    only). Measured on the H200: `addr` took 4096 x 4096 from 6.4-6.5
-    to 6.2 us and the LM head (128256 x 4096) from 84-91 to 77 us with x read as it is, but was
-    no faster reading GemvX (11.1 vs 10.9-11.1 us on 14336 x 4096) though it removes ~80 of the
-    loop's 486 SASS instructions per group; a cap of 80 registers made that shape 13.3 us."""
+    """`_gemv_h2_kernel`: INT4, M = 1, N-major codes, packed fp16 arithmetic. Code-word
+    addresses come from one 64-bit base per group plus 32-bit offsets when x is read as it is
+    (measured on the H200: 4096 x 4096 from 6.4-6.5 to 6.2 us, the LM head, 128256 x 4096, from
+    84-91 to 77 us), not when it is read as GemvX (no faster there)."""
 
     block_n: int = 32
     split_k: int = 1
     num_warps: int = 1
     num_stages: int = 1
-    addr: bool | None = None
-    maxnreg: int | None = None
-    # Scales and zero points (and GemvX's scalars) loaded a group ahead. Measured on the H200
-    # (Llama-3-8B shapes): summing the K split by the arrival counter, with
-    # maxnreg=72, 14336 x 4096 10.72 / 10.64 us against 10.98 / 10.81, 4096 x 14336 11.36 against
-    # 11.24, the decode step unchanged; adding into a float32 row (`accumulate`), 9.02 / 9.07
-    # against 10.20 and 9.37 / 9.42 against 10.58, the decode step 1.807 against 1.881 ms. So
-    # `default_config` uses it (at 72 registers) with `accumulate` only.
+    # Scales and zero points (and GemvX's scalars) loaded a group ahead, under a cap of 72
+    # registers for ptxas (no spills). Measured on the H200 (Llama-3-8B shapes): summing the K
+    # split by the arrival counter, 14336 x 4096 10.72 / 10.64 us against 10.98 / 10.81,
+    # 4096 x 14336 11.36 against 11.24, the decode step unchanged; adding into a float32 row
+    # (`accumulate`), 9.02 / 9.07 against 10.20 and 9.37 / 9.42 against 10.58, the decode step
+    # 1.807 against 1.881 ms. So `default_config` uses it with `accumulate` only.
     ahead: bool = False
 
 
@@ -1028,14 +1023,10 @@ def gemv_x_ref(x: torch.Tensor, group: int) -> GemvX:
 
 def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int | None:
     """The group size of the GemvX form `w`'s M = 1 product reads on the GPU, or None when that
-    product does not take it (not the packed-fp16 GEMV, or `TANDEM_GEMV_XPREP=0`)."""
+    product does not take it (not the packed-fp16 GEMV)."""
     if not isinstance(w, QuantizedWeight) or x_dtype != torch.bfloat16:
         return None
-    if w.qweight.device.type != "cuda":
-        return None
-    if os.environ.get("TANDEM_GEMV_XPREP", "1") in ("0", "false", "off"):
-        return None
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if w.qweight.device.type != "cuda" or kernel_config().interpreted:
         return None
     if not h2_eligible(w, w.in_features, x_dtype, w.qweight.device):
         return None
@@ -1046,9 +1037,10 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
     """Whether `w`'s one-row product on the GPU adds into a zeroed float32 row with float
     atomics (`w4a16_matmul(accumulate=)`) rather than summing its K split through partials, an
     arrival counter and a last program (a fence and two round trips to L2 at the end of every
-    call). Only for the packed-fp16 GEMV, on compiled CUDA, unless `TANDEM_GEMV_ATOMIC=0`. The
-    adds come in any order, so the float32 sums, and rarely their rounding to x's dtype, vary
-    in the last bit from run to run; `TANDEM_GEMV_ATOMIC=0` gives bit-reproducible steps.
+    call). Only for the packed-fp16 GEMV, on compiled CUDA, unless the `deterministic` kernel
+    setting is on. The adds come in any order, so the float32 sums, and rarely their rounding to
+    x's dtype, vary in the last bit from run to run; `deterministic` gives bit-reproducible
+    steps.
     Measured on the H200 (Llama-3-8B shape): the INT4 + INT4-head decode step
     of a Llama-3-8B shape 1.807 / 1.807 / 1.803 ms against 2.023 / 2.029 with the counter."""
     if not isinstance(w, QuantizedWeight) or not w.qweight.is_cuda:
@@ -1058,16 +1050,9 @@ def gemv_accumulates(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) ->
 
 def gemv_atomic_enabled(x_dtype: torch.dtype) -> bool:
     """The settings' part of `gemv_accumulates` (the same for every weight): compiled CUDA, bf16
-    x, the packed-fp16 GEMV on, `TANDEM_GEMV_ATOMIC` not 0."""
-    if os.environ.get("TANDEM_GEMV_ATOMIC", "1") in ("0", "false", "off"):
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    return x_dtype == torch.bfloat16 and os.environ.get("TANDEM_GEMV_H2", "1") not in (
-        "0",
-        "false",
-        "off",
-    )
+    x, not `deterministic`."""
+    kc = kernel_config()
+    return x_dtype == torch.bfloat16 and not kc.deterministic and not kc.interpreted
 
 
 def h2_weight(w: QuantizedWeight, k: int) -> bool:
@@ -1079,13 +1064,10 @@ def h2_eligible(
     w: QuantizedWeight, k: int, x_dtype: torch.dtype | None, device: torch.device
 ) -> bool:
     """Whether `_gemv_h2_kernel` serves this M = 1 product: INT4 N-major codes of whole groups
-    (K a multiple of the group size), bf16 x on the GPU (any x in the interpreter), unless
-    `TANDEM_GEMV_H2=0`."""
-    if os.environ.get("TANDEM_GEMV_H2", "1") in ("0", "false", "off"):
-        return False
+    (K a multiple of the group size), bf16 x on the GPU (any x in the interpreter)."""
     if not h2_weight(w, k):
         return False
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreted = kernel_config().interpreted
     return x_dtype == torch.bfloat16 or (interpreted and device.type != "cuda")
 
 
@@ -1109,8 +1091,7 @@ def default_config(
         and is_n_major(w)
         and x_dtype == torch.bfloat16
         and device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-        and os.environ.get("TANDEM_GEMV_TC", "1") not in ("0", "false", "off")
+        and not kernel_config().interpreted
     ):
         # Tensor cores for 2 <= M <= 32 (measured on the H200): 16 rows and 256 columns per
         # program up to M = 16, then 32 rows and 128 columns; K split until ~1.5 (16 rows) or
@@ -1150,10 +1131,10 @@ def default_config(
                 )
             ):
                 split *= 2
-            if accumulate and os.environ.get("TANDEM_GEMV_AHEAD", "1") != "0":
+            if accumulate:
                 # Adding into a float32 row, the scales a group ahead (capped at 72 registers,
-                # no spills): see GemvH2Config.ahead; TANDEM_GEMV_AHEAD=0 turns them off.
-                return GemvH2Config(32, split, 1, ahead=True, maxnreg=72)
+                # no spills): see GemvH2Config.ahead.
+                return GemvH2Config(32, split, 1, ahead=True)
             return GemvH2Config(block_n=32, split_k=split, num_warps=1)
         return GemvNConfig(block_n=64, split_k=split, num_warps=1)
     if m == 1:
@@ -1280,7 +1261,7 @@ def w4a16_matmul_triton(
 
 def _compiled_cuda(x: torch.Tensor) -> bool:
     """Triton compiles for the GPU (inline PTX allowed), rather than interpreting on the CPU."""
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    return x.is_cuda and not kernel_config().interpreted
 
 
 @dataclass
@@ -1392,12 +1373,8 @@ def launch_gemv_h2(
                        out_dtype)  # fmt: skip
     if k != sl.groups * w.group_size:
         raise ValueError(f"GemvH2Config needs whole groups: K {k}, group size {w.group_size}")
-    addr = config.addr if config.addr is not None else xq is None
-    if addr and (w.group_size // 8) * w.qweight.stride(1) + n >= 2**31:
-        # woff, the words' offsets from their group's base, is 32-bit.
-        raise ValueError(
-            f"GemvH2Config.addr: a group's code words span >= 2**31 words (N {n}); use addr=False"
-        )
+    # woff, the words' offsets from their group's base, is 32-bit.
+    addr = xq is None and (w.group_size // 8) * w.qweight.stride(1) + n < 2**31
     asm = _compiled_cuda(x)
     if xq is not None:
         if xq.group != w.group_size or xq.scaled.shape != (m, k):
@@ -1429,7 +1406,7 @@ def launch_gemv_h2(
         ROUND=rnd,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **({"maxnreg": config.maxnreg} if asm and config.maxnreg else {}),
+        **({"maxnreg": 72} if asm and config.ahead else {}),
         **pdl.launch_options(x),
     )
     return sl.out, kernel

@@ -5,8 +5,8 @@ step can take is (weight bytes + KV bytes) / bandwidth, with the bandwidth measu
 (a device-to-device copy, bytes read + written). Random bf16 weights are built on the GPU in
 seconds; nothing is downloaded. Rows:
   engine           tokens/s of LLMEngine.step after the first token: the default (CUDA graphs,
-                   asynchronous scheduling, Triton GEMV), then with cuBLAS for the linears,
-                   without asynchronous scheduling, and eager (no graphs)
+                   asynchronous scheduling, Triton GEMV), then without asynchronous
+                   scheduling, and eager (no graphs)
   step alone       GPU time of one captured decode step replayed alone (no Python between steps)
   linears alone    GPU time of the step's matrix-vector products alone (what the non-linear
                    parts of the step cost is the difference)
@@ -24,7 +24,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
@@ -101,25 +100,23 @@ def main() -> int:
         kv_cache_memory_gb=2.0,
         max_num_seqs=8,
     )
-    # (engine options, Triton GEMV for batch-1 linears): the default first, then what each part
-    # is worth (cuBLAS instead of the GEMV; no overlap of Python with the GPU; no graphs).
+    # Engine options: the default first, then what each part is worth (no overlap of Python
+    # with the GPU; no graphs).
     modes = {
-        "graphs+async": (dict(cuda_graphs=True, async_scheduling=True), True),
-        "graphs+async/cublas": (dict(cuda_graphs=True, async_scheduling=True), False),
-        "graphs": (dict(cuda_graphs=True, async_scheduling=False), True),
-        "eager": (dict(cuda_graphs=False, async_scheduling=False), True),
+        "graphs+async": dict(cuda_graphs=True, async_scheduling=True),
+        "graphs": dict(cuda_graphs=True, async_scheduling=False),
+        "eager": dict(cuda_graphs=False, async_scheduling=False),
     }
     rows = []
     ctx = args.prompt + args.new_tokens
-    for name, (opts, use_gemv) in modes.items():
-        gemv.ENABLED = use_gemv
+    for name, opts in modes.items():
         engine = lr.tandem_engine(hf, **base, **opts)
         lr.run_engine(engine, prompt, 8)  # warm-up: compiles kernels, captures the graph
         run = lr.run_engine(engine, prompt, args.new_tokens)
         wb = lr.weight_bytes_per_step(engine)
         kvt = lr.kv_bytes_per_token(engine)
         roof = lr.decode_roofline_s(wb, kvt, 1, args.prompt, args.new_tokens, bw)
-        row = {"mode": name, "triton_gemv": use_gemv,
+        row = {"mode": name,
                "decode_tokens_per_s": run.decode_tokens / run.decode_s,
                "roofline_tokens_per_s": run.decode_tokens / roof,
                "fraction_of_roofline": roof / run.decode_s, "decode_s": run.decode_s,
@@ -130,7 +127,7 @@ def main() -> int:
             step = replay_time_s(engine.runner.graphs.graphs[1])
             row["graph_replay"] = {"context": ctx, "step_s": step,
                                    "fraction_of_roofline": (wb + ctx * kvt) / bw / step}  # fmt: skip
-            lin = linears_only_s(engine, gemv.linear_rows if use_gemv else F.linear)
+            lin = linears_only_s(engine, gemv.linear_rows)
             row["linears_only"] = {"step_s": lin, "weight_GBps": wb / lin / 1e9,
                                    "fraction_of_copy_bw": wb / lin / bw}  # fmt: skip
         rows.append(row)
@@ -139,7 +136,6 @@ def main() -> int:
         del engine
         if cuda:
             torch.cuda.empty_cache()
-    gemv.ENABLED = True
     res["engine"] = rows
     res["seconds"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

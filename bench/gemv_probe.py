@@ -74,22 +74,15 @@ def main() -> int:
             cfg = wk.GemvTCConfig(bn, sk, nw, st, *bm)
             launch = wk.launch_gemv_tc
         elif spec.startswith(("h2:", "h2x:")):
-            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys addr
-            # (GemvH2Config.addr, 0 or 1; default: its own), maxnreg (0: ptxas's choice),
-            # ahead (GemvH2Config.ahead, 0 or 1) and atomic (see below)
+            # packed fp16: h2:block_n,num_warps,split_k[:key=value,...] with keys ahead
+            # (GemvH2Config.ahead, 0 or 1) and atomic (see below)
             parts = spec.split(":")
             bn, nw, sk = (int(v) for v in parts[1].split(","))
             opts = dict(kv.split("=") for kv in parts[2].split(",")) if len(parts) > 2 else {}
-            cfg = wk.GemvH2Config(
-                bn,
-                sk,
-                nw,
-                addr=bool(int(opts["addr"])) if "addr" in opts else None,
-                maxnreg=int(opts["maxnreg"]) or None
-                if "maxnreg" in opts
-                else wk.GemvH2Config.maxnreg,
-                ahead=bool(int(opts.get("ahead", 0))),
-            )
+            unknown = set(opts) - {"ahead", "atomic"}
+            if unknown:
+                raise SystemExit(f"{spec}: unknown option(s) {', '.join(sorted(unknown))}")
+            cfg = wk.GemvH2Config(bn, sk, nw, ahead=bool(int(opts.get("ahead", 0))))
             xq_of_x = wk.gemv_x_ref(x, 128) if spec.startswith("h2x:") else None
 
             atomic = int(opts.get("atomic", 0))

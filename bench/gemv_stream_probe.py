@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from tandem.kernels import pdl  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
-from tandem.kernels.w4a16 import _code_hi, _code_lo, _finish_row  # noqa: E402
+from tandem.kernels.w4a16._common import _code_hi, _code_lo, _finish_row, _split_launch  # noqa: E402
 from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +117,7 @@ def stream_kernel(
 def launch(kind, x, w, bn, split, stages, warps=1, desc=None):
     m, k = x.shape
     n = w.out_features
-    sl = wk._split_launch(x, w, bn, split, m, "stream_kernel")
+    sl = _split_launch(x, w, bn, split, m, "stream_kernel")
     if sl.split < 2:
         raise ValueError("stream_kernel always adds split-K partials: give split_k >= 2")
     stream_kernel[(sl.blocks, sl.split, m)](

@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -50,6 +51,7 @@ for path in (ROOT, os.path.join(ROOT, "bench")):  # tandem, and llama_random bes
 
 import llama_random as lr  # noqa: E402
 
+from tandem import config  # noqa: E402
 from tandem.kernels.w4a16 import (  # noqa: E402
     GemmConfig,
     GemvConfig,
@@ -224,26 +226,10 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
                       copies)  # fmt: skip
             rec(f"tandem_w4a16{tag}_default", t, q_bytes, y, config=repr(cfg))
             if tag and m == 1 and dev == "cuda":  # the same launches without PDL, side by side
-                from tandem.kernels import pdl
-
-                pdl.ENABLED = False
-                try:
+                with _kernels(pdl=False):
                     t = timed(lambda i, cfg=cfg, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cfg),
                               copies)  # fmt: skip
-                finally:
-                    pdl.ENABLED = True
                 rec(f"tandem_w4a16{tag}_default_no_pdl", t, q_bytes, None, config=repr(cfg))
-            if tag and m == 1:
-                # The FFMA N-major GEMV at its own default launch (TANDEM_GEMV_H2=0), side by side.
-                os.environ["TANDEM_GEMV_H2"] = "0"
-                try:
-                    cf = default_config(m, n, k, torch.device(dev), ws[0], dtype)
-                finally:
-                    os.environ.pop("TANDEM_GEMV_H2", None)
-                y = w4a16_matmul_triton(x, ws[0], cf)
-                t = timed(lambda i, cf=cf, ws=ws: w4a16_matmul_triton(x, ws[i % copies], cf),
-                          copies)  # fmt: skip
-                rec("tandem_w4a16_nmajor_ffma", t, q_bytes, y, config=repr(cf))
             if tag and m == 1 and dev == "cuda":
                 # As the decode step runs it: x in the GemvX form its producer writes, then also
                 # the K split added with float atomics into a float32 row (the decode step's
@@ -321,7 +307,6 @@ def _gemm_shape(dev, smoke, copy_bw, results, save, n: int, k: int, ms: list[int
             f"gemm N={n} K={k} M={m}: w4a16 {row['tandem_w4a16_default']['us']:.1f} us "
             f"(best {d['us']:.1f} us, {d['frac_of_copy_bw']:.2f} of copy bw), "
             f"n-major {row['tandem_w4a16_nmajor_default']['us']:.1f} us "
-            f"(ffma {row.get('tandem_w4a16_nmajor_ffma', {}).get('us', float('nan')):.1f}) "
             f"(best {dn['us']:.1f} us {dn['frac_of_copy_bw']:.2f} {dn['config']}), "
             f"int4pack {row.get('torch_int4pack_mm', {}).get('us', float('nan')):.1f} us, "
             f"bf16 {row['bf16_cublas']['us']:.1f} us",
@@ -498,7 +483,7 @@ def engine_timeline(engine, prompt: list[int], new: int, skip: int = 8) -> dict:
 def decode_section(dev: str, smoke: bool, results: dict) -> None:
     """Rows: weights (bf16; int4 = every decoder linear INT4 g128, LM head and embedding bf16;
     int4_all = also the LM head INT4 g128 and the embedding INT8 g128) x KV dtype x PDL on/off.
-    The PDL rows differ only in `tandem.kernels.pdl.ENABLED` (same weights, same run)."""
+    The PDL rows differ only in the `pdl` kernel setting (same weights, same run)."""
     from tandem.kernels import pdl
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -551,7 +536,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                 return model.logits(model.forward(ids, pos, kv, meta))
 
             for use in pdl_modes:
-                pdl.ENABLED = use
+                kernels = _kernels(pdl=use)
+                kernels.__enter__()
                 try:
                     with torch.inference_mode():
                         t = timed(step, 1, reps=5 if smoke else 30)
@@ -568,7 +554,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                         "error": repr(e)[:400],
                     }
                     traceback.print_exc()
-                pdl.ENABLED = True
+                kernels.__exit__(None, None, None)
                 out["rows"].append(row)
                 print(f"decode { ({k: v for k, v in row.items() if k != 'kernels'}) }", flush=True)
             del kv
@@ -587,31 +573,17 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     # Batch 1, bf16 KV, PDL, one row after another, same weights. "default": as the engine runs
     # (INT4: the M = 1 packed-fp16 GEMV reading x as RMSNorm and silu*up wrote it (GemvX), the
     # attention's partitions merged by a kernel of their own; bf16: by the last partition; both:
-    # the attention's L2 prefetch before its PDL wait). Each other row changes one thing:
-    # "no_prewait" (TANDEM_PDL_PREWAIT=0), "merge_last" / "merge_kernel" (TANDEM_DECODE_MERGE=1
-    # / 0), "h2" (the GEMV preparing x itself, TANDEM_GEMV_XPREP=0), "ffma" (the FFMA GEMV,
-    # TANDEM_GEMV_H2=0); "session11" is an older default (merge_last, no prewait);
-    # "no_atomic": the GEMVs' K split summed by the arrival counter, not added into float32 rows
-    # (TANDEM_GEMV_ATOMIC=0); "no_ahead": those rows without the scales a group ahead.
+    # the attention's L2 prefetch before its PDL wait). "deterministic": the GEMVs' K split
+    # summed by the arrival counter, not added into float32 rows (TANDEM_DETERMINISTIC=1).
     # QUANT_H200_M1_ROWS="weights/mode weights/mode ..." runs only those rows (quick comparisons);
     # QUANT_H200_MODES='{"name": {"VAR": "value"}}' adds modes of environment settings;
     # QUANT_H200_TIMELINE="weights/mode ..." adds those rows' `graph_timeline`.
     kv = KVCache.allocate(cfg.num_layers, nb, bs, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     kv.data.view(torch.uint8).random_(0, 64)
     grows = results.setdefault("decode_m1_gemv", {"batch": 1, "context_tokens": ctx, "rows": []})
-    modes = {"default": {}, "no_prewait": {"TANDEM_PDL_PREWAIT": "0"},
-             "merge_last": {"TANDEM_DECODE_MERGE": "1"},
-             "merge_kernel": {"TANDEM_DECODE_MERGE": "0"}, "h2": {"TANDEM_GEMV_XPREP": "0"},
-             "ffma": {"TANDEM_GEMV_H2": "0"},
-             "session11": {"TANDEM_DECODE_MERGE": "1", "TANDEM_PDL_PREWAIT": "0"},
-             "no_atomic": {"TANDEM_GEMV_ATOMIC": "0"},
-             "no_ahead": {"TANDEM_GEMV_AHEAD": "0"}}  # fmt: skip
-    order = [("bf16", "default"), ("int4_all", "default"), ("bf16", "no_prewait"),
-             ("bf16", "merge_kernel"), ("int4_all", "session11"), ("int4_all", "merge_last"),
-             ("int4_all", "no_prewait"), ("int4_all", "h2"), ("int4_all", "ffma"),
-             ("int4_all", "no_atomic"), ("int4_all", "no_ahead"),
-             ("int4", "default"),
-             ("int4", "ffma")]  # fmt: skip
+    modes = {"default": {}, "deterministic": {"TANDEM_DETERMINISTIC": "1"}}
+    order = [("bf16", "default"), ("int4_all", "default"), ("int4_all", "deterministic"),
+             ("int4", "default")]  # fmt: skip
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # {name: {VAR: value}}
     if os.environ.get("QUANT_H200_M1_ROWS"):
         order = [tuple(r.split("/", 1)) for r in os.environ["QUANT_H200_M1_ROWS"].split()]
@@ -625,6 +597,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
         for name, mode in order if rep % 2 == 0 else order[::-1]:
             model = models[name]
             os.environ.update(modes[mode])
+            config.set_kernel_config(None)  # rebuilt from the environment
             row = by_key.setdefault((name, mode), {"weights": name, "gemv": mode, "pass_ms": []})
             try:
                 with torch.inference_mode():
@@ -642,7 +615,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                         row["graph_timeline"] = graph_timeline(
                             lambda model=model, kv=kv: model.logits(model.forward(ids, pos, kv, meta))
                         )  # fmt: skip
-                profile = dev == "cuda" and not smoke and name == "int4_all" and mode != "ffma"
+                profile = dev == "cuda" and not smoke and name == "int4_all"
                 if profile and "kernels" not in row:
                     with torch.inference_mode():
                         row["kernels"] = kernel_profile(lambda i=0, model=model, kv=kv: model.logits(
@@ -652,6 +625,7 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
                 traceback.print_exc()
             for key in modes[mode]:
                 os.environ.pop(key, None)
+            config.set_kernel_config(None)
             print(f"decode batch 1 pass {rep} {name} {mode}: {row['pass_ms'][-1:]} ms", flush=True)
     grows["rows"] = [by_key[k] for k in order]
     for row in grows["rows"]:
@@ -664,9 +638,8 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
         print(f"batch-1 speedups vs bf16: {grows['speedup_vs_bf16']}", flush=True)
     del kv
 
-    # Batched decode: 8 sequences of `ctx` cached tokens, one step, bf16 KV, PDL as default. The
-    # INT4 rows side by side with the tensor-core kernel (default for 2 <= M <= 16) and without
-    # it (TANDEM_GEMV_TC=0: the tl.dot GEMM kernel), same weights, same run.
+    # Batched decode: 8 sequences of `ctx` cached tokens, one step, bf16 KV, PDL as default (the
+    # INT4 GEMVs on the tensor cores: 2 <= M <= 32).
     batch = 8
     bmeta = AttentionMetadata(
         slot_mapping=torch.arange(batch, device=dev) * nb * bs + ctx - 1,
@@ -683,19 +656,16 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     )
     kv.data.view(torch.uint8).random_(0, 64)
     brows = results.setdefault("decode_batch", {"batch": batch, "context_tokens": ctx, "rows": []})
-    for name, tc in (("bf16", True), ("int4_all", True), ("int4_all", False)):
+    for name in ("bf16", "int4_all"):
         model = models[name]
-        os.environ["TANDEM_GEMV_TC"] = "1" if tc else "0"
         try:
             with torch.inference_mode():
                 t = timed(lambda i, model=model, kv=kv: model.logits(model.forward(bids, bpos, kv, bmeta)),
                           1, reps=5 if smoke else 30)  # fmt: skip
-            row = {"weights": name, "tensor_core_gemv": tc, "step_ms": t * 1e3,
-                   "tokens_per_s": batch / t}  # fmt: skip
+            row = {"weights": name, "step_ms": t * 1e3, "tokens_per_s": batch / t}
         except Exception as e:  # noqa: BLE001
-            row = {"weights": name, "tensor_core_gemv": tc, "error": repr(e)[:400]}
+            row = {"weights": name, "error": repr(e)[:400]}
             traceback.print_exc()
-        os.environ.pop("TANDEM_GEMV_TC", None)
         brows["rows"].append(row)
         print(f"decode batch {batch} {row}", flush=True)
     del kv
@@ -711,10 +681,8 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     pass's decode tokens/s (first token to last) and their median.
 
     QUANT_H200_E2E_MODES="weights/mode ..." adds engines run with environment settings (async
-    scheduling only; set while the engine is built, captured and run): "torch_argmax", the
-    sampler's argmax by torch, not the Triton kernel (TANDEM_ARGMAX=torch); "main_stream_copy",
-    the ids copied to the host on the compute stream, not a stream of their own
-    (TANDEM_COPY_STREAM=0); and QUANT_H200_MODES's, as for the decode rows."""
+    scheduling only; set while the engine is built, captured and run): QUANT_H200_MODES's, as
+    for the decode rows."""
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
@@ -722,8 +690,7 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
     from tandem.quant.recipe import LayerSpec, linear_layer_names
     from tandem.quant.weights import quantize_weights
 
-    modes = {"default": {}, "torch_argmax": {"TANDEM_ARGMAX": "torch"},
-             "main_stream_copy": {"TANDEM_COPY_STREAM": "0"}}  # fmt: skip
+    modes = {"default": {}, "deterministic": {"TANDEM_DETERMINISTIC": "1"}}
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # as the decode rows'
     extra = [tuple(r.split("/", 1)) for r in os.environ.get("QUANT_H200_E2E_MODES", "").split()]
     cfg = llama_config(smoke)
@@ -743,7 +710,7 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
         w = weights if name == "bf16" else quantized
         loaded = LoadedModel(cfg, w, lr._NoTokenizer(), "random-llama")
         with _env(modes[mode]):
-            engine = LLMEngine(loaded, EngineConfig(**options))
+            engine = LLMEngine(loaded, EngineConfig.from_options(**options))
         engines[(name, mode)] = engine
     del weights, quantized, w, loaded
     prompt = lr.random_prompts(1, prompt_len, cfg.vocab_size)
@@ -804,9 +771,11 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
 
 @contextlib.contextmanager
 def _env(settings: dict[str, str]):
-    """The process environment with `settings` added, restored after."""
+    """The process environment with `settings` added (the kernel settings rebuilt from it),
+    restored after."""
     old = {k: os.environ.get(k) for k in settings}
     os.environ.update(settings)
+    config.set_kernel_config(None)
     try:
         yield
     finally:
@@ -815,6 +784,17 @@ def _env(settings: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        config.set_kernel_config(None)
+
+
+@contextlib.contextmanager
+def _kernels(**changes):
+    """The kernel settings with `changes`, restored after."""
+    old = config.set_kernel_config(replace(config.kernel_config(), **changes))
+    try:
+        yield
+    finally:
+        config.set_kernel_config(old)
 
 
 def argmax_two_stage(x: torch.Tensor, cols: int) -> torch.Tensor:

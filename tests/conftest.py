@@ -17,6 +17,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_kernel_settings():
+    """Each test starts from the environment's kernel settings: an engine a test built installs
+    its own for the process (`tandem.config.set_kernel_config`)."""
+    from tandem import config
+
+    config.set_kernel_config(None)
+    yield
+    config.set_kernel_config(None)
+
+
 def require_interpreter(*kernels) -> None:
     """For CPU kernel tests: pass when every Triton function given (triton's own, like tl.sum,
     and the module's kernels) runs under the interpreter; skip when triton is compiled on a

@@ -103,13 +103,12 @@ def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory,
         assert o.token_ids == _hf_greedy(hf, p, 6)
 
 
-def test_auto_prefill_attention_choice(monkeypatch):
+def test_auto_prefill_attention_choice():
     from tandem.model import llama
 
-    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "auto")
     assert llama.varlen_attention_kind([0, 4096], [4096]) == "sdpa"  # one long whole prompt
     assert llama.varlen_attention_kind([0, 512, 1024], [512, 512]) == "triton"  # short prompts
     assert llama.varlen_attention_kind([0, 2048], [4096]) == "triton"  # chunk after a prefix
     assert llama.varlen_attention_kind([0, 5, 10], [1024, 900]) == "triton"  # verification
-    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "sdpa")
-    assert llama.varlen_attention_kind([0, 5], [900]) == "sdpa"
+    assert llama.varlen_attention_kind([0, 5], [900], "sdpa") == "sdpa"
+    assert llama.varlen_attention_kind([0, 4096], [4096], "triton") == "triton"

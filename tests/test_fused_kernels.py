@@ -141,7 +141,7 @@ def test_rope_cache_write_scaled_matches_eager(kv_dtype, dtype):
 
 
 def test_rope_kernels_prewait_order_is_bit_equal(monkeypatch):
-    """With PREWAIT (`pdl.prewait`, TANDEM_PDL_PREWAIT=1 on a GPU) both rotary kernels load the
+    """With PREWAIT (`pdl.prewait`: with PDL on a GPU) both rotary kernels load the
     token's position, slot and cos/sin before their wait: the same q, codes, scales and cache
     rows as without, for the bf16-style and the FP8 (scaled) write."""
     hq, hkv, d, bs, nb = 4, 2, 16, 4, 8

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem import progress
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, set_kernel_config
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
@@ -107,7 +106,12 @@ class LLMEngine:
             f"building the model ({dtype}, quantization {config.quantization}) on {device}"
         )
         weights = prepare_weights(loaded, config.quantization, dtype, device)
-        self.model = LlamaModel(mc, weights, dtype, device, max_positions=self.max_model_len)
+        # Kernel settings hold for the process: the kernels read them at each launch.
+        kernels = config.kernel_config()
+        set_kernel_config(kernels)
+        self.model = LlamaModel(
+            mc, weights, dtype, device, max_positions=self.max_model_len, kernels=kernels
+        )
         if kv is None:
             layout = self.pool_layout(loaded, config)
             kv = KVCache.allocate(
@@ -165,12 +169,8 @@ class LLMEngine:
         ]
         self._ring_next = 0
         # The ids go to the host on a stream of their own, so the next step's input copy and
-        # graph do not queue behind that copy (TANDEM_COPY_STREAM=0: on the compute stream).
-        self._copy_stream = (
-            torch.cuda.Stream(device)
-            if device.type == "cuda" and os.environ.get("TANDEM_COPY_STREAM", "1") != "0"
-            else None
-        )
+        # graph do not queue behind that copy.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_tokens = 0  # tokens computed by the step being timed
         # Memory traffic of decode steps (tandem.engine.roofline): fixed bytes per step, KV bytes
         # per token, and what the latest step read (None: it was no decode step, or untimed).

@@ -6,8 +6,6 @@ then the product is computed in float32 and rounded again.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -107,14 +105,12 @@ def _silu_mul_launch(
     # from a GEMV's float32 row and written in GemvX form: a group per one-warp program (H200,
     # Llama-3-8B shape: the INT4 step 1.737 against
     # 1.751 ms with 1024 per 4 warps, and bf16 4.398 against 4.389 ms with it, so only there).
-    # The block and warps can be set for benchmarks (TANDEM_SILU_BLOCK, TANDEM_SILU_WARPS).
     per_group = xq is not None and acc_dtype is not None and rows == 1
-    block = int(os.environ.get("TANDEM_SILU_BLOCK", xq.group if per_group else 1024))
-    block = min(block, triton.next_power_of_2(n))
+    block = min(xq.group if per_group else 1024, triton.next_power_of_2(n))
     if xq is not None:
         block = max(block, xq.group)
     if block & (block - 1):
-        raise ValueError(f"TANDEM_SILU_BLOCK must be a power of 2, got {block}")
+        raise ValueError(f"the GemvX group must be a power of 2, got {block}")
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](
         x2,
         o2,
@@ -127,7 +123,7 @@ def _silu_mul_launch(
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
         ACC_IN=acc_dtype is not None,
-        num_warps=int(os.environ.get("TANDEM_SILU_WARPS", 1 if per_group else 4)),
+        num_warps=1 if per_group else 4,
         **pdl.launch_options(x2),
     )
     return out, xq

@@ -14,8 +14,6 @@ flipped for negative values order like the floats themselves.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tandem.kernels._triton import tl, triton
@@ -91,14 +89,8 @@ def argmax_triton(x: torch.Tensor, block: int = 2048) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` for 2-D x: the one-launch Triton kernel for float32 on CUDA (unless
-    `TANDEM_ARGMAX=torch`), torch's reduction otherwise."""
-    if (
-        x.is_cuda
-        and x.dim() == 2
-        and x.dtype == torch.float32
-        and x.shape[1] > 0
-        and os.environ.get("TANDEM_ARGMAX", "triton") != "torch"
-    ):
+    """`x.argmax(dim=-1)` for 2-D x: the one-launch Triton kernel for float32 on CUDA, torch's
+    reduction otherwise."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0:
         return argmax_triton(x)
     return x.argmax(dim=-1)

@@ -6,21 +6,15 @@ kernel sustains. cuBLAS measured about 0.85 of the H200's copy bandwidth on Llam
 contiguous loads, several programs per multiprocessor, and keeps a float32 accumulator per
 (row, column lane) that is reduced once at the end. The tile shape is chosen per (N, K) by
 Triton's autotuner on first use (timed with the L2 cache flushed).
-
-`TANDEM_TRITON_GEMV=0` in the environment turns it off (cuBLAS through F.linear instead).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
-
-ENABLED = os.environ.get("TANDEM_TRITON_GEMV", "1") not in ("0", "false", "off")
 
 _CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=nw)
@@ -106,7 +100,7 @@ def gemv_triton(
 
 
 def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the Triton GEMV for a single CUDA row when enabled."""
-    if ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype == x.dtype:
+    """F.linear, through the Triton GEMV for a single CUDA row."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype == x.dtype:
         return gemv_triton(x, w, bias)
     return F.linear(x, w, bias)

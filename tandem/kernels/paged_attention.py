@@ -14,10 +14,9 @@ The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs 
    finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
    which saves a launch and its wait on the critical path of a decode step; or by a second
    kernel, one program per (sequence, query head) (`merge_last=False`, which the
-   model asks for in one-row steps of INT4 weights: measured faster there; TANDEM_DECODE_MERGE=1
-   / 0 forces the one or the other).
+   model asks for in one-row steps of INT4 weights: measured faster there).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
-skipped. With PDL (`pdl.prewait`; TANDEM_PDL_PREWAIT=0 turns it off), stage 1
+skipped. With PDL (`pdl.prewait`), stage 1
 reads the context length and asks L2 for the K/V of its positions before the newest token's
 cache block before its PDL wait, while the previous kernel (which writes the newest token)
 finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA
@@ -25,8 +24,6 @@ graph.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -539,8 +536,7 @@ def paged_attention_decode_triton(
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not q.is_cuda)
     direct = num_parts == 1
     # The last partition to finish merges (one launch), or the second kernel.
-    forced = os.environ.get("TANDEM_DECODE_MERGE")
-    merge = not direct and (merge_last if forced is None else forced != "0")
+    merge = not direct and merge_last
     counters = arrival_counters(q.device, b * num_kv_heads) if merge else out
     if direct:
         m = l_ = acc = out  # unused by the kernel when DIRECT_OUT

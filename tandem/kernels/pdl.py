@@ -12,16 +12,16 @@ reads anything an earlier kernel wrote, and calls it unconditionally (a kernel t
 could finish before its predecessor, and its successor's wait would then not cover the
 predecessor's writes). Memory read before the wait must be data no kernel of the step writes.
 
-`TANDEM_PDL=0` turns it off. It is used only for compiled CUDA on compute capability >= 9.0, with
-a Triton that has the intrinsics; elsewhere the flag is False and the calls compile to nothing.
+The `pdl` kernel setting (`tandem.config.KernelConfig`, TANDEM_PDL=false) turns it off. It is used
+only for compiled CUDA on compute capability >= 9.0, with a Triton that has the intrinsics;
+elsewhere the flag is False and the calls compile to nothing.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tandem.config import kernel_config
 from tandem.kernels._triton import tl, triton
 
 try:
@@ -40,15 +40,15 @@ except ImportError:  # pragma: no cover - a Triton without the intrinsics
         pass
 
 
-ENABLED = os.environ.get("TANDEM_PDL", "1") not in ("0", "false", "off")
 _CAPABLE: dict[int, bool] = {}
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device launch with PDL (`launch_pdl=` and the PDL constexpr)."""
-    if not (ENABLED and HAVE_PDL and t.is_cuda):
+    if not (HAVE_PDL and t.is_cuda):
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    kc = kernel_config()
+    if not kc.pdl or kc.interpreted:
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _CAPABLE:
@@ -74,9 +74,9 @@ def prewait(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device read more of their inputs before the wait than their
     weights: what the host copies in before a step (positions, slots, context lengths, block
     tables) and, in the decode attention, an L2 prefetch of K/V that the step does not write.
-    With PDL only; on unless `TANDEM_PDL_PREWAIT=0` (measured faster on the H200 for bf16 and
-    INT4 decode steps, Llama-3-8B shape)."""
-    return use_pdl(t) and os.environ.get("TANDEM_PDL_PREWAIT", "1") != "0"
+    Whenever they launch with PDL (measured faster on the H200 for bf16 and INT4 decode steps,
+    Llama-3-8B shape)."""
+    return use_pdl(t)
 
 
 def launch_options(t: torch.Tensor) -> dict:

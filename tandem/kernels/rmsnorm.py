@@ -10,8 +10,6 @@ product takes torch's promoted dtype of (weight, activation), exactly as the unf
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tandem.kernels import pdl
@@ -168,9 +166,8 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool 
         return out, new_residual, xq
 
     block = triton.next_power_of_2(hidden)
-    # Enough warps that each thread holds a handful of elements of the row (TANDEM_RMSNORM_WARPS
-    # sets them, for benchmarks).
-    num_warps = int(os.environ.get("TANDEM_RMSNORM_WARPS", "0")) or min(16, max(1, block // 512))
+    # Enough warps that each thread holds a handful of elements of the row.
+    num_warps = min(16, max(1, block // 512))
     _rmsnorm_kernel[(rows,)](
         x2,
         r2,

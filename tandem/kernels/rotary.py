@@ -14,10 +14,9 @@ captured decode batch use slot -1.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tandem.config import kernel_config
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
 from tandem.model.rotary import apply_rotary
@@ -470,7 +469,7 @@ def rope_cache_write_scaled(
     q = torch.empty((t, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
-    compiled = qkv.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    compiled = qkv.is_cuda and not kernel_config().interpreted
     _rope_cache_scaled_kernel[(t,)](
         qkv, positions, cos_sin, slot_mapping, q, k_cache, v_cache, k_scale, v_scale,
         qkv.stride(0), q.stride(0), q.stride(1),

@@ -6,12 +6,12 @@ Plain tensors in, tensors out. Activations are packed: T tokens of many sequence
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from tandem.config import KernelConfig, kernel_config
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_gemv_x
 from tandem.kernels.embedding import embed_dequant_triton
 from tandem.kernels.gemv import linear_rows
@@ -38,24 +38,19 @@ from tandem.model.rotary import apply_rotary, cos_sin_table
 from tandem.quant.format import QuantizedWeight, cat_rows, permute_rows
 from tandem.quant.linear import linear
 
-# Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "triton" is one
-# launch over the paged cache for the whole batch; "sdpa" gathers each sequence's KV and calls
-# torch's SDPA (flash) per sequence. "auto" picks by the H200 measurement in
-# bench/results/h200_prefill_attention.json: Triton for batches of prompts (16 x 512: 7.7x faster),
-# chunks after a cached prefix (2.9x) and verification (64 x 5 positions: 70x); SDPA's flash kernel
-# for long whole prompts alone (1 x 2048: Triton 0.83x, 1 x 8192: 0.48x).
-PREFILL_ATTENTION = os.environ.get("TANDEM_PREFILL_ATTENTION", "auto")
-if PREFILL_ATTENTION not in ("auto", "sdpa", "triton"):
-    raise ValueError(
-        f"TANDEM_PREFILL_ATTENTION must be auto, sdpa or triton, got {PREFILL_ATTENTION!r}"
-    )
 SDPA_MIN_PROMPT = 1024  # "auto": whole prompts at least this long go to SDPA
 
 
-def varlen_attention_kind(query_start_loc: list[int], context_lens: list[int]) -> str:
-    """ "sdpa" or "triton" for one multi-token attention call (see PREFILL_ATTENTION)."""
-    if PREFILL_ATTENTION != "auto":
-        return PREFILL_ATTENTION
+def varlen_attention_kind(
+    query_start_loc: list[int], context_lens: list[int], backend: str = "auto"
+) -> str:
+    """ "sdpa" or "triton" for one multi-token attention call on CUDA (`backend`: the
+    `prefill_attention` kernel setting). "auto" picks by the H200 measurement in
+    bench/results/h200_prefill_attention.json: Triton for batches of prompts (16 x 512: 7.7x
+    faster), chunks after a cached prefix (2.9x) and verification (64 x 5 positions: 70x); SDPA's
+    flash kernel for long whole prompts alone (1 x 2048: Triton 0.83x, 1 x 8192: 0.48x)."""
+    if backend != "auto":
+        return backend
     for i, ctx in enumerate(context_lens):
         q_len = query_start_loc[i + 1] - query_start_loc[i]
         if q_len != ctx or q_len < SDPA_MIN_PROMPT:
@@ -211,8 +206,10 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_positions: int | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
         self.cfg = cfg
+        self.kernels = kernels or kernel_config()
         self.dtype = dtype
         self.device = torch.device(device)
 
@@ -468,7 +465,9 @@ class LlamaModel:
                     merge_last=not (one_row and isinstance(lw.o, QuantizedWeight)),
                 )
             else:
-                kind = varlen_attention_kind(meta.query_start_loc, meta.context_lens_list)
+                kind = varlen_attention_kind(
+                    meta.query_start_loc, meta.context_lens_list, self.kernels.prefill_attention
+                )
                 varlen = (
                     paged_attention_varlen_triton
                     if kind == "triton"

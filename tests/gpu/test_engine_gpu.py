@@ -110,14 +110,14 @@ def test_bf16_greedy_matches_transformers(hf_pair, kind, mode):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_triton_prefill_attention_matches_transformers(hf_pair, kind, monkeypatch):
+def test_triton_prefill_attention_matches_transformers(hf_pair, kind):
     """The one-launch Triton prefill attention gives greedy outputs within bf16 noise too."""
     import tandem
-    from tandem.model import llama
 
-    monkeypatch.setattr(llama, "PREFILL_ATTENTION", "triton")
     hf16, hf32, path = hf_pair(kind)
-    llm = tandem.LLM(path, device="cuda", dtype="bfloat16", num_blocks=128)
+    llm = tandem.LLM(
+        path, device="cuda", dtype="bfloat16", num_blocks=128, prefill_attention="triton"
+    )
     prompts = _prompts()
     outs = llm.generate(prompts, _greedy())
     _check_against_hf(hf16, hf32, prompts, outs)

@@ -8,9 +8,12 @@ every kernel of the step is deterministic, so any ordering race shows up as a di
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+
+from tandem import config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -107,14 +110,13 @@ def pdl():
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
-@pytest.mark.parametrize("prewait", ["0", "1"], ids=["", "prewait"])
-def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, monkeypatch) -> None:
-    """prewait (TANDEM_PDL_PREWAIT=1): the decode attention's context length and L2 prefetch
-    of stable K/V, and the rotary kernel's position, slot and cos/sin, before their waits. The
-    INT4 GEMVs sum their K split through the arrival counter (TANDEM_GEMV_ATOMIC=0), so the
-    steps are deterministic; the float atomics are tested below."""
-    monkeypatch.setenv("TANDEM_PDL_PREWAIT", prewait)
-    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
+def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, monkeypatch) -> None:
+    """With PDL (`pdl.prewait`) the decode attention reads its context length and prefetches
+    stable K/V into L2, and the rotary kernel reads its position, slot and cos/sin, before their
+    waits. The INT4 GEMVs sum their K split through the arrival counter (the `deterministic`
+    kernel setting), so the steps are deterministic; the float atomics are tested below."""
+    base = replace(config.kernel_config(), deterministic=True)
+    monkeypatch.setattr(config, "_KERNELS", base)
     from tandem.model.llama import LlamaModel
 
     cfg = _cfg()
@@ -137,7 +139,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
         return int(tables[0, p // bs]) * bs + p % bs
 
     # Eager, no PDL.
-    pdl.ENABLED = False
+    config.set_kernel_config(replace(base, pdl=False))
     try:
         kv = kv_cache()
         want = []
@@ -147,7 +149,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
                 t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
                 want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
     finally:
-        pdl.ENABLED = True
+        config.set_kernel_config(base)
 
     # One captured step with PDL, replayed with new inputs.
     kv = kv_cache()  # held here: the graph writes into it on every replay
@@ -167,7 +169,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, prewait, mo
 def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None:
     """One-row INT4 steps whose GEMVs add into float32 rows that their readers round and zero
     (the default, `w4a16.gemv_accumulates`), in a PDL graph, against eager steps that sum the K
-    split through the arrival counter (TANDEM_GEMV_ATOMIC=0): logits equal up to the order of
+    split through the arrival counter (`deterministic`): logits equal up to the order of
     the float32 adds, and every row zero again after each step."""
     from tandem.model.llama import LlamaModel
 
@@ -187,7 +189,7 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
     def meta(slot, ctx):
         return _decode_meta(slot, ctx, tables)
 
-    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "0")
+    monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
     kv = kv_cache()
     want = []
     with torch.inference_mode():
@@ -195,7 +197,7 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
             m = meta(torch.tensor([p], device=DEV), torch.tensor([p + 1], device=DEV))
             t_ids, t_pos = ids[p : p + 1].to(DEV), torch.tensor([p], device=DEV)
             want.append(model.logits(model.forward(t_ids, t_pos, kv, m)).clone())
-    monkeypatch.setenv("TANDEM_GEMV_ATOMIC", "1")
+    config.set_kernel_config(replace(config.kernel_config(), deterministic=False))
     kv = kv_cache()  # held here: the graph writes into it on every replay
     graph, out, s_ids, s_pos, s_slot, s_ctx = _captured_step(model, kv, kv_cache(), tables)
     assert all(torch.count_nonzero(r) == 0 for r in rows), "the warm-up step left a row unzeroed"

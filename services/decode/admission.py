@@ -82,9 +82,12 @@ class AdmissionMixin:
             )
             kind = peer.kind.value if imported else "recompute"
             ended = joined[0]
-            if source.pending is not None:  # a GPU copy: it ends when the device has run it
+            if source.pending is not None and imported:
+                # A GPU copy: the handover ends when the device has run it.
                 await source.pending.wait()
-                ended += source.pending.device_ms() / 1e3
+                ended = max(ended, time.monotonic())
+                if self.copies.pop(sid, None) is not None and sid in self.transfer:
+                    self.transfer[sid] = ((ended - req.t0) * 1e3, kind)
             self.obs.admitted(sid, req.t0, ended, kind, source.blocks_moved if imported else 0)
             if imported:
                 self.imports_by_transport[kind] = self.imports_by_transport.get(kind, 0) + 1
@@ -219,7 +222,9 @@ class AdmissionMixin:
         kind = peer.kind.value if imported else "recompute"
         self.transfer[sid] = ((joined[0] - req.t0) * 1e3, kind)
         if imported and source.pending is not None:
-            self.copies[sid] = source.pending  # its device time completes the handover's
+            # Until the admission sees the copy done and notes the handover's end (should the
+            # sequence finish first, its device time completes the host time noted here).
+            self.copies[sid] = source.pending
         return imported
 
     async def _release(self, address: str, lease_id: str, failure: str = "") -> None:

@@ -89,11 +89,10 @@ class DeviceCopy:
         return self.end.query()
 
     async def wait(self) -> None:
-        """Until the device has run the copy, polled from the event loop: a thread blocked in
-        cudaEventSynchronize spins on a core, and many admissions at once would starve the
-        engine thread."""
-        while not self.end.query():
-            await asyncio.sleep(2e-4)
+        """Until the device has run the copy. The events are blocking-sync ones, so the thread
+        waiting here sleeps instead of spinning on a core."""
+        if not self.end.query():
+            await asyncio.to_thread(self.end.synchronize)
 
     def device_ms(self) -> float:
         """The copy's time on the device (once it has passed)."""
@@ -108,7 +107,7 @@ def copy_blocks(
     if not dst.data.is_cuda:
         gather_copy(dst, dst_blocks, src, src_blocks)
         return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = (torch.cuda.Event(enable_timing=True, blocking=True) for _ in range(2))
     start.record()
     gather_copy(dst, dst_blocks, src, src_blocks)
     end.record()

@@ -48,6 +48,26 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
+def static_cache_compiled(hf, cuda: bool) -> None:
+    """Set transformers' `generate` to a static cache with its decode step compiled
+    (torch.compile, fullgraph; on CUDA inductor's reduce-overhead mode: CUDA graphs): generate
+    compiles the one-token forward itself and runs the prefill eagerly. Compiling `forward`
+    ourselves would compile the prefill too, and the static cache allocates its tensors lazily
+    in the first forward: inside a CUDA-graph prefill they become outputs of that graph, which
+    the next replay overwrites ("accessing tensor output of CUDAGraphs that has been overwritten
+    by a subsequent run"). On a CPU (smoke runs) the same path compiles with the eager backend,
+    which traces the same graph without building kernels."""
+    from transformers import CompileConfig
+
+    hf.generation_config.cache_implementation = "static"
+    if cuda:
+        cfg = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    else:
+        cfg = CompileConfig(fullgraph=True, backend="eager", mode=None)
+        cfg._compile_all_devices = True  # generate compiles only on accelerators otherwise
+    hf.generation_config.compile_config = cfg
+
+
 @torch.no_grad()
 def hf_step_s(model, prompt: int, vocab: int, steps: int = 20) -> float:
     """Median seconds of one single-token transformers forward with a dynamic KV cache."""
@@ -531,11 +551,12 @@ def main() -> int:
         b = 1
         ids = torch.tensor(lr.random_prompts(b, args.prompt, vocab, seed=b), device=dev)
         try:
-            hf.generation_config.cache_implementation = "static"
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            static_cache_compiled(hf, cuda)
             tc = time.perf_counter()
-            for _ in range(2):  # compiles prefill and decode shapes
+            for _ in range(2):  # compiles the decode step, then records its CUDA graph
                 lr.hf_generate_s(hf, ids, args.new_tokens)
+            if not hasattr(hf, "_compiled_call"):
+                raise RuntimeError("transformers' generate did not compile its decode step")
             compile_s = time.perf_counter() - tc
             t = lr.hf_generate_s(hf, ids, args.new_tokens)
             row = {"engine": "transformers", "mode": "static+compile", "batch": b,

@@ -113,19 +113,21 @@ def sharegpt_like_lengths(
 ) -> list[tuple[int, int]]:  # fmt: skip
     """(input, output) token lengths of `n` requests: each drawn from its log-normal (one
     seeded `random.Random`, input then output per request, so a seed gives the same lengths on
-    every platform), rounded, clipped to [4, max_input] and [4, max_output]; where input plus
-    output passes `max_model_len`, the output is cut to fit (at least one token)."""
+    every platform), rounded, clipped to [4, max_input] and [4, max_output]; with
+    `max_model_len`, the input is clipped below it too and the output cut to fit beside it."""
     lo = SHAREGPT_CLIP[0]
     if max_input < lo or max_output < 1:
         raise ValueError(f"max_input must be >= {lo} and max_output >= 1")
+    if max_model_len is not None:
+        if max_model_len <= lo:
+            raise ValueError(f"max_model_len {max_model_len} leaves no room for a {lo}-token input")
+        max_input = min(max_input, max_model_len - 1)
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         i = min(max_input, max(lo, round(rng.lognormvariate(*SHAREGPT_INPUT))))
         o = min(max_output, max(min(lo, max_output), round(rng.lognormvariate(*SHAREGPT_OUTPUT))))
         if max_model_len is not None:
-            if i >= max_model_len:
-                raise ValueError(f"max_input {max_input} leaves no room in {max_model_len}")
             o = max(1, min(o, max_model_len - i))
         out.append((i, o))
     return out

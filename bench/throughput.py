@@ -8,8 +8,20 @@ copy bandwidth measured in this run) and end-to-end tokens/s (prefill included, 
 is timed). transformers rows time `generate` end to end: eager (dynamic cache) at every size and,
 with --compiled, static cache + torch.compile at batch 1.
 
+`--workload sharegpt-like`: offline throughput. 1000 requests sent at once, greedy with
+ignore_eos (each output exactly its drawn length), lengths from a seeded ShareGPT-like
+distribution (`sharegpt_like_lengths`: log-normals fitted to the ShareGPT_V3 figures vLLM's serving
+benchmark reports, input mu 5.05 sigma 0.95, output mu 4.85 sigma 0.95, clipped to [4, 1024] and
+to the model length; seed 0: input mean 234, p50 158, p99 1024; output mean 195, p50 130, p99
+1024). Output and total tokens/s over the wall time from submission to the last token, through
+`LLMEngine` in-process and through `tandem up` (gateway, prefill, decode; KV by CUDA IPC) driven
+by client processes of concurrent streaming gRPC calls; printed beside published H100 figures
+(labelled, not measured here) and those scaled by the H200/H100 memory bandwidth.
+
     python bench/throughput.py                 # writes bench/results/h200_throughput.json
     python bench/throughput.py --smoke         # tiny model, CPU or GPU, checks the script runs
+    python bench/throughput.py --workload sharegpt-like    # bench/results/h200_sharegpt.json
+    python bench/throughput.py --workload sharegpt-like --smoke   # CPU: 12 short requests
 """
 
 from __future__ import annotations

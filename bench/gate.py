@@ -484,28 +484,13 @@ def _services(
     (services level summaries, in-process level summaries)}, one of each per repeat; `info`
     gets the checkpoint, the `tandem up` command and how long each part took."""
     import serve
-    from goodput import write_random_checkpoint
 
-    shape = "llama3-8b" if cuda else "smoke"
     dims = lr.LLAMA3_8B if cuda else lr.SMOKE
-    t0 = time.perf_counter()
-    ckpt = write_random_checkpoint(ckpt or os.path.join(tempfile.gettempdir(),
-                                                        f"tandem-gate-{shape}"), shape)  # fmt: skip
-    info.update(checkpoint=ckpt, checkpoint_s=time.perf_counter() - t0)
     streams = max(SERVICES_ROWS[n] for n in names)
     # Every stage and the in-process engine get this pool: room for all streams at once, as the
     # decode rows size theirs (Llama-3-8B bf16: 128 KiB of KV per token, 2.6 GB for 64 streams).
-    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-    kv_token = dims["num_hidden_layers"] * 2 * dims["num_key_value_heads"] * head_dim * 2
-    kv_gb = max(1.2 * streams * (prompt + new + 16) * kv_token / 2**30, 1.0) if cuda else 0.25
-    engine = dict(model=ckpt, device="cuda" if cuda else "cpu",
-                  dtype="bfloat16" if cuda else "float32", max_model_len=4096,
-                  kv_cache_memory_gb=kv_gb, max_num_seqs=max(8, streams),
-                  max_num_batched_tokens=max(8192, streams * prompt), cuda_graphs=True,
-                  async_scheduling=True)  # fmt: skip
-    transport = "cuda_ipc" if cuda else "shm"
-    up = [*serve.engine_flags(engine), "--kv-transport", transport, "--disagg-threshold", "0",
-          "--no-restart"]  # fmt: skip
+    engine = serve.random_services_engine(cuda, streams, prompt + new + 16, ckpt, info,
+                                          max_num_batched_tokens=max(8192, streams * prompt))  # fmt: skip
     seeds = iter(range(2000, 10**6))
 
     def level(name: str) -> Any:
@@ -517,7 +502,7 @@ def _services(
 
     out: dict[str, tuple[list[dict], list[dict]]] = {n: ([], []) for n in names}
     with serve.InProcessEngine(engine) as in_process:  # loads while the services start
-        launched = serve.Launched(up, timeout=600.0)
+        launched = serve.launch_disaggregated(engine, cuda)
         info.update(command=launched.command, startup_s=launched.startup_s)
         try:
             t0 = time.perf_counter()

@@ -412,6 +412,50 @@ class Launched:
         self.log.close()
 
 
+def random_services_engine(
+    cuda: bool, streams: int, tokens_per_stream: int, ckpt: str | None, info: dict[str, Any],
+    **overrides: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Engine options (EngineConfig fields) over a random checkpoint for the services benchmarks
+    (bench/gate.py, bench/throughput.py): Llama-3-8B's shape in bf16 on a GPU, the smoke shape
+    in float32 on a CPU, written once to `ckpt` (default $TMPDIR/tandem-gate-<shape>) and reused
+    after; CUDA graphs and asynchronous scheduling; a KV pool with room for `streams` sequences
+    of `tokens_per_stream` tokens at once (plus 20%). `overrides` replace any option. `info`
+    gets the checkpoint and the seconds it took."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llama_random as lr
+    from goodput import write_random_checkpoint
+
+    shape = "llama3-8b" if cuda else "smoke"
+    dims = lr.LLAMA3_8B if cuda else lr.SMOKE
+    t0 = time.perf_counter()
+    default = os.path.join(tempfile.gettempdir(), f"tandem-gate-{shape}")
+    ckpt = write_random_checkpoint(ckpt or default, shape)
+    info.update(checkpoint=ckpt, checkpoint_s=time.perf_counter() - t0)
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
+    kv_token = dims["num_hidden_layers"] * 2 * dims["num_key_value_heads"] * head_dim * 2
+    kv_gb = max(1.2 * streams * tokens_per_stream * kv_token / 2**30, 1.0) if cuda else 0.25
+    engine = dict(model=ckpt, device="cuda" if cuda else "cpu",
+                  dtype="bfloat16" if cuda else "float32", max_model_len=4096,
+                  kv_cache_memory_gb=kv_gb, max_num_seqs=max(8, streams),
+                  max_num_batched_tokens=8192, cuda_graphs=True, async_scheduling=True)  # fmt: skip
+    engine.update(overrides)
+    return engine
+
+
+def launch_disaggregated(engine: dict[str, Any], cuda: bool, timeout: float = 600.0) -> Launched:
+    """`tandem up` (gateway, prefill and decode processes) with `engine`'s options, every prompt
+    prefilled on the prefill worker and its KV handed to the decode worker by CUDA IPC on a GPU,
+    shared memory on a CPU (the transport is `disaggregated_transport(cuda)`)."""
+    up = [*engine_flags(engine), "--kv-transport", disaggregated_transport(cuda),
+          "--disagg-threshold", "0", "--no-restart"]  # fmt: skip
+    return Launched(up, timeout=timeout)
+
+
+def disaggregated_transport(cuda: bool) -> str:
+    return "cuda_ipc" if cuda else "shm"
+
+
 async def _one_grpc(stub: Any, pb: Any, req: Req) -> Record:
     import grpc
 

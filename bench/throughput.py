@@ -8,18 +8,36 @@ copy bandwidth measured in this run) and end-to-end tokens/s (prefill included, 
 is timed). transformers rows time `generate` end to end: eager (dynamic cache) at every size and,
 with --compiled, static cache + torch.compile at batch 1.
 
+`--workload sharegpt-like`: offline throughput. 1000 requests sent at once, greedy with
+ignore_eos (each output exactly its drawn length), lengths from a seeded ShareGPT-like
+distribution (`sharegpt_like_lengths`: log-normals fitted to the ShareGPT_V3 figures vLLM's serving
+benchmark reports, input mu 5.05 sigma 0.95, output mu 4.85 sigma 0.95, clipped to [4, 1024] and
+to the model length; seed 0: input mean 234, p50 158, p99 1024; output mean 195, p50 130, p99
+1024). Output and total tokens/s over the wall time from submission to the last token, through
+`LLMEngine` in-process and through `tandem up` (gateway, prefill, decode; KV by CUDA IPC) driven
+by client processes of concurrent streaming gRPC calls; printed beside published H100 figures
+(labelled, not measured here) and those scaled by the H200/H100 memory bandwidth.
+
     python bench/throughput.py                 # writes bench/results/h200_throughput.json
     python bench/throughput.py --smoke         # tiny model, CPU or GPU, checks the script runs
+    python bench/throughput.py --workload sharegpt-like    # bench/results/h200_sharegpt.json
+    python bench/throughput.py --workload sharegpt-like --smoke   # CPU: 12 short requests
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
+import random
+import statistics
 import sys
+import tempfile
 import time
 import traceback
+from typing import Any
 
 import torch
 
@@ -42,6 +60,26 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
+def static_cache_compiled(hf, cuda: bool) -> None:
+    """Set transformers' `generate` to a static cache with its decode step compiled
+    (torch.compile, fullgraph; on CUDA inductor's reduce-overhead mode: CUDA graphs): generate
+    compiles the one-token forward itself and runs the prefill eagerly. Compiling `forward`
+    ourselves would compile the prefill too, and the static cache allocates its tensors lazily
+    in the first forward: inside a CUDA-graph prefill they become outputs of that graph, which
+    the next replay overwrites ("accessing tensor output of CUDAGraphs that has been overwritten
+    by a subsequent run"). On a CPU (smoke runs) the same path compiles with the eager backend,
+    which traces the same graph without building kernels."""
+    from transformers import CompileConfig
+
+    hf.generation_config.cache_implementation = "static"
+    if cuda:
+        cfg = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    else:
+        cfg = CompileConfig(fullgraph=True, backend="eager", mode=None)
+        cfg._compile_all_devices = True  # generate compiles only on accelerators otherwise
+    hf.generation_config.compile_config = cfg
+
+
 @torch.no_grad()
 def hf_step_s(model, prompt: int, vocab: int, steps: int = 20) -> float:
     """Median seconds of one single-token transformers forward with a dynamic KV cache."""
@@ -60,20 +98,382 @@ def hf_step_s(model, prompt: int, vocab: int, steps: int = 20) -> float:
     return times[len(times) // 2]
 
 
+# ---- the ShareGPT-like offline workload ----------------------------------------------------------
+# Log-normal (mu, sigma) of the token lengths, fitted to the ShareGPT_V3 figures vLLM's serving
+# benchmark reports for 1000 sampled conversations (about 215k-235k prompt and 195k-200k output
+# tokens: means near 230 and 195, medians well below them, long tails): with the clipping below,
+# 200,000 draws have mean 232 / p50 156 / p99 1024 input and mean 193 / p50 128 / p99 1024 output.
+SHAREGPT_INPUT = (5.05, 0.95)
+SHAREGPT_OUTPUT = (4.85, 0.95)
+SHAREGPT_CLIP = (4, 1024)  # both lengths, as vLLM's sampler keeps 4..1024-token prompts
+SHAREGPT_SEED = 0
+# What SHAREGPT_SEED's first 1000 requests hold (the test checks the draw reproduces them).
+SHAREGPT_1000 = {"input_mean": 234.2, "output_mean": 195.3}
+# H200 over H100 SXM memory bandwidth (TB/s).
+BANDWIDTH_RATIO = 4.8 / 3.35
+PUBLISHED_SOURCE = (
+    "AIMultiple, 'LLM inference engines' benchmark (research.aimultiple.com/inference-engines): "
+    "Llama 3.1 8B-Instruct, bf16, one H100 80GB, 1000 ShareGPT prompts, offline batch, output "
+    "tokens/s; published figures, not measured here"
+)
+PUBLISHED = {"SGLang": 16215.0, "vLLM": 12553.0}
+
+
+def sharegpt_like_lengths(
+    n: int, seed: int = SHAREGPT_SEED, max_input: int = SHAREGPT_CLIP[1],
+    max_output: int = SHAREGPT_CLIP[1], max_model_len: int | None = None,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """(input, output) token lengths of `n` requests: each drawn from its log-normal (one
+    seeded `random.Random`, input then output per request, so a seed gives the same lengths on
+    every platform), rounded, clipped to [4, max_input] and [4, max_output]; with
+    `max_model_len`, the input is clipped below it too and the output cut to fit beside it."""
+    lo = SHAREGPT_CLIP[0]
+    if max_input < lo or max_output < 1:
+        raise ValueError(f"max_input must be >= {lo} and max_output >= 1")
+    if max_model_len is not None:
+        if max_model_len <= lo:
+            raise ValueError(f"max_model_len {max_model_len} leaves no room for a {lo}-token input")
+        max_input = min(max_input, max_model_len - 1)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        i = min(max_input, max(lo, round(rng.lognormvariate(*SHAREGPT_INPUT))))
+        o = min(max_output, max(min(lo, max_output), round(rng.lognormvariate(*SHAREGPT_OUTPUT))))
+        if max_model_len is not None:
+            o = max(1, min(o, max_model_len - i))
+        out.append((i, o))
+    return out
+
+
+def length_stats(lengths: list[tuple[int, int]]) -> dict[str, Any]:
+    """Totals, means and percentiles (50, 90, 99) of the input and output lengths."""
+
+    def pct(xs: list[int], q: int) -> float:
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
+
+    out: dict[str, Any] = {"requests": len(lengths)}
+    for k, xs in (("input", [a for a, _ in lengths]), ("output", [b for _, b in lengths])):
+        out[f"{k}_tokens"] = sum(xs)
+        out[f"{k}_mean"] = statistics.mean(xs)
+        for q in (50, 90, 99):
+            out[f"{k}_p{q}"] = pct(xs, q)
+        out[f"{k}_max"] = max(xs)
+    return out
+
+
+def _random_ids(lengths: list[tuple[int, int]], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (i,), generator=g).tolist() for i, _ in lengths]
+
+
+def run_offline_engine(engine, prompts: list[list[int]], outputs: list[int]) -> dict[str, Any]:
+    """Every request added at once to `LLMEngine`, greedy with ignore_eos (exactly `outputs[i]`
+    tokens each), stepped until the last token: wall time and tokens/s from the first
+    add_request to the last token."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    lr.sync()
+    t0 = time.perf_counter()
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True))
+            for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    lr.sync()
+    wall = time.perf_counter() - t0
+    got = sum(len(s.output_token_ids) for s in seqs)
+    if got != sum(outputs):
+        raise RuntimeError(f"generated {got} tokens, expected {sum(outputs)}")
+    return _throughput(wall, sum(map(len, prompts)), got) | {"steps": steps}
+
+
+def _throughput(wall: float, input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"wall_s": wall, "input_tokens": input_tokens, "output_tokens": output_tokens,
+            "output_tokens_per_s": output_tokens / wall,
+            "total_tokens_per_s": (input_tokens + output_tokens) / wall}  # fmt: skip
+
+
+STREAMS_PER_CHANNEL = 200  # below the gateway's gRPC max_concurrent_streams per connection
+
+
+def _client(address: str, reqs: list[tuple[list[int], int]], ready, start, results) -> None:
+    """One client process: its requests as concurrent streaming `Gateway/Generate` calls over
+    channels of their own connections, all sent at the start time the parent hands out."""
+    import asyncio
+
+    import grpc
+    import serve
+
+    from tandem.rpc import api_pb2, api_pb2_grpc
+
+    async def main() -> list[dict[str, Any]]:
+        opts = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
+        chans = [grpc.aio.insecure_channel(address, options=opts)
+                 for _ in range(0, len(reqs), STREAMS_PER_CHANNEL)]  # fmt: skip
+        try:
+            for ch in chans:
+                await asyncio.wait_for(ch.channel_ready(), 60)
+            ready.put(os.getpid())
+            t_start = await asyncio.get_running_loop().run_in_executor(None, start.get)
+            await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
+            stubs = [api_pb2_grpc.GatewayStub(ch) for ch in chans]
+            recs = await asyncio.gather(*(
+                serve._one_grpc(stubs[i // STREAMS_PER_CHANNEL], api_pb2, serve.Req(p, o))
+                for i, (p, o) in enumerate(reqs)))  # fmt: skip
+            return [dataclasses.asdict(r) for r in recs]
+        finally:
+            for ch in chans:
+                await ch.close()
+
+    try:
+        results.put(asyncio.run(main()))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        results.put(repr(e))
+
+
+def run_offline_services(
+    address: str, prompts: list[list[int]], outputs: list[int], procs: int, timeout: float
+) -> dict[str, Any]:
+    """Every request sent at once to the gateway at `address` by `procs` client processes
+    (grpc.aio, streaming; one Python process cannot read 25,000 token messages a second), greedy
+    with ignore_eos: wall time and tokens/s from the common send time to the last token."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    starts = [ctx.Queue() for _ in range(procs)]
+    reqs = list(zip(prompts, outputs, strict=True))
+    workers = [ctx.Process(target=_client, args=(address, reqs[k::procs], ready, starts[k],
+                                                 results), daemon=True)
+               for k in range(procs)]  # fmt: skip
+    for w in workers:
+        w.start()
+    try:
+        for _ in workers:
+            ready.get(timeout=120)
+        t_start = time.perf_counter() + 0.05
+        for q in starts:
+            q.put(t_start)
+        recs: list[dict[str, Any]] = []
+        for _ in workers:
+            got = results.get(timeout=timeout)
+            if isinstance(got, str):
+                raise RuntimeError(f"a client process failed: {got}")
+            recs.extend(got)
+    finally:
+        for w in workers:
+            w.join(5)
+            if w.is_alive():
+                w.kill()
+    errors = sorted({r["error"] for r in recs if r["error"]})
+    if errors:
+        raise RuntimeError(f"{sum(1 for r in recs if r['error'])} requests failed: {errors[:3]}")
+    got = sum(r["n_tokens"] for r in recs)
+    if got != sum(outputs):
+        raise RuntimeError(f"the services streamed {got} tokens, expected {sum(outputs)}")
+    wall = max(r["t_last"] for r in recs) - t_start
+    ttft = sorted(r["t_first"] - t_start for r in recs)
+    transports = sorted({r["kv_transport"] for r in recs if r["kv_transport"]})
+    return _throughput(wall, sum(map(len, prompts)), got) | {
+        "client_processes": procs, "ttft_p50_s": ttft[len(ttft) // 2],
+        "kv_transports": transports}  # fmt: skip
+
+
+def published_rows() -> list[dict[str, Any]]:
+    """The published H100 figures and those scaled by the H200's memory bandwidth."""
+    rows = []
+    for name, tps in PUBLISHED.items():
+        rows.append({"engine": name, "gpu": "H100 80GB", "output_tokens_per_s": tps,
+                     "scaled_to_h200_by_bandwidth": tps * BANDWIDTH_RATIO})  # fmt: skip
+    return rows
+
+
+def sharegpt_main(args: argparse.Namespace) -> int:
+    """`--workload sharegpt-like`: the offline run through the engine and the services."""
+    cuda = torch.cuda.is_available() and not args.smoke
+    dev = "cuda" if cuda else "cpu"
+    shape = lr.SMOKE if not cuda else lr.LLAMA3_8B
+    n = args.requests or (12 if args.smoke else 1000)
+    max_in, max_out = (192, 24) if args.smoke else (SHAREGPT_CLIP[1], SHAREGPT_CLIP[1])
+    mml = args.max_model_len
+    lengths = sharegpt_like_lengths(n, args.seed, max_in, max_out, mml)
+    stats = length_stats(lengths)
+    paths = [p for p in args.paths.split(",") if p]
+    bad = sorted(set(paths) - {"engine", "services"})
+    if bad:
+        raise SystemExit(f"--paths: unknown {bad}; known: engine, services")
+    res: dict[str, Any] = {"benchmark": "throughput-sharegpt-like", **lr.run_info(sys.argv),
+                           "smoke": args.smoke, "hardware": _hardware(cuda)}  # fmt: skip
+    res["workload"] = {
+        "name": "sharegpt-like", "requests": n, "seed": args.seed,
+        "input_lognormal_mu_sigma": SHAREGPT_INPUT, "output_lognormal_mu_sigma": SHAREGPT_OUTPUT,
+        "clip_input": [SHAREGPT_CLIP[0], max_in], "clip_output": [SHAREGPT_CLIP[0], max_out],
+        "max_model_len": mml, "greedy": True, "ignore_eos": True, "submitted": "all at once",
+        "shape": shape, "lengths": stats}  # fmt: skip
+    res["published"] = {"source": PUBLISHED_SOURCE, "bandwidth_ratio_h200_h100": BANDWIDTH_RATIO,
+                        "rows": published_rows()}  # fmt: skip
+    res["rows"] = rows = []
+    t0 = time.perf_counter()
+    print(f"{n} requests, seed {args.seed}: input mean {stats['input_mean']:.1f} p50 "
+          f"{stats['input_p50']:.0f} p90 {stats['input_p90']:.0f} p99 {stats['input_p99']:.0f}; "
+          f"output mean {stats['output_mean']:.1f} p50 {stats['output_p50']:.0f} p90 "
+          f"{stats['output_p90']:.0f} p99 {stats['output_p99']:.0f}; "
+          f"{stats['input_tokens']} + {stats['output_tokens']} tokens", flush=True)  # fmt: skip
+    prompts = _random_ids(lengths, shape["vocab_size"], args.seed + 1)
+    outputs = [o for _, o in lengths]
+    # Warm-up: a shorter draw of its own (kernels compiled, every decode bucket captured).
+    warm_n = min(n, 300)
+    warm_len = sharegpt_like_lengths(warm_n, args.seed + 7, max_in, min(max_out, 64), mml)
+    warm = (_random_ids(warm_len, shape["vocab_size"], args.seed + 8), [o for _, o in warm_len])
+    engine_opts = dict(device=dev, dtype="bfloat16" if cuda else "float32", max_model_len=mml,
+                       kv_cache_memory_gb=args.kv_gb if cuda else 0.25,
+                       max_num_seqs=args.max_num_seqs, max_queued_seqs=max(1024, n),
+                       max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=True,
+                       async_scheduling=True)  # fmt: skip
+    res["engine_options"] = engine_opts
+
+    def save() -> None:
+        res["seconds"] = time.perf_counter() - t0
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+
+    def guarded(path: str, fn) -> None:
+        try:
+            row = {"path": path, **fn()}
+        except Exception as e:  # noqa: BLE001 - report the row, go on with the other
+            traceback.print_exc()
+            row = {"path": path, "error": repr(e)[:400]}
+        rows.append(row)
+        print(row, flush=True)
+        save()
+
+    if "engine" in paths:
+
+        def engine_path() -> dict[str, Any]:
+            hf = lr.build_hf_model(shape, dev, torch.bfloat16 if cuda else torch.float32)
+            engine = lr.tandem_engine(hf, **engine_opts)
+            del hf
+            run_offline_engine(engine, *warm)
+            out = run_offline_engine(engine, prompts, outputs)
+            out["params"] = lr.weight_bytes_per_step(engine) // (2 if cuda else 4)
+            del engine
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            return out
+
+        guarded("engine (LLMEngine, in-process)", engine_path)
+
+    if "services" in paths:
+
+        def services_path() -> dict[str, Any]:
+            import serve
+
+            info: dict[str, Any] = {}
+            engine = serve.random_services_engine(
+                cuda, args.max_num_seqs, 2 * SHAREGPT_CLIP[1], args.services_checkpoint, info,
+                **{k: v for k, v in engine_opts.items() if k not in ("device", "dtype")},
+            )  # fmt: skip
+            launched = serve.launch_disaggregated(engine, cuda)
+            info.update(command=launched.command, startup_s=launched.startup_s)
+            try:
+                procs = args.client_procs
+                run_offline_services(launched.address, *warm, procs, 600.0)
+                out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
+                launched.check_alive()
+            finally:
+                launched.stop()
+            want = serve.disaggregated_transport(cuda)
+            if out["kv_transports"] != [want]:
+                raise RuntimeError(f"KV moved by {out['kv_transports']}, not {want!r}")
+            return out | {"services": info}
+
+        guarded("services (gateway, prefill, decode)", services_path)
+    save()
+    print_sharegpt(res)
+    print(f"wrote {args.out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _hardware(cuda: bool) -> dict[str, Any]:
+    if not cuda:
+        return {"cpu_count": os.cpu_count()}
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+            "memory_GiB": p.total_memory / 2**30, "cuda": torch.version.cuda,
+            "cpu_count": os.cpu_count()}  # fmt: skip
+
+
+def print_sharegpt(res: dict[str, Any]) -> None:
+    """The table: Tandem's rows measured here, then the published figures, labelled."""
+    w = res["workload"]["lengths"]
+    print(f"\nShareGPT-like, {w['requests']} requests at once: {w['input_tokens']} input + "
+          f"{w['output_tokens']} output tokens; {res['device']}")  # fmt: skip
+    print(f"{'':<42}{'output tok/s':>14}{'total tok/s':>13}{'wall s':>9}{'model TFLOP/s':>15}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"Tandem {r['path']:<35}  error: {r['error'][:70]}")
+            continue
+        params = next((x["params"] for x in res["rows"] if "params" in x), None)
+        tf = (f"{2 * params * (r['input_tokens'] + r['output_tokens']) / r['wall_s'] / 1e12:.0f}"
+              if params else "-")  # fmt: skip
+        print(f"Tandem {r['path']:<35}{r['output_tokens_per_s']:>14,.0f}"
+              f"{r['total_tokens_per_s']:>13,.0f}{r['wall_s']:>9.2f}{tf:>15}")  # fmt: skip
+    pub = res["published"]
+    print(
+        "published, NOT measured here (one H100 80GB; x"
+        f"{pub['bandwidth_ratio_h200_h100']:.2f} = H200/H100 memory bandwidth):"
+    )
+    for r in pub["rows"]:
+        print(f"  {r['engine']:<11} H100 {r['output_tokens_per_s']:>9,.0f} output tok/s, scaled to "
+              f"H200 {r['scaled_to_h200_by_bandwidth']:>9,.0f}")  # fmt: skip
+    print(f"  source: {pub['source']}")
+    print(
+        "model TFLOP/s: 2 x matmul parameters x (input + output tokens) / wall time (attention "
+        "excluded); the H100 and H200 have the same bf16 peak"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default 4096; sharegpt 2048")
     ap.add_argument("--hf-batches", default=None, help="transformers sizes (default: --batches)")
     ap.add_argument("--compiled", action="store_true", help="also static cache + torch.compile")
     ap.add_argument("--sync-too", action="store_true", help="also Tandem without async scheduling")
     ap.add_argument("--smoke", action="store_true", help="tiny model; runs on CPU too")
-    ap.add_argument(
-        "--out", default=os.path.join(lr.ROOT, "bench", "results", "h200_throughput.json")
+    ap.add_argument("--out", default=None, help="default bench/results/h200_<workload>.json")
+    ap.add_argument("--workload", choices=("fixed", "sharegpt-like"), default="fixed")
+    sg = ap.add_argument_group("--workload sharegpt-like")
+    sg.add_argument("--requests", type=int, default=None, help="default 1000 (smoke 12)")
+    sg.add_argument("--seed", type=int, default=SHAREGPT_SEED)
+    sg.add_argument("--paths", default="engine,services", help="engine, services or both")
+    sg.add_argument("--max-num-seqs", type=int, default=256)
+    sg.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    sg.add_argument("--kv-gb", type=float, default=32.0, help="KV pool per engine (GPU)")
+    sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
+    sg.add_argument(
+        "--services-checkpoint",
+        default=None,
+        help="the random checkpoint (default: bench/gate.py's, $TMPDIR/tandem-gate-*)",
     )
     args = ap.parse_args()
+    sharegpt = args.workload == "sharegpt-like"
+    if args.max_model_len is None:
+        args.max_model_len = 2048 if sharegpt else 4096
+    if args.out is None:
+        name = "h200_sharegpt.json" if sharegpt else "h200_throughput.json"
+        if args.smoke or not torch.cuda.is_available():
+            args.out = os.path.join(tempfile.mkdtemp(prefix="tandem-throughput-"), name)
+        else:
+            args.out = os.path.join(lr.ROOT, "bench", "results", name)
+    if sharegpt:
+        return sharegpt_main(args)
     batches = [int(b) for b in args.batches.split(",") if b]
     hf_sizes = args.batches if args.hf_batches is None else args.hf_batches
     hf_batches = [int(b) for b in hf_sizes.split(",") if b]
@@ -165,11 +565,12 @@ def main() -> int:
         b = 1
         ids = torch.tensor(lr.random_prompts(b, args.prompt, vocab, seed=b), device=dev)
         try:
-            hf.generation_config.cache_implementation = "static"
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            static_cache_compiled(hf, cuda)
             tc = time.perf_counter()
-            for _ in range(2):  # compiles prefill and decode shapes
+            for _ in range(2):  # compiles the decode step, then records its CUDA graph
                 lr.hf_generate_s(hf, ids, args.new_tokens)
+            if not hasattr(hf, "_compiled_call"):
+                raise RuntimeError("transformers' generate did not compile its decode step")
             compile_s = time.perf_counter() - tc
             t = lr.hf_generate_s(hf, ids, args.new_tokens)
             row = {"engine": "transformers", "mode": "static+compile", "batch": b,

@@ -108,3 +108,25 @@ def test_missing_cuda_device_is_a_clear_error():
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ValueError, match=rf"device cuda:{n + 2} .*(not available|does not exist)"):
         tandem.LLM(device=f"cuda:{n + 2}")
+
+
+def test_generate_decodes_text_once_unless_a_stop_string_needs_it(llm, monkeypatch):
+    # Without stop strings the text is decoded once at the end, not after every step, and is the
+    # text streaming builds delta by delta; with one, the text is followed step by step.
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 9, 30)]
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    calls = []
+    decode = llm.tokenizer.decode
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    outs = llm.generate(prompts, sp)
+    # Per sequence: the prompt context, then the output (and once more when finishing).
+    assert len(calls) <= 3 * len(prompts)
+    for p, out in zip(prompts, outs, strict=True):
+        streamed = list(llm.stream(p, sp))
+        assert [t for c in streamed for t in c.token_ids] == out.token_ids
+        assert "".join(c.text for c in streamed) == out.text
+    calls.clear()
+    stop = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, stop=["zzz"])
+    assert [o.text for o in llm.generate(prompts, stop)] == [o.text for o in outs]
+    assert len(calls) >= 16 * len(prompts)

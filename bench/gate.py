@@ -218,12 +218,25 @@ def _fmt(x: float) -> str:
 
 def readme_block(baseline: dict) -> str:
     """The README's performance table (markdown) from a baseline file, between its markers."""
+    hw = baseline.get("hardware") or {}
+    machine = ", ".join(
+        x
+        for x in (
+            f"{hw['memory_GiB']:.0f} GiB" if "memory_GiB" in hw else "",
+            f"CUDA {hw['cuda']}" if hw.get("cuda") else "",
+            f"{hw['cpu_count']} CPU cores" if hw.get("cpu_count") else "",
+            f"torch {baseline['torch']}" if baseline.get("torch") else "",
+            f"Triton {baseline['triton']}" if baseline.get("triton") else "",
+        )
+        if x
+    )
     lines = [
         README_BEGIN,
         "## Performance",
         "",
-        f"Measured by `bench/gate.py` ({baseline['seconds'] / 60:.0f} minutes) on an"
-        f" {baseline['device']} at {baseline['git_revision'][:7]} ({baseline['date'][:10]}),",
+        f"Measured by `python bench/gate.py` ({baseline['seconds'] / 60:.0f} minutes) on one"
+        f" {baseline['device']}{f' ({machine})' if machine else ''} at"
+        f" {baseline['git_revision'][:7]} ({baseline['date'][:10]}),",
         "random Llama-3-8B-shaped weights: the median of the repeats (KV handover: the best of"
         f" {baseline.get('handover_rounds', HANDOVER_ROUNDS)} rounds), from",
         "`bench/baseline_h200.json`. Decode: 128-token prompts, 128 new tokens; its roofline is",

@@ -33,10 +33,27 @@ PREFILL_FORWARD = "prefill.forward"
 KV_TRANSFER = "kv.transfer"
 DECODE_QUEUE = "decode.queue"
 DECODE_GENERATE = "decode.generate"
-DRAFT_PROPOSE = "draft.propose"  # the draft worker: one per propose step, linked to requests
+DRAFT_ADMIT = "draft.admit"  # the draft worker's prefill of a request's prompt
 # Work done for a whole batch: one span per step, linked to the request spans it served.
 PREFILL_BATCH = "prefill.batch"
 DECODE_STEP = "decode.step"
+DRAFT_PROPOSE = "draft.propose"  # the draft worker: one per propose step, linked to requests
+# Every span a Tandem process records: the span functions below refuse any other name, and a
+# test checks the README's span table against these two sets.
+REQUEST_SPANS = frozenset(
+    {
+        GATEWAY_REQUEST,
+        GATEWAY_TOKENIZE,
+        GATEWAY_DETOKENIZE,
+        PREFILL_QUEUE,
+        PREFILL_FORWARD,
+        KV_TRANSFER,
+        DECODE_QUEUE,
+        DECODE_GENERATE,
+        DRAFT_ADMIT,
+    }
+)
+BATCH_SPANS = frozenset({PREFILL_BATCH, DECODE_STEP, DRAFT_PROPOSE})
 
 # ---- attributes: OpenTelemetry GenAI semantic conventions, then Tandem's own ----------------
 OPERATION = "gen_ai.operation.name"  # chat | text_completion
@@ -191,6 +208,8 @@ def start_span(
     kind: SpanKind = SpanKind.INTERNAL,
 ) -> Span:
     """Start a span; `parent` is a context or a span, `start` a `time.monotonic()` reading."""
+    if name not in REQUEST_SPANS:
+        raise ValueError(f"unknown request span {name!r}: declare it in tandem.telemetry")
     if isinstance(parent, Span):
         parent = trace.set_span_in_context(parent)
     return _tracer.start_span(
@@ -226,6 +245,8 @@ def record_batch_span(
 ) -> Span:
     """One span for work done for a whole batch: a root of its own, linked to the request spans
     it served (pass only sampled ones: see `link_to`); always kept."""
+    if name not in BATCH_SPANS:
+        raise ValueError(f"unknown batch span {name!r}: declare it in tandem.telemetry")
     span = _batch_tracer.start_span(
         name, context=Context(), attributes=attributes, links=links, start_time=epoch_ns(start)
     )

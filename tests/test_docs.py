@@ -261,3 +261,40 @@ def test_metric_scan_finds_the_known_families() -> None:
     assert code["tandem_num_requests_running"].kind == "gauge"  # a GaugeMetricFamily
     assert code["tandem_requests_shed_total"].kind == "counter"  # in services/gateway
     assert code["tandem_gpu_power_watts"].kind == "gauge"  # named in a table the code loops over
+
+
+# Measurement history belongs in commit messages, not in the tree (acceptance grep of the docs).
+HISTORY = re.compile(r"session [0-9]|call [0-9]|issue #[0-9]", re.IGNORECASE)
+HISTORY_PATHS = (
+    "tandem",
+    "services",
+    "tests",
+    "README.md",
+    "docs",
+    os.path.join("bench", "README.md"),
+)
+
+
+def test_code_and_docs_carry_no_history_talk() -> None:
+    hits = []
+    for top in HISTORY_PATHS:
+        full = os.path.join(ROOT, top)
+        files = [full] if os.path.isfile(full) else []
+        for dirpath, dirnames, filenames in os.walk(full):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            files += [os.path.join(dirpath, n) for n in filenames]
+        for path in files:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    lines = f.readlines()
+            except UnicodeDecodeError:
+                continue  # binary
+            for i, line in enumerate(lines, 1):
+                if HISTORY.search(line):
+                    hits.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert not hits, "history talk (say it in a commit message instead):\n" + "\n".join(hits)
+
+
+def test_bench_readme_stays_short() -> None:
+    size = os.path.getsize(os.path.join(ROOT, "bench", "README.md"))
+    assert size <= 15_000, f"bench/README.md is {size:,} bytes; keep it within 15,000"

@@ -12,8 +12,15 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.rpc import api_pb2_grpc, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import stage_channel_sync
 from tests.integration.cluster import free_ports
+
+_STAT_STUBS = {
+    "prefill": stages_pb2_grpc.PrefillStub,
+    "decode": stages_pb2_grpc.DecodeStub,
+    "draft": stages_pb2_grpc.DraftStub,
+}
 
 
 def _die_with_parent() -> None:
@@ -80,6 +87,25 @@ class Stage:
     def channel(self) -> grpc.Channel:
         """A channel to this stage that sends its stage secret, as its peers do."""
         return stage_channel_sync(self.address, self.secret)
+
+    def gateway_stub(self) -> api_pb2_grpc.GatewayStub:
+        """The public API of this (gateway) stage, over a plaintext channel."""
+        return api_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address))
+
+    def stats(self, timeout: float = 30.0) -> stages_pb2.WorkerStats:
+        """This worker's `Stats` (prefill, decode or draft), sent with its stage secret."""
+        stub = _STAT_STUBS[self.name](self.channel())
+        return stub.Stats(stages_pb2.StatsRequest(), timeout=timeout)
+
+    def wait_idle(self, timeout: float = 15.0) -> stages_pb2.WorkerStats:
+        """Poll `stats` until no sequence runs and no block is used (or `timeout` passes); the
+        last stats, for the caller to assert on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
 
     def start(self, wait: bool = True, credentials=None) -> Stage:
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
@@ -166,3 +192,39 @@ def pipeline_stages(
     )
     gateway.http_port = hp  # type: ignore[attr-defined]
     return prefill, decode, gateway
+
+
+def speculative_stages(
+    tmp_dir: str, model_args: list[str], draft_spec: str, decode_args=()
+) -> tuple[Stage, Stage, Stage, Stage]:
+    """Draft, prefill, decode and gateway Stage objects on free ports (not started): the draft
+    worker serves `draft_spec` (`--draft` of services.draft), decode and gateway use it."""
+    (fp,) = free_ports(1)
+    address = f"127.0.0.1:{fp}"
+    prefill, decode, gateway = pipeline_stages(
+        tmp_dir,
+        model_args,
+        gateway_args=["--draft", address],
+        decode_args=["--draft", address, *decode_args],
+    )
+    draft = Stage(
+        "draft", fp, [*model_args, "--draft", draft_spec], os.path.join(tmp_dir, "draft.log")
+    )
+    return draft, prefill, decode, gateway
+
+
+def gateway_stage(
+    prefill: Stage, decode: Stage, args: list[str], log_path: str, env: dict | None = None
+) -> Stage:
+    """Another gateway (not started) on free ports in front of running `prefill` and `decode`,
+    with its own flags `args` (and environment `env`); its HTTP port is `.http_port`."""
+    gp, hp = free_ports(2)
+    gateway = Stage(
+        "gateway",
+        gp,
+        ["--http-port", str(hp), "--prefill", prefill.address, "--decode", decode.address, *args],
+        log_path,
+        env=env or {},
+    )
+    gateway.http_port = hp  # type: ignore[attr-defined]
+    return gateway

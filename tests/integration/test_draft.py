@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import subprocess
 import sys
 import time
@@ -15,41 +14,12 @@ import torch
 import tandem
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage
+from tests.integration.stages import Stage, speculative_stages
 
 REWRITE = (
     "Repeat this text exactly:\nTandem serves large language models as a pipeline of cooperating "
     "processes: a gateway, a prefill worker and a decode worker that moves KV cache by handle."
 )
-
-
-def _stack(tmp, model_args, draft_spec, decode_extra=()):
-    pp, dp, gp, hp, fp = free_ports(5)
-    draft = Stage("draft", fp, [*model_args, "--draft", draft_spec], os.path.join(tmp, "draft.log"))
-    prefill = Stage("prefill", pp, [*model_args], os.path.join(tmp, "prefill.log"))
-    decode = Stage(
-        "decode",
-        dp,
-        [*model_args, "--prefill", f"127.0.0.1:{pp}", "--draft", f"127.0.0.1:{fp}", *decode_extra],
-        os.path.join(tmp, "decode.log"),
-    )
-    gateway = Stage(
-        "gateway",
-        gp,
-        [
-            *model_args,
-            "--http-port",
-            str(hp),
-            "--prefill",
-            f"127.0.0.1:{pp}",
-            "--decode",
-            f"127.0.0.1:{dp}",
-            "--draft",
-            f"127.0.0.1:{fp}",
-        ],
-        os.path.join(tmp, "gateway.log"),
-    )
-    return draft, prefill, decode, gateway
 
 
 def _generate(gateway: Stage, req: api_pb2.GenerateRequest) -> tuple[list[int], api_pb2.Finish]:
@@ -73,7 +43,7 @@ def _chat(text: str, n: int) -> api_pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def ngram_stack(tmp_path_factory):
-    stages = _stack(
+    stages = speculative_stages(
         str(tmp_path_factory.mktemp("draft")), [], "ngram", ["--draft-timeout-ms", "2000"]
     )
     for s in stages:
@@ -141,7 +111,9 @@ def test_self_int4_draft_on_smollm2_greedy_equals_plain_for_concurrent_requests(
     texts = [REWRITE, "What is the capital of France?"]
     exp = llm.generate([llm.chat_prompt([{"role": "user", "content": t}]) for t in texts], sp)
     del llm
-    stages = _stack(str(tmp_path), small_kv, "self-int4", ["--draft-timeout-ms", "10000"])
+    stages = speculative_stages(
+        str(tmp_path), small_kv, "self-int4", ["--draft-timeout-ms", "10000"]
+    )
     try:
         for s in stages:
             s.start()
@@ -167,7 +139,7 @@ def test_model_drafts_through_services(tmp_path, model_factory, draft_kind):
         build_random_model("llama", spec, seed=9, num_hidden_layers=1)
     else:
         spec = draft_kind
-    stages = _stack(
+    stages = speculative_stages(
         str(tmp_path),
         ["--model", path, "--num-blocks", "128"],
         spec,

@@ -12,15 +12,13 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import time
 
 import grpc
 import pytest
 
 from tandem.model.loader import load_model_info
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage, pipeline_stages
+from tandem.rpc import api_pb2
+from tests.integration.stages import Stage, gateway_stage, pipeline_stages
 
 BLOCK = 16
 
@@ -36,22 +34,7 @@ def stack(tmp_path_factory):
         ("remote", ["--disagg-threshold", "0"]),
         ("shed", ["--ttft-slo-ms", "1", "--shed-load", "true", "--disagg-threshold", "0"]),
     ):
-        gp, hp = free_ports(2)
-        gw = Stage(
-            "gateway",
-            gp,
-            [
-                "--http-port",
-                str(hp),
-                "--prefill",
-                prefill.address,
-                "--decode",
-                decode.address,
-                *args,
-            ],
-            str(d / f"gateway-{name}.log"),
-        )
-        gw.http_port = hp  # type: ignore[attr-defined]
+        gw = gateway_stage(prefill, decode, args, str(d / f"gateway-{name}.log"))
         gateways[name] = gw
     prefill.start()
     decode.start()
@@ -67,29 +50,6 @@ def tokenizer():
     return load_model_info(None)[1]
 
 
-def _stub(stage: Stage) -> api_pb2_grpc.GatewayStub:
-    return api_pb2_grpc.GatewayStub(grpc.insecure_channel(stage.address))
-
-
-def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
-    ch = grpc.insecure_channel(decode.address)
-    return stages_pb2_grpc.DecodeStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
-
-
-def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
-    ch = grpc.insecure_channel(prefill.address)
-    return stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
-
-
-def _wait_idle(decode: Stage, timeout: float = 15.0) -> stages_pb2.WorkerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = _decode_stats(decode)
-        if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
-
-
 def _generate(stage: Stage, ids: list[int], **sampling) -> tuple[list[int], api_pb2.Finish]:
     sampling.setdefault("max_tokens", 12)
     req = api_pb2.GenerateRequest(
@@ -97,7 +57,7 @@ def _generate(stage: Stage, ids: list[int], **sampling) -> tuple[list[int], api_
     )
     toks: list[int] = []
     fin = None
-    for r in _stub(stage).Generate(req, timeout=120):
+    for r in stage.gateway_stub().Generate(req, timeout=120):
         if r.HasField("chunk"):
             toks.extend(r.chunk.token_ids)
         else:
@@ -135,12 +95,12 @@ def test_chat_turns_two_and_three_prefill_only_the_new_tokens(stack, tokenizer):
             )
         )
 
-    before = _decode_stats(decode).local_prefills
+    before = decode.stats().local_prefills
     outputs: list[list[int]] = [[]]
     texts: list[list[str]] = [[]]
     finishes: list[api_pb2.Finish] = []
     send(turns[0])
-    for r in _stub(gateways["local"]).Chat(requests(), timeout=300):
+    for r in gateways["local"].gateway_stub().Chat(requests(), timeout=300):
         if r.HasField("chunk"):
             outputs[-1].extend(r.chunk.token_ids)
             texts[-1].append(r.chunk.text)
@@ -171,7 +131,7 @@ def test_chat_turns_two_and_three_prefill_only_the_new_tokens(stack, tokenizer):
             assert new < len(ids) // 2 and same > len(known) - BLOCK, (i, same, len(known))
         known = ids + out[:-1]  # the last token's KV is never computed
         history.append({"role": "assistant", "content": "".join(text)})
-    st = _wait_idle(decode)
+    st = decode.wait_idle()
     assert st.local_prefills - before == 3
     assert st.used_blocks == 0 and st.running == 0
     assert st.cached_free_blocks > 0 and st.prefix_hit_tokens > 0
@@ -188,8 +148,8 @@ def test_conditional_disaggregation_equals_the_prefill_worker_path(stack, seeded
         assert fin_local.prefill_worker == "decode" and fin_local.kv_transport == "none"
         assert fin_remote.prefill_worker == "prefill" and fin_remote.kv_transport != "none"
         assert got_local == got_remote and len(got_local) == 12
-    assert _wait_idle(decode).used_blocks == 0
-    st = _prefill_stats(prefill)
+    assert decode.wait_idle().used_blocks == 0
+    st = prefill.stats()
     assert st.used_blocks == 0 and st.leased_blocks == 0
 
 
@@ -201,9 +161,9 @@ def test_prefix_shared_with_the_prefill_worker_is_not_recomputed(stack):
     assert fin2.prefill_worker == "prefill"
     assert fin2.usage.cached_prompt_tokens == 64
     assert fin1.usage.cached_prompt_tokens < 64
-    st = _prefill_stats(prefill)
+    st = prefill.stats()
     assert st.prefix_hit_tokens >= 64 and st.used_blocks == 0 and st.leased_blocks == 0
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle().used_blocks == 0
 
 
 def test_requests_that_cannot_meet_the_ttft_target_are_shed(stack):
@@ -231,4 +191,4 @@ def test_requests_that_cannot_meet_the_ttft_target_are_shed(stack):
     resp = conn.getresponse()
     body = json.loads(resp.read())
     assert resp.status == 429 and "time-to-first-token" in body["error"]["message"]
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle().used_blocks == 0

@@ -24,10 +24,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import STAGE_SECRET_KEY, stage_channel_sync
 from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage, health, pipeline_stages
+from tests.integration.stages import Stage, gateway_stage, health, pipeline_stages
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
@@ -82,14 +82,6 @@ def _prefill_run(prefill: Stage, ids=PROMPT, channel=None) -> stages_pb2.Prefill
         ),
         timeout=60,
     )
-
-
-def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
-    return stages_pb2_grpc.PrefillStub(prefill.channel()).Stats(stages_pb2.StatsRequest())
-
-
-def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
-    return stages_pb2_grpc.DecodeStub(decode.channel()).Stats(stages_pb2.StatsRequest())
 
 
 def _session(decode: Stage, admit: stages_pb2.Admit, channel=None, timeout=60.0):
@@ -196,9 +188,9 @@ def test_every_stage_rpc_needs_the_secret(stack, secret):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         assert f"{want} stage credential" in e.value.details(), name
     # Nothing was prefilled or admitted for the intruder, and every refusal was counted.
-    st = _prefill_stats(prefill)
+    st = prefill.stats()
     assert st.leases == 0 and st.refusals["unauthenticated"] >= 5
-    st = _decode_stats(decode)
+    st = decode.stats()
     assert st.local_prefills == 0 and st.refusals["unauthenticated"] >= 2
     page = urllib.request.urlopen(f"http://127.0.0.1:{prefill.metrics_port}/metrics").read()
     assert b'tandem_refusals_total{reason="unauthenticated"}' in page
@@ -211,7 +203,7 @@ def test_every_stage_rpc_needs_the_secret(stack, secret):
 
 def test_the_gateway_serves_through_authenticated_stages(stack):
     *_, gateway = stack
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    stub = gateway.gateway_stub()
     req = api_pb2.GenerateRequest(
         prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
         sampling=api_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
@@ -246,12 +238,12 @@ def test_admit_naming_unleased_blocks_is_refused(stack):
             assert fin.finish_reason == "error" and not tokens
             assert "signature does not match" in fin.error
         # A refused reference releases nothing: the victim's lease is intact.
-        assert _prefill_stats(prefill).leases == 1
+        assert prefill.stats().leases == 1
     finally:
         stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
             stages_pb2.ReleaseRequest(lease_ids=[victim.kv.lease_id])
         )
-    assert _decode_stats(decode).used_blocks == 0
+    assert decode.stats().used_blocks == 0
 
 
 def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
@@ -266,16 +258,16 @@ def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
     stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
         stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
     )
-    assert _prefill_stats(prefill).leases == 0
-    before = _decode_stats(decode)
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    assert prefill.stats().leases == 0
+    before = decode.stats()
+    stub = gateway.gateway_stub()
     req = api_pb2.GenerateRequest(
         prompt_token_ids=api_pb2.TokenIds(ids=poison),
         sampling=api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
     )
     out = list(stub.Generate(req, timeout=120))
     assert out[-1].finish.usage.completion_tokens == 2
-    after = _decode_stats(decode)
+    after = decode.stats()
     assert after.prefix_hit_tokens == before.prefix_hit_tokens
 
 
@@ -285,7 +277,7 @@ def test_a_valid_lease_admits_and_is_released(stack):
     tokens, fin = _session(decode, _admit(prefill, PROMPT, r.kv, first_token=r.first_token))
     assert fin.finish_reason == "length" and len(tokens) == SAMPLING.max_tokens - 1
     assert fin.kv_transport == "shm"
-    st = _prefill_stats(prefill)
+    st = prefill.stats()
     assert st.leases == 0 and st.leased_blocks == 0
 
 
@@ -314,14 +306,14 @@ def test_fetch_and_release_need_the_lease_token(stack):
                 )
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[guess])).released == 0
-        assert _prefill_stats(prefill).leased_blocks == len(r.kv.block_ids)
+        assert prefill.stats().leased_blocks == len(r.kv.block_ids)
         blocks = list(stub.FetchBlocks(stages_pb2.FetchBlocksRequest(kv=r.kv)))
         assert len(blocks) == len(r.kv.block_ids)
     finally:
         assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 1
     # Release is idempotent: a second one is acknowledged, releases nothing.
     assert stub.Release(stages_pb2.ReleaseRequest(lease_ids=[token])).released == 0
-    assert _prefill_stats(prefill).leased_blocks == 0
+    assert prefill.stats().leased_blocks == 0
 
 
 def test_leases_per_peer_are_capped(stack):
@@ -333,14 +325,14 @@ def test_leases_per_peer_are_capped(stack):
             _prefill_run(prefill)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_leases_per_peer" in e.value.details()
-        st = _prefill_stats(prefill)
+        st = prefill.stats()
         assert st.leases == MAX_LEASES and st.refusals["lease_limit"] >= 1
     finally:
         stub.Release(stages_pb2.ReleaseRequest(lease_ids=held))
     # Released: the same peer may lease again.
     r = _prefill_run(prefill)
     stub.Release(stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id]))
-    assert _prefill_stats(prefill).leases == 0
+    assert prefill.stats().leases == 0
 
 
 def test_admit_never_dials_an_address_the_caller_chose(stack):
@@ -358,7 +350,7 @@ def test_admit_never_dials_an_address_the_caller_chose(stack):
         assert "is not a prefill peer of this decode worker" in fin.error
         with pytest.raises(TimeoutError):
             trap.accept()  # nobody connected
-        assert _decode_stats(decode).registered_peers == 1
+        assert decode.stats().registered_peers == 1
     finally:
         trap.close()
         stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
@@ -398,7 +390,7 @@ def test_a_request_longer_than_the_decode_pool_is_refused(stack):
         {"prompt": "Once upon a time", "max_tokens": too_long, "stream": True},
     )
     assert status == 400 and body["error"]["param"] == "max_tokens"
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    stub = gateway.gateway_stub()
     req = api_pb2.GenerateRequest(
         prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
         sampling=api_pb2.SamplingParams(max_tokens=too_long - len(PROMPT) + 1, ignore_eos=True),
@@ -428,7 +420,7 @@ def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
         target=lambda: result.append(_session(decode, admit, timeout=300)), daemon=True
     )
     worker.start()
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    stub = gateway.gateway_stub()
     req = api_pb2.GenerateRequest(
         prompt_token_ids=api_pb2.TokenIds(ids=list(range(300, 320))),
         sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
@@ -449,9 +441,9 @@ def test_a_sequence_outgrowing_the_pool_ends_and_others_are_served(stack):
     stalled = [ln for ln in page.decode().splitlines() if ln.startswith("tandem_engine_stalled")]
     assert stalled and float(stalled[0].split()[-1]) < 5.0, stalled
     deadline = time.monotonic() + 10
-    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+    while decode.stats().used_blocks and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _decode_stats(decode).used_blocks == 0
+    assert decode.stats().used_blocks == 0
 
 
 def _sse(gateway: Stage, body: dict) -> tuple[int, list[str]]:
@@ -491,7 +483,7 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
     def wait_for(running: int, waiting: int) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            st = _decode_stats(decode)
+            st = decode.stats()
             if (st.running, st.waiting) == (running, waiting):
                 return
             time.sleep(0.05)
@@ -506,7 +498,7 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
         inbox.put(hold(2))
         inbox.put(hold(3))
         wait_for(2, 2)
-        stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+        stub = gateway.gateway_stub()
         req = api_pb2.GenerateRequest(
             prompt_token_ids=api_pb2.TokenIds(ids=list(range(400, 430))),
             sampling=api_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
@@ -526,16 +518,16 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
         error = json.loads(events[-3])["error"]
         assert error["type"] == "rate_limit_exceeded" and "full" in error["message"]
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
-        assert _decode_stats(decode).refusals["resource_exhausted"] >= 3
+        assert decode.stats().refusals["resource_exhausted"] >= 3
         page = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics")
         assert b'tandem_http_errors_total{status="429"} 1.0' in page.read()
     finally:
         inbox.put(None)
         call.cancel()
     deadline = time.monotonic() + 15
-    while _decode_stats(decode).used_blocks and time.monotonic() < deadline:
+    while decode.stats().used_blocks and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _decode_stats(decode).used_blocks == 0
+    assert decode.stats().used_blocks == 0
 
 
 def _closed_by_server(s: socket.socket, within: float) -> bool:
@@ -555,17 +547,10 @@ def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
     key_file = tmp_path / "api-key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
-    gp, hp = free_ports(2)
-    gw = Stage(
-        "gateway",
-        gp,
+    gw = gateway_stage(
+        prefill,
+        decode,
         [
-            "--http-port",
-            str(hp),
-            "--prefill",
-            prefill.address,
-            "--decode",
-            decode.address,
             "--api-key-file",
             str(key_file),
             "--http-header-timeout-s",
@@ -576,11 +561,11 @@ def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
         str(tmp_path / "gateway.log"),
         env={"TANDEM_STAGE_SECRET": SECRET},
     ).start()
+    hp = gw.http_port
     try:
         # The key is in no command line (`ps` shows those), yet it is required.
         with open(f"/proc/{gw.proc.pid}/cmdline", "rb") as f:
             assert key.encode() not in f.read()
-        gw.http_port = hp
         body = {"prompt": "hi", "max_tokens": 2}
         status, payload = _http(gw, "/v1/completions", body)
         assert status == 401, payload

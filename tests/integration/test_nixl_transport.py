@@ -19,7 +19,7 @@ import uuid
 import grpc
 import pytest
 
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tests.conftest import build_random_model
 from tests.integration.cluster import free_ports
 from tests.integration.stages import Stage, pipeline_stages, wait_health
@@ -91,25 +91,6 @@ def stack(tmp_path_factory):
 
 def _prefill(address: str) -> stages_pb2_grpc.PrefillStub:
     return stages_pb2_grpc.PrefillStub(grpc.insecure_channel(address))
-
-
-def _stats(stage: Stage) -> stages_pb2.WorkerStats:
-    ch = grpc.insecure_channel(stage.address)
-    stub = (
-        stages_pb2_grpc.DecodeStub(ch)
-        if stage.name == "decode"
-        else stages_pb2_grpc.PrefillStub(ch)
-    )
-    return stub.Stats(stages_pb2.StatsRequest(), timeout=30)
-
-
-def _wait_idle(decode: Stage, timeout: float = 20.0) -> stages_pb2.WorkerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = _stats(decode)
-        if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
 
 
 _rng = random.Random(12)
@@ -210,10 +191,10 @@ def test_nixl_output_equals_shared_memory_and_in_process(stack):
         via_shm, fin_shm = _generate(prefill, decode_shm, prompt, 12)
         assert fin_shm.kv_transport == "shm", fin_shm
         assert via_nixl == via_shm == exp
-    st = _stats(decode)
+    st = decode.stats()
     assert st.imports_by_transport["nixl"] == len(prompts) and st.kv_transfer_failures == 0
-    assert _wait_idle(decode).used_blocks == 0
-    assert _stats(prefill).leased_blocks == 0
+    assert decode.wait_idle(20).used_blocks == 0
+    assert prefill.stats().leased_blocks == 0
 
 
 def test_nixl_reads_only_the_blocks_missing_from_the_decode_prefix_cache(stack):
@@ -229,19 +210,19 @@ def test_nixl_reads_only_the_blocks_missing_from_the_decode_prefix_cache(stack):
     expected = [o.token_ids for o in llm.generate(prompts, sp)]
     hits = []
     for prompt, exp in zip(prompts, expected, strict=True):
-        before = _stats(decode).prefix_hit_tokens
+        before = decode.stats().prefix_hit_tokens
         got, fin = _generate(prefill, decode, prompt, 8)
         assert fin.kv_transport == "nixl" and got == exp, fin
-        hits.append(_stats(decode).prefix_hit_tokens - before)
+        hits.append(decode.stats().prefix_hit_tokens - before)
     assert hits == [0, 48]
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle(20).used_blocks == 0
 
 
 def _in_transfer(decode: Stage, timeout: float = 60.0) -> None:
     """Wait until the decode worker is reading some sequence's KV."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _stats(decode).kv_transfers_in_flight > 0:
+        if decode.stats().kv_transfers_in_flight > 0:
             return
         time.sleep(0.01)
     raise AssertionError("the decode worker never started reading KV")
@@ -256,8 +237,8 @@ def test_transfer_timeout_is_a_clear_error_and_frees_blocks(stack):
         ),
         timeout=60,
     )
-    failures = _stats(decode).kv_transfer_failures
-    nacks = _stats(prefill).kv_transfer_failures
+    failures = decode.stats().kv_transfer_failures
+    nacks = prefill.stats().kv_transfer_failures
     os.kill(prefill.proc.pid, signal.SIGSTOP)  # alive but silent: the READ cannot progress
     s = DecodeSession(decode)
     try:
@@ -272,13 +253,13 @@ def test_transfer_timeout_is_a_clear_error_and_frees_blocks(stack):
     assert toks == [] and fin.finish_reason == "error"
     assert "timed out" in fin.error and "NIXL" in fin.error, fin.error
     assert waited >= TIMEOUT_S * 0.9
-    assert _wait_idle(decode).used_blocks == 0
-    assert _stats(decode).kv_transfer_failures == failures + 1
+    assert decode.wait_idle(20).used_blocks == 0
+    assert decode.stats().kv_transfer_failures == failures + 1
     # The negative acknowledgement reached the prefill worker, and its lease went back.
     deadline = time.monotonic() + 10
-    while _stats(prefill).kv_transfer_failures == nacks and time.monotonic() < deadline:
+    while prefill.stats().kv_transfer_failures == nacks and time.monotonic() < deadline:
         time.sleep(0.1)
-    st = _stats(prefill)
+    st = prefill.stats()
     assert st.kv_transfer_failures == nacks + 1 and st.leased_blocks == 0
     # The prefill worker is back: the next handover works.
     ids, fin = _generate(prefill, decode, prompt, 4)
@@ -287,7 +268,7 @@ def test_transfer_timeout_is_a_clear_error_and_frees_blocks(stack):
 
 def test_killed_prefill_during_transfer_fails_only_that_request(stack):
     prefill, decode, _, gateway, _ = stack
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    stub = gateway.gateway_stub()
     # A sequence whose KV already arrived keeps decoding whatever happens to the prefill.
     survivor = stub.Generate(
         api_pb2.GenerateRequest(
@@ -320,7 +301,7 @@ def test_killed_prefill_during_transfer_fails_only_that_request(stack):
     assert waited < TIMEOUT_S, "the disconnect should fail the READ before its timeout"
     rest = list(survivor)
     assert rest[-1].finish.usage.completion_tokens == 300
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle(20).used_blocks == 0
     # Through the gateway: the dead prefill worker is UNAVAILABLE, and only until it is back.
     with pytest.raises(grpc.RpcError) as e:
         list(
@@ -343,13 +324,13 @@ def test_killed_prefill_during_transfer_fails_only_that_request(stack):
         )
     )
     assert out[-1].finish.usage.completion_tokens == 6 and out[-1].finish.kv_transport == "nixl"
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle(20).used_blocks == 0
 
 
 def test_gateway_requests_racing_a_prefill_kill_fail_only_with_unavailable(stack):
     """Requests in every phase when the prefill dies: each completes, or fails UNAVAILABLE."""
     prefill, decode, _, gateway, _ = stack
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+    stub = gateway.gateway_stub()
     results: list[object] = []
 
     def one(n: int) -> None:
@@ -373,7 +354,7 @@ def test_gateway_requests_racing_a_prefill_kill_fail_only_with_unavailable(stack
     assert len(results) == len(threads)
     assert all(r == 8 or r == grpc.StatusCode.UNAVAILABLE for r in results), results
     assert grpc.StatusCode.UNAVAILABLE in results, results
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle(20).used_blocks == 0
     prefill.start()
     wait_health(gateway.address, serving=True, timeout=60)
     out = list(

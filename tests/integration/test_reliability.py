@@ -14,7 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tests.integration.stages import Stage, health, pipeline_stages, wait_health
+from tests.integration.stages import (
+    gateway_stage,
+    health,
+    pipeline_stages,
+    wait_health,
+)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -36,29 +41,6 @@ def stack(tmp_path_factory):
     yield prefill, decode, gateway
     for s in (gateway, decode, prefill):
         s.stop()
-
-
-def _stub(gateway: Stage) -> api_pb2_grpc.GatewayStub:
-    return api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
-
-
-def _decode_stats(decode: Stage) -> stages_pb2.WorkerStats:
-    ch = grpc.insecure_channel(decode.address)
-    return stages_pb2_grpc.DecodeStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
-
-
-def _prefill_stats(prefill: Stage) -> stages_pb2.WorkerStats:
-    ch = grpc.insecure_channel(prefill.address)
-    return stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
-
-
-def _wait_idle(decode: Stage, timeout: float = 15.0) -> stages_pb2.WorkerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = _decode_stats(decode)
-        if (st.used_blocks == 0 and st.running == 0) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
 
 
 def _chat(text: str = "Hello", **sampling) -> api_pb2.GenerateRequest:
@@ -115,7 +97,7 @@ GRPC_CASES = [
 def test_malformed_grpc_request(stack, name, req, field):
     _, _, gateway = stack
     with pytest.raises(grpc.RpcError) as e:
-        list(_stub(gateway).Generate(req, timeout=30))
+        list(gateway.gateway_stub().Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert field in e.value.details()
     assert "Traceback" not in e.value.details()
@@ -261,7 +243,7 @@ def test_server_healthy_after_bad_input(stack):
         assert health(s.address) == SERVING
     ids = [
         r.chunk.token_ids
-        for r in _stub(gateway).Generate(_chat("Hi", max_tokens=4))
+        for r in gateway.gateway_stub().Generate(_chat("Hi", max_tokens=4))
         if r.HasField("chunk")
     ]
     assert sum(len(x) for x in ids) == 4
@@ -271,7 +253,7 @@ def test_deadline_exceeded_frees_blocks(stack):
     _, decode, gateway = stack
     with pytest.raises(grpc.RpcError) as e:
         list(
-            _stub(gateway).Generate(
+            gateway.gateway_stub().Generate(
                 _chat("Tell a long story.", max_tokens=500, ignore_eos=True), timeout=0.05
             )
         )
@@ -279,12 +261,12 @@ def test_deadline_exceeded_frees_blocks(stack):
     # A deadline that expires mid-generation, too.
     with pytest.raises(grpc.RpcError) as e:
         list(
-            _stub(gateway).Generate(
+            gateway.gateway_stub().Generate(
                 _chat("Tell a long story.", max_tokens=500, ignore_eos=True), timeout=1.5
             )
         )
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    st = _wait_idle(decode)
+    st = decode.wait_idle()
     assert st.used_blocks == 0 and st.running == 0
 
 
@@ -300,32 +282,18 @@ def test_unclaimed_lease_expires(stack):
         timeout=60,
     )
     assert len(r.kv.block_ids) > 0
-    assert _prefill_stats(prefill).leased_blocks == len(r.kv.block_ids)
+    assert prefill.stats().leased_blocks == len(r.kv.block_ids)
     time.sleep(3.0)  # the prefill worker runs with --lease-ttl 2
-    st = _prefill_stats(prefill)
+    st = prefill.stats()
     assert st.leased_blocks == 0 and st.used_blocks == 0
 
 
 def test_overload_is_refused_at_once(stack, tmp_path):
     prefill, decode, _ = stack
-    from tests.integration.cluster import free_ports
-
-    gp, hp = free_ports(2)
-    small = Stage(
-        "gateway",
-        gp,
-        [
-            "--http-port",
-            str(hp),
-            "--prefill",
-            prefill.address,
-            "--decode",
-            decode.address,
-            "--max-inflight",
-            "2",
-        ],
-        str(tmp_path / "gw.log"),
+    small = gateway_stage(
+        prefill, decode, ["--max-inflight", "2"], str(tmp_path / "gw.log")
     ).start()
+    hp = small.http_port
     try:
 
         async def run_many():
@@ -355,7 +323,7 @@ def test_overload_is_refused_at_once(stack, tmp_path):
         # HTTP says 429 while the limit holds.
         conn = http.client.HTTPConnection("127.0.0.1", hp, timeout=30)
         small_busy = [
-            _stub(small).Generate(_chat("Count to ten.", max_tokens=200, ignore_eos=True))
+            small.gateway_stub().Generate(_chat("Count to ten.", max_tokens=200, ignore_eos=True))
             for _ in range(2)
         ]
         for it in small_busy:
@@ -373,13 +341,11 @@ def test_overload_is_refused_at_once(stack, tmp_path):
             it.cancel()
     finally:
         small.stop()
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle().used_blocks == 0
 
 
 def test_api_key_and_tls(stack, tmp_path):
     prefill, decode, _ = stack
-    from tests.integration.cluster import free_ports
-
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
         [
@@ -404,26 +370,13 @@ def test_api_key_and_tls(stack, tmp_path):
         capture_output=True,
     )
     creds = grpc.ssl_channel_credentials(cert.read_bytes())
-    gp, hp = free_ports(2)
-    secure = Stage(
-        "gateway",
-        gp,
-        [
-            "--http-port",
-            str(hp),
-            "--prefill",
-            prefill.address,
-            "--decode",
-            decode.address,
-            "--api-key",
-            "s3cret",
-            "--tls-cert",
-            str(cert),
-            "--tls-key",
-            str(key),
-        ],
+    secure = gateway_stage(
+        prefill,
+        decode,
+        ["--api-key", "s3cret", "--tls-cert", str(cert), "--tls-key", str(key)],
         str(tmp_path / "gw.log"),
     ).start(credentials=creds)
+    hp = secure.http_port
     try:
         stub = api_pb2_grpc.GatewayStub(grpc.secure_channel(secure.address, creds))
         with pytest.raises(grpc.RpcError) as e:
@@ -442,7 +395,7 @@ def test_api_key_and_tls(stack, tmp_path):
         assert ok[-1].finish.usage.completion_tokens == 2
         # A plaintext client cannot talk to the TLS port.
         with pytest.raises(grpc.RpcError):
-            list(_stub(secure).Generate(_chat("hi", max_tokens=2), timeout=3))
+            list(secure.gateway_stub().Generate(_chat("hi", max_tokens=2), timeout=3))
         ctx = ssl.create_default_context(cafile=str(cert))
         body = json.dumps({"prompt": "hi", "max_tokens": 2})
         conn = http.client.HTTPSConnection("127.0.0.1", hp, context=ctx, timeout=30)
@@ -467,7 +420,7 @@ def test_fuzzed_requests_never_crash(stack):
     from hypothesis import strategies as st
 
     _, _, gateway = stack
-    stub = _stub(gateway)
+    stub = gateway.gateway_stub()
     floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
     sampling = st.fixed_dictionaries(
         {},
@@ -525,7 +478,7 @@ def test_fuzzed_requests_never_crash(stack):
 
 def test_killed_prefill_fails_new_work_clearly_and_recovers(stack):
     prefill, decode, gateway = stack
-    stub = _stub(gateway)
+    stub = gateway.gateway_stub()
     it = stub.Generate(_chat("Tell a long story about ships.", max_tokens=60, ignore_eos=True))
     next(it)  # decoding has started: the KV already lives in the decode worker's pool
     prefill.kill()
@@ -540,12 +493,12 @@ def test_killed_prefill_fails_new_work_clearly_and_recovers(stack):
     wait_health(gateway.address, serving=True, timeout=30)
     out = list(stub.Generate(_chat("hi", max_tokens=4), timeout=60))
     assert out[-1].finish.usage.completion_tokens == 4
-    assert _wait_idle(decode).used_blocks == 0
+    assert decode.wait_idle().used_blocks == 0
 
 
 def test_killed_decode_fails_its_streams_and_recovers(stack):
     prefill, decode, gateway = stack
-    stub = _stub(gateway)
+    stub = gateway.gateway_stub()
     it = stub.Generate(_chat("Tell a long story about trains.", max_tokens=400, ignore_eos=True))
     next(it)
     decode.kill()
@@ -562,6 +515,6 @@ def test_killed_decode_fails_its_streams_and_recovers(stack):
     assert out[-1].finish.usage.completion_tokens == 4
     # Blocks leased for the killed decode worker's sequences come back after the TTL.
     deadline = time.monotonic() + 10
-    while _prefill_stats(prefill).leased_blocks and time.monotonic() < deadline:
+    while prefill.stats().leased_blocks and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _prefill_stats(prefill).leased_blocks == 0
+    assert prefill.stats().leased_blocks == 0

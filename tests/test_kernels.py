@@ -16,6 +16,11 @@ from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import paged_attention as pa  # noqa: E402
 from tandem.kernels import rmsnorm as rn  # noqa: E402
+from tests.kernel_checks import (  # noqa: E402
+    attention_decode_f64,
+    attention_varlen_f64,
+    make_paged,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -25,95 +30,6 @@ def _require_interpreter() -> None:
     included, so the choice is fixed by whoever imported triton first.)"""
     require_interpreter(tl.sum, pa._decode_partition_kernel, pa._decode_reduce_kernel,
                         rn._rmsnorm_kernel)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# float64 references, written from the definitions (per-token gather, no shared code with tandem)
-
-
-def attention_decode_f64(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    context_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Softmax(q k^T * scale) v per sequence, in float64, for one query token at the end."""
-    b, hq, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    kv_of_head = torch.arange(hq) // (hq // hkv)  # query head -> its kv head
-    out = torch.zeros(b, hq, d, dtype=torch.float64)
-    for i in range(b):
-        n = context_lens[i]
-        if n == 0:
-            continue
-        pos = torch.arange(n)
-        phys = block_tables[i, pos // block_size].long()
-        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
-        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
-        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
-    return out
-
-
-def attention_varlen_f64(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: list[int],
-    context_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of packed queries (the last q_len positions of each context), float64."""
-    t, hq, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    kv_of_head = torch.arange(hq) // (hq // hkv)
-    out = torch.zeros(t, hq, d, dtype=torch.float64)
-    for i, n in enumerate(context_lens):
-        s0, e0 = query_start_loc[i], query_start_loc[i + 1]
-        for j in range(s0, e0):
-            qpos = n - (e0 - s0) + (j - s0)
-            pos = torch.arange(qpos + 1)
-            phys = block_tables[i, pos // block_size].long()
-            k = k_cache[phys, pos % block_size].double()[:, kv_of_head]
-            v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
-            s = torch.einsum("hd,nhd->hn", q[j].double(), k) * scale
-            out[j] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
-    return out
-
-
-def make_paged(
-    context_lens: list[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    extra_table_cols: int = 0,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q, a shuffled cache pool and block tables; padding entries point at stale blocks."""
-    g = torch.Generator().manual_seed(seed)
-    b = len(context_lens)
-    need = [(n + block_size - 1) // block_size for n in context_lens]
-    max_blocks = max(max(need), 1) + extra_table_cols
-    num_blocks = sum(need) + 5  # a few blocks nobody owns
-    # The cache is a slice of a [layers, 2, ...] pool, as the workers lay it out.
-    pool = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    pool = pool.to(dtype)
-    k_cache, v_cache = pool[1, 0], pool[1, 1]
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.randint(0, num_blocks, (b, max_blocks), generator=g, dtype=torch.int32)
-    used = 0
-    for i, nb in enumerate(need):
-        table[i, :nb] = perm[used : used + nb].int()
-        used += nb
-    # q as a strided view (one slice of a fused qkv projection output).
-    qkv = torch.randn(b, 2 * num_q_heads, head_dim, generator=g).to(dtype)
-    q = qkv[:, :num_q_heads]
-    return q, k_cache, v_cache, table, torch.tensor(context_lens, dtype=torch.int32)
 
 
 # (context_lens, Hq, Hkv, head_dim, block_size, partition_size)

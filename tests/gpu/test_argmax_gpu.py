@@ -7,10 +7,10 @@ Skipped without CUDA; run as `pytest tests/gpu` without TRITON_INTERPRET.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.kernel_checks import compiled_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,11 +19,7 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module")
 def am():
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
-    from tandem.kernels import argmax
-
-    return argmax
+    return compiled_kernel("argmax")
 
 
 def _rows(b: int, v: int, seed: int) -> torch.Tensor:

@@ -3,11 +3,12 @@ the eager ops they replace (bit for bit in bf16 and fp16, where both round every
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import pytest
 import torch
+
+from tests.kernel_checks import compiled_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -16,25 +17,17 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module")
 def rot() -> ModuleType:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
-    from tandem.kernels import rotary
-
-    return rotary
+    return compiled_kernel("rotary")
 
 
 @pytest.fixture(scope="module")
-def act(rot: ModuleType) -> ModuleType:
-    from tandem.kernels import activation
-
-    return activation
+def act() -> ModuleType:
+    return compiled_kernel("activation")
 
 
 @pytest.fixture(scope="module")
-def gemv(rot: ModuleType) -> ModuleType:
-    from tandem.kernels import gemv
-
-    return gemv
+def gemv() -> ModuleType:
+    return compiled_kernel("gemv")
 
 
 def _table(d: int, positions: int) -> torch.Tensor:

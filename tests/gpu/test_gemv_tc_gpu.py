@@ -8,11 +8,12 @@ where the GPU has it) replays equal eager calls bit for bit.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import pytest
 import torch
+
+from tests.kernel_checks import compiled_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,11 +23,7 @@ TOL = 1e-2  # bf16 output: relative 2**-9 per value; the products are exact, sum
 
 @pytest.fixture(scope="module")
 def wk() -> ModuleType:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
-    from tandem.kernels import w4a16
-
-    return w4a16
+    return compiled_kernel("w4a16")
 
 
 def _weight(wk, n: int, k: int, group: int, seed: int):

@@ -8,11 +8,18 @@ module on a CPU host does not import triton before tests/test_kernels.py selects
 
 from __future__ import annotations
 
-import os
+import functools
 from types import ModuleType
 
 import pytest
 import torch
+
+from tests.kernel_checks import (
+    attention_decode_f64,
+    attention_varlen_f64,
+    compiled_kernel,
+    make_paged,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,75 +29,16 @@ DEV = "cuda"
 @pytest.fixture(scope="module")
 def pa() -> ModuleType:
     """The paged-attention module, compiled (not interpreted) kernels required."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
-    from tandem.kernels import paged_attention
-
-    return paged_attention
+    return compiled_kernel("paged_attention")
 
 
 @pytest.fixture(scope="module")
-def rn(pa: ModuleType) -> ModuleType:
-    """The RMSNorm module (after the same interpreter check)."""
-    from tandem.kernels import rmsnorm
-
-    return rmsnorm
+def rn() -> ModuleType:
+    return compiled_kernel("rmsnorm")
 
 
-def attention_decode_f64(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    context_lens: list[int],
-    scale: float,
-) -> torch.Tensor:
-    """Softmax(q k^T * scale) v per sequence in float64, gathering the cache token by token."""
-    b, hq, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    kv_of_head = torch.arange(hq, device=q.device) // (hq // hkv)
-    out = torch.zeros(b, hq, d, dtype=torch.float64, device=q.device)
-    for i in range(b):
-        n = context_lens[i]
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        phys = block_tables[i, pos // block_size].long()
-        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
-        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
-        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), v)
-    return out
-
-
-def make_paged(
-    context_lens: list[int],
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random q, a shuffled [layers, 2, ...] pool slice and block tables with stale padding."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    b = len(context_lens)
-    need = [(n + block_size - 1) // block_size for n in context_lens]
-    max_blocks = max(need) + 3
-    num_blocks = sum(need) + 7
-    shape = (2, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    pool = torch.randn(shape, generator=g, device=DEV).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g, device=DEV)
-    table = torch.randint(
-        0, num_blocks, (b, max_blocks), generator=g, device=DEV, dtype=torch.int32
-    )
-    used = 0
-    for i, nb in enumerate(need):
-        table[i, :nb] = perm[used : used + nb].int()
-        used += nb
-    qkv = torch.randn(b, 2 * num_q_heads, head_dim, generator=g, device=DEV).to(dtype)
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEV)
-    return qkv[:, :num_q_heads], pool[1, 0], pool[1, 1], table, ctx
+# The GPU cases: three spare table columns, seven blocks nobody owns, on the device.
+make_paged = functools.partial(make_paged, extra_table_cols=3, spare_blocks=7, device=DEV)
 
 
 TOL = {
@@ -255,27 +203,6 @@ def test_rmsnorm_triton_fp32_matches_f64(rn: ModuleType) -> None:
     expect = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
     torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_res.double(), h, atol=1e-6, rtol=1e-6)
-
-
-def attention_varlen_f64(q, k_cache, v_cache, block_tables, starts, context_lens, scale):
-    """Causal attention of packed queries (the last q_len positions of each context), float64."""
-    t, hq, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    kv_of_head = torch.arange(hq, device=q.device) // (hq // hkv)
-    out = torch.zeros(t, hq, d, dtype=torch.float64, device=q.device)
-    for i, n in enumerate(context_lens):
-        s0, e0 = starts[i], starts[i + 1]
-        if e0 == s0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        phys = block_tables[i, pos // block_size].long()
-        k = k_cache[phys, pos % block_size].double()[:, kv_of_head]  # [n, Hq, D]
-        v = v_cache[phys, pos % block_size].double()[:, kv_of_head]
-        s = torch.einsum("qhd,nhd->hqn", q[s0:e0].double(), k) * scale
-        qpos = torch.arange(n - (e0 - s0), n, device=q.device)
-        s = s.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
-        out[s0:e0] = torch.einsum("hqn,nhd->qhd", torch.softmax(s, dim=-1), v)
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -12,6 +12,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.kernel_checks import attention_decode_f64, compiled_kernel
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DEV = "cuda"
@@ -19,18 +21,12 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module")
 def wk() -> ModuleType:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: run `pytest tests/gpu` without it")
-    from tandem.kernels import w4a16
-
-    return w4a16
+    return compiled_kernel("w4a16")
 
 
 @pytest.fixture(scope="module")
-def pa(wk: ModuleType) -> ModuleType:
-    from tandem.kernels import paged_attention
-
-    return paged_attention
+def pa() -> ModuleType:
+    return compiled_kernel("paged_attention")
 
 
 def _weight(n: int, k: int, bits: int, group: int, seed: int):
@@ -298,22 +294,6 @@ def test_w4a16_in_cuda_graph(wk: ModuleType) -> None:
 # ---- FP8 / INT8 KV ---------------------------------------------------------------------------
 
 
-def _attention_f64(q, k_pool, v_pool, tables, lens, scale):
-    """float64 decode attention over a [num_blocks, bs, Hkv, D] float pool, token by token."""
-    b, hq, d = q.shape
-    bs, hkv = k_pool.shape[1], k_pool.shape[2]
-    kv_of_head = torch.arange(hq, device=q.device) // (hq // hkv)
-    out = torch.zeros(b, hq, d, dtype=torch.float64, device=q.device)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n, device=q.device)
-        phys = tables[i, pos // bs].long()
-        k = k_pool[phys, pos % bs].double()[:, kv_of_head]
-        v = v_pool[phys, pos % bs].double()[:, kv_of_head]
-        s = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v)
-    return out
-
-
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (9, 3, 64)])
 def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv: int, d: int):
@@ -349,7 +329,7 @@ def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv:
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
     k_deq = kc.float().double() * ks[:, None, :, None].double()
     v_deq = vc.float().double() * vs[:, None, :, None].double()
-    expect = _attention_f64(q, k_deq, v_deq, tables, lens, d**-0.5)
+    expect = attention_decode_f64(q, k_deq, v_deq, tables, lens, d**-0.5)
     for ps in (512, 256):
         out = pa.paged_attention_decode_triton(
             q, kc, vc, tables, ctx, d**-0.5, partition_size=ps, k_scale=ks, v_scale=vs

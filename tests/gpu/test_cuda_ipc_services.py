@@ -7,12 +7,11 @@ kernels at the same batch size (one sequence at a time) as the in-process engine
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tests.integration.stages import pipeline_stages
+from tandem.rpc import api_pb2
+from tests.integration.stages import pipeline_stages, running
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,18 +25,8 @@ def stack(tmp_path_factory, model_factory):
     prefill, decode, gateway = pipeline_stages(
         d, ["--model", path, *ENGINE], decode_args=["--kv-transport", "cuda_ipc"]
     )
-    stages = [prefill, decode, gateway]
-    try:
-        for s in stages:
-            s.start()
+    with running(prefill, decode, gateway):
         yield prefill, decode, gateway, path
-    finally:
-        for s in reversed(stages):
-            s.stop()
-
-
-def _stats(address: str, stub_cls) -> stages_pb2.WorkerStats:
-    return stub_cls(grpc.insecure_channel(address)).Stats(stages_pb2.StatsRequest(), timeout=10)
 
 
 def test_cuda_ipc_handover_equals_in_process(stack):
@@ -50,22 +39,16 @@ def test_cuda_ipc_handover_equals_in_process(stack):
     # decode worker holds) on the decode worker itself, with no KV handover to test.
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (130, 144, 201, 300)]
     sp = tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
     for prompt in prompts:
         expected = llm.generate([prompt], sp)[0].token_ids
         req = api_pb2.GenerateRequest(
             prompt_token_ids=api_pb2.TokenIds(ids=prompt),
             sampling=api_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         )
-        ids, fin = [], None
-        for r in stub.Generate(req, timeout=120):
-            if r.HasField("chunk"):
-                ids.extend(r.chunk.token_ids)
-            else:
-                fin = r.finish
+        ids, fin = gateway.generate(req)
         assert fin is not None and fin.kv_transport == "cuda_ipc", fin
         assert ids == expected, f"prompt of {len(prompt)} tokens"
-    st = _stats(decode.address, stages_pb2_grpc.DecodeStub)
+    st = decode.stats()
     assert st.imports_by_transport["cuda_ipc"] == len(prompts)
     assert st.kv_transfer_failures == 0
-    assert _stats(prefill.address, stages_pb2_grpc.PrefillStub).leased_blocks == 0
+    assert prefill.stats().leased_blocks == 0

@@ -3,12 +3,11 @@ output equals the single-GPU in-process engine. Skipped unless two CUDA GPUs are
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tests.integration.stages import pipeline_stages
+from tandem.rpc import api_pb2
+from tests.integration.stages import pipeline_stages, running
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"
@@ -27,14 +26,8 @@ def stack(tmp_path_factory, model_factory):
         prefill_args=["--device", "cuda:0"],
         decode_args=["--device", "cuda:1", "--kv-transport", "cuda_ipc"],
     )
-    stages = [prefill, decode, gateway]
-    try:
-        for s in stages:
-            s.start()
+    with running(prefill, decode, gateway):
         yield prefill, decode, gateway, path
-    finally:
-        for s in reversed(stages):
-            s.stop()
 
 
 def test_prefill_gpu0_decode_gpu1_equals_single_gpu(stack):
@@ -47,22 +40,14 @@ def test_prefill_gpu0_decode_gpu1_equals_single_gpu(stack):
     # 128+ tokens: shorter prompts may be prefilled on the decode worker (no handover).
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (130, 257)]
     sp = tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    stub = api_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
     for prompt in prompts:
         expected = llm.generate([prompt], sp)[0].token_ids
         req = api_pb2.GenerateRequest(
             prompt_token_ids=api_pb2.TokenIds(ids=prompt),
             sampling=api_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         )
-        ids, fin = [], None
-        for r in stub.Generate(req, timeout=120):
-            if r.HasField("chunk"):
-                ids.extend(r.chunk.token_ids)
-            else:
-                fin = r.finish
+        ids, fin = gateway.generate(req)
         assert fin is not None and fin.kv_transport == "cuda_ipc", fin
         assert ids == expected, f"prompt of {len(prompt)} tokens"
-    st = stages_pb2_grpc.DecodeStub(grpc.insecure_channel(decode.address)).Stats(
-        stages_pb2.StatsRequest(), timeout=10
-    )
+    st = decode.stats()
     assert st.kv_transfer_failures == 0

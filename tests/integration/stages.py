@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.rpc import api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import stage_channel_sync
 from tests.integration.cluster import free_ports
 
@@ -96,6 +97,21 @@ class Stage:
         """This worker's `Stats` (prefill, decode or draft), sent with its stage secret."""
         stub = _STAT_STUBS[self.name](self.channel())
         return stub.Stats(stages_pb2.StatsRequest(), timeout=timeout)
+
+    def generate(
+        self, req: api_pb2.GenerateRequest, timeout: float = 120.0
+    ) -> tuple[list[int], api_pb2.Finish | None]:
+        """Send one `Gateway.Generate` to this (gateway) stage: (token ids, its Finish)."""
+        ids: list[int] = []
+        fin = None
+        # Closed on return: no channel threads are left running when a later test forks a stage.
+        with grpc.insecure_channel(self.address) as channel:
+            for r in api_pb2_grpc.GatewayStub(channel).Generate(req, timeout=timeout):
+                if r.HasField("chunk"):
+                    ids.extend(r.chunk.token_ids)
+                else:
+                    fin = r.finish
+        return ids, fin
 
     def wait_idle(self, timeout: float = 15.0) -> stages_pb2.WorkerStats:
         """Poll `stats` until no sequence runs and no block is used (or `timeout` passes); the
@@ -195,7 +211,12 @@ def pipeline_stages(
 
 
 def speculative_stages(
-    tmp_dir: str, model_args: list[str], draft_spec: str, decode_args=()
+    tmp_dir: str,
+    model_args: list[str],
+    draft_spec: str,
+    decode_args=(),
+    gateway_args=(),
+    prefill_args=(),
 ) -> tuple[Stage, Stage, Stage, Stage]:
     """Draft, prefill, decode and gateway Stage objects on free ports (not started): the draft
     worker serves `draft_spec` (`--draft` of services.draft), decode and gateway use it."""
@@ -204,7 +225,8 @@ def speculative_stages(
     prefill, decode, gateway = pipeline_stages(
         tmp_dir,
         model_args,
-        gateway_args=["--draft", address],
+        gateway_args=[*gateway_args, "--draft", address],
+        prefill_args=prefill_args,
         decode_args=["--draft", address, *decode_args],
     )
     draft = Stage(
@@ -228,3 +250,15 @@ def gateway_stage(
     )
     gateway.http_port = hp  # type: ignore[attr-defined]
     return gateway
+
+
+@contextlib.contextmanager
+def running(*stages: Stage):
+    """Start `stages` in order; stop them in reverse order on the way out, whatever happened."""
+    try:
+        for s in stages:
+            s.start()
+        yield stages
+    finally:
+        for s in reversed(stages):
+            s.stop()

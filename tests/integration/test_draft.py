@@ -7,31 +7,18 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 import torch
 
 import tandem
-from tandem.rpc import api_pb2, api_pb2_grpc
+from tandem.rpc import api_pb2
 from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage, speculative_stages
+from tests.integration.stages import speculative_stages
 
 REWRITE = (
     "Repeat this text exactly:\nTandem serves large language models as a pipeline of cooperating "
     "processes: a gateway, a prefill worker and a decode worker that moves KV cache by handle."
 )
-
-
-def _generate(gateway: Stage, req: api_pb2.GenerateRequest) -> tuple[list[int], api_pb2.Finish]:
-    ids, fin = [], None
-    # Closed on return: no channel threads are left running when a later test forks a stage.
-    with grpc.insecure_channel(gateway.address) as channel:
-        for r in api_pb2_grpc.GatewayStub(channel).Generate(req, timeout=300):
-            if r.HasField("chunk"):
-                ids.extend(r.chunk.token_ids)
-            else:
-                fin = r.finish
-    return ids, fin
 
 
 def _chat(text: str, n: int) -> api_pb2.GenerateRequest:
@@ -59,7 +46,7 @@ def test_ngram_draft_greedy_equals_plain_and_accepts(ngram_stack):
     sp = tandem.SamplingParams(max_tokens=40, temperature=0)
     for text in (REWRITE, "What is the capital of France?"):
         exp = llm.generate([llm.chat_prompt([{"role": "user", "content": text}])], sp)[0]
-        ids, fin = _generate(gateway, _chat(text, 40))
+        ids, fin = gateway.generate(_chat(text, 40), timeout=300)
         assert ids == exp.token_ids
         if text == REWRITE:
             assert fin.usage.accepted_draft_tokens > 0
@@ -70,7 +57,7 @@ def test_ngram_draft_greedy_equals_plain_and_accepts(ngram_stack):
     exp = llm.generate([llm.chat_prompt([{"role": "user", "content": REWRITE}])], sp_stop)[0]
     req = _chat(REWRITE, 40)
     req.sampling.stop.append(stop)
-    ids, fin = _generate(gateway, req)
+    ids, fin = gateway.generate(req, timeout=300)
     assert exp.stop_string == stop and fin.stop_string == stop
     assert ids == exp.token_ids
     assert fin.usage.completion_tokens == len(exp.token_ids)
@@ -85,7 +72,7 @@ def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):
     sp = tandem.SamplingParams(max_tokens=40, temperature=0)
     exp = llm.generate([llm.chat_prompt([{"role": "user", "content": REWRITE}])], sp)[0]
     draft.kill()
-    ids, fin = _generate(gateway, _chat(REWRITE, 40))
+    ids, fin = gateway.generate(_chat(REWRITE, 40), timeout=300)
     assert ids == exp.token_ids  # plain decoding, same tokens
     assert fin.usage.accepted_draft_tokens == 0
     draft.start()
@@ -93,7 +80,7 @@ def test_killed_draft_does_not_fail_requests_and_comes_back(ngram_stack):
     # than one request): every request is exact meanwhile, and speculation resumes in time.
     deadline = time.monotonic() + 120
     while True:
-        ids, fin = _generate(gateway, _chat(REWRITE, 40))
+        ids, fin = gateway.generate(_chat(REWRITE, 40), timeout=300)
         assert ids == exp.token_ids
         if fin.usage.accepted_draft_tokens > 0:  # speculation resumed
             break
@@ -118,7 +105,7 @@ def test_self_int4_draft_on_smollm2_greedy_equals_plain_for_concurrent_requests(
         for s in stages:
             s.start()
         with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-            got = list(pool.map(lambda t: _generate(stages[3], _chat(t, 32)), texts))
+            got = list(pool.map(lambda t: stages[3].generate(_chat(t, 32), timeout=300), texts))
         for (ids, fin), e in zip(got, exp, strict=True):
             assert ids == e.token_ids
             # INT4 agrees with the float target on most tokens: more than a third accepted.
@@ -159,7 +146,7 @@ def test_model_drafts_through_services(tmp_path, model_factory, draft_kind):
                 prompt_token_ids=api_pb2.TokenIds(ids=prompt),
                 sampling=api_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
             )
-            ids, _ = _generate(stages[3], req)
+            ids, _ = stages[3].generate(req, timeout=300)
             assert ids == exp.token_ids
     finally:
         for s in reversed(stages):

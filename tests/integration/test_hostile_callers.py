@@ -26,8 +26,13 @@ from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import STAGE_SECRET_KEY, stage_channel_sync
-from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage, gateway_stage, health, pipeline_stages
+from tests.integration.stages import (
+    Stage,
+    gateway_stage,
+    health,
+    running,
+    speculative_stages,
+)
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
@@ -40,16 +45,13 @@ PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("stage-security"))
-    (fp,) = free_ports(1)
-    draft = Stage("draft", fp, ["--draft", "ngram"], os.path.join(d, "draft.log"))
-    prefill, decode, gateway = pipeline_stages(
+    draft, prefill, decode, gateway = speculative_stages(
         d,
         [],
-        gateway_args=["--disagg-threshold", "0", "--draft", draft.address],
+        "ngram",
+        gateway_args=["--disagg-threshold", "0"],
         prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
         decode_args=[
-            "--draft",
-            draft.address,
             "--num-blocks",
             str(DECODE_BLOCKS),
             "--max-num-seqs",
@@ -61,13 +63,8 @@ def stack(tmp_path_factory):
     stages = [draft, prefill, decode, gateway]
     for s in stages:
         s.env = {**s.env, "TANDEM_STAGE_SECRET": SECRET}
-    try:
-        for s in stages:
-            s.start()
+    with running(*stages):
         yield draft, prefill, decode, gateway
-    finally:
-        for s in reversed(stages):
-            s.stop()
 
 
 def _bare(stage: Stage) -> grpc.Channel:

@@ -4,38 +4,23 @@ scheduled before the KV is in, and an abort in between frees the blocks."""
 
 from __future__ import annotations
 
-import torch
-
 import tandem
 from tandem.kv.block_copy import gather_copy
+from tests.engine_checks import prefill_only, rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
-
-def _prefill(pre, prompt: list[int], rid: str):
-    """Prefill `prompt` on engine `pre`: (first token, leased blocks)."""
-    pre.add_request(prompt, GREEDY, rid, prefill_only=True)
-    outs = []
-    while pre.has_unfinished():
-        outs += pre.step()
-    return outs[0].new_token_ids[0], pre.leases.leases[rid].blocks
-
-
 def test_reserved_import_generates_like_in_process(model_factory):
     _, path = model_factory("llama")
-    prompts = [_rand(20, 1), _rand(33, 2), _rand(5, 3)]
+    prompts = [rand_ids(20, 1), rand_ids(33, 2), rand_ids(5, 3)]
     want = tandem.LLM(path, num_blocks=128).generate(prompts, GREEDY)
     pre = tandem.LLM(path, num_blocks=64).engine
     dec = tandem.LLM(path, num_blocks=64).engine
     seqs = []
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        first, src = _prefill(pre, p, rid)
+        first, src = prefill_only(pre, p, rid, GREEDY)
         got = dec.reserve_prefilled(p, first, GREEDY, rid)
         assert got is not None and got[0] == 0 and len(got[1]) == len(src)
         blocks = got[1]
@@ -56,7 +41,7 @@ def test_reserved_import_generates_like_in_process(model_factory):
 def test_abort_while_reserved_frees_the_blocks(model_factory):
     _, path = model_factory("llama")
     dec = tandem.LLM(path, num_blocks=16).engine
-    first, blocks = dec.reserve_prefilled(_rand(40, 5), 7, GREEDY, "gone")
+    first, blocks = dec.reserve_prefilled(rand_ids(40, 5), 7, GREEDY, "gone")
     assert first == 0 and len(blocks) == 3 and dec.pool.num_used == 3
     assert dec.abort("gone")
     assert dec.pool.num_used == 0 and not dec.has_unfinished()
@@ -65,7 +50,7 @@ def test_abort_while_reserved_frees_the_blocks(model_factory):
 
 def test_reserve_without_room_falls_back_to_recompute(model_factory):
     _, path = model_factory("llama")
-    prompt = _rand(40, 6)
+    prompt = rand_ids(40, 6)
     want = tandem.LLM(path, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
     dec = tandem.LLM(path, num_blocks=4).engine
     held = dec.pool.allocate(2)  # leaves 2 free: too few for 40 tokens (3 blocks) + 1
@@ -84,15 +69,15 @@ def test_reserve_shares_the_cached_prefix_and_reads_only_the_rest(model_factory)
     """The decode pool already holds the first two blocks of the second prompt: only the
     blocks after them are reserved for the read, and the output is unchanged."""
     _, path = model_factory("llama")
-    base = _rand(40, 7)  # 2.5 blocks of 16
-    prompts = [base + _rand(10, 8), base + _rand(20, 9)]
+    base = rand_ids(40, 7)  # 2.5 blocks of 16
+    prompts = [base + rand_ids(10, 8), base + rand_ids(20, 9)]
     want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
     pre = tandem.LLM(path, num_blocks=64).engine
     dec = tandem.LLM(path, num_blocks=64).engine
     reads = []
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        first, src = _prefill(pre, p, rid)
+        first, src = prefill_only(pre, p, rid, GREEDY)
         got = dec.reserve_prefilled(p, first, GREEDY, rid, peer_blocks=src)
         assert got is not None
         skip, blocks = got
@@ -114,7 +99,9 @@ def test_reserved_blocks_follow_the_order_of_the_peer_blocks(model_factory):
     adjacent here, so one read descriptor per run rather than per block."""
     _, path = model_factory("llama")
     dec = tandem.LLM(path, num_blocks=16, enable_prefix_cache=False).engine
-    first, blocks = dec.reserve_prefilled(_rand(64, 10), 7, GREEDY, "r", peer_blocks=[9, 8, 7, 6])
+    first, blocks = dec.reserve_prefilled(
+        rand_ids(64, 10), 7, GREEDY, "r", peer_blocks=[9, 8, 7, 6]
+    )
     assert first == 0 and blocks == [3, 2, 1, 0]
     assert dec.seqs["r"].block_table.blocks == blocks
     assert dec.abort("r") and dec.pool.num_used == 0

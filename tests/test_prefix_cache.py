@@ -18,24 +18,20 @@ from tandem.kv.block_copy import gather_copy
 from tandem.kv.block_pool import BlockPool, OutOfBlocks
 from tandem.kv.block_table import BlockTable
 from tandem.kv.prefix_cache import PrefixCache, block_hashes, hash_block
+from tests.engine_checks import prefill_only, rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
-
 def _shared_prefix_prompts() -> list[list[int]]:
-    base = _rand(40, 1)  # 2.5 blocks of 16
+    base = rand_ids(40, 1)  # 2.5 blocks of 16
     return [
-        base + _rand(3, 2),  # shares 2 full blocks, then diverges mid-block
-        base + _rand(25, 3),
+        base + rand_ids(3, 2),  # shares 2 full blocks, then diverges mid-block
+        base + rand_ids(25, 3),
         base,
         base[:20],  # the shared part ends inside block 1
         base[:32],  # exactly two blocks: the last one must still be computed privately
-        _rand(35, 4),  # nothing in common
+        rand_ids(35, 4),  # nothing in common
     ]
 
 
@@ -73,7 +69,7 @@ def test_pool_keeps_cached_blocks_free_and_evicts_least_recently_freed():
 
 
 def test_block_names_chain_over_the_whole_prefix():
-    toks = _rand(50, 7)
+    toks = rand_ids(50, 7)
     names = block_hashes(toks, 16)
     assert len(names) == 3  # full blocks only
     assert names == block_hashes(toks[:48], 16)
@@ -117,9 +113,9 @@ def test_cache_on_equals_off_and_transformers(llama):
 def test_second_request_computes_only_the_uncached_part(llama):
     _, path = llama
     llm = tandem.LLM(path, num_blocks=64)
-    base = _rand(40, 1)
+    base = rand_ids(40, 1)
     llm.generate([base], GREEDY)
-    seq = llm.engine.add_request(base + _rand(5, 9), GREEDY)
+    seq = llm.engine.add_request(base + rand_ids(5, 9), GREEDY)
     batch = llm.engine.scheduler.schedule()
     # Two full blocks (32 tokens) of the 45 are cached; only 13 are computed.
     assert seq.num_cached_tokens == 32 and batch.items == [(seq, 13)]
@@ -180,7 +176,7 @@ def test_speculation_and_async_scheduling_with_the_cache(llama):
 # ---- chunked prefill ---------------------------------------------------------------------------
 def test_chunked_prefill_equals_unchunked(llama):
     hf, path = llama
-    prompts = [_rand(n, 20 + n) for n in (70, 5, 33, 100)]
+    prompts = [rand_ids(n, 20 + n) for n in (70, 5, 33, 100)]
     sps = [GREEDY] * 3 + [tandem.SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
     whole = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False)
     want = whole.generate(prompts, sps)
@@ -197,9 +193,9 @@ def test_long_prompt_is_chunked_beside_running_decodes(llama):
     _, path = llama
     llm = tandem.LLM(path, num_blocks=64, prefill_chunk=10, enable_prefix_cache=False)
     eng = llm.engine
-    short = eng.add_request(_rand(4, 1), GREEDY)
+    short = eng.add_request(rand_ids(4, 1), GREEDY)
     eng.step()  # the short prompt is prefilled and decodes from now on
-    long = eng.add_request(_rand(35, 2), GREEDY)
+    long = eng.add_request(rand_ids(35, 2), GREEDY)
     sizes = []
     while long.num_computed < 35:
         batch = eng.scheduler.schedule()
@@ -217,7 +213,7 @@ def test_long_prompt_is_chunked_beside_running_decodes(llama):
 # ---- leases and imported KV --------------------------------------------------------------------
 def test_leased_shared_blocks_survive_pressure_and_release_to_zero(llama):
     _, path = llama
-    base = _rand(40, 1)
+    base = rand_ids(40, 1)
     pre = tandem.LLM(path, num_blocks=16)
     eng = pre.engine
     eng.add_request(base + [5], GREEDY, "r1", prefill_only=True)
@@ -244,25 +240,21 @@ def test_leased_shared_blocks_survive_pressure_and_release_to_zero(llama):
 
 def test_admit_prefilled_copies_only_the_uncached_blocks(llama):
     _, path = llama
-    base = _rand(40, 1)
-    prompts = [base + _rand(10, 2), base + _rand(20, 3)]
+    base = rand_ids(40, 1)
+    prompts = [base + rand_ids(10, 2), base + rand_ids(20, 3)]
     want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
     pre = tandem.LLM(path, num_blocks=64).engine
     dec = tandem.LLM(path, num_blocks=64).engine
     copies = []
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        pre.add_request(p, GREEDY, rid, prefill_only=True)
-        outs = []
-        while pre.has_unfinished():
-            outs += pre.step()
-        lease = pre.leases.leases[rid]
+        first_token, src = prefill_only(pre, p, rid, GREEDY)
 
-        def copy_in(dst: list[int], first: int, src=lease.blocks) -> None:
+        def copy_in(dst: list[int], first: int, src=src) -> None:
             copies.append((first, len(dst)))
             gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
 
-        seq, imported = dec.admit_prefilled(p, outs[0].new_token_ids[0], GREEDY, rid, copy_in)
+        seq, imported = dec.admit_prefilled(p, first_token, GREEDY, rid, copy_in)
         pre.leases.release(rid)
         assert imported
         while dec.has_unfinished():
@@ -275,23 +267,19 @@ def test_admit_prefilled_copies_only_the_uncached_blocks(llama):
 
 def test_imported_sequences_wait_with_their_kv_when_the_batch_is_full(llama):
     _, path = llama
-    prompts = [_rand(20, 30), _rand(37, 31), _rand(9, 32)]
+    prompts = [rand_ids(20, 30), rand_ids(37, 31), rand_ids(9, 32)]
     want = tandem.LLM(path, num_blocks=128, enable_prefix_cache=False).generate(prompts, GREEDY)
     pre = tandem.LLM(path, num_blocks=64).engine
     dec = tandem.LLM(path, num_blocks=64, max_num_seqs=1).engine
     seqs = []
     for i, p in enumerate(prompts):
         rid = f"r{i}"
-        pre.add_request(p, GREEDY, rid, prefill_only=True)
-        outs = []
-        while pre.has_unfinished():
-            outs += pre.step()
-        src = pre.leases.leases[rid].blocks
+        first_token, src = prefill_only(pre, p, rid, GREEDY)
 
         def copy_in(dst: list[int], first: int, src=src) -> None:
             gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
 
-        seq, imported = dec.admit_prefilled(p, outs[0].new_token_ids[0], GREEDY, rid, copy_in)
+        seq, imported = dec.admit_prefilled(p, first_token, GREEDY, rid, copy_in)
         pre.leases.release(rid)
         assert imported
         seqs.append(seq)

@@ -19,6 +19,10 @@ from tandem.kernels.arrival import arrival_counters  # noqa: E402
 from tandem.quant.format import pack, quantize_rtn, unpack  # noqa: E402
 from tandem.quant.kv import write_kv_block_scaled  # noqa: E402
 from tandem.quant.recipe import LayerSpec, Recipe, RecipeError, resolve_specs  # noqa: E402
+from tests.engine_checks import (  # noqa: E402
+    assert_equal_up_to_a_near_tie,
+    run_to_completion,
+)
 
 # ---- format ----------------------------------------------------------------------------------
 
@@ -313,25 +317,6 @@ def test_shared_pool_and_gather_copy_carry_scales() -> None:
 # ---- engines ---------------------------------------------------------------------------------
 
 
-# The CPU INT4 kernel computes in bfloat16 (tandem.kernels.cpu_int4): on these test models it
-# moved log-probabilities by up to 0.08 nats, so where the float model's two best tokens are
-# closer than this the quantized engine may pick the other one and continue differently.
-NEAR_TIE = 0.15
-
-
-def _assert_equal_up_to_a_near_tie(got: list, want: list) -> None:
-    """`got`, `want`: per sequence, the (token ids, TokenLogprobs) of a quantized engine and of
-    the float engine on its dequantized weights. Equal tokens with log-probabilities within
-    NEAR_TIE, up to a first difference where the float engine's best two were a near-tie."""
-    for (ta, la), (tb, lb) in zip(got, want, strict=True):
-        i = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
-        for j in range(i):
-            assert abs(la[j].logprob - lb[j].logprob) <= NEAR_TIE, (j, la[j], lb[j])
-        if i < len(ta):
-            (_, best), (_, second) = lb[i].top[:2]
-            assert best - second <= NEAR_TIE, f"differs at {i}, not a near-tie: {lb[i]}"
-
-
 def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -> None:
     """The CPU W4A16 path (the bfloat16 INT4 kernel, tandem.kernels.cpu_int4) gives a float
     model's greedy tokens on the dequantized weights, up to a near-tie (`NEAR_TIE`)."""
@@ -351,16 +336,7 @@ def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -
     for eng in (a, b):
         eng.add_request([5, 9, 33, 100, 7, 7, 300], sp, request_id="r")
         eng.add_request([11, 12], sp, request_id="s")
-    toks: dict = {}
-    for eng in (a, b):
-        got: dict = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                ids, lps = got.setdefault(o.seq.seq_id, ([], []))
-                ids.extend(o.new_token_ids)
-                lps.extend(o.new_logprobs)
-        toks[id(eng)] = [got[k] for k in sorted(got)]
-    _assert_equal_up_to_a_near_tie(toks[id(a)], toks[id(b)])
+    assert_equal_up_to_a_near_tie(run_to_completion(a), run_to_completion(b))
     assert type(a.model.layers[0].qkv).__name__ == "CpuInt4Weight"
 
 

@@ -12,6 +12,7 @@ import torch
 import tandem
 from tandem.quant.format import QuantizedWeight
 from tandem.quant.recipe import LayerSpec, Recipe, RecipeError, head_specs, resolve_specs
+from tests.engine_checks import assert_equal_up_to_a_near_tie, run_to_completion
 
 
 def test_head_specs_only_where_an_override_names_them() -> None:
@@ -47,32 +48,7 @@ def _generate(loaded) -> list[list[int]]:
     sp = tandem.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     eng.add_request([5, 9, 33, 100, 7], sp, request_id="a")
     eng.add_request([11, 12], sp, request_id="b")
-    got: dict = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            ids, lps = got.setdefault(o.seq.seq_id, ([], []))
-            ids.extend(o.new_token_ids)
-            lps.extend(o.new_logprobs)
-    return [got[k] for k in sorted(got)]
-
-
-# The CPU INT4 kernel computes in bfloat16 (tandem.kernels.cpu_int4): on these test models it
-# moved log-probabilities by up to 0.08 nats, so where the float model's two best tokens are
-# closer than this the quantized engine may pick the other one and continue differently.
-NEAR_TIE = 0.15
-
-
-def _assert_equal_up_to_a_near_tie(got: list, want: list) -> None:
-    """`got`, `want`: per sequence, the (token ids, TokenLogprobs) of a quantized engine and of
-    the float engine on its dequantized weights. Equal tokens with log-probabilities within
-    NEAR_TIE, up to a first difference where the float engine's best two were a near-tie."""
-    for (ta, la), (tb, lb) in zip(got, want, strict=True):
-        i = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
-        for j in range(i):
-            assert abs(la[j].logprob - lb[j].logprob) <= NEAR_TIE, (j, la[j], lb[j])
-        if i < len(ta):
-            (_, best), (_, second) = lb[i].top[:2]
-            assert best - second <= NEAR_TIE, f"differs at {i}, not a near-tie: {lb[i]}"
+    return run_to_completion(eng)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3"], ids=["untied", "tied"])
@@ -130,7 +106,7 @@ def test_quantized_head_and_embedding_equal_dequantized_float(model_factory, tmp
     float_head = LlamaModel(cfg, load_model(path).weights)
     assert (got - float_head.logits(hidden)).abs().max() > 1e-3
     # Whole engines: the quantized checkpoint generates the dequantized model's tokens.
-    _assert_equal_up_to_a_near_tie(
+    assert_equal_up_to_a_near_tie(
         _generate(back),
         _generate(
             LoadedModel(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import queue
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from tandem.model.loader import load_model_info
 from tandem.rpc import api_pb2
 from tests.integration.stages import Stage, gateway_stage, pipeline_stages
+from tests.integration.streams import Outbox, chat_turn
 
 BLOCK = 16
 
@@ -79,35 +79,24 @@ def test_chat_turns_two_and_three_prefill_only_the_new_tokens(stack, tokenizer):
         "Which harbour would you visit first?",
         "What is my name?",
     ]
-    outbox: queue.Queue = queue.Queue()
-
-    def requests():
-        while (m := outbox.get()) is not None:
-            yield m
+    outbox = Outbox()
 
     def send(text: str) -> None:
-        outbox.put(
-            api_pb2.ChatRequest(
-                turn=api_pb2.ChatTurn(
-                    messages=[api_pb2.ChatMessage(role="user", content=text)],
-                    sampling=api_pb2.SamplingParams(max_tokens=24, temperature=0.0),
-                )
-            )
-        )
+        outbox.put(chat_turn(text, max_tokens=24, temperature=0.0))
 
     before = decode.stats().local_prefills
     outputs: list[list[int]] = [[]]
     texts: list[list[str]] = [[]]
     finishes: list[api_pb2.Finish] = []
     send(turns[0])
-    for r in gateways["local"].gateway_stub().Chat(requests(), timeout=300):
+    for r in gateways["local"].gateway_stub().Chat(outbox.requests(), timeout=300):
         if r.HasField("chunk"):
             outputs[-1].extend(r.chunk.token_ids)
             texts[-1].append(r.chunk.text)
             continue
         finishes.append(r.finish)
         if len(finishes) == len(turns):
-            outbox.put(None)
+            outbox.close()
         else:
             outputs.append([])
             texts.append([])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import queue
 import socket
 import threading
 import time
@@ -33,6 +32,7 @@ from tests.integration.stages import (
     running,
     speculative_stages,
 )
+from tests.integration.streams import Outbox
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
@@ -459,11 +459,7 @@ def _sse(gateway: Stage, body: dict) -> tuple[int, list[str]]:
 
 def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
     _, _, decode, gateway = stack
-    inbox: queue.Queue = queue.Queue()
-
-    def requests():
-        while (m := inbox.get()) is not None:
-            yield m
+    inbox = Outbox()
 
     def hold(i: int) -> stages_pb2.DecodeIn:
         return stages_pb2.DecodeIn(
@@ -487,7 +483,7 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
         raise AssertionError(f"decode worker: {st.running} running, {st.waiting} waiting")
 
     # Another client fills the decode worker: two sequences running, then two queued.
-    call = stages_pb2_grpc.DecodeStub(decode.channel()).Session(requests(), timeout=180)
+    call = stages_pb2_grpc.DecodeStub(decode.channel()).Session(inbox.requests(), timeout=180)
     try:
         inbox.put(hold(0))
         inbox.put(hold(1))
@@ -519,7 +515,7 @@ def test_a_full_decode_worker_is_429_and_ends_streams_cleanly(stack):
         page = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics")
         assert b'tandem_http_errors_total{status="429"} 1.0' in page.read()
     finally:
-        inbox.put(None)
+        inbox.close()
         call.cancel()
     deadline = time.monotonic() + 15
     while decode.stats().used_blocks and time.monotonic() < deadline:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import queue
 import time
 
 import grpc
@@ -12,6 +11,7 @@ import pytest
 import tandem
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tests.integration.cluster import start_cluster
+from tests.integration.streams import Outbox, chat_turn
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -117,30 +117,16 @@ def test_sixteen_concurrent_streams(cluster, llm):
 def test_three_turn_chat_session(cluster, llm):
     stub = cluster.gateway()
     turns = ["My name is Ada.", "What is 3 + 4?", "What is my name?"]
-    outbox: queue.Queue = queue.Queue()
-
-    def requests():
-        while True:
-            m = outbox.get()
-            if m is None:
-                return
-            yield m
+    outbox = Outbox()
 
     def send_turn(text: str) -> None:
-        outbox.put(
-            api_pb2.ChatRequest(
-                turn=api_pb2.ChatTurn(
-                    messages=[api_pb2.ChatMessage(role="user", content=text)],
-                    sampling=api_pb2.SamplingParams(max_tokens=40, temperature=0.0),
-                )
-            )
-        )
+        outbox.put(chat_turn(text, max_tokens=40, temperature=0.0))
 
     replies: list[str] = []
     finishes: list[api_pb2.Finish] = []
     current: list[str] = []
     send_turn(turns[0])
-    for r in stub.Chat(requests()):
+    for r in stub.Chat(outbox.requests()):
         if r.HasField("chunk"):
             current.append(r.chunk.text)
             continue
@@ -149,7 +135,7 @@ def test_three_turn_chat_session(cluster, llm):
         finishes.append(r.finish)
         current = []
         if len(replies) == len(turns):
-            outbox.put(None)
+            outbox.close()
         else:
             send_turn(turns[len(replies)])
     assert len(replies) == 3
@@ -194,33 +180,18 @@ def test_client_disconnect_frees_decode_blocks(cluster):
 
 def test_chat_cancel_message_ends_the_turn(cluster):
     stub = cluster.gateway()
-    outbox: queue.Queue = queue.Queue()
-
-    def requests():
-        while True:
-            m = outbox.get()
-            if m is None:
-                return
-            yield m
-
-    outbox.put(
-        api_pb2.ChatRequest(
-            turn=api_pb2.ChatTurn(
-                messages=[api_pb2.ChatMessage(role="user", content="Tell me a long tale.")],
-                sampling=api_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-            )
-        )
-    )
+    outbox = Outbox()
+    outbox.put(chat_turn("Tell me a long tale.", max_tokens=400, temperature=0.0, ignore_eos=True))
     chunks = 0
     finish = None
-    for r in stub.Chat(requests()):
+    for r in stub.Chat(outbox.requests()):
         if r.HasField("chunk"):
             chunks += 1
             if chunks == 3:
                 outbox.put(api_pb2.ChatRequest(cancel=api_pb2.Cancel(reason="user pressed stop")))
         else:
             finish = r.finish
-            outbox.put(None)
+            outbox.close()
     assert finish is not None and finish.finish_reason == "abort"
     assert chunks < 400
     st = cluster.wait_decode_idle()

@@ -57,14 +57,10 @@ def gather_blocks_ref(
     dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor
 ) -> None:
     """dst[:, :, dst_ids[j]] = src[:, :, src_ids[j]] for every j (torch; two passes)."""
-    if dst.dtype != src.dtype or is_byte_only(dst.dtype):
+    if dst.dtype.itemsize == 1 and dst.dtype.is_floating_point:
+        # float8: index_copy_ is not implemented for it on every device; bytes are the same.
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     dst.index_copy_(2, dst_ids.to(dst.device), src.index_select(2, src_ids.to(src.device)))
-
-
-def is_byte_only(dtype: torch.dtype) -> bool:
-    """float8 pools: index_copy_ is not implemented for them on every device."""
-    return dtype.itemsize == 1 and dtype.is_floating_point
 
 
 def gather_blocks(

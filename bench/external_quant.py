@@ -13,7 +13,8 @@ downloaded. Rows:
   vs tandem      tok/s over Tandem's own format; "same" when within +-3 %
 
 AWQ, GPTQ and compressed-tensors load as the very grid Tandem's format stores, so they run the
-same kernels. Act-order layers also gather their input (see `tandem.quant.external`).
+same kernels. Act-order layers read their input permuted, written so by the kernels that produce
+it (see `tandem.quant.external`).
 
     python bench/external_quant.py          # writes bench/results/h200_external_quant.json
     python bench/external_quant.py --smoke  # tiny model; CPU or GPU, checks the script runs

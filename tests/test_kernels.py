@@ -82,6 +82,28 @@ def test_decode_merge_by_the_last_partition(ps: int) -> None:
     assert torch.equal(fused[3], torch.zeros_like(fused[3]))
 
 
+@pytest.mark.parametrize(
+    "ps, merge_last", [(512, True), (16, True), (16, False)], ids=["direct", "merge-last", "reduce"]
+)
+def test_decode_writes_the_output_permuted(ps: int, merge_last: bool) -> None:
+    """With `out_index` each output row is stored permuted (an act-order o_proj's input order)
+    by every path that writes it: the single partition, the last partition's merge and the
+    second kernel; the values are the unpermuted output's, bit for bit."""
+    lens = [40, 7, 130]
+    q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32)
+    perm = torch.randperm(6 * 64, generator=torch.Generator().manual_seed(1))
+    inv = torch.argsort(perm).to(torch.int32)
+    plain = pa.paged_attention_decode_triton(
+        q, kc, vc, table, ctx, 0.125, partition_size=ps, merge_last=merge_last
+    )
+    out = pa.paged_attention_decode_triton(
+        q, kc, vc, table, ctx, 0.125, partition_size=ps, merge_last=merge_last, out_index=inv
+    )
+    assert torch.equal(out.view(3, -1), plain.view(3, -1)[:, perm])
+    with pytest.raises(ValueError, match="out_index must be int32"):
+        pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125, out_index=perm)
+
+
 def test_decode_triton_max_context_len_bounds_partitions() -> None:
     # A wide table (room for 256 tokens) but a host-known bound of 70: 3 partitions of 32.
     lens = [70, 2, 33]

@@ -513,6 +513,15 @@ def test_gemv_x_written_by_producers() -> None:
         assert ((got - want).norm() / want.norm()).item() < 1e-6
         ref64 = y.double() @ qw.dequantize(torch.float64).T
         assert ((got.double() - ref64).norm() / ref64.norm()).item() < 2e-3
+    # An act-order consumer: the GemvX form holds out[:, perm], out stays in order.
+    perm = torch.randperm(576, generator=g).to(torch.int32)
+    out_p, res_p, xq_p = rmsnorm_gemv_x(x, nw, 1e-5, r, 64, perm=perm)
+    assert torch.equal(out_p, out) and torch.equal(res_p, res)
+    ref = wk.gemv_x_ref(out[:, perm.long()], 64)
+    assert torch.equal(xq_p.scaled, ref.scaled)
+    torch.testing.assert_close(xq_p.scalars, ref.scalars)
+    with pytest.raises(ValueError, match="perm must be int32"):
+        rmsnorm_gemv_x(x, nw, 1e-5, r, 64, perm=perm.long())
     bad = wk.gemv_x_ref(act, 64)
     with pytest.raises(ValueError, match="group 64, does not fit x"):
         wk.launch_gemv_h2(act.float(), qw, cfg, bad)

@@ -157,6 +157,16 @@ def _prefetch_partition(
 
 
 @triton.jit
+def _out_offsets(heads, offs_d, stride_oh, stride_od, oidx_ptr, mask, HEAD_DIM, SCATTER):
+    """Offsets in a sequence's output row of (heads [H, 1], dims [1, D]): in place, or where
+    `out_index` sends them (SCATTER: the row is contiguous, element h * D + d goes to
+    oidx_ptr[h * D + d])."""
+    if SCATTER:
+        return tl.load(oidx_ptr + heads * HEAD_DIM + offs_d, mask=mask, other=0)
+    return heads * stride_oh + offs_d * stride_od
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -170,6 +180,7 @@ def _decode_partition_kernel(
     ks_ptr,  # [num_blocks, Hkv] f32 block scales of k: read only when KV_SCALED
     vs_ptr,  # [num_blocks, Hkv] f32 block scales of v
     cnt_ptr,  # int32 [B * Hkv] arrival counters, zero between calls (MERGE)
+    oidx_ptr,  # int32 [Hq * D] where each output element goes (SCATTER)
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
     stride_qb,
     stride_qh,
@@ -203,6 +214,7 @@ def _decode_partition_kernel(
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
     PREFETCH_LINES: tl.constexpr = 1,  # 128-byte lines per K/V row (a power of 2), for PREWAIT
+    SCATTER: tl.constexpr = False,  # output elements placed by oidx_ptr
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -302,8 +314,10 @@ def _decode_partition_kernel(
 
     if DIRECT_OUT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i == 0 only for an empty context
+        o_off = _out_offsets(heads[:, None], offs_d[None, :], stride_oh, stride_od, oidx_ptr,
+                             head_mask[:, None], HEAD_DIM, SCATTER)  # fmt: skip
         tl.store(
-            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out_ptr + seq * stride_ob + o_off,
             out.to(out_ptr.dtype.element_ty),
             mask=head_mask[:, None],
         )
@@ -330,10 +344,12 @@ def _decode_partition_kernel(
                     num_parts,
                     stride_oh,
                     stride_od,
+                    oidx_ptr,
                     GROUP,
                     GROUP_P2,
                     HEAD_DIM,
                     BLOCK_P,
+                    SCATTER,
                 )
                 tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
@@ -350,10 +366,12 @@ def _merge_partitions(
     num_parts,  # P, the partition axis of the workspace
     stride_oh,
     stride_od,
+    oidx_ptr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """Normalised output of GROUP query heads from their partitions' (max, sum, acc): the
     log-sum-exp merge of `_decode_reduce_kernel`, for one kv head's group, by the program that
@@ -392,11 +410,9 @@ def _merge_partitions(
         acc += tl.sum(w[:, :, None] * a, axis=1)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     heads = head0 + offs_g
-    tl.store(
-        out_row + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_row.dtype.element_ty),
-        mask=g_mask[:, None],
-    )
+    o_off = _out_offsets(heads[:, None], offs_d[None, :], stride_oh, stride_od, oidx_ptr,
+                         g_mask[:, None], HEAD_DIM, SCATTER)  # fmt: skip
+    tl.store(out_row + o_off, out.to(out_row.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -406,6 +422,7 @@ def _decode_reduce_kernel(
     l_ptr,  # [B, Hq, P] f32
     acc_ptr,  # [B, Hq, P, D] f32
     context_lens_ptr,  # [B]
+    oidx_ptr,  # int32 [Hq * D] where each output element goes (SCATTER)
     stride_ob,
     stride_oh,
     stride_od,
@@ -415,6 +432,7 @@ def _decode_reduce_kernel(
     BLOCK_P: tl.constexpr,  # partitions merged per iteration
     PDL: tl.constexpr,
     PREWAIT: tl.constexpr = False,  # the context length (copied in before the step) first
+    SCATTER: tl.constexpr = False,  # output elements placed by oidx_ptr
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -473,10 +491,9 @@ def _decode_reduce_kernel(
             acc += tl.sum(w[:, None] * a, axis=0)
         l_sum = tl.sum(l_run, axis=0)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(
-        out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-    )
+    o_off = _out_offsets(head, offs_d, stride_oh, stride_od, oidx_ptr, offs_d < HEAD_DIM,
+                         HEAD_DIM, SCATTER)  # fmt: skip
+    tl.store(out_ptr + seq * stride_ob + o_off, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_decode_triton(
@@ -491,8 +508,13 @@ def paged_attention_decode_triton(
     k_scale: torch.Tensor | None = None,  # [num_blocks, Hkv] float32 for an FP8 / INT8 cache
     v_scale: torch.Tensor | None = None,
     merge_last: bool = True,
+    out_index: torch.Tensor | None = None,  # int32 [Hq * D]
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
+
+    out_index: each sequence's output row (viewed as [Hq * D]) is written permuted, element i
+    going to position out_index[i], in the same stores (the input order of an act-order output
+    projection: out_index is the inverse of its input permutation).
 
     max_context_len (a host-side bound, e.g. from the scheduler) sizes the grid and the partial
     workspace; without it the bound is block_tables.shape[1] * block_size, which needs no sync
@@ -522,6 +544,12 @@ def paged_attention_decode_triton(
         raise ValueError(f"partition_size must be a power of 2 >= 16, got {partition_size}")
     if block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError("block_tables and context_lens need one row per query")
+    scatter = out_index is not None
+    if scatter and (out_index.shape != (num_q_heads * head_dim,) or out_index.dtype != torch.int32):
+        raise ValueError(
+            f"out_index must be int32 [{num_q_heads * head_dim}], got {out_index.dtype} "
+            f"{tuple(out_index.shape)}"
+        )
 
     out = torch.empty((b, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if b == 0:
@@ -560,6 +588,7 @@ def paged_attention_decode_triton(
         k_scale if scaled else out,
         v_scale if scaled else out,
         counters,
+        out_index if scatter else out,
         scale * _LOG2E,
         *q.stride(),
         *k_cache.stride(),
@@ -582,6 +611,7 @@ def paged_attention_decode_triton(
         PREWAIT=pdl.prewait(q),
         # A row shorter than a line (FP8 at head dim 64: 64 bytes) is still one line to fetch.
         PREFETCH_LINES=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
+        SCATTER=scatter,
         num_warps=4,
         **pdl.launch_options(q),
     )
@@ -592,6 +622,7 @@ def paged_attention_decode_triton(
             l_,
             acc,
             context_lens,
+            out_index if scatter else out,
             *out.stride(),
             HEAD_DIM=head_dim,
             PARTITION_SIZE=partition_size,
@@ -600,6 +631,7 @@ def paged_attention_decode_triton(
             # of 64 at batch 1, where graphs size the workspace by the longest context.
             BLOCK_P=min(32, triton.next_power_of_2(num_parts)),
             PREWAIT=pdl.prewait(q),
+            SCATTER=scatter,
             num_warps=4,
             **pdl.launch_options(q),
         )

@@ -32,12 +32,14 @@ def _rmsnorm_kernel(
     stride_nr,
     scaled_ptr,  # XQ: GemvX.scaled [N, H]
     scal_ptr,  # XQ: GemvX.scalars [N, H // GROUP, 2]
+    perm_ptr,  # PERM: int32 [H], GemvX holds out[perm] (an act-order consumer's input order)
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # n_cols padded to a power of 2: one program holds a whole row
     PDL: tl.constexpr,
     XQ: tl.constexpr = False,  # also write the output in the INT4 GEMV's GemvX form
     GROUP: tl.constexpr = 128,
     ACC_IN: tl.constexpr = False,  # x: a GEMV's float32 accumulator, rounded here, then zeroed
+    PERM: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     if XQ:  # the row as [groups, GROUP] tiles, the shape the GemvX epilogue works in
@@ -74,6 +76,12 @@ def _rmsnorm_kernel(
         normed = normed.to(x_ptr.dtype.element_ty)
     out = (normed.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    if PERM:
+        # The row in the consumer's input order, read back from the row just stored: after the
+        # barrier every lane's stores are visible to the whole program.
+        tl.debug_barrier()
+        src = tl.load(perm_ptr + cols, mask=mask, other=0)
+        out = tl.load(out_ptr + row * stride_o + src, mask=mask, other=0.0)
     if XQ:
         store_gemv_x(out.to(tl.float32), 0, n_cols, scaled_ptr + row * n_cols,
                      scal_ptr + row * (2 * (n_cols // GROUP)), GROUP)  # fmt: skip
@@ -115,19 +123,24 @@ def rmsnorm_gemv_x(
     residual: torch.Tensor | None,
     group: int,
     acc_input: bool = False,
+    perm: torch.Tensor | None = None,  # int32 [H]
 ) -> tuple[torch.Tensor, torch.Tensor, GemvX]:
     """`rmsnorm_triton` that also writes its output in the GemvX form of the INT4 GEMV that
-    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass."""
+    reads it (`tandem.kernels.w4a16.gemv_x_group`), in the same pass. With `perm` (an
+    act-order layer's input permutation) the GemvX form holds out[..., perm]; out itself is
+    in the natural order."""
     hidden = x.shape[-1]
     if x.dim() != 2 or hidden % group or group & (group - 1):
         raise ValueError(f"GemvX needs [T, H] rows of whole groups: x {tuple(x.shape)}, "
                          f"group {group}")  # fmt: skip
+    if perm is not None and (perm.shape != (hidden,) or perm.dtype != torch.int32):
+        raise ValueError(f"perm must be int32 [{hidden}], got {perm.dtype} {tuple(perm.shape)}")
     xq = GemvX.empty(x.shape[0], hidden, group, x.device)
-    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq, acc_input)
+    out, new_residual, _ = _rmsnorm_launch(x, weight, eps, residual, xq, acc_input, perm)
     return out, new_residual, xq
 
 
-def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool = False):
+def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool = False, perm=None):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden {hidden}")
@@ -182,11 +195,13 @@ def _rmsnorm_launch(x, weight, eps, residual, xq: GemvX | None, acc_input: bool 
         nr2.stride(0),
         xq.scaled if xq is not None else o2,
         xq.scalars if xq is not None else o2,
+        perm if perm is not None else o2,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         XQ=xq is not None,
         GROUP=xq.group if xq is not None else 128,
         ACC_IN=acc_input,
+        PERM=perm is not None,
         num_warps=num_warps,
         **pdl.launch_options(x2),
     )

@@ -86,6 +86,19 @@ class LayerWeights:
     qkv_perm: torch.Tensor | None = None
     o_perm: torch.Tensor | None = None
     gate_up_perm: torch.Tensor | None = None
+    # The same as int32 for the kernels that apply them while writing: RMSNorm's GemvX form
+    # (qkv, gate_up) and decode attention's output (o, the inverse: where each element goes).
+    qkv_perm32: torch.Tensor | None = None
+    gate_up_perm32: torch.Tensor | None = None
+    o_index32: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.qkv_perm is not None:
+            self.qkv_perm32 = self.qkv_perm.to(torch.int32)
+        if self.gate_up_perm is not None:
+            self.gate_up_perm32 = self.gate_up_perm.to(torch.int32)
+        if self.o_perm is not None:
+            self.o_index32 = torch.argsort(self.o_perm).to(torch.int32)
 
 
 def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
@@ -177,14 +190,15 @@ def _cuda_linear(
     return linear(x, w, bias, xq, accumulate)
 
 
-def _norm(h, weight, eps, residual, consumer, one_row: bool, acc_input: bool = False):
+def _norm(h, weight, eps, residual, consumer, one_row: bool, acc_input: bool = False, perm=None):
     """Residual add + RMSNorm, also writing the GemvX form its consumer's INT4 GEMV reads
     when there is one (a single row): (out, new_residual, GemvX or None). `acc_input`: h is a
-    GEMV's float32 accumulator, rounded and zeroed by the norm."""
+    GEMV's float32 accumulator, rounded and zeroed by the norm. `perm` (int32, an act-order
+    consumer's input order): the GemvX form holds out[perm]."""
     group = gemv_x_group(consumer, residual.dtype if acc_input else h.dtype) if one_row else None
     if group is None:
         return (*rmsnorm(h, weight, eps, residual, acc_input), None)
-    return rmsnorm_gemv_x(h, weight, eps, residual, group, acc_input)
+    return rmsnorm_gemv_x(h, weight, eps, residual, group, acc_input, perm)
 
 
 def _silu_mul(gu, consumer, one_row: bool, acc_dtype: torch.dtype | None = None):
@@ -419,9 +433,11 @@ class LlamaModel:
             o_acc = acc("o", i)
             # A permuted input is gathered after the norm: its GemvX form would be in the wrong
             # order, so the norm writes none (consumer None).
-            qkv_in = lw.qkv if lw.qkv_perm is None else None
-            x, residual, xq = _norm(h, lw.input_norm, eps, residual, qkv_in, one_row, h_acc)
-            qkv = _cuda_linear(_gather(x, lw.qkv_perm), lw.qkv, lw.qkv_bias, xq, qkv_acc)
+            x, residual, xq = _norm(
+                h, lw.input_norm, eps, residual, lw.qkv, one_row, h_acc, lw.qkv_perm32
+            )
+            x = x if xq is not None else _gather(x, lw.qkv_perm)
+            qkv = _cuda_linear(x, lw.qkv, lw.qkv_bias, xq, qkv_acc)
             if k_scale is None:
                 q = rope_cache_write(
                     qkv, positions, self.cos_sin, meta.slot_mapping, k_cache, v_cache, hq, hkv,
@@ -463,6 +479,7 @@ class LlamaModel:
                     # own (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights
                     # by the last partition (4.54 against 4.59).
                     merge_last=not (one_row and isinstance(lw.o, QuantizedWeight)),
+                    out_index=lw.o_index32,
                 )
             else:
                 kind = varlen_attention_kind(
@@ -484,14 +501,18 @@ class LlamaModel:
                     k_scale,
                     v_scale,
                 )
-            o = _cuda_linear(_gather(attn.reshape(t, hq * d), lw.o_perm), lw.o, accumulate=o_acc)
+            attn = attn.reshape(t, hq * d)
+            o = _cuda_linear(
+                attn if meta.decode_only else _gather(attn, lw.o_perm), lw.o, accumulate=o_acc
+            )
             # gate/up's reader takes its accumulator only where it writes down's GemvX form.
             gu_acc = acc("gate_up", i) if gemv_x_group(lw.down, dt) is not None else None
-            gu_in = lw.gate_up if lw.gate_up_perm is None else None
             x, residual, xq = _norm(
-                o, lw.post_norm, eps, residual, gu_in, one_row, o_acc is not None
-            )
-            gu = _cuda_linear(_gather(x, lw.gate_up_perm), lw.gate_up, xq=xq, accumulate=gu_acc)
+                o, lw.post_norm, eps, residual, lw.gate_up, one_row, o_acc is not None,
+                lw.gate_up_perm32,
+            )  # fmt: skip
+            x = x if xq is not None else _gather(x, lw.gate_up_perm)
+            gu = _cuda_linear(x, lw.gate_up, xq=xq, accumulate=gu_acc)
             act, aq = _silu_mul(gu, lw.down, one_row, dt if gu_acc is not None else None)
             down_acc = acc("down", i)
             h = _cuda_linear(act, lw.down, xq=aq, accumulate=down_acc)

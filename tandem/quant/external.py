@@ -36,8 +36,10 @@ returned beside the weight as `<layer>.input_perm` (int64 [K]). The alternative,
 zero-point lookup per input channel inside the GEMV, would change every kernel and slow the
 common case; re-quantizing into contiguous groups would change the weights. The model folds
 down_proj's permutation into the rows of gate_proj and up_proj (silu(gate) * up is elementwise,
-so permuting its producers' rows permutes it for free) and gathers the input of the other
-layers (one small index_select per layer on the activations).
+so permuting its producers' rows permutes it for free). The other layers' inputs are permuted by
+the kernels that write them: decode attention stores its output in o_proj's order, and on one
+row RMSNorm writes the GEMV's input form in qkv's and gate/up's order; several rows (prefill,
+batched decode) are gathered (one index_select per layer).
 """
 
 from __future__ import annotations

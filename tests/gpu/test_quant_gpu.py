@@ -196,9 +196,34 @@ def test_gemv_x_from_producers_on_cuda(wk) -> None:
         assert _rel_err(got, y.double() @ qw.dequantize(torch.float64).T) < 4e-3
 
 
-def test_decode_step_with_gemv_x_matches_f64(monkeypatch) -> None:
+def _act_order(qweights: dict, cfg, seed: int) -> tuple[dict, dict]:
+    """`qweights` as an act-order checkpoint loads: every decoder linear layer reads its input
+    permuted (one order per shared input, `<layer>.input_perm`), and the float64 reference
+    weights that stand for it (W' x[perm] = W'[:, argsort(perm)] x)."""
+    g = torch.Generator().manual_seed(seed)
+    perms, ref = {}, {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shared = {"qkv": cfg.hidden_size, "o": cfg.num_heads * cfg.head_dim,
+                  "gu": cfg.hidden_size, "down": cfg.intermediate_size}  # fmt: skip
+        order = {k: torch.randperm(n, generator=g) for k, n in shared.items()}
+        for name, key in (("self_attn.q_proj", "qkv"), ("self_attn.k_proj", "qkv"),
+                          ("self_attn.v_proj", "qkv"), ("self_attn.o_proj", "o"),
+                          ("mlp.gate_proj", "gu"), ("mlp.up_proj", "gu"),
+                          ("mlp.down_proj", "down")):  # fmt: skip
+            perms[p + name + ".input_perm"] = order[key]
+            deq = qweights[p + name + ".weight"].dequantize(torch.float64).cpu()
+            ref[p + name + ".weight"] = deq[:, torch.argsort(order[key])]
+    return perms, ref
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["grouped", "act-order"])
+def test_decode_step_with_gemv_x_matches_f64(monkeypatch, act_order: bool) -> None:
     """An INT4 decode step (one row) where RMSNorm and silu*up hand the GEMVs x in GemvX form,
-    against the step in float64 on the CPU with the same weights dequantized.
+    against the step in float64 on the CPU with the same weights dequantized; then a prefill
+    of the same context (many rows: no GemvX). With act-order every linear layer reads its
+    input permuted: RMSNorm writes the GemvX form in its consumer's order, decode attention
+    stores its output in o_proj's, and many rows are gathered.
 
     The K split is summed by the arrival counter (the `deterministic` kernel setting), not by
     float atomics: their order varies from run to run, and a last-bit change in one bf16
@@ -221,52 +246,46 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch) -> None:
     w = random_llama_weights(cfg, DEV, torch.bfloat16, std=0.05, embed_std=1.0, norm_std=0.05)
     specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
     qweights = quantize_weights(w, specs)
+    ref_w = {k: v.double().cpu() if isinstance(v, torch.Tensor) else v.dequantize(torch.float64)
+             .cpu() for k, v in qweights.items()}  # fmt: skip
+    if act_order:
+        perms, deq = _act_order(qweights, cfg, seed=3)
+        qweights = {**qweights, **perms}
+        ref_w.update(deq)
     model = LlamaModel(cfg, qweights, torch.bfloat16, DEV, max_positions=64)
-    kv = KVCache.allocate(
-        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, DEV
-    )
-    kv.data.normal_()
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([20], device=DEV),
-        block_tables=torch.tensor([[0, 1]], device=DEV),
-        context_lens=torch.tensor([21], device=DEV),
-        context_lens_list=[21],
-        query_start_loc=[0, 1],
-        decode_only=True,
-    )
-    ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
+    ref_model = LlamaModel(cfg, ref_w, torch.float64, "cpu", max_positions=64)
     from tandem.kernels import w4a16 as wk
 
     assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
     monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
-    kv64 = kv.data.double().cpu()
-    with torch.inference_mode():
-        logits = model.logits(model.forward(ids, pos, kv, meta)).double()
 
-    # The float64 reference: the quantized weights dequantized, the same cache and step.
-    ref_model = LlamaModel(
-        cfg,
-        {k: v.double().cpu() if isinstance(v, torch.Tensor) else v.dequantize(torch.float64).cpu()
-         for k, v in qweights.items()},
-        torch.float64,
-        "cpu",
-        max_positions=64,
-    )  # fmt: skip
-    kv_ref = KVCache.allocate(
-        cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float64, "cpu"
-    )
-    kv_ref.data.copy_(kv64)
-    meta_ref = AttentionMetadata(
-        slot_mapping=torch.tensor([20]),
-        block_tables=torch.tensor([[0, 1]]),
-        context_lens=torch.tensor([21]),
-        context_lens_list=[21],
-        query_start_loc=[0, 1],
-        decode_only=True,
-    )
-    with torch.inference_mode():
-        ref = ref_model.logits(ref_model.forward(ids.cpu(), pos.cpu(), kv_ref, meta_ref))
+    def step(m: LlamaModel, kv: KVCache, dev: str, ids, positions, decode: bool):
+        meta = AttentionMetadata(
+            slot_mapping=positions.to(dev),
+            block_tables=torch.tensor([[0, 1]], device=dev),
+            context_lens=torch.tensor([21], device=dev),
+            context_lens_list=[21],
+            query_start_loc=[0, len(positions)],
+            decode_only=decode,
+        )
+        with torch.inference_mode():
+            return m.logits(m.forward(ids.to(dev), positions.to(dev), kv, meta)[-1:]).double()
+
+    kv = KVCache.allocate(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                          DEV)  # fmt: skip
+    kv_ref = KVCache.allocate(cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim,
+                              torch.float64, "cpu")  # fmt: skip
+    kv.data.normal_()
+    kv_ref.data.copy_(kv.data.double().cpu())
+    ids, pos = torch.tensor([17]), torch.tensor([20])
+    logits = step(model, kv, DEV, ids, pos, True)
+    ref = step(ref_model, kv_ref, "cpu", ids, pos, True)
     # bf16 activations through three random layers: 0.0118 on the H200.
+    assert _rel_err(logits.cpu(), ref.double()) < 3e-2
+    ids = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(21)
+    logits = step(model, kv, DEV, ids, pos, False)
+    ref = step(ref_model, kv_ref, "cpu", ids, pos, False)
     assert _rel_err(logits.cpu(), ref.double()) < 3e-2
 
 

@@ -232,6 +232,10 @@ def _decode_partition_kernel(
             block_tables_ptr + seq * stride_btb, stride_btn, part * PARTITION_SIZE, context_len,
             stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE, PREFETCH_LINES,
         )  # fmt: skip
+        if SCATTER:  # the group's output places (a weight), one address per 128-byte line
+            lines = kv_head * GROUP * HEAD_DIM + tl.arange(0, (GROUP_P2 * HEAD_DIM + 31) // 32) * 32
+            _prefetch_l2((oidx_ptr + lines).to(tl.int64),
+                         (lines < (kv_head + 1) * GROUP * HEAD_DIM).to(tl.int32))  # fmt: skip
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
     if not PREWAIT:
@@ -437,6 +441,10 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_q_heads = tl.num_programs(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Where the output goes: out_index is a weight, so it loads before the wait.
+    o_off = _out_offsets(head, offs_d, stride_oh, stride_od, oidx_ptr, offs_d < HEAD_DIM,
+                         HEAD_DIM, SCATTER)  # fmt: skip
     if PREWAIT:
         context_len = tl.load(context_lens_ptr + seq)
     pdl.wait(PDL)
@@ -448,7 +456,6 @@ def _decode_reduce_kernel(
     num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), NUM_PARTITIONS)
     row0 = (seq * num_q_heads + head) * NUM_PARTITIONS
     offs_p = tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, HEAD_DIM)
 
     if NUM_PARTITIONS <= BLOCK_P:
         # One tile: max, sums and output loaded together, so the merge waits on one round trip
@@ -491,8 +498,6 @@ def _decode_reduce_kernel(
             acc += tl.sum(w[:, None] * a, axis=0)
         l_sum = tl.sum(l_run, axis=0)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)
-    o_off = _out_offsets(head, offs_d, stride_oh, stride_od, oidx_ptr, offs_d < HEAD_DIM,
-                         HEAD_DIM, SCATTER)  # fmt: skip
     tl.store(out_ptr + seq * stride_ob + o_off, out.to(out_ptr.dtype.element_ty))
 
 

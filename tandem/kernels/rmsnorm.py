@@ -48,6 +48,8 @@ def _rmsnorm_kernel(
         cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel writes it
+    if PERM:  # a weight too
+        src = tl.load(perm_ptr + cols, mask=mask, other=0)
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
 
@@ -80,7 +82,6 @@ def _rmsnorm_kernel(
         # The row in the consumer's input order, read back from the row just stored: after the
         # barrier every lane's stores are visible to the whole program.
         tl.debug_barrier()
-        src = tl.load(perm_ptr + cols, mask=mask, other=0)
         out = tl.load(out_ptr + row * stride_o + src, mask=mask, other=0.0)
     if XQ:
         store_gemv_x(out.to(tl.float32), 0, n_cols, scaled_ptr + row * n_cols,

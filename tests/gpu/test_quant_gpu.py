@@ -237,7 +237,7 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch) -> None:
     ids, pos = torch.tensor([17], device=DEV), torch.tensor([20], device=DEV)
     from tandem.kernels import w4a16 as wk
 
-    assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
+    assert wk.gemv_x_group(model.layers[0].qkv.weight, torch.bfloat16) == 128
     monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
     kv64 = kv.data.double().cpu()
     with torch.inference_mode():

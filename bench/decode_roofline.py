@@ -56,16 +56,16 @@ def linears_only_s(engine, matvec) -> float:
     """One decode step's matrix-vector products at batch 1, nothing else, in a CUDA graph."""
     m = engine.model
     x = torch.randn(1, m.cfg.hidden_size, device="cuda", dtype=m.dtype)
-    xo = torch.randn(1, m.layers[0].o.shape[1], device="cuda", dtype=m.dtype)
-    xd = torch.randn(1, m.layers[0].down.shape[1], device="cuda", dtype=m.dtype)
+    xo = torch.randn(1, m.layers[0].o.in_features, device="cuda", dtype=m.dtype)
+    xd = torch.randn(1, m.layers[0].down.in_features, device="cuda", dtype=m.dtype)
 
     def step() -> None:
         for lw in m.layers:
-            matvec(x, lw.qkv)
-            matvec(xo, lw.o)
-            matvec(x, lw.gate_up)
-            matvec(xd, lw.down)
-        matvec(x, m.lm_head)
+            matvec(x, lw.qkv.weight)
+            matvec(xo, lw.o.weight)
+            matvec(x, lw.gate_up.weight)
+            matvec(xd, lw.down.weight)
+        matvec(x, m.lm_head.weight)
 
     return graph_time_s(step)
 

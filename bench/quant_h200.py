@@ -339,10 +339,12 @@ def model_bytes(model) -> dict:
     def nb(t) -> int:
         return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
 
-    linear = sum(nb(getattr(lw, f)) for lw in model.layers for f in ("qkv", "o", "gate_up", "down"))
-    other = sum(nb(lw.input_norm) + nb(lw.post_norm) for lw in model.layers)
-    other += nb(model.embed) + nb(model.norm)
-    head = 0 if model.lm_head is model.embed else nb(model.lm_head)
+    linear = sum(
+        nb(getattr(lw, f).weight) for lw in model.layers for f in ("qkv", "o", "gate_up", "down")
+    )
+    other = sum(nb(lw.input_norm.weight) + nb(lw.post_norm.weight) for lw in model.layers)
+    other += nb(model.embed.weight) + nb(model.norm.weight)
+    head = 0 if model.lm_head.weight is model.embed.weight else nb(model.lm_head.weight)
     return {"linear": linear, "embed_norms": other, "lm_head": head, "total": linear + other + head}
 
 

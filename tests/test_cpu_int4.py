@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.kernels import cpu_int4
-from tandem.layers.cpu_linear import cpu_linear, pack_cpu_weight
+from tandem.layers.linear import cpu_linear, pack_cpu_weight
 from tandem.quant.format import quantize_rtn
 from tandem.quant.weights import q8_0_to_quantized
 
@@ -76,7 +76,7 @@ def test_q8_0_blocks_load_as_identical_codes():
 
 def test_lm_head_recomputes_the_best_logits_in_float32():
     """INT4-kernel logits are bfloat16; the LOGIT_REFINE best of each row are float32-exact."""
-    from tandem.layers.cpu_linear import LOGIT_REFINE, cpu_logits
+    from tandem.layers.embedding import LOGIT_REFINE, cpu_logits
 
     g = torch.Generator().manual_seed(3)
     qw = quantize_rtn(torch.randn(4096, 64, generator=g), 8, 32, zero_point=False)

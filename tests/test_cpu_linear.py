@@ -1,4 +1,4 @@
-"""CPU linear layers through oneDNN with weights packed at load (tandem.model.layer.cpu_linear)."""
+"""CPU linear layers through oneDNN with weights packed at load (tandem.layers.linear)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.layers import cpu_linear as layer
+from tandem.layers import linear as layer
 
 pytestmark = pytest.mark.skipif(
     not layer.CPU_PACKED_LINEAR, reason="torch built without oneDNN (mkldnn)"
@@ -43,5 +43,5 @@ def test_cpu_model_holds_packed_weights(model_factory) -> None:
     _, path = model_factory("llama")
     model = tandem.LLM(path, num_blocks=32).engine.model
     lw = model.layers[0]
-    assert all(getattr(lw, f).is_mkldnn for f in ("qkv", "o", "gate_up", "down"))
-    assert model.cpu_lm_head.is_mkldnn and not model.embed.is_mkldnn
+    assert all(getattr(lw, f).weight.is_mkldnn for f in ("qkv", "o", "gate_up", "down"))
+    assert model.lm_head.packed.is_mkldnn and not model.embed.weight.is_mkldnn

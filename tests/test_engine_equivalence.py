@@ -84,7 +84,7 @@ def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory,
     """The engine's multi-token attention through the Triton varlen kernel (interpreted here; the
     CUDA forward uses it for prompt batches, chunks and verification) gives the same tokens."""
     from tandem.kernels import paged_attention as pa
-    from tandem.model import llama
+    from tandem.layers import attention
 
     calls = []
 
@@ -92,7 +92,7 @@ def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory,
         calls.append(len(args[4]) - 1)
         return pa.paged_attention_varlen_triton(*args, **kwargs)
 
-    monkeypatch.setattr(llama, "paged_attention_varlen_ref", triton_varlen)
+    monkeypatch.setattr(attention, "paged_attention_varlen_ref", triton_varlen)
     hf, path = model_factory("llama3")
     llm = tandem.LLM(path, num_blocks=128)
     prompts = _prompts(seed=4)[:4]

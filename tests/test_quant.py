@@ -337,7 +337,7 @@ def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -
         eng.add_request([5, 9, 33, 100, 7, 7, 300], sp, request_id="r")
         eng.add_request([11, 12], sp, request_id="s")
     assert_equal_up_to_a_near_tie(run_to_completion(a), run_to_completion(b))
-    assert type(a.model.layers[0].qkv).__name__ == "CpuInt4Weight"
+    assert type(a.model.layers[0].qkv.weight).__name__ == "CpuInt4Weight"
 
 
 def test_quantize_checkpoint_round_trip(model_factory, tmp_path) -> None:

@@ -90,14 +90,15 @@ def test_quantized_head_and_embedding_equal_dequantized_float(model_factory, tmp
     cfg = back.config
     quant = LlamaModel(cfg, back.weights)
     ref = LlamaModel(cfg, dequantize_weights(back.weights, torch.float32))
-    assert isinstance(quant.lm_head, QuantizedWeight) and isinstance(quant.embed, QuantizedWeight)
+    assert isinstance(quant.lm_head.weight, QuantizedWeight)
+    assert isinstance(quant.embed.weight, QuantizedWeight)
     ids = torch.tensor([3, 0, cfg.vocab_size - 1, 17])
     assert torch.equal(quant.embed_tokens(ids), ref.embed_tokens(ids))
     hidden = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     got = quant.logits(hidden)
     want = ref.logits(hidden)
     # The quantized head on CPU is the bfloat16 INT4 kernel (tandem.kernels.cpu_int4) with each
-    # row's best logits computed again in float32 (tandem.layers.cpu_linear.cpu_logits): those
+    # row's best logits computed again in float32 (tandem.layers.embedding.cpu_logits): those
     # equal the float model's to float32 rounding, the rest to bfloat16's.
     best = want.topk(8, dim=-1).indices
     torch.testing.assert_close(got.gather(1, best), want.gather(1, best), rtol=1e-5, atol=1e-5)

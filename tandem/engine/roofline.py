@@ -72,13 +72,19 @@ def tensor_bytes(w: Any) -> int:
 def weight_bytes(model: Any) -> int:
     """Bytes of weights one decode step of a `LlamaModel` reads: every layer, the final norm and
     the LM head (in the form the forward reads it: packed for the CPU kernels on a CPU)."""
-    head = model.cpu_lm_head if model.device.type == "cpu" else model.lm_head
-    total = tensor_bytes(model.norm) + tensor_bytes(head)
-    for lw in model.layers:
-        for w in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down):
-            total += tensor_bytes(w)
-        if lw.qkv_bias is not None:
-            total += tensor_bytes(lw.qkv_bias)
+    total = tensor_bytes(model.norm.weight) + tensor_bytes(model.lm_head.packed)
+    for layer in model.layers:
+        for part in (
+            layer.input_norm,
+            layer.qkv,
+            layer.o,
+            layer.post_norm,
+            layer.gate_up,
+            layer.down,
+        ):
+            total += tensor_bytes(part.weight)
+        if layer.qkv.bias is not None:
+            total += tensor_bytes(layer.qkv.bias)
     return total
 
 

@@ -162,7 +162,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, monkeypatch
             s_ctx.fill_(p + 1)
             graph.replay()
             assert torch.equal(out, want[p]), f"step {p}: PDL graph differs from eager"
-    assert isinstance(model.lm_head, torch.Tensor) == (weights == "bf16")
+    assert isinstance(model.lm_head.weight, torch.Tensor) == (weights == "bf16")
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16kv", "fp8kv"])
@@ -176,8 +176,7 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
     cfg = _cfg()
     model = LlamaModel(cfg, _quantized(_weights(cfg, torch.bfloat16, DEV), cfg), torch.bfloat16,
                        DEV, max_positions=512)  # fmt: skip
-    assert set(model._gemv_acc) == {"qkv", "o", "gate_up", "down"}
-    rows = [r for rs in model._gemv_acc.values() for r in rs]
+    rows = [getattr(lw, f).acc_row for lw in model.layers for f in ("qkv", "o", "gate_up", "down")]
     assert all(r is not None for r in rows)
     bs, nb, steps = 16, 8, 40
     tables = torch.arange(nb, device=DEV)[None]
@@ -225,7 +224,8 @@ def test_quantized_head_and_embedding_match_cpu_float() -> None:
     q = _quantized(_weights(cfg, torch.float32, "cpu"), cfg)
     gpu = LlamaModel(cfg, q, torch.bfloat16, DEV, max_positions=64)
     cpu = LlamaModel(cfg, dequantize_weights(q, torch.float32), torch.float32, "cpu", 64)
-    assert isinstance(gpu.lm_head, QuantizedWeight) and isinstance(gpu.embed, QuantizedWeight)
+    assert isinstance(gpu.lm_head.weight, QuantizedWeight)
+    assert isinstance(gpu.embed.weight, QuantizedWeight)
     logits = {}
     for name, model, dev, dtype in (("gpu", gpu, DEV, torch.bfloat16), ("cpu", cpu, "cpu", None)):
         kv = KVCache.allocate(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim,

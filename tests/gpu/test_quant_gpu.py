@@ -256,7 +256,7 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch, act_order: bool) -> No
     ref_model = LlamaModel(cfg, ref_w, torch.float64, "cpu", max_positions=64)
     from tandem.kernels import w4a16 as wk
 
-    assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
+    assert wk.gemv_x_group(model.layers[0].qkv.weight, torch.bfloat16) == 128
     monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
 
     def step(m: LlamaModel, kv: KVCache, dev: str, ids, positions, decode: bool):

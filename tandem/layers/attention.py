@@ -1,0 +1,167 @@
+"""Paged attention over the KV cache: prompts (varlen) and decode steps, on CUDA and on a CPU.
+
+`AttentionMetadata` says which packed tokens belong to which sequence and where their KV lives;
+`Attention` is one decoder layer's attention, choosing its kernel per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.config import KernelConfig
+from tandem.kernels.paged_attention import (
+    paged_attention_decode,
+    paged_attention_decode_triton,
+    paged_attention_varlen_ref,
+    paged_attention_varlen_triton,
+)
+from tandem.layers.linear import InOrder, Linear
+from tandem.layers.step import Step
+
+SDPA_MIN_PROMPT = 1024  # "auto": whole prompts at least this long go to SDPA
+
+
+def varlen_attention_kind(
+    query_start_loc: list[int], context_lens: list[int], backend: str = "auto"
+) -> str:
+    """ "sdpa" or "triton" for one multi-token attention call on CUDA (`backend`: the
+    `prefill_attention` kernel setting). "auto" picks by the H200 measurement in
+    bench/results/h200_prefill_attention.json: Triton for batches of prompts (16 x 512: 7.7x
+    faster), chunks after a cached prefix (2.9x) and verification (64 x 5 positions: 70x); SDPA's
+    flash kernel for long whole prompts alone (1 x 2048: Triton 0.83x, 1 x 8192: 0.48x)."""
+    if backend != "auto":
+        return backend
+    for i, ctx in enumerate(context_lens):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        if q_len != ctx or q_len < SDPA_MIN_PROMPT:
+            return "triton"
+    return "sdpa"
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each packed token's KV goes and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of every token
+    block_tables: torch.Tensor  # [B, max_blocks] long
+    context_lens: torch.Tensor  # [B] long: tokens in cache after this step
+    context_lens_list: list[int]
+    query_start_loc: list[int]  # B + 1 offsets into the packed tokens
+    decode_only: bool  # every sequence has exactly one query token
+
+
+class CpuDecodeAttention:
+    """Decode attention on CPU, the same maths as `paged_attention_decode_ref` but with what
+    every layer shares (flat block ids, the padding mask) built once per step, K and V gathered
+    by one `index_select`, and no mask at all when every sequence has the same length (batch 1):
+    the keys are then sliced to the context instead (transformers' unpadded call, too).
+    """
+
+    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+        b, nb = meta.block_tables.shape
+        self.batch = b
+        self.flat_blocks = meta.block_tables.reshape(-1)
+        lens = meta.context_lens_list
+        self.mask: torch.Tensor | None = None
+        if all(n == lens[0] for n in lens):
+            self.length = lens[0]
+        else:
+            self.length = nb * block_size
+            pos = torch.arange(self.length, device=meta.context_lens.device)
+            self.mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]
+
+    def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D], layer_kv [2, num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
+        hkv, d = layer_kv.shape[-2], layer_kv.shape[-1]
+        kv = layer_kv.index_select(1, self.flat_blocks).view(2, self.batch, -1, hkv, d)
+        kv = kv[:, :, : self.length].transpose(2, 3)  # [2, B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=self.mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+
+def decode_partition_size(batch: int, kv_heads: int) -> int:
+    """Context tokens per program of the split-K decode kernel for a batch of `batch` sequences.
+
+    Small batches split the context finely so that enough programs run to keep the memory system
+    busy (batch 1 with 8 KV heads would otherwise use 8 multiprocessors of 132); large batches
+    already fill the GPU, and longer partitions cost less in the merge.
+    """
+    pairs = batch * kv_heads
+    if pairs <= 64:
+        return 64
+    if pairs <= 256:
+        return 128
+    return 512
+
+
+class Attention:
+    """Layer `layer`'s attention of q [T, Hq, D] over its KV cache -> [T, Hq * D]. `consumer`
+    (o_proj) takes part in the choice of the decode kernel's merge."""
+
+    def __init__(
+        self, layer: int, scale: float, kv_heads: int, consumer: Linear, kernels: KernelConfig
+    ) -> None:
+        self.layer = layer
+        self.scale = scale
+        self.kv_heads = kv_heads
+        self.consumer = consumer
+        self.kernels = kernels
+
+    def __call__(self, q: torch.Tensor, step: Step) -> torch.Tensor | InOrder:
+        """On CUDA a decode step stores its output in an act-order o_proj's input order."""
+        kv, meta = step.kv, step.meta
+        t = q.shape[0]
+        k_cache, v_cache = kv.layer(self.layer)
+        k_scale, v_scale = kv.layer_scales(self.layer)
+        if step.cuda:
+            attn = self._cuda(q, k_cache, v_cache, k_scale, v_scale, step)
+            if meta.decode_only and self.consumer.input_places is not None:
+                return InOrder(attn.reshape(t, -1))  # stored so by the decode kernel
+        elif meta.decode_only and k_scale is None:
+            if step.cpu_decode is None:
+                step.cpu_decode = CpuDecodeAttention(meta, kv.block_size)
+            attn = step.cpu_decode(q, kv.data[self.layer], self.scale)
+        elif meta.decode_only:
+            attn = paged_attention_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
+        else:
+            attn = paged_attention_varlen_ref(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                meta.context_lens_list, self.scale, k_scale, v_scale,
+            )  # fmt: skip
+        return attn.reshape(t, -1)
+
+    def _cuda(self, q, k_cache, v_cache, k_scale, v_scale, step: Step) -> torch.Tensor:
+        meta = step.meta
+        if meta.decode_only:
+            return paged_attention_decode_triton(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                partition_size=decode_partition_size(q.shape[0], self.kv_heads),
+                k_scale=k_scale,
+                v_scale=v_scale,
+                # One row of INT4 weights: the partitions merge faster in a kernel of their
+                # own (H200, Llama-3-8B shape: 2.03 against 2.14 ms a step); of bf16 weights
+                # by the last partition (4.54 against 4.59).
+                merge_last=not (step.one_row and self.consumer.quantized),
+                out_index=self.consumer.input_places,
+            )
+        kind = varlen_attention_kind(
+            meta.query_start_loc, meta.context_lens_list, self.kernels.prefill_attention
+        )
+        varlen = paged_attention_varlen_triton if kind == "triton" else paged_attention_varlen_ref
+        return varlen(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+            meta.context_lens_list, self.scale, k_scale, v_scale,
+        )  # fmt: skip

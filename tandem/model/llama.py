@@ -15,12 +15,9 @@ from tandem.config import KernelConfig, kernel_config
 from tandem.kernels.activation import silu_and_mul, silu_and_mul_gemv_x
 from tandem.kernels.embedding import embed_dequant_triton
 from tandem.kernels.gemv import linear_rows
-from tandem.kernels.paged_attention import (
-    paged_attention_decode,
-    paged_attention_decode_triton,
-    paged_attention_varlen_ref,
-    paged_attention_varlen_triton,
-)
+from tandem.kernels.paged_attention import paged_attention_decode, paged_attention_decode_triton
+from tandem.kernels.paged_attention_ref import paged_attention_varlen_ref
+from tandem.kernels.paged_attention_varlen import paged_attention_varlen_triton
 from tandem.kernels.rmsnorm import rmsnorm, rmsnorm_gemv_x
 from tandem.kernels.rotary import rope_cache_write, rope_cache_write_scaled
 from tandem.kernels.w4a16 import (

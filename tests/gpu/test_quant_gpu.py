@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tandem.kernels import paged_attention_ref as pa_ref
 from tests.kernel_checks import attention_decode_f64, compiled_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -335,7 +336,7 @@ def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv:
             q, kc, vc, tables, ctx, d**-0.5, partition_size=ps, k_scale=ks, v_scale=vs
         )
         torch.testing.assert_close(out.double(), expect, atol=1.6e-2, rtol=1.6e-2)
-    ref = pa.paged_attention_decode_ref(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
+    ref = pa_ref.paged_attention_decode_ref(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
     torch.testing.assert_close(ref.double(), expect, atol=1.6e-2, rtol=1.6e-2)
 
 

@@ -206,7 +206,7 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch) -> None:
     rounding grows to ~1 % of these random logits after three layers."""
     from dataclasses import replace
 
-    from tandem import config
+    from tandem import config, config_kernels
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -239,7 +239,9 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch) -> None:
     from tandem.kernels import w4a16 as wk
 
     assert wk.gemv_x_group(model.layers[0].qkv, torch.bfloat16) == 128
-    monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
+    monkeypatch.setattr(
+        config_kernels, "_KERNELS", replace(config.kernel_config(), deterministic=True)
+    )
     kv64 = kv.data.double().cpu()
     with torch.inference_mode():
         logits = model.logits(model.forward(ids, pos, kv, meta)).double()

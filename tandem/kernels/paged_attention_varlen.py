@@ -2,10 +2,8 @@
 prefill, a prompt chunk after a cached prefix, speculative verification. The torch reference is
 `paged_attention_ref.paged_attention_varlen_ref`.
 
-Cache layout per layer: k_cache, v_cache are [num_blocks, block_size, kv_heads, head_dim].
-A sequence's logical block i lives in pool block block_tables[seq, i]. An FP8 / INT8 cache comes
-with k_scale, v_scale [num_blocks, kv_heads] float32: a value is code * scale of its block and
-head (`tandem.quant.kv`); every path here dequantizes as it reads.
+The cache layout and FP8 / INT8 scales are those of `tandem.kernels.paged_attention`; the
+kernel dequantizes as it reads.
 """
 
 from __future__ import annotations

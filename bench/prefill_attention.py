@@ -26,10 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
 
-from tandem.kernels.paged_attention import (  # noqa: E402
-    paged_attention_varlen_ref,
-    paged_attention_varlen_triton,
-)
+from tandem.kernels.paged_attention_ref import paged_attention_varlen_ref  # noqa: E402
+from tandem.kernels.paged_attention_varlen import paged_attention_varlen_triton  # noqa: E402
 
 # name: list of (context tokens, query tokens) per sequence
 CASES = {

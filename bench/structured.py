@@ -89,7 +89,7 @@ class HostTimes:
     tokens into the grammars, filling masks, enqueueing sampling, and in `step()` overall."""
 
     def __init__(self, engine) -> None:
-        import tandem.engine.llm_engine as le
+        import tandem.engine.async_step as le  # where decode steps launched ahead sample
 
         self.t = {"step": 0.0, "wait": 0.0, "collect": 0.0, "masks": 0.0, "sample": 0.0}
         self.steps = 0

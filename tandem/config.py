@@ -1,4 +1,8 @@
-"""Every Tandem setting, typed, in one place. Services and the CLI read settings from here."""
+"""Every Tandem setting, typed, in one place. Services and the CLI read settings from here.
+
+The kernel settings (`KernelConfig`) are declared in `config_kernels.py` and importable from
+here; how a field becomes a `--flag` and a TANDEM_* variable is `config_options.py`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,15 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from tandem.config_kernels import KernelConfig
+from tandem.config_kernels import kernel_config as kernel_config  # re-exported: the settings API
+from tandem.config_kernels import set_kernel_config as set_kernel_config
+from tandem.config_options import (
+    add_dataclass_args,
+    dataclass_from_args,
+    parse_value,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -173,94 +186,9 @@ class EngineConfig:
             env = os.environ.get(f"TANDEM_{name.upper()}")
             if env is None or name in options:
                 continue
-            setattr(cfg, name, _parse(env, f.type, name))
+            setattr(cfg, name, parse_value(env, f.type, name))
         cfg.validate()
         return cfg
-
-
-PREFILL_ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter on the CPU (Triton's own TRITON_INTERPRET
-    variable, which Triton reads when it is imported) rather than compiling them for the GPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """How the layers choose and launch their kernels. One per process (`kernel_config()`): an
-    engine installs its own (`EngineConfig.kernel_config`, `set_kernel_config`) when it starts;
-    without one the TANDEM_* variables of the EngineConfig fields of the same names, then the
-    defaults, apply."""
-
-    # Multi-token attention on CUDA (prefill, prompt chunks, speculative verification): "triton"
-    # is one launch over the paged cache for the whole batch; "sdpa" gathers each sequence's KV
-    # and calls torch's SDPA (flash) per sequence; "auto" picks by the H200 measurement in
-    # bench/results/h200_prefill_attention.json (see `tandem.model.llama.varlen_attention_kind`).
-    prefill_attention: str = "auto"
-    # The one-row INT4 GEMVs sum their K split through partials and a last program instead of
-    # float atomics into a zeroed float32 row: steps are bit-reproducible, and slower.
-    deterministic: bool = False
-    pdl: bool = True  # programmatic dependent launch where the GPU and Triton have it
-    # Triton interprets kernels on the CPU (TRITON_INTERPRET): no inline PTX, no PDL.
-    interpreted: bool = field(default_factory=triton_interpreted)
-
-    def validate(self) -> None:
-        if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
-            raise ValueError(
-                f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION_BACKENDS)}; "
-                f"got {self.prefill_attention!r}"
-            )
-
-    @classmethod
-    def from_env(cls) -> KernelConfig:
-        """The defaults, overridden by TANDEM_PREFILL_ATTENTION, TANDEM_DETERMINISTIC, TANDEM_PDL."""
-        known = {f.name: f for f in fields(EngineConfig)}
-        opts = {}
-        for f in fields(cls):
-            env = os.environ.get(f"TANDEM_{f.name.upper()}")
-            if f.name in known and env is not None:
-                opts[f.name] = _parse(env, known[f.name].type, f.name)
-        cfg = cls(**opts)
-        cfg.validate()
-        return cfg
-
-
-_KERNELS: KernelConfig | None = None
-
-
-def kernel_config() -> KernelConfig:
-    """This process's kernel settings (built from the environment on first use)."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = KernelConfig.from_env()
-    return _KERNELS
-
-
-def set_kernel_config(cfg: KernelConfig | None) -> KernelConfig | None:
-    """Install this process's kernel settings (None: rebuilt from the environment on next use);
-    returns the previous ones. Set before a model is built: a captured CUDA graph keeps the
-    kernels it captured."""
-    global _KERNELS
-    if cfg is not None:
-        cfg.validate()
-    old, _KERNELS = _KERNELS, cfg
-    return old
-
-
-def _parse(value: str, typ: Any, name: str) -> Any:
-    t = str(typ)
-    if t == "bool":
-        return _bool(value, f"TANDEM_{name.upper()}")
-    try:
-        if "int" in t:
-            return None if value.lower() in ("", "none") else int(value)
-        if "float" in t:
-            return float(value)
-    except ValueError as e:
-        raise ValueError(f"TANDEM_{name.upper()}={value!r} is not a valid {t}") from e
-    return value or None if "None" in t else value
 
 
 @dataclass
@@ -375,106 +303,12 @@ class StageAuthConfig:
 
 def stage_secret_from_args(args: Any) -> bytes | None:
     """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
-    return _from_args(StageAuthConfig, args).secret()
-
-
-def _bool(value: str, what: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{what}={value!r} is not a boolean: 1, true, yes, on or 0, false, no, off")
-
-
-class _RefuseOnCommandLine(argparse.Action):
-    """A flag for a secret that must not be on a command line: using it is an error."""
-
-    def __init__(self, option_strings, dest, env: str, **kw) -> None:
-        super().__init__(option_strings, dest, nargs=1, **kw)
-        self.env = env
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(
-            f"{option_string} is not accepted (a command line is visible to every user): set "
-            f"{self.env}, or give a file with {option_string}-file"
-        )
-
-
-class _JoinRepeated(argparse.Action):
-    """A repeatable flag whose values are kept as one comma-separated string."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        prev = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, f"{prev},{values}" if prev else values)
-
-
-def _add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] = ()) -> None:
-    for f in fields(cls):
-        if f.name in skip:
-            continue
-        if f.metadata.get("env_only"):
-            # Not settable here: the flag exists only to refuse (rather than be taken as an
-            # abbreviation of a longer flag) and to say where the value goes.
-            parser.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f"refused_{f.name}",
-                action=_RefuseOnCommandLine,
-                env=f"TANDEM_{f.name.upper()}",
-                help=argparse.SUPPRESS,
-            )
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        t = str(f.type)
-        default = "unset" if f.default is None else f.default
-        env = f"TANDEM_{f.name.upper()}"
-        if f.metadata.get("repeatable"):
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                action=_JoinRepeated,
-                default=None,
-                metavar="ITEM",
-                help=f"{what} {f.name}, repeatable (default {default}; {env}, comma separated)",
-            )
-            continue
-        if t == "bool":
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                type=lambda v, _f=flag: _bool(v, _f),
-                default=None,
-                metavar="true|false",
-                help=f"{what} {f.name} (default {default}; {env})",
-            )
-            continue
-        typ = int if "int" in t else float if "float" in t else str
-        parser.add_argument(
-            flag,
-            dest=f.name,
-            type=typ,
-            default=None,
-            metavar=typ.__name__.upper(),
-            help=f"{what} {f.name} (default {default}; {env})",
-        )
-
-
-def _from_args(cls: Any, args: Any) -> Any:
-    opts = {}
-    for f in fields(cls):
-        v = getattr(args, f.name, None)
-        if v is None:
-            env = os.environ.get(f"TANDEM_{f.name.upper()}")
-            if env is not None:
-                v = _parse(env, f.type, f.name)
-        if v is not None:
-            opts[f.name] = v
-    return cls(**opts)
+    return dataclass_from_args(StageAuthConfig, args).secret()
 
 
 def gateway_config_from_args(args: Any) -> GatewayConfig:
     """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
-    cfg = _from_args(GatewayConfig, args)
+    cfg = dataclass_from_args(GatewayConfig, args)
     if cfg.api_key_file is not None:
         if cfg.api_key is not None:
             raise ValueError("give the API key once: api_key or api_key_file, not both")
@@ -490,17 +324,17 @@ def gateway_config_from_args(args: Any) -> GatewayConfig:
 def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
     """Add a `--flag` for every `EngineConfig` field (but `skip`) to an argparse parser or
     group (default: unset)."""
-    _add_dataclass_args(parser, EngineConfig, "engine", skip)
+    add_dataclass_args(parser, EngineConfig, "engine", skip)
 
 
 def add_stage_auth_args(parser: Any) -> None:
     """Add the stage credential's flag (`--stage-secret-file`) to a parser or group."""
-    _add_dataclass_args(parser, StageAuthConfig, "stage credential:")
+    add_dataclass_args(parser, StageAuthConfig, "stage credential:")
 
 
 def add_gateway_args(parser: Any) -> None:
     """Add a `--flag` for every `GatewayConfig` field to an argparse parser (default: unset)."""
-    _add_dataclass_args(parser, GatewayConfig, "gateway")
+    add_dataclass_args(parser, GatewayConfig, "gateway")
 
 
 def engine_config_from_args(args: Any) -> EngineConfig:
@@ -671,7 +505,7 @@ def stage_parser(stage: str) -> Any:
             default=DEFAULT_HTTP_PORT,
             help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; -1 disables)",
         )
-        _add_dataclass_args(p, GatewayConfig, "gateway")
+        add_dataclass_args(p, GatewayConfig, "gateway")
         p.add_argument(
             "--prefill", type=_addresses, required=True, help="prefill addresses, comma separated"
         )

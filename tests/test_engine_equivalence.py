@@ -83,14 +83,14 @@ def test_greedy_matches_under_preemption(model_factory, kind):
 def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory, monkeypatch):
     """The engine's multi-token attention through the Triton varlen kernel (interpreted here; the
     CUDA forward uses it for prompt batches, chunks and verification) gives the same tokens."""
-    from tandem.kernels import paged_attention as pa
+    from tandem.kernels import paged_attention_varlen as pa_varlen
     from tandem.layers import attention
 
     calls = []
 
     def triton_varlen(*args, **kwargs):
         calls.append(len(args[4]) - 1)
-        return pa.paged_attention_varlen_triton(*args, **kwargs)
+        return pa_varlen.paged_attention_varlen_triton(*args, **kwargs)
 
     monkeypatch.setattr(attention, "paged_attention_varlen_ref", triton_varlen)
     hf, path = model_factory("llama3")

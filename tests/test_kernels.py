@@ -15,6 +15,8 @@ import triton.language as tl  # noqa: E402
 from conftest import require_interpreter  # noqa: E402
 
 from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import paged_attention_ref as pa_ref  # noqa: E402
+from tandem.kernels import paged_attention_varlen as pa_varlen  # noqa: E402
 from tandem.kernels import rmsnorm as rn  # noqa: E402
 from tests.kernel_checks import (  # noqa: E402
     attention_decode_f64,
@@ -29,7 +31,7 @@ def _require_interpreter() -> None:
     (triton.jit picks interpreter or compiler when a function is decorated, triton's own library
     included, so the choice is fixed by whoever imported triton first.)"""
     require_interpreter(tl.sum, pa._decode_partition_kernel, pa._decode_reduce_kernel,
-                        rn._rmsnorm_kernel)  # fmt: skip
+                        pa_varlen._varlen_kernel, rn._rmsnorm_kernel)  # fmt: skip
 
 
 # (context_lens, Hq, Hkv, head_dim, block_size, partition_size)
@@ -144,7 +146,7 @@ def test_decode_ref_matches_f64(
     lens: list[int], hq: int, hkv: int, d: int, bs: int, ps: int
 ) -> None:
     q, kc, vc, table, ctx = make_paged(lens, hq, hkv, d, bs, torch.float32, extra_table_cols=2)
-    out = pa.paged_attention_decode_ref(q, kc, vc, table, ctx, d**-0.5)
+    out = pa_ref.paged_attention_decode_ref(q, kc, vc, table, ctx, d**-0.5)
     expect = attention_decode_f64(q, kc, vc, table, lens, d**-0.5)
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
@@ -152,7 +154,7 @@ def test_decode_ref_matches_f64(
 def test_decode_dispatch_uses_reference_on_cpu() -> None:
     q, kc, vc, table, ctx = make_paged([5, 40], 6, 2, 64, 16, torch.float32)
     got = pa.paged_attention_decode(q, kc, vc, table, ctx, 0.125)
-    assert torch.equal(got, pa.paged_attention_decode_ref(q, kc, vc, table, ctx, 0.125))
+    assert torch.equal(got, pa_ref.paged_attention_decode_ref(q, kc, vc, table, ctx, 0.125))
 
 
 def test_varlen_ref_matches_f64() -> None:
@@ -164,7 +166,7 @@ def test_varlen_ref_matches_f64() -> None:
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], 6, 64, generator=torch.Generator().manual_seed(1))
-    out = pa.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, 0.125)
+    out = pa_ref.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, 0.125)
     expect = attention_varlen_f64(q, kc, vc, table, starts, lens, 0.125)
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
@@ -191,7 +193,7 @@ def test_varlen_triton_matches_f64(
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], hq, d, generator=torch.Generator().manual_seed(len(lens)))
     expect = attention_varlen_f64(q, kc, vc, table, starts, lens, d**-0.5)
-    got = pa.paged_attention_varlen_triton(
+    got = pa_varlen.paged_attention_varlen_triton(
         q, kc, vc, table, starts, lens, d**-0.5, block_m=bm, block_n=bn
     )
     assert got.shape == q.shape and not got.isnan().any()
@@ -211,7 +213,7 @@ def test_varlen_triton_scaled_cache_matches_f64() -> None:
     expect = attention_varlen_f64(
         q, kq * ks[:, None, :, None], vq * vs[:, None, :, None], table, starts, lens, 0.2
     )
-    got = pa.paged_attention_varlen_triton(q, kq, vq, table, starts, lens, 0.2, ks, vs, 4, 8)
+    got = pa_varlen.paged_attention_varlen_triton(q, kq, vq, table, starts, lens, 0.2, ks, vs, 4, 8)
     torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
 
 
@@ -219,7 +221,7 @@ def test_varlen_triton_rejects_more_queries_than_context() -> None:
     _, kc, vc, table, _ = make_paged([4], 4, 2, 32, 8, torch.float32)
     q = torch.randn(5, 4, 32)
     with pytest.raises(ValueError, match="more queries than cached tokens"):
-        pa.paged_attention_varlen_triton(q, kc, vc, table, [0, 5], [4], 0.2)
+        pa_varlen.paged_attention_varlen_triton(q, kc, vc, table, [0, 5], [4], 0.2)
 
 
 # ---------------------------------------------------------------------------------------------

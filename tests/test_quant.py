@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 import tandem  # noqa: E402
 from tandem.kernels import paged_attention as pa  # noqa: E402
+from tandem.kernels import paged_attention_ref as pa_ref  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
 from tandem.kernels.arrival import arrival_counters  # noqa: E402
 from tandem.quant.format import pack, quantize_rtn, unpack  # noqa: E402
@@ -263,7 +264,7 @@ def test_quantized_kv_attention_matches_f64(kv_dtype) -> None:
     k_deq = kc.double() * ks[:, None, :, None]
     v_deq = vc.double() * vs[:, None, :, None]
     expect = _attention_f64(q, k_deq, v_deq, tables, lens, scale)
-    ref = pa.paged_attention_decode_ref(q, kc, vc, tables, ctx, scale, ks, vs)
+    ref = pa_ref.paged_attention_decode_ref(q, kc, vc, tables, ctx, scale, ks, vs)
     torch.testing.assert_close(ref.double(), expect, rtol=1e-5, atol=1e-5)
     tri = pa.paged_attention_decode_triton(
         q, kc, vc, tables, ctx, scale, partition_size=16, k_scale=ks, v_scale=vs
@@ -277,7 +278,7 @@ def test_quantized_kv_attention_matches_f64(kv_dtype) -> None:
     q_lens = [1, 3, 3, 3]
     qv = torch.randn(sum(q_lens), hq, d, generator=g)
     qsl = [0, *np.cumsum(q_lens).tolist()]
-    out = pa.paged_attention_varlen_ref(qv, kc, vc, tables, qsl, lens, scale, ks, vs)
+    out = pa_ref.paged_attention_varlen_ref(qv, kc, vc, tables, qsl, lens, scale, ks, vs)
     expect_v = _attention_f64(qv, k_deq, v_deq, tables, lens, scale, q_lens)
     torch.testing.assert_close(out.double(), expect_v, rtol=1e-5, atol=1e-5)
 

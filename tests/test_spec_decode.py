@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.engine import llm_engine as engine_mod
+from tandem.engine import spec_step
 from tandem.engine.proposers import NgramProposer, ngram_lookup
 from tandem.engine.spec_decode import AdaptiveK
 from tandem.engine.speculator import Speculator, local_backend
@@ -217,7 +217,7 @@ def test_broken_acceptance_rule_fails_the_same_test(tiny_vocab, monkeypatch):
         )
         return [*draft, bonus], [None] * (len(draft) + 1)
 
-    monkeypatch.setattr(engine_mod, "accept_draft_tokens", always_accept)
+    monkeypatch.setattr(spec_step, "accept_draft_tokens", always_accept)
     prompt = [4, 7, 2, 9]
     n = 3000
     p = _chi2_pvalue(_sample_triples(path, prompt, n), _exact_triples(hf, prompt, 12), n)

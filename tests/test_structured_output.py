@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.engine import llm_engine
+from tandem.engine import spec_step
 from tandem.engine.grammar import apply_token_bitmask, check_structured
 from tandem.engine.sampler import apply_logit_bias, apply_openai_penalties, sample
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
@@ -216,14 +216,14 @@ def test_drafts_under_a_grammar_are_cut_to_what_it_allows(path, monkeypatch):
     want = tandem.LLM(path, num_blocks=64).generate(prompts, sp)
     spec = tandem.LLM(path, num_blocks=64, speculative="ngram")
     accepted = []
-    verify = llm_engine.accept_draft_tokens
+    verify = spec_step.accept_draft_tokens
 
     def counting(logits, draft, *a):
         new, lps = verify(logits, draft, *a)
         accepted.append(len(new) - 1)
         return new, lps
 
-    monkeypatch.setattr(llm_engine, "accept_draft_tokens", counting)
+    monkeypatch.setattr(spec_step, "accept_draft_tokens", counting)
     got = spec.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(re.fullmatch(REGEX, _words(o.token_ids)) for o in got)

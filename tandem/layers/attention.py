@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import KernelConfig
-from tandem.kernels.paged_attention import (
-    paged_attention_decode,
-    paged_attention_decode_triton,
-    paged_attention_varlen_ref,
-    paged_attention_varlen_triton,
-)
+from tandem.kernels.paged_attention import paged_attention_decode, paged_attention_decode_triton
+from tandem.kernels.paged_attention_ref import paged_attention_varlen_ref
+from tandem.kernels.paged_attention_varlen import paged_attention_varlen_triton
 from tandem.layers.linear import InOrder, Linear
 from tandem.layers.step import Step
 

@@ -104,7 +104,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    from tandem.engine.llm_engine import QueueFull
+    from tandem.engine.admission import QueueFull
     from tandem.tenants import TenantQuotaExceeded
 
     if isinstance(exc, OutOfBlocks | QueueFull | TenantQuotaExceeded):

@@ -14,6 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tandem.kernels import paged_attention_ref as pa_ref
 from tests.kernel_checks import (
     attention_decode_f64,
     attention_varlen_f64,
@@ -30,6 +31,12 @@ DEV = "cuda"
 def pa() -> ModuleType:
     """The paged-attention module, compiled (not interpreted) kernels required."""
     return compiled_kernel("paged_attention")
+
+
+@pytest.fixture(scope="module")
+def pa_varlen() -> ModuleType:
+    """The varlen (multi-token) paged-attention module, compiled kernels required."""
+    return compiled_kernel("paged_attention_varlen")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +92,7 @@ def test_decode_triton_fp32_single_partition(pa: ModuleType) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_decode_ref_matches_f64(pa: ModuleType, dtype: torch.dtype) -> None:
     q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, 16, dtype)
-    out = pa.paged_attention_decode_ref(q, kc, vc, table, ctx, 128**-0.5)
+    out = pa_ref.paged_attention_decode_ref(q, kc, vc, table, ctx, 128**-0.5)
     expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
     torch.testing.assert_close(out.double(), expect, **TOL[dtype])
 
@@ -209,7 +216,9 @@ def test_rmsnorm_triton_fp32_matches_f64(rn: ModuleType) -> None:
 @pytest.mark.parametrize(
     "hq, hkv, d", [(32, 8, 128), (12, 4, 64), (9, 3, 64)], ids=["gqa4", "gqa3-d64", "gqa3-odd"]
 )
-def test_varlen_triton_matches_f64(pa: ModuleType, dtype: torch.dtype, hq: int, hkv: int, d: int):
+def test_varlen_triton_matches_f64(
+    pa_varlen: ModuleType, dtype: torch.dtype, hq: int, hkv: int, d: int
+):
     # whole prompts, chunks after a cached prefix, a verification of 5 positions, no queries
     lens = [300, 1000, 77, 513, 40]
     q_lens = [300, 129, 5, 0, 40]
@@ -218,8 +227,8 @@ def test_varlen_triton_matches_f64(pa: ModuleType, dtype: torch.dtype, hq: int, 
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], hq, d, device=DEV).to(dtype)
-    out = pa.paged_attention_varlen_triton(q, kc, vc, table, starts, lens, d**-0.5)
+    out = pa_varlen.paged_attention_varlen_triton(q, kc, vc, table, starts, lens, d**-0.5)
     expect = attention_varlen_f64(q, kc, vc, table, starts, lens, d**-0.5)
     torch.testing.assert_close(out.double(), expect, **TOL[dtype])
-    ref = pa.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, d**-0.5)
+    ref = pa_ref.paged_attention_varlen_ref(q, kc, vc, table, starts, lens, d**-0.5)
     torch.testing.assert_close(ref.double(), expect, **TOL[dtype])

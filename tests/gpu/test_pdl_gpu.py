@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tandem import config
+from tandem import config, config_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -116,7 +116,7 @@ def test_graph_with_pdl_equals_eager_without(pdl, weights, kv_dtype, monkeypatch
     waits. The INT4 GEMVs sum their K split through the arrival counter (the `deterministic`
     kernel setting), so the steps are deterministic; the float atomics are tested below."""
     base = replace(config.kernel_config(), deterministic=True)
-    monkeypatch.setattr(config, "_KERNELS", base)
+    monkeypatch.setattr(config_kernels, "_KERNELS", base)
     from tandem.model.llama import LlamaModel
 
     cfg = _cfg()
@@ -188,7 +188,9 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
     def meta(slot, ctx):
         return _decode_meta(slot, ctx, tables)
 
-    monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
+    monkeypatch.setattr(
+        config_kernels, "_KERNELS", replace(config.kernel_config(), deterministic=True)
+    )
     kv = kv_cache()
     want = []
     with torch.inference_mode():

@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tandem.kernels import paged_attention_ref as pa_ref
 from tests.kernel_checks import attention_decode_f64, compiled_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -230,7 +231,7 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch, act_order: bool) -> No
     rounding grows to ~1 % of these random logits after three layers."""
     from dataclasses import replace
 
-    from tandem import config
+    from tandem import config, config_kernels
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
     from tandem.model.llama import AttentionMetadata, LlamaModel
@@ -257,7 +258,9 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch, act_order: bool) -> No
     from tandem.kernels import w4a16 as wk
 
     assert wk.gemv_x_group(model.layers[0].qkv.weight, torch.bfloat16) == 128
-    monkeypatch.setattr(config, "_KERNELS", replace(config.kernel_config(), deterministic=True))
+    monkeypatch.setattr(
+        config_kernels, "_KERNELS", replace(config.kernel_config(), deterministic=True)
+    )
 
     def step(m: LlamaModel, kv: KVCache, dev: str, ids, positions, decode: bool):
         meta = AttentionMetadata(
@@ -354,7 +357,7 @@ def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv:
             q, kc, vc, tables, ctx, d**-0.5, partition_size=ps, k_scale=ks, v_scale=vs
         )
         torch.testing.assert_close(out.double(), expect, atol=1.6e-2, rtol=1.6e-2)
-    ref = pa.paged_attention_decode_ref(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
+    ref = pa_ref.paged_attention_decode_ref(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
     torch.testing.assert_close(ref.double(), expect, atol=1.6e-2, rtol=1.6e-2)
 
 

@@ -1,0 +1,276 @@
+"""Requests into the engine: validation (sampling parameters, pool size, tenant quota), the
+bounded waiting queue, and sequences prefilled elsewhere, which join with their KV copied in
+(now, or by a read that completes later) after the prefix this pool already caches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.engine.sampler import make_generator
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.validation import validate_request
+from tandem.kv.block_table import BlockTable
+from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded
+
+if TYPE_CHECKING:
+    from tandem.config import EngineConfig
+    from tandem.engine.scheduler import Scheduler
+    from tandem.kv.block_pool import BlockPool
+    from tandem.kv.prefix_cache import PrefixCache
+    from tandem.model.config import ModelConfig
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its bound; the request is refused, not queued."""
+
+
+class AdmissionMixin:
+    """Adding, admitting and aborting requests, for `LLMEngine`."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int
+    device: torch.device
+    pool: BlockPool
+    prefix_cache: PrefixCache | None
+    scheduler: Scheduler
+    seqs: dict[str, Sequence]
+    tenant_refusals: dict[str, int]
+    _ids: Iterator[int]
+
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None = None
+    ) -> None:
+        """Raise `ValueError` naming the field when a request cannot be served, and
+        `TenantQuotaExceeded` when its tenant's KV quota could never hold its prompt."""
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        n = len(prompt_token_ids)
+        bs = self.config.block_size
+        need = (n + 1 + bs - 1) // bs
+        if need > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt has {n} tokens, needing {need} KV blocks; the pool has only "
+                f"{self.pool.num_blocks} (raise num_blocks or kv_cache_memory_gb)"
+            )
+        quota = self.pool.quota(self.tenant_of(tenant))  # ValueError: a tenant without a quota
+        if quota is not None and need > quota:
+            t = self.tenant_of(tenant)
+            self.tenant_refusals[t] += 1
+            raise TenantQuotaExceeded(
+                f"tenant {t!r} is over its KV quota: the prompt has {n} tokens, needing {need} "
+                f"KV blocks, and tenant_quota gives {t!r} {quota} of the pool's "
+                f"{self.pool.num_blocks} blocks"
+            )
+
+    def tenant_of(self, tenant: str | None) -> str:
+        """The tenant a request is charged to: the one it names, else `default`."""
+        return tenant or DEFAULT_TENANT
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        tenant: str | None = None,
+    ) -> Sequence:
+        """Validate and queue a request; nothing is allocated when it is refused.
+
+        `prefill_only`: stop after the first token and keep the KV under a lease (prefill worker).
+        `tenant`: whose KV quota its blocks count against (see `tandem.tenants`).
+        """
+        self.validate_request(prompt_token_ids, params, tenant)
+        self._check_queue()
+        rid = request_id if request_id is not None else f"seq-{next(self._ids)}"
+        if rid in self.seqs:
+            raise ValueError(f"request id {rid!r} is already running")
+        seq = Sequence(
+            seq_id=rid,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
+            generator=None if params.greedy else make_generator(params.seed, self.device),
+            prefill_only=prefill_only,
+            matcher=self._matcher(params),
+        )
+        self.seqs[rid] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _prefilled_seq(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        rng_state: torch.Tensor | None,
+        tenant: str | None = None,
+    ) -> tuple[Sequence, int | None]:
+        """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
+        the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
+        after it. `first` is None when the pool (or its tenant's quota) has no room: the
+        sequence then waits in the queue and will be recomputed here."""
+        self.validate_request(prompt_token_ids, params, tenant)
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the worker "
+                "that prefills the prompt returns them (send this sequence without them)"
+            )
+        self._check_queue()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already running")
+        gen = None
+        if not params.greedy:
+            gen = make_generator(params.seed, self.device)
+            if rng_state is not None:
+                gen.set_state(rng_state)
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
+            generator=gen,
+            output_token_ids=[first_token],
+            output_logprobs=[None],
+            # The prefill worker sampled the first token under the grammar: replay it.
+            matcher=self._matcher(params, [first_token]),
+        )
+        n = len(prompt_token_ids)
+        table = seq.block_table
+        hit: list[int] = []
+        names: list[bytes] = []
+        if self.prefix_cache is not None:
+            hit, names = self.prefix_cache.match(prompt_token_ids, n)
+        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
+        self.seqs[request_id] = seq
+        fresh = table.blocks_needed(n + 1) - len(hit)
+        if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
+            seq, hit, fresh
+        ):
+            self.scheduler.add(seq)
+            return seq, None
+        if hit:
+            table.adopt_cached(self.pool, hit, names)
+        table.ensure(self.pool, n)
+        return seq, len(hit)
+
+    def admit_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        copy_in: Callable[[list[int], int], None],
+        rng_state: torch.Tensor | None = None,
+        tenant: str | None = None,
+    ) -> tuple[Sequence, bool]:
+        """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
+
+        With a prefix cache, the prompt's longest cached prefix is shared from this pool and
+        `copy_in(dst_blocks, first)` fills only the rest: `dst_blocks[j]` receives the prompt's
+        block `first + j`. Returns (sequence, imported). When this pool has no room for the
+        prompt's blocks, the KV is not imported: the sequence waits and is recomputed here
+        (`imported` is False). With room for the KV but not (yet) in the running batch (the
+        sequence limit or the TPOT target), it waits holding its KV.
+        """
+        seq, first = self._prefilled_seq(
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant
+        )
+        if first is None:
+            return seq, False
+        n = len(prompt_token_ids)
+        table = seq.block_table
+        try:
+            if len(table.blocks) > first:  # a prompt of whole cached blocks copies nothing
+                copy_in(list(table.blocks[first:]), first)
+        except BaseException:
+            self.seqs.pop(request_id, None)
+            table.release(self.pool)
+            raise
+        seq.num_computed = n
+        seq.num_cached_tokens = first * table.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(n, seq.num_cached_tokens, table.tenant)
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add(seq)  # joins when the batch has room; its KV stays here
+        return seq, True
+
+    def _check_queue(self) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_queued_seqs:
+            raise QueueFull(
+                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"(max_queued_seqs={self.config.max_queued_seqs}); retry later"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False when it is unknown."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    # ---- KV imports that complete outside the engine thread (a network read) ----------------
+    def reserve_prefilled(
+        self,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        rng_state: torch.Tensor | None = None,
+        peer_blocks: list[int] | None = None,
+        tenant: str | None = None,
+    ) -> tuple[int, list[int]] | None:
+        """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
+        for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
+        cached in this pool is shared (blocks before `first`), and `blocks[j]` is to receive the
+        prompt's block `first + j`. None when this pool has no room: the sequence then waits and
+        is recomputed here. Follow with `start_prefilled` once the blocks hold the KV, or `abort`
+        (which frees them).
+
+        `peer_blocks` (the prompt's blocks in the pool the KV comes from) orders the new blocks
+        like those: runs of adjacent blocks there land in adjacent blocks here when this pool
+        has them, so a network read moves them in long pieces rather than block by block.
+        """
+        seq, first = self._prefilled_seq(
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant
+        )
+        if first is None:
+            return None
+        # Neither queued nor running (status WAITING, in no queue) until `start_prefilled`;
+        # `abort` meanwhile frees the blocks, and no step sees the sequence.
+        table = seq.block_table
+        fresh = table.blocks[first:]
+        if peer_blocks is not None and len(peer_blocks) >= len(table.blocks) and fresh:
+            # The new blocks, ascending, handed out in the order of the peer's blocks.
+            order = sorted(range(len(fresh)), key=lambda j: peer_blocks[first + j])
+            arranged = [0] * len(fresh)
+            for b, j in zip(sorted(fresh), order, strict=True):
+                arranged[j] = b
+            table.blocks[first:] = arranged
+        seq.num_cached_tokens = first * table.block_size
+        return first, list(table.blocks[first:])
+
+    def start_prefilled(self, request_id: str) -> bool:
+        """Second half: the reserved sequence's blocks hold its prompt's KV; it joins the batch
+        (or waits for room, holding its KV). False when it was aborted meanwhile."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.num_computed or seq.status is not SequenceStatus.WAITING:
+            return False
+        seq.num_computed = len(seq.prompt_token_ids)
+        if self.prefix_cache is not None:
+            # Name the full blocks read for later hits (the shared prefix already has names).
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, seq.block_table.tenant)
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add(seq)
+        return True

@@ -1,0 +1,190 @@
+"""Asynchronous scheduling: a plain decode step is launched before the tokens of the step before
+it are read, so the device has the next step queued while the host waits.
+
+A step in flight (`InFlightStep`) holds its sampled ids on the device and their copy into a
+pinned host buffer; the next call launches the following step (its input tokens read on the
+device from the ids in flight) and only then reads that copy. A sequence finished by the step
+in flight has one more token computed, which is dropped when collected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.engine.reporting import decode_kv_tokens
+from tandem.engine.sampler import sample_ids
+from tandem.engine.sequence import Sequence
+from tandem.engine.step_output import StepOutput
+
+if TYPE_CHECKING:
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.scheduler import Scheduler
+
+
+@dataclass
+class InFlightStep:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    items: list[tuple[Sequence, int]]
+    ids: torch.Tensor  # [B] int64 on the device: the sampled tokens
+    host: torch.Tensor  # [B] int64 (pinned on CUDA): their copy, valid once `event` completes
+    event: torch.cuda.Event | None  # None on CPU, where the copy is already done
+    rows: dict[str, int]  # seq_id -> row in `items`
+    kv_tokens: int = 0  # tokens of KV the step reads: every sequence's, its new token's included
+    # perf_counter() when the step before it was seen complete, if this step was queued on the
+    # device by then (it then ran right after it): the start of its time on the device.
+    queued_at: float | None = None
+
+
+class AsyncStepMixin:
+    """Launching decode steps ahead and collecting them, for `LLMEngine`."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+    seqs: dict[str, Sequence]
+    max_model_len: int
+    _inflight: InFlightStep | None
+    _ring: list[torch.Tensor]  # two pinned buffers of sampled ids: the step read, the one launched
+    _ring_next: int
+    _copy_stream: torch.cuda.Stream | None
+    _last_tokens: int
+    _read: tuple[int, float] | None
+    _step_started: float
+    _collected_at: float
+
+    def _step_async(self) -> list[StepOutput]:
+        """Launch the next decode step, then read the step in flight; returns its tokens.
+
+        A batch that cannot run ahead (a prompt, draft tokens, logprobs, a repetition penalty)
+        first waits for the step in flight; it is then scheduled again by the next call.
+        """
+        prev, self._inflight = self._inflight, None
+        batch = self.scheduler.schedule()
+        # A sequence whose pending token is its last (length limit) needs no further step.
+        items = [(s, n) for s, n in batch.items if not (s.num_pending and self._ends_by_length(s))]
+        if items and self._can_run_ahead(items):
+            self._inflight, outs = self._launch(items, prev)
+            self._last_tokens = len(items)
+            return outs
+        if prev is not None:
+            return self._collect(prev)
+        self._last_tokens = batch.num_tokens
+        if not batch:
+            return []
+        kv_tokens = decode_kv_tokens(batch.items)
+        outs = self._run_batch(batch.items)
+        if kv_tokens:
+            self._read = (kv_tokens, time.perf_counter() - self._step_started)
+        return outs
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """True when the sequence is at its length limit once its pending tokens are read."""
+        return (
+            len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
+
+    @staticmethod
+    def _can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
+        return all(
+            n == 1
+            and not s.spec_tokens
+            and not s.prefill_only
+            and s.params.logprobs is None
+            and not s.params.penalized
+            for s, n in items
+        )
+
+    def _launch(
+        self, items: list[tuple[Sequence, int]], prev: InFlightStep | None
+    ) -> tuple[InFlightStep, list[StepOutput]]:
+        """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids;
+        returns it with the outputs of the step `prev` (read once this one is enqueued).
+
+        A batch with constrained sequences needs their grammars advanced by the tokens of
+        `prev` before its masks exist: the forward is enqueued first, `prev` is read while the
+        device runs it, the masks are filled, and only the sampling waits for them.
+        """
+        started, collects = time.perf_counter(), prev is not None
+        rows: list[int] = []
+        prev_rows: list[int] = []
+        for j, (seq, _) in enumerate(items):
+            if seq.num_pending:  # its input token is the one `prev` sampled
+                assert prev is not None, "a pending token without a step in flight"
+                rows.append(j)
+                prev_rows.append(prev.rows[seq.seq_id])
+        pending = (rows, prev_rows, prev.ids) if rows else None
+        logits = self.runner.execute(items, pending=pending)
+        seqs = [s for s, _ in items]
+        params = [s.params for s in seqs]
+        outs: list[StepOutput] = []
+        bitmask, mask_rows = None, []
+        if any(s.matcher is not None for s in seqs):
+            outs = self._collect(prev) if prev is not None else []
+            prev = None
+            # A sequence that finished with `prev` (its grammar complete) still has its row in
+            # this step; its token is dropped on collection, so it needs no mask.
+            bitmask, mask_rows = self._masks([s for s in seqs if not s.is_finished], seqs)
+        ids = sample_ids(
+            logits,
+            params,
+            [s.generator for s in seqs],
+            [()] * len(seqs),
+            bitmask=bitmask,
+            mask_rows=mask_rows,
+        )
+        kv_tokens = 0
+        for seq in seqs:
+            seq.num_computed += 1
+            seq.num_pending += 1
+            kv_tokens += seq.num_computed
+        host = self._ring[self._ring_next][: len(items)]
+        self._ring_next ^= 1
+        event = None
+        if ids.is_cuda and self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(ids.device))
+            with torch.cuda.stream(self._copy_stream):
+                host.copy_(ids, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            ids.record_stream(self._copy_stream)  # not reused before the copy has read it
+        elif ids.is_cuda:
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host.copy_(ids)
+        step = InFlightStep(
+            items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens
+        )
+        if prev is not None:
+            outs = self._collect(prev)
+        if event is None:  # a CPU step ran within this call: its time is the call's
+            self._read = (kv_tokens, time.perf_counter() - started)
+        elif collects:  # `prev` was seen to end while this step was queued behind it
+            step.queued_at = self._collected_at
+        return step, outs
+
+    def _collect(self, step: InFlightStep) -> list[StepOutput]:
+        """Wait for a launched step's tokens and apply them (stop checks, finishing)."""
+        if step.event is not None:
+            step.event.synchronize()
+        self._collected_at = time.perf_counter()
+        if step.queued_at is not None:
+            self._read = (step.kv_tokens, self._collected_at - step.queued_at)
+        outs: list[StepOutput] = []
+        for (seq, _), tok in zip(step.items, step.host.tolist(), strict=True):
+            if seq.is_finished or seq.num_pending == 0:
+                continue  # finished (stop token, abort) while this step was in flight
+            seq.num_pending -= 1
+            reason = self._append_token(seq, tok, None)
+            if reason is not None:
+                seq.num_pending = 0  # a later step's token for it is dropped
+                self.scheduler.finish(seq, reason)
+                self.seqs.pop(seq.seq_id, None)
+            outs.append(StepOutput(seq, [tok], [None], reason is not None))
+        return outs

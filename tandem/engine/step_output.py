@@ -1,0 +1,63 @@
+"""What a step produced for each sequence, and how a sampled token is applied to its sequence:
+its grammar advanced, the token recorded, the stop conditions checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    # On the step that emits a sequence's first token, when it asked for prompt logprobs: one
+    # entry per prompt token, the first None (tandem/engine/prompt_logprobs.py).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class StepOutputMixin:
+    """Applying sampled tokens to sequences, for `LLMEngine`."""
+
+    eos_token_ids: set[int]
+    max_model_len: int
+
+    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> str | None:
+        """Record a sampled token (and its logprobs) on its sequence; returns why the sequence
+        ends with it ("stop", "length"), or None."""
+        self._accept(seq, tok)
+        seq.output_token_ids.append(tok)
+        seq.output_logprobs.append(lp)
+        return self._stop_reason(seq, tok)
+
+    @staticmethod
+    def _prompt_scores(seq: Sequence) -> list[TokenLogprobs | None] | None:
+        """The prompt logprobs to report with the token this step samples for `seq`: the full
+        list with its first token (called before that token is appended), else None."""
+        if seq.params.prompt_logprobs is None or seq.output_token_ids:
+            return None
+        return list(seq.prompt_logprobs)
+
+    @staticmethod
+    def _accept(seq: Sequence, tok: int) -> None:
+        """Advance the sequence's grammar by its new token (sampled under the grammar's mask)."""
+        if seq.matcher is not None and not seq.matcher.is_terminated():
+            if not seq.matcher.accept_token(tok):
+                raise RuntimeError(f"sampled token {tok} is outside the sequence's grammar")
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar is complete: nothing may follow
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # pending tokens aside
+        if len(seq.output_token_ids) >= p.max_tokens or known >= self.max_model_len:
+            return "length"
+        return None

@@ -9,7 +9,7 @@ from tandem.kv.cache import KVCache
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import vocab_layers
-from tandem.layers.linear import Linear, QuantLinear, linear_layer
+from tandem.layers.linear import InOrder, Linear, QuantLinear, linear_layer
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryKVWrite
 from tandem.layers.step import Step
@@ -47,9 +47,14 @@ def test_linear_reads_its_input_in_its_permutation_order() -> None:
     w, b, x = randn(48, H), randn(48), randn(3, H)
     perm = torch.randperm(H, generator=GEN)
     layer = linear_layer(w, b, perm)
-    assert type(layer) is Linear and layer.gemv_x_form(torch.float32) == (None, perm)
+    group, order = layer.gemv_x_form(torch.float32)
+    assert type(layer) is Linear and group is None and torch.equal(order, perm.int())
+    # Where each input element goes in that order: the inverse permutation.
+    assert torch.equal(perm[layer.input_places.long()], torch.arange(H))
     want = F.linear(x.double()[:, perm], w.double(), b.double())
     close(layer(x, prompt_step([3])), want)
+    # Written in its order by the layer before it: not gathered again.
+    close(layer(InOrder(x[:, perm]), prompt_step([3])), want)
 
 
 def test_quant_linear_matches_its_dequantized_weight() -> None:
@@ -57,8 +62,9 @@ def test_quant_linear_matches_its_dequantized_weight() -> None:
     perm = torch.randperm(H, generator=GEN)
     layer = linear_layer(wq, None, perm)
     assert isinstance(layer, QuantLinear) and layer.acc_row is None  # only on CUDA
-    # A permuted layer gathers its input itself: its producer writes no GemvX form for it.
-    assert layer.gemv_x_form(torch.bfloat16) == (None, perm)
+    # On CPU no GemvX form; the order its producer would write one in.
+    group, order = layer.gemv_x_form(torch.bfloat16)
+    assert group is None and torch.equal(order, perm.int())
     x = randn(2, H)
     want = F.linear(x.double()[:, perm], wq.dequantize(torch.float64))
     close(layer(x, prompt_step([2])), want, tol=2e-2)  # the CPU INT4 kernel computes in bf16

@@ -19,7 +19,9 @@ On a CPU each weight is packed once at load into the form its kernel reads:
 
 Hand-offs with the neighbouring layers (both decided here, by the linear):
 - its input: the layer before it (RMSNorm, SiluAndMul) asks `gemv_x_form` whether to write x in
-  the form the one-row INT4 GEMV reads, and passes it as a `GemvInput`;
+  the form the one-row INT4 GEMV reads (in the act-order input order, if any), and passes it as
+  a `GemvInput`; decode attention stores its output in the input order (`input_places`) and
+  passes an `InOrder`; any other input is gathered into the input order here;
 - its output: on one-row steps an INT4 GEMV adds into its float32 row when its `reader` can
   round that row itself (`takes_accumulator`); it then returns an `Accumulated`.
 """

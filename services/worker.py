@@ -16,8 +16,25 @@ import grpc
 
 from tandem import progress
 from tandem.metrics import serve_metrics
+from tandem.rpc import stages_pb2
 from tandem.rpc.auth import count_refusals, server_interceptors
 from tandem.rpc.health import add_health, set_serving
+
+
+def worker_stats(st, **stage_fields: Any) -> stages_pb2.WorkerStats:
+    """The `Stats` answer of a worker: its engine's `stats()` snapshot `st`, plus the fields
+    only the stage knows (its peers, transfers, refusals)."""
+    return stages_pb2.WorkerStats(
+        running=st.running,
+        waiting=st.waiting,
+        used_blocks=st.used_blocks,
+        total_blocks=st.total_blocks,
+        cached_free_blocks=st.cached_free_blocks,
+        prefix_query_tokens=st.prefix_query_tokens,
+        prefix_hit_tokens=st.prefix_hit_tokens,
+        block_size=st.block_size,
+        **stage_fields,
+    )
 
 
 async def run_worker(

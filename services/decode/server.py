@@ -17,7 +17,7 @@ from services.decode.admission import AdmissionMixin
 from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
-from services.worker import run_worker
+from services.worker import run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -287,20 +287,13 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
     async def Stats(self, request, context):
         def snap(e: LLMEngine):
             st = e.stats()
-            return stages_pb2.WorkerStats(
-                running=st.running,
-                waiting=st.waiting,
-                used_blocks=st.used_blocks,
-                total_blocks=st.total_blocks,
+            return worker_stats(
+                st,
                 registered_peers=len(self.peers),
                 kv_imports=sum(self.imports_by_transport.values()),
                 imports_by_transport=self.imports_by_transport,
                 kv_transfer_failures=self.transfer_failures,
                 kv_transfers_in_flight=len(self.importing),
-                cached_free_blocks=st.cached_free_blocks,
-                prefix_query_tokens=st.prefix_query_tokens,
-                prefix_hit_tokens=st.prefix_hit_tokens,
-                block_size=st.block_size,
                 local_prefills=self.local_prefills,
                 max_seq_tokens=st.max_seq_tokens,
                 max_sequences=st.max_sequences,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.prefill.observe import PrefillTelemetry
-from services.worker import run_worker
+from services.worker import run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -335,19 +335,12 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
     async def Stats(self, request, context):
         def snap(e: LLMEngine):
             st = e.stats()
-            return stages_pb2.WorkerStats(
-                running=st.running,
-                waiting=st.waiting,
-                used_blocks=st.used_blocks,
-                total_blocks=st.total_blocks,
+            return worker_stats(
+                st,
                 leased_blocks=st.leased_blocks,
                 inline_bytes_sent=self.inline_bytes_sent,
                 registered_peers=len(self.peers),
                 kv_transfer_failures=self.transfer_failures,
-                cached_free_blocks=st.cached_free_blocks,
-                prefix_query_tokens=st.prefix_query_tokens,
-                prefix_hit_tokens=st.prefix_hit_tokens,
-                block_size=st.block_size,
                 leases=st.leases,
                 refusals=self.refusals,
             )

@@ -79,6 +79,34 @@ def _prefetch_partition(
 
 
 @triton.jit
+def kv_dot_operands(
+    k,
+    v,
+    ks_ptr,
+    vs_ptr,
+    scale_idx,
+    mask,
+    q_dtype: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """K and V tiles [N, D] as the attention dots take them: FP8 / INT8 codes times their
+    per-(block, head) scales at `scale_idx` (KV_SCALED), then in q's dtype or float32."""
+    if KV_SCALED:
+        ks = tl.load(ks_ptr + scale_idx, mask=mask, other=0.0)
+        vs = tl.load(vs_ptr + scale_idx, mask=mask, other=0.0)
+        k = k.to(tl.float32) * ks[:, None]
+        v = v.to(tl.float32) * vs[:, None]
+        if not DOT_FP32:
+            k = k.to(q_dtype)
+            v = v.to(q_dtype)
+    elif DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _out_offsets(heads, offs_d, stride_oh, stride_od, oidx_ptr, mask, HEAD_DIM, SCATTER):
     """Offsets in a sequence's output row of (heads [H, 1], dims [1, D]): in place, or where
     `out_index` sends them (SCATTER: the row is contiguous, element h * D + d goes to
@@ -215,17 +243,8 @@ def _decode_partition_kernel(
             mask=tok_mask[:, None],
             other=0.0,
         )  # [BLOCK_N, D]
-        if KV_SCALED:
-            ks = tl.load(ks_ptr + blocks * stride_sb + kv_head, mask=tok_mask, other=0.0)
-            vs = tl.load(vs_ptr + blocks * stride_sb + kv_head, mask=tok_mask, other=0.0)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
-            if not DOT_FP32:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-        elif DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = kv_dot_operands(k, v, ks_ptr, vs_ptr, blocks * stride_sb + kv_head, tok_mask,
+                               q.dtype, KV_SCALED, DOT_FP32)  # fmt: skip
 
         # "ieee" only matters for fp32 operands (no TF32 rounding); 16-bit operands use the
         # tensor cores with an fp32 accumulator either way.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels._triton import tl, triton
-from tandem.kernels.paged_attention import LOG2E
+from tandem.kernels.paged_attention import LOG2E, kv_dot_operands
 
 
 @triton.jit
@@ -105,17 +105,8 @@ def _varlen_kernel(
             mask=n_ok[:, None],
             other=0.0,
         )
-        if KV_SCALED:
-            ks = tl.load(ks_ptr + blocks * stride_sb + kv_head, mask=n_ok, other=0.0)
-            vs = tl.load(vs_ptr + blocks * stride_sb + kv_head, mask=n_ok, other=0.0)
-            k = k.to(tl.float32) * ks[:, None]
-            v = v.to(tl.float32) * vs[:, None]
-            if not DOT_FP32:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-        elif DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = kv_dot_operands(k, v, ks_ptr, vs_ptr, blocks * stride_sb + kv_head, n_ok, q.dtype,
+                               KV_SCALED, DOT_FP32)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [ROWS, BLOCK_N]
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, -1.0e30)

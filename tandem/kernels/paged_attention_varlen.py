@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels._triton import tl, triton
-from tandem.kernels.paged_attention import LOG2E, kv_dot_operands
+from tandem.kernels.attention_parts import LOG2E, kv_dot_operands
 
 
 @triton.jit

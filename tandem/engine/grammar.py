@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from tandem.api.sampling_params import STRUCTURED_KINDS, StructuredOutput
 from tandem.engine.sampler import device_tensor, to_device
-from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
 
 
 def _xgrammar():

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 import torch
 
 from tandem import progress
+from tandem.api.sampling_params import SamplingParams
+from tandem.api.validation import validate_request
 from tandem.config import EngineConfig, set_kernel_config
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
 from tandem.engine.roofline import StepRead, kv_bytes_per_token, weight_bytes
 from tandem.engine.sampler import TokenLogprobs, make_generator, sample, sample_ids
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.spec_decode import accept_draft_tokens
 from tandem.engine.stats import EngineStats
-from tandem.engine.validation import validate_request
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
 from tandem.kv.cache import KVCache

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.api.sampling_params import SamplingParams
 from tandem.engine.sampler import TokenLogprobs, process_logits, warp_logits
-from tandem.engine.sampling_params import SamplingParams
 
 
 def accept_draft_tokens(

@@ -185,7 +185,7 @@ def grammar_strategies(grammars, so, outputs: list[list[int]], threads: int) -> 
 
 
 def _tokenizer(path: str | None):
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
     from tandem.model.tokenizer import Tokenizer
 
     if path:

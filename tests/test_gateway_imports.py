@@ -2,8 +2,8 @@
 
 What it shares with the engine lives in torch-free modules (`tandem/api/`, `tandem/step_time.py`,
 `tandem/kv/names.py`, `tandem/model/info.py`). A serving gateway loads transformers for its
-tokenizer, which loads torch where torch is installed; so for a serving process only the
-engine, the kernels, triton and Tandem's torch modules are checked.
+tokenizer and xgrammar to check grammars, and both load torch where torch is installed; so for a
+serving process only the engine, the kernels, triton and Tandem's torch modules are checked.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 # Never imported by the gateway, not even to print its --help.
 FORBIDDEN = ("torch", "triton", "tandem.kernels", "tandem.engine")
-# Never imported by a serving gateway (transformers brings torch itself, see above).
+# Never imported by a serving gateway (transformers and xgrammar bring torch, see above).
 FORBIDDEN_SERVING = (
     "triton",
     "tandem.kernels",
@@ -143,13 +143,17 @@ def test_a_serving_gateway_loads_no_engine(tmp_path):
         assert health(gateway.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         with grpc.insecure_channel(gateway.address) as channel:
             stub = api_pb2_grpc.GatewayStub(channel)
-            bad = api_pb2.GenerateRequest(
-                prompt="Hello", sampling=api_pb2.SamplingParams(max_tokens=4, top_p=2.0)
-            )
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(bad, timeout=30))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "top_p" in e.value.details()
+            # Refused at the gateway, naming the field: a sampling value and a grammar.
+            unclosed = api_pb2.StructuredOutput(kind="regex", spec="[0-9")
+            for sampling, field in [
+                (api_pb2.SamplingParams(max_tokens=4, top_p=2.0), "top_p"),
+                (api_pb2.SamplingParams(max_tokens=4, structured=unclosed), "regex"),
+            ]:
+                bad = api_pb2.GenerateRequest(prompt="Hello", sampling=sampling)
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(bad, timeout=30))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in e.value.details()
             good = api_pb2.GenerateRequest(
                 prompt="Hello", sampling=api_pb2.SamplingParams(max_tokens=4)
             )
@@ -159,6 +163,6 @@ def test_a_serving_gateway_loads_no_engine(tmp_path):
     finally:
         gateway.stop()
     loaded = _imported(gateway.log())
-    assert "tandem.api.sampling_params" in loaded and "tandem.model.info" in loaded
+    assert {"tandem.api.structured", "tandem.model.info"} <= loaded
     bad = _matching(loaded, FORBIDDEN_SERVING)
     assert not bad, f"the serving gateway loaded {bad[:10]}"

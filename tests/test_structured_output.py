@@ -12,8 +12,9 @@ import torch
 
 import tandem
 from tandem.api.sampling_params import SamplingParams, StructuredOutput
+from tandem.api.structured import check_structured
 from tandem.engine import llm_engine
-from tandem.engine.grammar import apply_token_bitmask, check_structured
+from tandem.engine.grammar import apply_token_bitmask
 from tandem.engine.sampler import apply_logit_bias, apply_openai_penalties, sample
 from tandem.kv.block_copy import gather_copy
 

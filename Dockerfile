@@ -94,7 +94,7 @@ COPY tandem ./tandem
 COPY services ./services
 RUN python -m pip install --no-deps . \
  && cd / && rm -rf /tmp/tandem-src /tmp/requirements.txt /tmp/constraints.txt /tmp/torch-of-the-base \
- && python -c "import tandem, services.healthcheck; from tandem.model.gguf_loader import default_model_path; print(default_model_path())"
+ && python -c "import tandem, services.healthcheck; from tandem.model.info import default_model_path; print(default_model_path())"
 
 # 4. A non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). Every stage container
 #    runs as this uid: the decode worker can then open the prefill worker's shared-memory pool.

@@ -184,7 +184,7 @@ class TransformersRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from tandem.model.gguf_loader import default_model_path
+        from tandem.model.info import default_model_path
 
         self.torch = torch
         folder, name = os.path.split(default_model_path())
@@ -304,7 +304,7 @@ def main() -> int:
     importlib.import_module("tandem")  # before torch: it sets OpenMP's wait policy (config)
     import torch
 
-    from tandem.model.gguf_loader import default_model_path
+    from tandem.model.info import default_model_path
 
     meta = run_metadata()
     meta["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")  # llama.cpp's worker inherits it

@@ -429,7 +429,7 @@ def run_threshold(args: Any, vocab: int) -> dict:
 
 
 def run(args: Any) -> dict:
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
 
     if args.random_llama:
         args.model = write_random_checkpoint(args.random_llama, args.random_shape)

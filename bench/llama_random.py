@@ -171,7 +171,7 @@ class EngineRun:
 
 def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> EngineRun:
     """Greedy, fixed-length generation for every prompt through `LLMEngine.step`."""
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.api.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     sync()

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
 
-from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.api.sampling_params import SamplingParams  # noqa: E402
 
 
 def int4_engine(hf, **opts):

@@ -81,7 +81,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tandem.model.gguf_loader import default_model_path  # noqa: E402
+from tandem.model.info import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
 from tandem.quant.checkpoint import info_of, read_quantization, save_quantized  # noqa: E402

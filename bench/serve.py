@@ -899,7 +899,7 @@ def main() -> int:
         args.output_len = (8, 16)
         args.requests = args.requests or 4
 
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
 
     if args.random_llama:
         from goodput import write_random_checkpoint

@@ -185,7 +185,7 @@ def grammar_strategies(grammars, so, outputs: list[list[int]], threads: int) -> 
 
 
 def _tokenizer(path: str | None):
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
     from tandem.model.tokenizer import Tokenizer
 
     if path:
@@ -249,7 +249,7 @@ def spec_rows(new_tokens: int, repeats: int) -> dict[str, Any]:
     SCHEMA, greedy, without drafts and with n-gram drafts: target steps, tokens per step and
     wall time (median of `repeats`); the two must give the same tokens."""
     import tandem
-    from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+    from tandem.api.sampling_params import SamplingParams, StructuredOutput
 
     so = StructuredOutput("json_schema", json.dumps(SCHEMA))
     sp = SamplingParams(max_tokens=new_tokens, temperature=0, structured=so)
@@ -313,7 +313,7 @@ def main() -> int:
                 f.write("\n")
             print(f"wrote {args.out}")
         return 0
-    from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+    from tandem.api.sampling_params import SamplingParams, StructuredOutput
 
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"

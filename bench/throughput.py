@@ -170,7 +170,7 @@ def run_offline_engine(engine, prompts: list[list[int]], outputs: list[int]) -> 
     """Every request added at once to `LLMEngine`, greedy with ignore_eos (exactly `outputs[i]`
     tokens each), stepped until the last token: wall time and tokens/s from the first
     add_request to the last token."""
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.api.sampling_params import SamplingParams
 
     lr.sync()
     t0 = time.perf_counter()

@@ -12,12 +12,12 @@ __all__ = ["LLM", "Completion", "CompletionChunk", "SamplingParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.api.sampling_params import SamplingParams
     from tandem.llm import LLM, Completion, CompletionChunk
 
 # The in-process API loads torch; the command line (`tandem up`, `tandem chat`) starts without it.
 _LAZY = {
-    "SamplingParams": "tandem.engine.sampling_params",
+    "SamplingParams": "tandem.api.sampling_params",
     "LLM": "tandem.llm",
     "Completion": "tandem.llm",
     "CompletionChunk": "tandem.llm",

@@ -6,11 +6,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.api.detokenizer import IncrementalDetokenizer
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams
 from tandem.config import EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
 from tandem.model.loader import load_model
 
 Prompt = str | Sequence[int]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tandem
-from tandem.model.gguf_loader import default_model_path
+from tandem.model.info import default_model_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -110,7 +110,7 @@ def test_batch_of_chats_equals_one_by_one(llm):
 def test_tokenizer_from_the_cache_equals_the_one_built_from_the_gguf(tmp_path, monkeypatch):
     """The tokenizer built from the GGUF vocabulary is kept in the cache directory; the copy
     read back at the next start tokenizes, decodes and templates exactly as a fresh build."""
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", "none")
     _, fresh, _ = load_model_info()

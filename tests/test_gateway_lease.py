@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from services.gateway.pipeline import Pipeline, TextDelta
 from services.gateway.prefix_index import PrefixIndex
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.sampling_params import SamplingParams
 from tandem.rpc import stages_pb2
 
 

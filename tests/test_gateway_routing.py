@@ -11,7 +11,7 @@ from services.gateway.admission import SloUnreachable, TtftAdmission
 from services.gateway.pipeline import Pipeline, Session
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import Overloaded, Router
-from tandem.kv.prefix_cache import block_hashes
+from tandem.kv.names import block_hashes
 
 
 def test_prefix_index_matches_whole_blocks_and_forgets_restarted_workers():

@@ -14,12 +14,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from tandem.model.config import UnsupportedModelError  # noqa: E402
-from tandem.model.gguf_loader import (  # noqa: E402
-    default_model_path,
-    llama3_factors,
-    llama3_scaling_from_factors,
-    load_gguf,
-)
+from tandem.model.gguf_loader import load_gguf  # noqa: E402
+from tandem.model.gguf_meta import llama3_factors, llama3_scaling_from_factors  # noqa: E402
+from tandem.model.info import default_model_path  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 CHAT = [

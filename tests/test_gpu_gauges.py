@@ -290,7 +290,7 @@ def test_kv_bytes_per_token_by_hand():
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_decode_step_reads_weights_and_live_kv(async_scheduling):
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.api.sampling_params import SamplingParams
 
     e = _engine("none", async_scheduling)
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -322,7 +322,7 @@ def test_roofline_metrics_follow_each_decode_step(monkeypatch):
     """With a copy bandwidth (a GPU worker's), each decode step's fraction reaches the histogram,
     the latest-value gauge and the `decode.step` span."""
     import services.decode.observe as observe
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.api.sampling_params import SamplingParams
 
     monkeypatch.setattr(observe, "startup_copy_bandwidth", lambda device: 2e9)
     spans = []

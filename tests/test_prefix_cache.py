@@ -13,11 +13,12 @@ import torch
 import tandem
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
-from tandem.engine.step_time import StepTimeModel
 from tandem.kv.block_copy import gather_copy
 from tandem.kv.block_pool import BlockPool, OutOfBlocks
 from tandem.kv.block_table import BlockTable
-from tandem.kv.prefix_cache import PrefixCache, block_hashes, hash_block
+from tandem.kv.names import block_hashes, hash_block
+from tandem.kv.prefix_cache import PrefixCache
+from tandem.step_time import StepTimeModel
 from tests.engine_checks import prefill_only, rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

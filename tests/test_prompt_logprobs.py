@@ -141,7 +141,7 @@ def test_prompt_logprobs_is_validated(model):
 
 def test_text_offsets_count_a_split_character_once():
     from services.gateway.openai_wire import _text_offsets
-    from tandem.model.loader import load_model_info
+    from tandem.model.info import load_model_info
 
     _, tok, _ = load_model_info()
     text = "Once upon a time, café 日本"

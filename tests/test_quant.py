@@ -80,12 +80,14 @@ def test_default_gguf_q4_1_loads_bit_exact() -> None:
     import gguf
 
     from tandem.model import gguf_loader as gl
+    from tandem.model.gguf_meta import Metadata, config_from_metadata, open_reader
+    from tandem.model.info import default_model_path
     from tandem.quant.weights import q4_1_tensor
 
-    path = gl.default_model_path()
-    reader = gl._open_reader(path)
-    meta = gl._Metadata(reader, path)
-    cfg = gl._config_from_metadata(meta, {t.name: t for t in reader.tensors}, path)
+    path = default_model_path()
+    reader = open_reader(path)
+    meta = Metadata(reader, path)
+    cfg = config_from_metadata(meta, {t.name: t for t in reader.tensors}, path)
     checked = 0
     for t in reader.tensors:
         if t.name not in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.7.ffn_down.weight"):

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from tandem.api.sampling_params import SamplingParams
 from tandem.engine.sampler import (
     TokenLogprobs,
     apply_repetition_penalty,
@@ -22,7 +23,6 @@ from tandem.engine.sampler import (
     sample,
     warp_logits,
 )
-from tandem.engine.sampling_params import SamplingParams
 
 
 def _logits(batch: int, vocab: int, seed: int, scale: float = 2.0) -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_greedy_speculation_stop_string(model_factory):
 
 
 def test_detokenizer_add_until_stop_finds_the_id_that_completes_the_stop_string(model_factory):
-    from tandem.engine.detokenizer import IncrementalDetokenizer
+    from tandem.api.detokenizer import IncrementalDetokenizer
 
     _, path = model_factory("llama")
     tok = tandem.LLM(path, num_blocks=16).tokenizer

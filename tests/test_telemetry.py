@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Finished, TextDelta
 from tandem import telemetry
+from tandem.api.sampling_params import SamplingParams
 from tandem.config import metrics_port_of
-from tandem.engine.sampling_params import SamplingParams
 from tandem.metrics import DecodeMetrics, GatewayMetrics
 
 

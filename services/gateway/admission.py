@@ -3,7 +3,7 @@
 Requests reach a worker's queue in arrival order. Per worker the gateway keeps the prompt tokens
 it has sent there that have no first token yet (the work queued ahead of a new request) and
 learns how long a worker takes to deliver a first token for a given amount of queued work (an
-EWMA linear fit, `tandem.engine.step_time.StepTimeModel`). A new request's TTFT estimate is that
+EWMA linear fit, `tandem.step_time.StepTimeModel`). A new request's TTFT estimate is that
 time for the work ahead plus its own un-cached tokens; with `shed_load` a request whose estimate
 exceeds the TTFT target is refused at once (`Overloaded`: RESOURCE_EXHAUSTED / HTTP 429) rather
 than served late. Before the first measurement nothing is refused.
@@ -15,7 +15,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.step_time import StepTimeModel
+from tandem.step_time import StepTimeModel
 
 
 class SloUnreachable(RuntimeError):

@@ -18,9 +18,9 @@ from services.gateway.observe import (
 from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER, TenantAuth
+from tandem.api.sampling_params import SamplingParams
+from tandem.api.validation import validate_request
 from tandem.config import GatewayConfig
-from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.validation import validate_request
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto, sampling_from_proto
 from tandem.tenants import load_api_keys

@@ -57,8 +57,8 @@ from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER
 from tandem import telemetry
+from tandem.api.sampling_params import StructuredOutput
 from tandem.config import GatewayConfig
-from tandem.engine.sampling_params import StructuredOutput
 
 log = logging.getLogger("tandem.gateway.http")
 TENANT_KEY = "tandem_tenant"  # the request's tenant (services/gateway/tenants.py)

@@ -19,7 +19,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from services.gateway.pipeline import Finished, TextDelta
 from tandem import telemetry as tel
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.sampling_params import SamplingParams
 from tandem.metrics import GatewayMetrics
 
 

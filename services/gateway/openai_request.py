@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from services.gateway.openai_tools import ToolError, history_tool_calls
-from tandem.engine.sampling_params import StructuredOutput
+from tandem.api.sampling_params import StructuredOutput
 
 MAX_N = 16
 

@@ -17,7 +17,7 @@ from services.gateway.openai_request import (
 from services.gateway.pipeline import Finished
 from services.gateway.router import Overloaded, StageUnavailable
 from tandem import telemetry
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.sampling_params import SamplingParams
 
 log = logging.getLogger("tandem.gateway.http")
 TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request

@@ -28,10 +28,10 @@ from services.gateway.router import (
     Router,
     StageUnavailable,
 )
-from tandem.api_types import TokenLogprobs
+from tandem.api.detokenizer import IncrementalDetokenizer
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams
 from tandem.config import GatewayConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.sampling_params import SamplingParams
 from tandem.model.tokenizer import Tokenizer
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import logprob_from_proto, prompt_logprobs_from_proto, sampling_to_proto

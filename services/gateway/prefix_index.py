@@ -1,6 +1,6 @@
 """The gateway's picture of what each worker holds in its prefix cache, to route by prefix.
 
-Workers name full KV blocks by a hash chained over their tokens (`tandem.kv.prefix_cache`); the
+Workers name full KV blocks by a hash chained over their tokens (`tandem.kv.names`); the
 gateway computes the same names for every prompt it sends and remembers, per worker, the names
 of the blocks that worker has computed or received, least recently used first and bounded like
 a pool. It cannot see evictions, so what it says is an estimate: routing on a stale entry costs
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tandem.kv.prefix_cache import block_hashes
+from tandem.kv.names import block_hashes
 
 
 class PrefixIndex:

@@ -26,6 +26,7 @@ from services.gateway.router import Router
 from tandem import progress
 from tandem.config import EngineConfig, GatewayConfig
 from tandem.metrics import GatewayMetrics, serve_metrics
+from tandem.model.info import load_model_info
 from tandem.rpc import api_pb2
 from tandem.rpc.health import add_health, set_serving
 
@@ -48,9 +49,6 @@ async def serve(
     """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off).
 
     `stage_secret`: the credential sent on every call to the prefill, decode and draft workers."""
-    # Imported here: the model loader loads torch, which only serving needs (not `--help`).
-    from tandem.model.loader import load_model_info
-
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.api.sampling_params import SamplingParams
+from tandem.api.validation import validate_request
 from tandem.engine.sampler import make_generator
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.engine.validation import validate_request
 from tandem.kv.block_table import BlockTable
 from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded
 

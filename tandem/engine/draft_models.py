@@ -21,8 +21,9 @@ import torch
 from tandem.config import EngineConfig
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
+from tandem.model.info import load_model_info
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import LoadedModel, load_model, load_model_info
+from tandem.model.loader import LoadedModel, load_model
 from tandem.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.draft")

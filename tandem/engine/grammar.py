@@ -26,89 +26,14 @@ finishes with "stop" (whatever `ignore_eos` says: nothing may follow a complete 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from tandem.api.sampling_params import StructuredOutput
+from tandem.api.structured import check_structured, choice_grammar, load_xgrammar, parse_choices
 from tandem.engine.sampler import device_tensor, to_device
-from tandem.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:  # no wheel for this platform
-        raise ValueError(
-            "structured output (response_format) needs the xgrammar package, which is not "
-            f"installed here: {e}"
-        ) from None
-    return xgrammar
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF accepting exactly one of `choices` (JSON string escapes are xgrammar's too)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-def _choices(spec: str) -> list[str]:
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"structured output (response_format) choice spec is not JSON: {e}"
-        ) from None
-    if (
-        not isinstance(choices, list)
-        or not choices
-        or not all(isinstance(c, str) and c for c in choices)
-    ):
-        raise ValueError(
-            "structured output (response_format) choice must be a non-empty list of "
-            "non-empty strings"
-        )
-    return choices
-
-
-def check_structured(so: StructuredOutput) -> None:
-    """Raise `ValueError` when the grammar is malformed (parsed without a tokenizer: cheap)."""
-    if so.kind not in STRUCTURED_KINDS:
-        raise ValueError(
-            f"structured output (response_format) kind must be one of "
-            f"{', '.join(STRUCTURED_KINDS)}, got {so.kind!r}"
-        )
-    for t in so.accepted:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"structured output accepted tokens must be token ids, got {t!r}")
-    xgr = _xgrammar()
-    try:
-        if so.kind == "json_schema":
-            try:
-                json.loads(so.spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"structured output (response_format) json_schema is not JSON: {e}"
-                ) from None
-            xgr.Grammar.from_json_schema(so.spec, strict_mode=True)
-        elif so.kind == "regex":
-            xgr.Grammar.from_regex(so.spec)
-        elif so.kind == "choice":
-            xgr.Grammar.from_ebnf(choice_grammar(_choices(so.spec)))
-        elif so.kind == "grammar":
-            xgr.Grammar.from_ebnf(so.spec)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
-        raise ValueError(
-            f"structured output (response_format) {so.kind} is invalid: {_short(e)}"
-        ) from None
-
-
-def _short(e: Exception) -> str:
-    # xgrammar's messages start with "[time] /path/file.cc:line: Check failed: ..."
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
 
 
 class GrammarCompiler:
@@ -121,7 +46,7 @@ class GrammarCompiler:
         stop_token_ids: Sequence[int],
         pin_memory: bool = False,
     ) -> None:
-        xgr = _xgrammar()
+        xgr = load_xgrammar()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
@@ -156,7 +81,7 @@ class GrammarCompiler:
         if so.kind == "regex":
             return c.compile_regex(so.spec)
         if so.kind == "choice":
-            return c.compile_grammar(choice_grammar(_choices(so.spec)))
+            return c.compile_grammar(choice_grammar(parse_choices(so.spec)))
         return c.compile_grammar(so.spec)
 
     def matcher(self, so: StructuredOutput, replay: Sequence[int] = ()):
@@ -226,7 +151,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     if bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
     device = logits.device
-    _xgrammar().apply_token_bitmask_inplace(
+    load_xgrammar().apply_token_bitmask_inplace(
         logits,
         to_device(bitmask, device),
         vocab_size=vocab,

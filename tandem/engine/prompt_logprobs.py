@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.sampler import TokenLogprobs
+from tandem.api.logprobs import TokenLogprobs
 from tandem.engine.sequence import Sequence
 
 # Rows scored at once: bounds the [rows, vocab] float32 logits of a long prompt chunk

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tandem.api.sampling_params import SamplingParams
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.api.sampling_params import SamplingParams
 from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
 if TYPE_CHECKING:

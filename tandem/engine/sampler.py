@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.api_types import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams
 from tandem.kernels.argmax import argmax_rows
 
 # With no top-p row, top-k uses torch.topk up to this k instead of sorting the whole vocabulary.

@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 from tandem.engine.prompt_logprobs import wants_prompt_logprobs
 from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.engine.step_time import StepTimeModel
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.prefix_cache import PrefixCache
+from tandem.step_time import StepTimeModel
 
 
 @dataclass

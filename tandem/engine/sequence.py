@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams
 from tandem.kv.block_table import BlockTable
 
 

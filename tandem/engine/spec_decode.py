@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.sampler import TokenLogprobs, process_logits, warp_logits
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams
+from tandem.engine.sampler import process_logits, warp_logits
 
 
 def accept_draft_tokens(

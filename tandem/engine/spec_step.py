@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.api.logprobs import TokenLogprobs
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
-from tandem.engine.sampler import TokenLogprobs, sample
+from tandem.engine.sampler import sample
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.spec_decode import accept_draft_tokens
 from tandem.engine.step_output import StepOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.engine.sampler import TokenLogprobs
+from tandem.api.logprobs import TokenLogprobs
 from tandem.engine.sequence import Sequence
 
 

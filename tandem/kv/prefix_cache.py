@@ -1,48 +1,17 @@
-"""Prefix caching: full KV blocks named by a hash chained over their tokens and their parent's.
+"""Prefix caching: full KV blocks found by their names (`names.py`), shared between sequences.
 
-Block i of a sequence is named by hash(name of block i-1, the block_size tokens of block i), so a
-name stands for the whole prefix up to the end of its block: two sequences share a block only
-when everything before it is equal too. Only full blocks whose KV is computed are named; they are
-never written again (a sequence appends into blocks of its own), so sharing them needs no copy.
-
-The names are 128-bit BLAKE2b digests, the same in every process: the gateway computes them to
-guess which worker holds a prompt's prefix (`services/gateway/prefix_index.py`).
+A block's name stands for the whole prefix up to the end of the block. Only full blocks whose KV
+is computed are named; they are never written again (a sequence appends into blocks of its own),
+so sharing them needs no copy.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
-
-_U32 = "I" if array("I").itemsize == 4 else "L"
-
-
-def _token_bytes(tokens: Sequence[int]) -> memoryview:
-    return memoryview(array(_U32, tokens).tobytes())
-
-
-def _chain(parent: bytes | None, data: memoryview, block_bytes: int):
-    """Names of consecutive blocks whose tokens are `data` (whole blocks), after `parent`."""
-    for i in range(0, len(data), block_bytes):
-        h = hashlib.blake2b(parent or b"", digest_size=16)
-        h.update(data[i : i + block_bytes])
-        parent = h.digest()
-        yield parent
-
-
-def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """The name of a block holding `tokens` after the block named `parent` (None: the first)."""
-    return next(_chain(parent, _token_bytes(tokens), 4 * len(tokens)))
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Names of every full block of `token_ids`, in order."""
-    full = len(token_ids) // block_size * block_size
-    return list(_chain(None, _token_bytes(token_ids[:full]), 4 * block_size))
+from tandem.kv.names import chain_hashes
 
 
 class PrefixCache:
@@ -67,7 +36,7 @@ class PrefixCache:
         blocks: list[int] = []
         names: list[bytes] = []
         full = min(len(token_ids), max_tokens) // bs * bs
-        for name in _chain(None, _token_bytes(token_ids[:full]), 4 * bs):
+        for name in chain_hashes(None, token_ids[:full], bs):
             b = self.pool.lookup(name)
             if b is None:
                 break
@@ -96,7 +65,8 @@ class PrefixCache:
         done = len(names)
         if done >= full:
             return
-        data = _token_bytes(token_ids[done * bs : full * bs])
-        for i, name in enumerate(_chain(names[-1] if names else None, data, 4 * bs), done):
+        parent = names[-1] if names else None
+        new = token_ids[done * bs : full * bs]
+        for i, name in enumerate(chain_hashes(parent, new, bs), done):
             names.append(name)
             self.pool.cache(table.blocks[i], name)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tandem.model.config import ModelConfig
+from tandem.model.info import read_hf_config, resolve_model_path
 from tandem.model.tokenizer import Tokenizer
 from tandem.progress import Percent
 
@@ -25,13 +26,7 @@ class LoadedModel:
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load weights, config and tokenizer; `None` means the default SmolLM2 GGUF."""
-    if path is None:
-        from tandem.model.gguf_loader import default_model_path
-
-        path = default_model_path()
-    path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist")
+    path = resolve_model_path(path)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(
@@ -58,13 +53,7 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 
     from tandem.quant.checkpoint import assemble_quantized, is_quantized_part, read_quantization
 
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(
-            f"{path!r} has no config.json; is it a Hugging Face model directory?"
-        )
-    with open(cfg_path) as f:
-        hf = json.load(f)
+    hf = read_hf_config(path)
     cfg = ModelConfig.from_hf(hf, name=os.path.basename(os.path.normpath(path)))
     external = hf.get("quantization_config")
     if external is not None:
@@ -110,28 +99,3 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         weights = load_external(weights, external, path, dtype)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)
-
-
-def load_model_info(path: str | None = None) -> tuple[ModelConfig, Tokenizer, str]:
-    """Config and tokenizer only (no weights): what the gateway needs. Returns the resolved path."""
-    from tandem.model import gguf_loader
-
-    if path is None:
-        path = gguf_loader.default_model_path()
-    path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist")
-    if os.path.isfile(path):
-        reader = gguf_loader._open_reader(path)
-        meta = gguf_loader._Metadata(reader, path)
-        tensors = {t.name: t for t in reader.tensors}
-        cfg = gguf_loader._config_from_metadata(meta, tensors, path)
-        return cfg, gguf_loader._tokenizer(path, meta, cfg.eos_token_ids), path
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(
-            f"{path!r} has no config.json; is it a Hugging Face model directory?"
-        )
-    with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
-    return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), path

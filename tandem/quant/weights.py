@@ -112,9 +112,10 @@ def load_gguf_q4_1(path: str, cfg: ModelConfig, heads: bool = False) -> dict[str
     import gguf
 
     from tandem.model import gguf_loader as gl
+    from tandem.model.gguf_meta import Metadata, open_reader
 
-    reader = gl._open_reader(path)
-    meta = gl._Metadata(reader, path)
+    reader = open_reader(path)
+    meta = Metadata(reader, path)
     permuted = meta.architecture in gl._PERMUTED_QK
     types = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
     out: dict[str, QuantizedWeight] = {}

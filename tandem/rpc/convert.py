@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from tandem.api_types import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.api.logprobs import TokenLogprobs
+from tandem.api.sampling_params import SamplingParams, StructuredOutput
 from tandem.rpc import api_pb2, stages_pb2
 
 if TYPE_CHECKING:

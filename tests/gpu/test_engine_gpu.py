@@ -278,7 +278,7 @@ def test_constrained_decodes_run_ahead_on_cuda(model_factory):
     import re
 
     import tandem
-    from tandem.engine.sampling_params import StructuredOutput
+    from tandem.api.sampling_params import StructuredOutput
 
     pytest.importorskip("xgrammar")
     _, path = model_factory("llama")

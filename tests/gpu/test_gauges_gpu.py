@@ -93,8 +93,8 @@ def test_workers_serve_nvml_and_roofline_series(tmp_path, model_factory):
 
 def test_batch1_roofline_fraction_agrees_with_the_benchmark():
     from services.decode.observe import DecodeTelemetry
+    from tandem.api.sampling_params import SamplingParams
     from tandem.engine.engine_loop import EngineLoop
-    from tandem.engine.sampling_params import SamplingParams
     from tandem.metrics import serve_metrics
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -15,7 +15,7 @@ import json
 import grpc
 import pytest
 
-from tandem.model.loader import load_model_info
+from tandem.model.info import load_model_info
 from tandem.rpc import api_pb2
 from tests.integration.stages import Stage, gateway_stage, pipeline_stages
 from tests.integration.streams import Outbox, chat_turn

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 import tandem
-from tandem.engine.sampling_params import StructuredOutput
+from tandem.api.sampling_params import StructuredOutput
 from tandem.rpc import api_pb2
 from tests.integration.cluster import start_cluster
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.model.loader import load_model_info
+from tandem.model.info import load_model_info
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tests.integration.cluster import start_cluster
 from tests.integration.otlp_collector import Collector, Span

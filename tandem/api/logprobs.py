@@ -1,5 +1,4 @@
-"""Types of the serving API shared by the gateway and the engine; free of torch and triton, so
-the gateway can use them without loading either."""
+"""Log-probabilities of sampled tokens, as the engine computes them and the gateway reports them."""
 
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ class SamplingParams:
             if not _finite(b) or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
         if self.structured is not None:
-            from tandem.engine.grammar import check_structured
+            from tandem.api.structured import check_structured  # it imports this module
 
             check_structured(self.structured)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.api.sampling_params import SamplingParams
 
 
 def validate_request(

@@ -1,0 +1,43 @@
+"""Names of full KV blocks: a hash chained over a block's tokens and its parent's name.
+
+Block i of a sequence is named by hash(name of block i-1, the block_size tokens of block i), so a
+name stands for the whole prefix up to the end of its block: two sequences share a block only
+when everything before it is equal too.
+
+The names are 128-bit BLAKE2b digests, the same in every process: the workers' prefix caches
+(`prefix_cache.py`) key blocks by them, and the gateway computes them to guess which worker holds
+a prompt's prefix (`services/gateway/prefix_index.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterator, Sequence
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+
+
+def chain_hashes(
+    parent: bytes | None, token_ids: Sequence[int], block_size: int
+) -> Iterator[bytes]:
+    """Names of consecutive whole blocks holding `token_ids`, after the block named `parent`
+    (None: from the first block); `len(token_ids)` is a multiple of `block_size`."""
+    data = memoryview(array(_U32, token_ids).tobytes())
+    block_bytes = 4 * block_size
+    for i in range(0, len(data), block_bytes):
+        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h.update(data[i : i + block_bytes])
+        parent = h.digest()
+        yield parent
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The name of a block holding `tokens` after the block named `parent` (None: the first)."""
+    return next(chain_hashes(parent, tokens, len(tokens)))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Names of every full block of `token_ids`, in order."""
+    full = len(token_ids) // block_size * block_size
+    return list(chain_hashes(None, token_ids[:full], block_size))

@@ -10,6 +10,7 @@ import grpc
 
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import stage_channel
+from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.decode")
 
@@ -53,15 +54,7 @@ class DraftClient:
         if time.monotonic() < self._retry_at:
             return None
         send: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while True:
-                m = await send.get()
-                if m is None:
-                    return
-                yield m
-
-        call = self.stub.Propose(requests())
+        call = self.stub.Propose(queued_requests(send))
         self._send = send
         asyncio.ensure_future(self._read(call, send))
         return send

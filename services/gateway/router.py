@@ -19,6 +19,7 @@ from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import stage_channel
+from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.gateway")
 
@@ -166,15 +167,7 @@ class DecodeClient(Worker):
             if self._send is not None and self._reader is not None and not self._reader.done():
                 return self._send
             send: asyncio.Queue = asyncio.Queue()
-
-            async def requests():
-                while True:
-                    m = await send.get()
-                    if m is None:
-                        return
-                    yield m
-
-            call = self.stub.Session(requests())
+            call = self.stub.Session(queued_requests(send))
             self._send = send
             self._reader = asyncio.ensure_future(self._read(call))
             return send

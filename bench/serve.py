@@ -443,12 +443,18 @@ def random_services_engine(
     return engine
 
 
-def launch_disaggregated(engine: dict[str, Any], cuda: bool, timeout: float = 600.0) -> Launched:
+def launch_disaggregated(
+    engine: dict[str, Any], cuda: bool, timeout: float = 600.0, concurrent: int | None = None
+) -> Launched:
     """`tandem up` (gateway, prefill and decode processes) with `engine`'s options, every prompt
     prefilled on the prefill worker and its KV handed to the decode worker by CUDA IPC on a GPU,
-    shared memory on a CPU (the transport is `disaggregated_transport(cuda)`)."""
+    shared memory on a CPU (the transport is `disaggregated_transport(cuda)`). `concurrent`:
+    the gateway admits that many requests at once, all of them waiting for a first token (an
+    offline batch submitted at once; its defaults refuse more than 256 waiting)."""
     up = [*engine_flags(engine), "--kv-transport", disaggregated_transport(cuda),
           "--disagg-threshold", "0", "--no-restart"]  # fmt: skip
+    if concurrent is not None:
+        up += ["--max-waiting", str(concurrent), "--max-inflight", str(concurrent)]
     return Launched(up, timeout=timeout)
 
 

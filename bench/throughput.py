@@ -377,7 +377,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                 cuda, args.max_num_seqs, 2 * SHAREGPT_CLIP[1], args.services_checkpoint, info,
                 **{k: v for k, v in engine_opts.items() if k not in ("device", "dtype")},
             )  # fmt: skip
-            launched = serve.launch_disaggregated(engine, cuda)
+            launched = serve.launch_disaggregated(engine, cuda, concurrent=len(prompts))
             info.update(command=launched.command, startup_s=launched.startup_s)
             try:
                 procs = args.client_procs

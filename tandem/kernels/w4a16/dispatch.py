@@ -202,20 +202,13 @@ def w4a16_matmul_triton(
         else torch.empty((m, n), dtype=x.dtype, device=x.device)
     )
     common = (w.qweight, w.scales, w.mins, out)
+    # N, K, packed words per K split and per row, then the strides of x, codes, scales and out.
+    sizes = (n, k, words, kw, x.stride(0), *w.qweight.stride(), *w.scales.stride(), out.stride(0))
     if isinstance(config, GemvConfig):
         _gemv_kernel[(triton.cdiv(n, config.block_n), split, m)](
             x,
             *common,
-            n,
-            k,
-            words,
-            kw,
-            x.stride(0),
-            w.qweight.stride(0),
-            w.qweight.stride(1),
-            w.scales.stride(0),
-            w.scales.stride(1),
-            out.stride(0),
+            *sizes,
             BITS=w.bits,
             GROUP=w.group_size,
             BLOCK_N=config.block_n,
@@ -231,16 +224,7 @@ def w4a16_matmul_triton(
             x,
             *common,
             m,
-            n,
-            k,
-            words,
-            kw,
-            x.stride(0),
-            w.qweight.stride(0),
-            w.qweight.stride(1),
-            w.scales.stride(0),
-            w.scales.stride(1),
-            out.stride(0),
+            *sizes,
             BITS=w.bits,
             GROUP=w.group_size,
             BLOCK_M=config.block_m,

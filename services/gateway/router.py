@@ -169,10 +169,10 @@ class DecodeClient(Worker):
             send: asyncio.Queue = asyncio.Queue()
             call = self.stub.Session(queued_requests(send))
             self._send = send
-            self._reader = asyncio.ensure_future(self._read(call))
+            self._reader = asyncio.ensure_future(self._read(call, send))
             return send
 
-    async def _read(self, call) -> None:
+    async def _read(self, call, send: asyncio.Queue) -> None:
         try:
             async for out in call:
                 for t in out.tokens:
@@ -191,7 +191,12 @@ class DecodeClient(Worker):
             public = f"decode worker unavailable ({e.code().name}); retry later"
         except asyncio.CancelledError:
             return
-        self._send = None
+        finally:
+            # End the request stream too, so gRPC's task that reads it finishes instead of being
+            # destroyed while it waits on the queue (asyncio logged that as an error).
+            send.put_nowait(None)
+        if self._send is send:
+            self._send = None
         self.mark_down(reason)
         for q in self.queues.values():
             q.put_nowait(("error", public))

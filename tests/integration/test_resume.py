@@ -141,3 +141,6 @@ def test_without_a_decode_worker_in_time_the_stream_ends_with_a_clear_error(
     finally:
         for s in (gateway, decode, prefill):
             s.stop()
+    # The lost stream's request side ended with it: no task destroyed while it still waited.
+    log = gateway.log()
+    assert "Task was destroyed" not in log and "never retrieved" not in log, log[-2000:]

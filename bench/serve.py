@@ -40,12 +40,14 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import glob
 import json
 import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import random
+import re
 import shlex
 import signal
 import socket
@@ -400,6 +402,18 @@ class Launched:
             raise RuntimeError(
                 f"tandem up exited with code {self.proc.returncode} during the run:\n{text[-3000:]}"
             )
+
+    def stage_problems(self, limit: int = 40) -> str:
+        """The last `limit` warning, error and traceback lines of the stages' own logs (the
+        directory `tandem up` names on start), for a run that failed."""
+        with open(self.log.name, errors="replace") as f:
+            found = re.search(r"logs in (\S+?)\)", f.read())
+        lines: list[str] = []
+        for path in sorted(glob.glob(os.path.join(found.group(1), "*.log"))) if found else []:
+            with open(path, errors="replace") as f:
+                lines += [f"{os.path.basename(path)}: {line.rstrip()}" for line in f
+                          if re.search(r"WARNING|ERROR|Traceback|Error:", line)]  # fmt: skip
+        return "\n".join(lines[-limit:]) or "(no warnings or errors in the stage logs)"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -381,9 +381,12 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             info.update(command=launched.command, startup_s=launched.startup_s)
             try:
                 procs = args.client_procs
-                run_offline_services(launched.address, *warm, procs, 600.0)
-                out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
-                launched.check_alive()
+                try:
+                    run_offline_services(launched.address, *warm, procs, 600.0)
+                    out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
+                    launched.check_alive()
+                except RuntimeError as e:
+                    raise RuntimeError(f"{e}\nstage logs:\n{launched.stage_problems()}") from e
             finally:
                 launched.stop()
             want = serve.disaggregated_transport(cuda)

@@ -307,8 +307,10 @@ async def burst_phase(
     return {
         "streams": len(recs),
         "stream_tokens": sum(len(r.output) for r in recs),
+        "stream_errors": sum(r.error is not None for r in recs),
         "burst_requests": len(burst_recs),
         "burst_errors": sum(r.error is not None for r in burst_recs),
+        "errors": sorted({r.error for r in recs + burst_recs if r.error is not None})[:3],
         "burst_ttft_p50_ms": _pct([r.ttft for r in burst_recs if r.ttft is not None], 50),
         "burst_prefilled_on": sorted({r.prefill_worker for r in burst_recs}),
         "burst_window_s": (window[1] - window[0]) if window else None,
@@ -347,6 +349,10 @@ def run_burst(args: Any, vocab: int) -> dict:
             with_burst["gap_p99_in_burst_window_ms"], base["gap_p99_ms"]
         ),
     }
+    if res["tpot_p99_ratio"] is None or res["gap_p99_ratio"] is None:
+        errors = base["errors"] + with_burst["errors"]
+        print(f"  burst: no P99 TPOT to compare; errors: {errors or 'none'}", flush=True)
+        return res
     print(
         f"  burst: P99 TPOT {base['tpot_p99_ms']:.1f} -> {with_burst['tpot_p99_ms']:.1f} ms "
         f"({res['tpot_p99_ratio']:.2f}x); P99 inter-token gap {base['gap_p99_ms']:.1f} -> "

@@ -47,3 +47,12 @@ def test_a_signature_checks_only_what_was_signed():
         check_lease(KEY, b"", *ARGS, now=1e9)
     with pytest.raises(LeaseRefused, match="expired"):
         check_lease(KEY, sig, *ARGS, now=time.time() + 3e9)
+
+
+def test_the_signature_covers_the_block_names():
+    names = bytes(range(48))  # three 16-byte names
+    sig = sign_lease(KEY, *ARGS, names)
+    check_lease(KEY, sig, *ARGS, names, now=1e9)
+    for other in (b"", names[:32], names[:-1] + b"x"):
+        with pytest.raises(LeaseRefused, match="signature does not match"):
+            check_lease(KEY, sig, *ARGS, other, now=1e9)

@@ -16,7 +16,7 @@ from tandem.engine.sequence import Sequence
 from tandem.kv.block_copy import gather_copy
 from tandem.kv.block_pool import BlockPool, OutOfBlocks
 from tandem.kv.block_table import BlockTable
-from tandem.kv.names import block_hashes, hash_block
+from tandem.kv.names import block_hashes, hash_block, split_names
 from tandem.kv.prefix_cache import PrefixCache
 from tandem.step_time import StepTimeModel
 from tests.engine_checks import prefill_only, rand_ids
@@ -67,6 +67,62 @@ def test_pool_keeps_cached_blocks_free_and_evicts_least_recently_freed():
         pool.free([a])
     with pytest.raises(ValueError, match="not cached"):
         pool.acquire(got[0])
+
+
+@pytest.mark.parametrize("lru_k", [1, 2])
+def test_eviction_order_matches_a_scan_of_every_block(lru_k):
+    """Random allocate / name / share / hit / free sequences: every block the pool evicts is
+    the one a scan of all evictable blocks picks (the smallest LRU-K key), and the counts agree."""
+    import random
+
+    rng = random.Random(lru_k)
+    pool = BlockPool(48, lru_k=lru_k)
+    last: dict[int, list[int]] = {}  # block -> clock values at which its uses ended
+    clock = 0
+    held: list[list[int]] = []
+    names = iter(range(10**6))
+
+    def key(b):
+        uses = last.get(b, [])
+        if lru_k == 1:
+            return (uses[-1],)
+        return (0, uses[-1]) if len(uses) < 2 else (1, uses[-2], uses[-1])
+
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4 and pool.num_free:
+            n = rng.randint(1, min(6, pool.num_free))
+            evictable = [b for b in range(48) if pool.is_cached(b) and pool.refcount(b) == 0]
+            plain = pool.num_free - len(evictable)
+            expect = sorted(evictable, key=key)[: max(0, n - plain)]
+            before = pool.num_evictions
+            got = pool.allocate(n)
+            evicted = [b for b in got if b in evictable]
+            assert evicted == expect and pool.num_evictions - before == len(expect)
+            for b in got:
+                last.pop(b, None)
+                if rng.random() < 0.7:
+                    pool.cache(b, str(next(names)).encode())
+            held.append(got)
+        elif op < 0.55 and held:
+            blocks = rng.choice(held)
+            pool.incref(blocks)  # a second holder (a lease)
+            held.append(list(blocks))
+        elif op < 0.7:
+            cached = [b for b in range(48) if pool.is_cached(b) and pool.refcount(b) == 0]
+            if cached:
+                b = rng.choice(cached)
+                pool.acquire(b)  # a prefix hit revives it
+                held.append([b])
+        elif held:
+            blocks = held.pop(rng.randrange(len(held)))
+            for b in reversed(blocks):
+                clock += 1
+                last.setdefault(b, []).append(clock)
+            pool.free(reversed(blocks))
+        evictable = sum(1 for b in range(48) if pool.is_cached(b) and pool.refcount(b) == 0)
+        assert pool.num_cached_free == evictable
+        assert pool.num_used == sum(1 for b in range(48) if pool.refcount(b) > 0)
 
 
 def test_block_names_chain_over_the_whole_prefix():
@@ -263,6 +319,51 @@ def test_admit_prefilled_copies_only_the_uncached_blocks(llama):
         assert seq.output_token_ids == want[i].token_ids
     # The second prompt found the first's two full blocks in the decode pool: only the rest moved.
     assert copies == [(0, 4), (2, 2)]
+    assert pre.pool.num_used == 0 and dec.pool.num_used == 0
+
+
+def test_prefilled_block_names_travel_with_the_lease(llama, monkeypatch):
+    """The prefill engine leases a prompt with its full blocks' names; a decode engine given
+    them names its blocks alike (no hashing) and finds them on the next import."""
+    _, path = llama
+    prompt = rand_ids(50, 7)  # three full blocks of 16 and a partial one
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64).engine
+    first_token, src = prefill_only(pre, prompt, "a", GREEDY)
+    lease = pre.leases.leases["a"]
+    want = block_hashes(prompt, 16)  # the names computed independently from the tokens
+    assert len(want) == 3 and lease.names == b"".join(want)
+    names = split_names(lease.names)
+    with pytest.raises(ValueError, match="2 block names for a prompt of 50 tokens"):
+        dec.admit_prefilled(
+            prompt, first_token, GREEDY, "x", lambda d, f: None, block_names=names[:2]
+        )
+    assert dec.pool.num_used == 0 and "x" not in dec.seqs
+
+    def copy_in(dst: list[int], first: int) -> None:
+        gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
+
+    import tandem.kv.prefix_cache as prefix_cache_module
+
+    with monkeypatch.context() as m:  # given the names, the decode engine hashes nothing
+        m.setattr(prefix_cache_module, "chain_hashes", None)
+        seq, imported = dec.admit_prefilled(
+            prompt, first_token, GREEDY, "a", copy_in, block_names=names
+        )
+    assert imported and seq.block_table.hashes == want
+    assert [dec.pool.lookup(n) for n in want] == seq.block_table.blocks[:3]
+    pre.leases.release("a")
+    while dec.has_unfinished():
+        dec.step()
+    # Without names (a prefill worker keeping no prefix cache) the decode pool hashes the prompt.
+    first_token, src = prefill_only(pre, prompt + [5], "b", GREEDY)
+    copies = []
+    seq, imported = dec.admit_prefilled(
+        prompt + [5], first_token, GREEDY, "b", lambda d, f: copies.append((f, len(d)))
+    )
+    assert imported and copies == [(3, 1)], "the three named blocks are found, one block moves"
+    pre.leases.release("b")
+    dec.abort("b")
     assert pre.pool.num_used == 0 and dec.pool.num_used == 0
 
 

@@ -23,6 +23,7 @@ import torch
 from services.decode.peers import PrefillPeer
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv.lease import check_lease
+from tandem.kv.names import split_names
 from tandem.kv.transports import BlockSource, TransferError
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import sampling_from_proto, status_for
@@ -127,6 +128,7 @@ class AdmissionMixin:
             kv.num_tokens,
             kv.expires_at,
             req.ids,
+            kv.block_names,
         )
         return peer
 
@@ -166,7 +168,14 @@ class AdmissionMixin:
 
         def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
             got = e.reserve_prefilled(
-                req.ids, msg.first_token, req.params, sid, req.rng, peer_blocks, tenant=msg.tenant
+                req.ids,
+                msg.first_token,
+                req.params,
+                sid,
+                req.rng,
+                peer_blocks,
+                tenant=msg.tenant,
+                block_names=split_names(msg.kv.block_names),
             )
             if got is None:
                 self.transfer[sid] = ((time.monotonic() - req.t0) * 1e3, "recompute")
@@ -213,7 +222,14 @@ class AdmissionMixin:
                 source.read_blocks(src_blocks[first : first + len(dst_blocks)], dst_blocks)
 
             _, imported = e.admit_prefilled(
-                req.ids, msg.first_token, req.params, sid, copy_in, req.rng, tenant=msg.tenant
+                req.ids,
+                msg.first_token,
+                req.params,
+                sid,
+                copy_in,
+                req.rng,
+                tenant=msg.tenant,
+                block_names=split_names(msg.kv.block_names),
             )
         # Noted on the engine thread, before a step can finish the sequence and report its
         # transfer (a short sequence can finish before the admission resumes), and before a step

@@ -56,6 +56,7 @@ class PrefillResult:
     lease_id: str
     token: str
     token_ids: list[int]
+    names: bytes  # the full blocks' prefix-cache names, concatenated (b"": not named)
     expires_at: float  # Unix seconds
     blocks: list[int]
     num_tokens: int
@@ -135,6 +136,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 lease_id=seq.lease_id,
                 token=lease.token,
                 token_ids=lease.token_ids,
+                names=lease.names,
                 expires_at=time.time() + (lease.expires_at - now),
                 blocks=list(lease.blocks),
                 num_tokens=lease.num_tokens,
@@ -275,6 +277,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             res.num_tokens,
             res.expires_at,
             res.token_ids,
+            res.names,
         )
         out = stages_pb2.PrefillResponse(
             first_token=res.first_token,
@@ -285,6 +288,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 lease_id=res.token,
                 lease_signature=signature,
                 expires_at=res.expires_at,
+                block_names=res.names,
             ),
             rng_state=res.rng_state,
             queue_ms=res.queue_ms,

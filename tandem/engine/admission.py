@@ -109,11 +109,14 @@ class AdmissionMixin:
         request_id: str,
         rng_state: torch.Tensor | None,
         tenant: str | None = None,
+        block_names: list[bytes] | None = None,
     ) -> tuple[Sequence, int | None]:
         """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
         the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
         after it. `first` is None when the pool (or its tenant's quota) has no room: the
-        sequence then waits in the queue and will be recomputed here."""
+        sequence then waits in the queue and will be recomputed here. `block_names`: the names
+        of the prompt's full blocks, when the worker that prefilled it sent them (verified with
+        its lease), so that this pool's prefix cache need not hash the prompt again."""
         self.validate_request(prompt_token_ids, params, tenant)
         if params.prompt_logprobs is not None:
             raise ValueError(
@@ -141,10 +144,17 @@ class AdmissionMixin:
         )
         n = len(prompt_token_ids)
         table = seq.block_table
+        if block_names:
+            if len(block_names) != n // table.block_size:
+                raise ValueError(
+                    f"{len(block_names)} block names for a prompt of {n} tokens in blocks of "
+                    f"{table.block_size} (expected {n // table.block_size})"
+                )
+            table.known_names = list(block_names)
         hit: list[int] = []
         names: list[bytes] = []
         if self.prefix_cache is not None:
-            hit, names = self.prefix_cache.match(prompt_token_ids, n)
+            hit, names = self.prefix_cache.match(prompt_token_ids, n, table.known_names)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         self.seqs[request_id] = seq
         fresh = table.blocks_needed(n + 1) - len(hit)
@@ -167,6 +177,7 @@ class AdmissionMixin:
         copy_in: Callable[[list[int], int], None],
         rng_state: torch.Tensor | None = None,
         tenant: str | None = None,
+        block_names: list[bytes] | None = None,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
 
@@ -178,7 +189,7 @@ class AdmissionMixin:
         sequence limit or the TPOT target), it waits holding its KV.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state, tenant
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant, block_names
         )
         if first is None:
             return seq, False
@@ -227,6 +238,7 @@ class AdmissionMixin:
         rng_state: torch.Tensor | None = None,
         peer_blocks: list[int] | None = None,
         tenant: str | None = None,
+        block_names: list[bytes] | None = None,
     ) -> tuple[int, list[int]] | None:
         """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
         for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
@@ -240,7 +252,7 @@ class AdmissionMixin:
         has them, so a network read moves them in long pieces rather than block by block.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state, tenant
+            prompt_token_ids, first_token, params, request_id, rng_state, tenant, block_names
         )
         if first is None:
             return None

@@ -266,13 +266,18 @@ class LLMEngine(
             reason = self._append_token(seq, tok, lp)
             if seq.prefill_only:
                 # The prompt's KV (not the sampled token's, which is not computed yet) is leased
-                # to the decode worker; the rest of the sequence's life is there.
+                # to the decode worker, with the names its prefix cache gave the full blocks;
+                # the rest of the sequence's life is there.
+                self.scheduler.cache_blocks(seq)
+                full = seq.num_computed // seq.block_table.block_size
+                names = seq.block_table.hashes[:full]
                 blocks = self.scheduler.finish(seq, reason or "prefilled", keep_blocks=True)
                 seq.lease_id = self.leases.grant(
                     blocks,
                     seq.num_computed,
                     name=seq.seq_id,
                     token_ids=seq.all_token_ids[: seq.num_computed],
+                    names=b"".join(names) if len(names) == full else b"",
                 ).lease_id
                 self.seqs.pop(seq.seq_id, None)
                 reason = reason or "prefilled"

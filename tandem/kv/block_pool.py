@@ -26,14 +26,16 @@ Counting: `num_used` is the blocks somebody holds (a sequence, a lease); cached 
 holds are free for every purpose but keep their content (`num_cached_free`), so a pool with
 nothing running reports `num_used == 0` whatever it has cached.
 
-Costs: allocate, free and acquire are O(log n) per block (one heap per tenant, stale entries
-skipped and compacted); nothing scans the pool.
+Costs: allocate, free and acquire are O(1) per block with K = 1 (the evictable blocks of an
+account, in an insertion-ordered map, are already in eviction order: a use ends at a later clock
+than every use before it) and O(log n) with K = 2 (one heap per tenant, stale entries skipped and
+compacted); nothing scans the pool.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 _NONE = ""  # the one account of a pool without tenants
@@ -81,6 +83,8 @@ class BlockPool:
         # key of each evictable block (heap entries whose key differs are stale).
         self._heaps: list[list[tuple[tuple[int, ...], int]]] = [[] for _ in range(nt)]
         self._key: dict[int, tuple[int, ...]] = {}
+        # K = 1: per account its evictable blocks in eviction order (no heap).
+        self._fifo: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(nt)]
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -183,11 +187,14 @@ class BlockPool:
 
     def _evict(self, t: int) -> int:
         """Drop the first evictable block of account `t` in LRU-K order; returns it, free."""
-        heap = self._heaps[t]
-        while True:
-            key, b = heapq.heappop(heap)
-            if self._key.get(b) == key and self._owner[b] == t:
-                break
+        if self.lru_k == 1:
+            b, _ = self._fifo[t].popitem(last=False)
+        else:
+            heap = self._heaps[t]
+            while True:
+                key, b = heapq.heappop(heap)
+                if self._key.get(b) == key and self._owner[b] == t:
+                    break
         del self._key[b]
         self._n_evictable[t] -= 1
         self._charged[t] -= 1
@@ -209,8 +216,11 @@ class BlockPool:
         if block not in self._hash_of:
             raise ValueError(f"block {block} is not cached")
         if self._refs[block] == 0:
-            del self._key[block]  # its heap entry is now stale
-            self._n_evictable[self._owner[block]] -= 1
+            del self._key[block]  # its heap entry (K = 2) is now stale
+            t = self._owner[block]
+            if self.lru_k == 1:
+                del self._fifo[t][block]
+            self._n_evictable[t] -= 1
         self._refs[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -233,6 +243,9 @@ class BlockPool:
                 key = self._eviction_key(b)
                 self._key[b] = key
                 self._n_evictable[t] += 1
+                if self.lru_k == 1:
+                    self._fifo[t][b] = None  # the latest use to end: evicted last
+                    continue
                 heap = self._heaps[t]
                 heapq.heappush(heap, (key, b))
                 if len(heap) > 64 + 2 * self._n_evictable[t]:

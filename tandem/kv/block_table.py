@@ -9,8 +9,10 @@ class BlockTable:
     """Logical block i of one sequence lives in pool block `blocks[i]`.
 
     `hashes[i]` is the prefix-cache name of block i, for the leading blocks that are full and
-    computed (see `tandem.kv.prefix_cache`); the rest of the table has none yet. Blocks it
-    allocates are charged to `tenant` (see `tandem.kv.tenants`).
+    computed (see `tandem.kv.prefix_cache`); the rest of the table has none yet. `known_names`
+    are names given in advance (a prompt prefilled elsewhere, named there): the prefix cache
+    takes them instead of hashing the tokens again. Blocks it allocates are charged to `tenant`
+    (see `tandem.kv.tenants`).
     """
 
     def __init__(self, block_size: int, tenant: str | None = None) -> None:
@@ -18,6 +20,7 @@ class BlockTable:
         self.tenant = tenant
         self.blocks: list[int] = []
         self.hashes: list[bytes] = []
+        self.known_names: list[bytes] = []
 
     @property
     def capacity(self) -> int:

@@ -32,6 +32,7 @@ class Lease:
     expires_at: float
     token: str = ""  # the capability handed to peers
     token_ids: list[int] = field(default_factory=list)  # whose KV the blocks hold, in order
+    names: bytes = b""  # their full blocks' prefix-cache names, concatenated (b"": not named)
     owner: str = ""  # who asked for it (the peer a per-peer limit counts it against)
 
 
@@ -54,9 +55,11 @@ class LeaseTable:
         now: float | None = None,
         name: str | None = None,
         token_ids: list[int] | None = None,
+        names: bytes = b"",
     ) -> Lease:
-        """Lease `blocks`, which hold the KV of `token_ids`; `name` (the request id) names it
-        inside this process, its fresh `token` outside."""
+        """Lease `blocks`, which hold the KV of `token_ids` (`names`: the prefix-cache names of
+        their full blocks, concatenated); `name` (the request id) names it inside this process,
+        its fresh `token` outside."""
         now = time.monotonic() if now is None else now
         lease_id = name if name and name not in self.leases else f"{self._prefix}-{next(self._ids)}"
         lease = Lease(
@@ -66,6 +69,7 @@ class LeaseTable:
             now + self.ttl_s,
             token=secrets.token_urlsafe(24),
             token_ids=list(token_ids or ()),
+            names=names,
         )
         self.leases[lease.lease_id] = lease
         self.by_token[lease.token] = lease
@@ -129,6 +133,7 @@ def _lease_message(
     num_tokens: int,
     expires_at: float,
     token_ids: Sequence[int],
+    block_names: bytes,
 ) -> bytes:
     # Every part length-prefixed, so no two different leases share a message.
     parts = [
@@ -138,6 +143,7 @@ def _lease_message(
         _u32_le(block_ids),
         struct.pack("<Id", num_tokens, expires_at),
         _u32_le(token_ids),
+        block_names,
     ]
     return b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
@@ -150,9 +156,10 @@ def sign_lease(
     num_tokens: int,
     expires_at: float,
     token_ids: Sequence[int],
+    block_names: bytes = b"",
 ) -> bytes:
     """The HMAC-SHA256 of what a lease says, under the owner's lease key."""
-    msg = _lease_message(pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    msg = _lease_message(pool_id, token, block_ids, num_tokens, expires_at, token_ids, block_names)
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
@@ -165,17 +172,22 @@ def check_lease(
     num_tokens: int,
     expires_at: float,
     token_ids: Sequence[int],
+    block_names: bytes = b"",
     now: float | None = None,
 ) -> None:
     """Raise `LeaseRefused` unless the signature covers exactly these blocks holding the KV of
-    exactly `token_ids`, and the lease has not expired (`now`, `expires_at`: Unix seconds)."""
+    exactly `token_ids`, named `block_names`, and the lease has not expired (`now`,
+    `expires_at`: Unix seconds)."""
     if not token or not signature:
         raise LeaseRefused("the KV reference carries no lease token or signature")
-    want = sign_lease(key, pool_id, token, block_ids, num_tokens, expires_at, token_ids)
+    want = sign_lease(
+        key, pool_id, token, block_ids, num_tokens, expires_at, token_ids, block_names
+    )
     if not hmac.compare_digest(want, signature):
         raise LeaseRefused(
             "KV lease refused: its signature does not match these blocks and prompt tokens "
-            "(only what Prefill.Run leased, for the prompt it prefilled, is taken)"
+            "with their block names (only what Prefill.Run leased, for the prompt it "
+            "prefilled, is taken)"
         )
     now = time.time() if now is None else now
     if now > expires_at:

@@ -16,6 +16,16 @@ from array import array
 from collections.abc import Iterator, Sequence
 
 _U32 = "I" if array("I").itemsize == 4 else "L"
+NAME_BYTES = 16
+
+
+def split_names(blob: bytes) -> list[bytes]:
+    """Block names sent concatenated (a `KvRef.block_names`), one per block."""
+    if len(blob) % NAME_BYTES:
+        raise ValueError(
+            f"block names take {NAME_BYTES} bytes each; got {len(blob)} bytes, not a multiple"
+        )
+    return [blob[i : i + NAME_BYTES] for i in range(0, len(blob), NAME_BYTES)]
 
 
 def chain_hashes(
@@ -26,7 +36,7 @@ def chain_hashes(
     data = memoryview(array(_U32, token_ids).tobytes())
     block_bytes = 4 * block_size
     for i in range(0, len(data), block_bytes):
-        h = hashlib.blake2b(parent or b"", digest_size=16)
+        h = hashlib.blake2b(parent or b"", digest_size=NAME_BYTES)
         h.update(data[i : i + block_bytes])
         parent = h.digest()
         yield parent

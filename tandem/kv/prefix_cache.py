@@ -30,13 +30,17 @@ class PrefixCache:
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
-    def match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
-        """(blocks, names) of the longest cached prefix of whole blocks within `max_tokens`."""
+    def match(
+        self, token_ids: Sequence[int], max_tokens: int, known: Sequence[bytes] = ()
+    ) -> tuple[list[int], list[bytes]]:
+        """(blocks, names) of the longest cached prefix of whole blocks within `max_tokens`;
+        `known`: the names of the prompt's full blocks when they are known already."""
         bs = self.block_size
         blocks: list[int] = []
         names: list[bytes] = []
         full = min(len(token_ids), max_tokens) // bs * bs
-        for name in chain_hashes(None, token_ids[:full], bs):
+        given = known[: full // bs] if len(known) >= full // bs else None
+        for name in given if given is not None else chain_hashes(None, token_ids[:full], bs):
             b = self.pool.lookup(name)
             if b is None:
                 break
@@ -62,6 +66,13 @@ class PrefixCache:
         bs = self.block_size
         full = min(num_tokens, len(token_ids)) // bs
         names = table.hashes
+        done = len(names)
+        if done >= full:
+            return
+        known = table.known_names
+        for i in range(done, min(full, len(known))):
+            names.append(known[i])
+            self.pool.cache(table.blocks[i], known[i])
         done = len(names)
         if done >= full:
             return

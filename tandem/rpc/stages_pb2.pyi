@@ -76,20 +76,22 @@ class NixlPool(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., mem_type: _Optional[str] = ..., device_id: _Optional[int] = ..., data_addr: _Optional[int] = ..., scales_addr: _Optional[int] = ...) -> None: ...
 
 class KvRef(_message.Message):
-    __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id", "lease_signature", "expires_at")
+    __slots__ = ("pool_id", "block_ids", "num_tokens", "lease_id", "lease_signature", "expires_at", "block_names")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NAMES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_id: str
     lease_signature: bytes
     expires_at: float
-    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ...) -> None: ...
+    block_names: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., block_names: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid", "accept")

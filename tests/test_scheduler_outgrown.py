@@ -46,6 +46,7 @@ class _StuckEngine:
     device = SimpleNamespace(type="cpu")
     leases = SimpleNamespace(expire=lambda: 0)
     seqs: dict = {}
+    blocked = False  # it steps as if it had work to run
 
     def __init__(self) -> None:
         self.stuck = True

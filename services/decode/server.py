@@ -285,22 +285,21 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             self.prefill_info.pop(sid, None)
 
     async def Stats(self, request, context):
-        def snap(e: LLMEngine):
-            st = e.stats()
-            return worker_stats(
-                st,
-                registered_peers=len(self.peers),
-                kv_imports=sum(self.imports_by_transport.values()),
-                imports_by_transport=self.imports_by_transport,
-                kv_transfer_failures=self.transfer_failures,
-                kv_transfers_in_flight=len(self.importing),
-                local_prefills=self.local_prefills,
-                max_seq_tokens=st.max_seq_tokens,
-                max_sequences=st.max_sequences,
-                refusals=self.refusals,
-            )
-
-        return await asyncio.wrap_future(self.engine_loop.submit(snap))
+        # The engine's figures come from its thread; this worker's own counters (changed by
+        # the event loop) are read here, on the loop.
+        st = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.stats()))
+        return worker_stats(
+            st,
+            registered_peers=len(self.peers),
+            kv_imports=sum(self.imports_by_transport.values()),
+            imports_by_transport=self.imports_by_transport,
+            kv_transfer_failures=self.transfer_failures,
+            kv_transfers_in_flight=len(self.importing),
+            local_prefills=self.local_prefills,
+            max_seq_tokens=st.max_seq_tokens,
+            max_sequences=st.max_sequences,
+            refusals=self.refusals,
+        )
 
 
 async def serve(

@@ -7,6 +7,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -76,8 +77,11 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         if max_leases_per_peer < 1:
             raise ValueError(f"--max-leases-per-peer must be >= 1, got {max_leases_per_peer}")
         self.max_leases_per_peer = max_leases_per_peer
-        # Prompts in progress -> the peer host that asked (counted against its lease limit).
+        # Prompts in progress -> the peer host that asked (counted against its lease limit), and
+        # how many each host has. Engine thread only: `add` counts them while the event loop
+        # answers calls, so a change from the loop could come mid-count.
         self.run_owner: dict[str, str] = {}
+        self.runs_by_owner: Counter[str] = Counter()
         self.refusals: dict[str, int] = {}
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
@@ -117,6 +121,21 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         if self.shared is not None:
             self.shared.close()
 
+    # ---- engine thread ------------------------------------------------------------------------
+    def _start_run(self, seq_id: str, owner: str) -> None:
+        self.run_owner[seq_id] = owner
+        self.runs_by_owner[owner] += 1
+
+    def _end_run(self, seq_id: str) -> str:
+        """Stop counting a prompt against its peer; returns the peer ("" when unknown)."""
+        owner = self.run_owner.pop(seq_id, None)
+        if owner is None:
+            return ""
+        self.runs_by_owner[owner] -= 1
+        if not self.runs_by_owner[owner]:
+            del self.runs_by_owner[owner]
+        return owner
+
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
         self.obs.on_step(outs, self.engine_loop.last_step)
@@ -124,9 +143,14 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         for o in outs:
             seq = o.seq
             if seq.lease_id is None:
+                if o.finished:  # ended without KV to lease: its caller must not wait for one
+                    self._end_run(seq.seq_id)
+                    reason = f"the prompt ended without KV to lease ({seq.finish_reason})"
+                    self.loop.call_soon_threadsafe(self._fail, seq.seq_id, reason)
                 continue
+            owner = self._end_run(seq.seq_id)  # its lease counts from now on
             lease = self.engine.lease(seq.lease_id)
-            lease.owner = self.run_owner.get(seq.seq_id, "")
+            lease.owner = owner
             state = (
                 seq.generator.get_state().numpy().tobytes() if seq.generator is not None else b""
             )
@@ -150,10 +174,11 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def _on_error(self, seq_ids: list[str], message: str) -> None:
         for sid in seq_ids:
+            self._end_run(sid)
             self.loop.call_soon_threadsafe(self._fail, sid, message)
 
+    # ---- event loop ---------------------------------------------------------------------------
     def _resolve(self, seq_id: str, res: PrefillResult) -> None:
-        self.run_owner.pop(seq_id, None)  # the lease itself counts from now on
         fut = self.pending.pop(seq_id, None)
         if fut is None or fut.done():
             # The caller went away: nobody will collect these blocks.
@@ -163,7 +188,6 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def _fail(self, seq_id: str, message: str) -> None:
         self.obs.forget(seq_id)
-        self.run_owner.pop(seq_id, None)
         fut = self.pending.pop(seq_id, None)
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"prefill failed: {message}"))
@@ -233,39 +257,43 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
 
         def add(e: LLMEngine) -> None:
-            held = e.leases_owned_by(owner) + sum(1 for o in self.run_owner.values() if o == owner)
+            held = e.leases_owned_by(owner) + self.runs_by_owner[owner]
             if held >= self.max_leases_per_peer:
                 raise LeaseLimit(
                     f"this client holds {held} KV leases (max_leases_per_peer="
                     f"{self.max_leases_per_peer}): release some or let them expire, then retry"
                 )
             e.add_request(ids, params, rid, prefill_only=True, tenant=request.tenant)
-            self.run_owner[rid] = owner
+            self._start_run(rid, owner)
+
+        def drop(e: LLMEngine) -> None:
+            e.abort(rid)
+            self._end_run(rid)
 
         self.pending[rid] = fut
         self.obs.begin(rid, context)
         try:
-            await asyncio.wrap_future(self.engine_loop.submit(add))
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            self.pending.pop(rid, None)
-            self.obs.forget(rid)
-            if isinstance(e, LeaseLimit):
-                self.refuse("lease_limit")
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-            await context.abort(status_for(e), str(e))
-        try:
+            try:
+                await asyncio.wrap_future(self.engine_loop.submit(add))
+            except Exception as e:  # noqa: BLE001 - mapped to a status
+                self.pending.pop(rid, None)
+                self.obs.forget(rid)
+                if isinstance(e, LeaseLimit):
+                    self.refuse("lease_limit")
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await context.abort(status_for(e), str(e))
             res = await fut
         except asyncio.CancelledError:
-            # Client cancelled or its deadline passed: drop the prompt from the queue, or give
-            # back the KV if the prefill finished in the same instant (nobody will collect it).
+            # Client cancelled or its deadline passed (while queued, or even before `add` ran):
+            # drop the prompt from the queue, or give back the KV if the prefill finished in
+            # the same instant (nobody will collect it; `_resolve` gives back a later one).
             self.pending.pop(rid, None)
             self.obs.forget(rid)
-            self.run_owner.pop(rid, None)
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 lease_id = fut.result().lease_id
                 self.engine_loop.submit(lambda e: e.release_lease(lease_id))
             else:
-                self.engine_loop.submit(lambda e: e.abort(rid))
+                self.engine_loop.submit(drop)
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
@@ -337,19 +365,18 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             yield stages_pb2.BlockBytes(index=i, data=data)
 
     async def Stats(self, request, context):
-        def snap(e: LLMEngine):
-            st = e.stats()
-            return worker_stats(
-                st,
-                leased_blocks=st.leased_blocks,
-                inline_bytes_sent=self.inline_bytes_sent,
-                registered_peers=len(self.peers),
-                kv_transfer_failures=self.transfer_failures,
-                leases=st.leases,
-                refusals=self.refusals,
-            )
-
-        return await asyncio.wrap_future(self.engine_loop.submit(snap))
+        # The engine's figures come from its thread; this worker's own counters (changed by
+        # the event loop) are read here, on the loop.
+        st = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.stats()))
+        return worker_stats(
+            st,
+            leased_blocks=st.leased_blocks,
+            inline_bytes_sent=self.inline_bytes_sent,
+            registered_peers=len(self.peers),
+            kv_transfer_failures=self.transfer_failures,
+            leases=st.leases,
+            refusals=self.refusals,
+        )
 
 
 async def serve(

@@ -55,6 +55,7 @@ class AsyncStepMixin:
     _read: tuple[int, float] | None
     _step_started: float
     _collected_at: float
+    blocked: bool
 
     def _step_async(self) -> list[StepOutput]:
         """Launch the next decode step, then read the step in flight; returns its tokens.
@@ -74,6 +75,7 @@ class AsyncStepMixin:
             return self._collect(prev)
         self._last_tokens = batch.num_tokens
         if not batch:
+            self.blocked = self._blocked(batch)
             return []
         kv_tokens = decode_kv_tokens(batch.items)
         outs = self._run_batch(batch.items)

@@ -3,7 +3,8 @@
 The thread's loop is the engine loop of vLLM v1 in one function: apply commands that arrived
 between steps (admit, abort, release), then schedule -> execute -> update, then hand the outputs
 to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
-its own thread.
+its own thread. A step that found nothing to run (every queued sequence waits for blocks that
+leases or imports hold) makes the loop wait for the next command or tick, never spin.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ class EngineLoop:
             use_cuda_device(eng.device)
         while True:
             with self._cond:
-                if not self._cmds and not eng.has_unfinished() and not self._stop:
+                # Idle, or every queued sequence waits for blocks that only a command (a
+                # release, an abort) or a lease's expiry frees: wait for either, never spin.
+                idle = not eng.has_unfinished() or eng.blocked
+                if not self._cmds and idle and not self._stop:
                     self._cond.wait(self.idle_tick_s)
                 if self._stop:
                     break

@@ -26,7 +26,7 @@ from tandem.engine.reporting import ReportingMixin, decode_kv_tokens
 from tandem.engine.roofline import kv_bytes_per_token, weight_bytes
 from tandem.engine.sample_inputs import SampleInputsMixin
 from tandem.engine.sampler import sample
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.spec_step import SpeculativeStepMixin
 from tandem.engine.step_output import StepOutput, StepOutputMixin
@@ -160,6 +160,10 @@ class LLMEngine(
         self._read: tuple[int, float] | None = None  # (KV tokens, seconds)
         self._step_started = self._collected_at = 0.0  # perf_counter() readings
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        # The latest step had nothing to run: no sequence runs or fits, none was preempted, no
+        # step is in flight. Until blocks are freed from outside (a lease released or expired,
+        # an import started or aborted) the next step would find the same.
+        self.blocked = False
 
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
@@ -192,11 +196,13 @@ class LLMEngine(
         """
         t0 = self._step_started = time.perf_counter()
         self._read = None
+        self.blocked = False
         if self.config.async_scheduling or self._inflight is not None:
             outs = self._step_async()
         else:
             batch = self.scheduler.schedule()
             if not batch:
+                self.blocked = self._blocked(batch)
                 return self._outgrown()
             self._last_tokens = batch.num_tokens
             kv_tokens = decode_kv_tokens(batch.items)
@@ -208,6 +214,10 @@ class LLMEngine(
         if self.scheduler.outgrown:
             outs = self._outgrown() + outs
         return outs
+
+    def _blocked(self, batch: ScheduledBatch) -> bool:
+        """True when an empty schedule leaves the engine as it found it (see `blocked`)."""
+        return not batch and not batch.preempted and not self.scheduler.outgrown
 
     def _outgrown(self) -> list[StepOutput]:
         """Sequences the scheduler ended because even the whole pool cannot hold them."""

@@ -456,9 +456,12 @@ def main() -> int:
     sg.add_argument("--requests", type=int, default=None, help="default 1000 (smoke 12)")
     sg.add_argument("--seed", type=int, default=SHAREGPT_SEED)
     sg.add_argument("--paths", default="engine,services", help="engine, services or both")
-    sg.add_argument("--max-num-seqs", type=int, default=256)
-    sg.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    sg.add_argument("--kv-gb", type=float, default=32.0, help="KV pool per engine (GPU)")
+    # vLLM's offline defaults on an H100 or H200 (its LLM class): 1024 sequences, 16k tokens a
+    # step. The KV pool: room for every sequence at once, in each of the services' two workers
+    # beside their weights on one H200.
+    sg.add_argument("--max-num-seqs", type=int, default=1024)
+    sg.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    sg.add_argument("--kv-gb", type=float, default=48.0, help="KV pool per engine (GPU)")
     sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
     sg.add_argument(
         "--services-checkpoint",

@@ -157,6 +157,8 @@ class BlockPool:
         if n > self.num_free:
             raise OutOfBlocks(n, self.num_free)
         t = self.account(tenant)
+        if not self.has_quotas:
+            return self._allocate_one_account(n)
         out = []
         for _ in range(n):
             quota = self._quota[t]
@@ -171,6 +173,35 @@ class BlockPool:
             self._charged[t] += 1
             self._last[b] = self._prev[b] = -1
             out.append(b)
+        return out
+
+    def _allocate_one_account(self, n: int) -> list[int]:
+        """`allocate` without tenants: the free list first, then the cached blocks nobody holds
+        in eviction order, one bookkeeping pass over the blocks taken."""
+        free = self._free
+        k = min(n, len(free))
+        out = [free.popleft() for _ in range(k)]
+        if k < n:
+            m = n - k
+            if self.lru_k == 1:
+                fifo = self._fifo[0]
+                evicted = [fifo.popitem(last=False)[0] for _ in range(m)]
+                key, hash_of, by_hash = self._key, self._hash_of, self._by_hash
+                for b in evicted:
+                    del key[b]
+                    del by_hash[hash_of.pop(b)]
+                self._n_evictable[0] -= m
+                self._charged[0] -= m
+                self.evictions[0] += m
+                out += evicted
+            else:
+                out += [self._evict(0) for _ in range(m)]
+        refs, owner, last, prev = self._refs, self._owner, self._last, self._prev
+        for b in out:
+            refs[b] = 1
+            owner[b] = 0
+            last[b] = prev[b] = -1
+        self._charged[0] += n
         return out
 
     def _victim(self) -> int:

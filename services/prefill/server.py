@@ -7,7 +7,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -81,7 +80,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         # how many each host has. Engine thread only: `add` counts them while the event loop
         # answers calls, so a change from the loop could come mid-count.
         self.run_owner: dict[str, str] = {}
-        self.runs_by_owner: Counter[str] = Counter()
+        self.runs_by_owner: dict[str, int] = {}
         self.refusals: dict[str, int] = {}
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
@@ -124,15 +123,17 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
     # ---- engine thread ------------------------------------------------------------------------
     def _start_run(self, seq_id: str, owner: str) -> None:
         self.run_owner[seq_id] = owner
-        self.runs_by_owner[owner] += 1
+        self.runs_by_owner[owner] = self.runs_by_owner.get(owner, 0) + 1
 
     def _end_run(self, seq_id: str) -> str:
         """Stop counting a prompt against its peer; returns the peer ("" when unknown)."""
         owner = self.run_owner.pop(seq_id, None)
         if owner is None:
             return ""
-        self.runs_by_owner[owner] -= 1
-        if not self.runs_by_owner[owner]:
+        left = self.runs_by_owner[owner] - 1
+        if left:
+            self.runs_by_owner[owner] = left
+        else:
             del self.runs_by_owner[owner]
         return owner
 
@@ -257,7 +258,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
 
         def add(e: LLMEngine) -> None:
-            held = e.leases_owned_by(owner) + self.runs_by_owner[owner]
+            held = e.leases_owned_by(owner) + self.runs_by_owner.get(owner, 0)
             if held >= self.max_leases_per_peer:
                 raise LeaseLimit(
                     f"this client holds {held} KV leases (max_leases_per_peer="

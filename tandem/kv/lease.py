@@ -137,7 +137,7 @@ def _lease_message(
 ) -> bytes:
     # Every part length-prefixed, so no two different leases share a message.
     parts = [
-        b"tandem-lease-v1",
+        b"tandem-lease-v2",
         pool_id.encode(),
         token.encode(),
         _u32_le(block_ids),

@@ -181,21 +181,8 @@ class BlockPool:
         free = self._free
         k = min(n, len(free))
         out = [free.popleft() for _ in range(k)]
-        if k < n:
-            m = n - k
-            if self.lru_k == 1:
-                fifo = self._fifo[0]
-                evicted = [fifo.popitem(last=False)[0] for _ in range(m)]
-                key, hash_of, by_hash = self._key, self._hash_of, self._by_hash
-                for b in evicted:
-                    del key[b]
-                    del by_hash[hash_of.pop(b)]
-                self._n_evictable[0] -= m
-                self._charged[0] -= m
-                self.evictions[0] += m
-                out += evicted
-            else:
-                out += [self._evict(0) for _ in range(m)]
+        if k < n:  # the rest from the cached blocks nobody holds, in eviction order
+            out += [self._evict(0) for _ in range(n - k)]
         refs, owner, last, prev = self._refs, self._owner, self._last, self._prev
         for b in out:
             refs[b] = 1

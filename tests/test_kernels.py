@@ -9,7 +9,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -116,53 +115,6 @@ def test_decode_triton_max_context_len_bounds_partitions() -> None:
     )
     expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("merge_last", [True, False])
-@pytest.mark.parametrize("width", [2, 40], ids=["short-table", "wide-table"])
-@pytest.mark.parametrize("cap", [256, 1], ids=["a-program-a-unit", "units-in-turn"])
-def test_decode_triton_with_a_unit_list(
-    width: int, merge_last: bool, cap: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Programs taking the host's unit list give the f64 answer: contexts of one partition, of
-    several, an empty one; with a program per unit, and with one program per sequence taking
-    several units in turn; and leave the merge counters at zero."""
-    from tandem.kernels.arrival import arrival_counters
-
-    monkeypatch.setattr(pa, "UNIT_PROGRAMS", cap)
-
-    lens = [5, 300, 16, 0, 150, 97, 33]
-    q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32)
-    table = torch.cat([table, torch.zeros(len(lens), width, dtype=table.dtype)], dim=1)
-    ps = 32
-    parts = pa.decode_num_parts(table.shape[1] * 16, ps)
-    units = np.full(1 + len(lens) * parts + 3, -7, dtype=np.int32)
-    n = pa.decode_units(np.array(lens), ps, parts, units)
-    assert n == sum(max(1, min(parts, -(-c // ps))) for c in lens)
-    out = pa.paged_attention_decode_triton(
-        q, kc, vc, table, ctx, 0.125, partition_size=ps, merge_last=merge_last,
-        units=torch.from_numpy(units),
-    )  # fmt: skip
-    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
-    torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
-    assert torch.equal(out[3], torch.zeros_like(out[3]))
-    assert not arrival_counters(q.device, 16)[:16].any()
-
-
-def test_decode_units_order_and_bounds() -> None:
-    """Every sequence's first partition first, then the second partitions, and so on; a context
-    longer than the launch allows for stops at its last partition; a short buffer is refused."""
-    out = np.zeros(12, dtype=np.int32)
-    n = pa.decode_units(np.array([40, 0, 10, 70]), 16, 4, out)
-    # partitions: 3, 1 (empty), 1, 4 of at most 4
-    assert n == 9
-    assert out[1:10].tolist() == [0, 4, 8, 12, 1, 13, 2, 14, 15]
-    with pytest.raises(ValueError, match="fewer than 1 \\+ 9 units"):
-        pa.decode_units(np.array([40, 0, 10, 70]), 16, 4, np.zeros(9, dtype=np.int32))
-    with pytest.raises(ValueError, match="units must be int32"):
-        q, kc, vc, table, ctx = make_paged([3], 2, 2, 64, 16, torch.float32)
-        pa.paged_attention_decode_triton(q, kc, vc, table, ctx, 0.125,
-                                         units=torch.zeros(4, dtype=torch.int64))  # fmt: skip
 
 
 @pytest.mark.parametrize("ps", [16, 512])

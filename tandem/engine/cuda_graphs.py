@@ -5,12 +5,8 @@ their launch latency, not memory bandwidth, sets the step time. A graph replays 
 launch. Each bucket (1, 2, 4, ... 256 sequences) is captured on first use; a batch is padded to
 the next bucket. Padding rows write no KV (slot -1) and attend to nothing (context length 0).
 
-The step's inputs travel in one host-to-device copy from a pinned buffer (the small vectors, the
-decode attention's units of work and the block-table rows side by side, each a view of one byte
-buffer), never from Python lists. The units list only the partitions of the contexts that hold
-tokens (`tandem.kernels.paged_attention.decode_units`): the attention kernel's grid is fixed at
-capture, for the longest context the model takes, and would otherwise launch a program for every
-partition of it.
+The step's inputs travel in one host-to-device copy from a pinned buffer (the small vectors and
+the block-table rows side by side, each a view of one byte buffer), never from Python lists.
 Host buffers come in pairs: under asynchronous scheduling the host fills step t+1's while step
 t's copy may still be queued.
 """
@@ -25,9 +21,7 @@ import numpy as np
 import torch
 
 from tandem.engine.sequence import Sequence
-from tandem.kernels.paged_attention import decode_num_parts, decode_units
 from tandem.kv.cache import KVCache
-from tandem.layers.attention import decode_partition_size
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -126,29 +120,18 @@ class DecodeGraphs:
         # fixed at capture); blocks past a sequence's context are masked, never read.
         self.max_blocks = -(-max_model_len // self.block_size)
         n, dev = self.max_batch, model.device
-        # Per bucket: the decode attention's partition size and partitions of the longest context.
-        kv_heads = model.cfg.num_kv_heads
-        self.partition = {b: decode_partition_size(b, kv_heads) for b in self.buckets}
-        self.parts = {b: decode_num_parts(self.max_blocks * self.block_size, self.partition[b])
-                      for b in self.buckets}  # fmt: skip
-        # [4, n] int64 (input ids, positions, slots, context lengths), the int32 unit list (its
-        # length, then room for every partition of every row of the largest bucket), then
-        # [n, max_blocks] int32 block tables, in one byte buffer on each side: a step's inputs
-        # are one copy.
+        # [4, n] int64 (input ids, positions, slots, context lengths), then [n, max_blocks] int32
+        # block tables, in one byte buffer on each side: a step's inputs are one copy.
         self._small_bytes = 4 * n * 8
-        units = 1 + max(b * self.parts[b] for b in self.buckets)
-        self._units_bytes = -(-units * 4 // 8) * 8
         self._row_bytes = self.max_blocks * 4
-        self._head_bytes = self._small_bytes + self._units_bytes
-        self._inputs = torch.zeros(self._head_bytes + n * self._row_bytes, dtype=torch.uint8,
+        self._inputs = torch.zeros(self._small_bytes + n * self._row_bytes, dtype=torch.uint8,
                                    device=dev)  # fmt: skip
-        self.small, self.units, self.tables = self._views(self._inputs)
+        self.small, self.tables = self._views(self._inputs)
         self._inputs_host = [torch.zeros_like(self._inputs, device="cpu").pin_memory()
                              for _ in range(2)]  # fmt: skip
         host = [self._views(t) for t in self._inputs_host]
-        self._small_np = [sm.numpy() for sm, _, _ in host]
-        self._units_np = [un.numpy() for _, un, _ in host]
-        self._tables_np = [tb.numpy() for _, _, tb in host]
+        self._small_np = [sm.numpy() for sm, _ in host]
+        self._tables_np = [tb.numpy() for _, tb in host]
         # Recorded after each host buffer's copies: the host waits on it before refilling that
         # buffer, so a caller that never synchronizes cannot overwrite inputs not yet copied.
         self._copied = [torch.cuda.Event() for _ in range(2)]
@@ -157,13 +140,11 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [bucket, vocab] f32
         self._pool = None
 
-    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(small [4, n] int64, units int32, tables [n, max_blocks] int32) over one input byte
-        buffer."""
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(small [4, n] int64, tables [n, max_blocks] int32) over one input byte buffer."""
         small = buf[: self._small_bytes].view(torch.long).view(4, self.max_batch)
-        units = buf[self._small_bytes : self._head_bytes].view(torch.int32)
-        tables = buf[self._head_bytes :].view(torch.int32).view(self.max_batch, self.max_blocks)
-        return small, units, tables
+        tables = buf[self._small_bytes :].view(torch.int32).view(self.max_batch, self.max_blocks)
+        return small, tables
 
     def bucket_for(self, batch: int) -> int | None:
         """The smallest captured size holding `batch` sequences; None when none does."""
@@ -180,8 +161,6 @@ class DecodeGraphs:
             context_lens_list=[],
             query_start_loc=list(range(b + 1)),
             decode_only=True,
-            decode_units=self.units,
-            decode_partition=self.partition[b],
         )
         hidden = self.model.forward(self.small[0, :b], self.small[1, :b], self.kv, meta)
         return self.model.logits(hidden)
@@ -192,9 +171,6 @@ class DecodeGraphs:
         self.small[0:2].zero_()
         self.small[2].fill_(-1)  # all padding: the warm-up writes no KV
         self.small[3].zero_()
-        host = np.zeros(self.units.shape[0], dtype=np.int32)
-        decode_units(np.zeros(b, dtype=np.int64), self.partition[b], self.parts[b], host)
-        self.units.copy_(torch.from_numpy(host))
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         self.graphs[b], self.logits[b] = capture_graph(lambda: self._step(b), 2, self._pool)
@@ -213,11 +189,8 @@ class DecodeGraphs:
         k = self._next
         self._next ^= 1
         self._copied[k].synchronize()  # done long ago in the engine's loops; not so for any caller
-        small = self._small_np[k]
-        fill_decode_inputs(items, self.block_size, small, self._tables_np[k], bucket)
-        decode_units(small[3, :bucket], self.partition[bucket], self.parts[bucket],
-                     self._units_np[k])  # fmt: skip
-        used = self._head_bytes + bucket * self._row_bytes  # the bucket's table rows come first
+        fill_decode_inputs(items, self.block_size, self._small_np[k], self._tables_np[k], bucket)
+        used = self._small_bytes + bucket * self._row_bytes  # the bucket's table rows come first
         self._inputs[:used].copy_(self._inputs_host[k][:used], non_blocking=True)
         self._copied[k].record()
         write_pending_ids(self.small[0], pending)

@@ -7,26 +7,17 @@ with k_scale, v_scale [num_blocks, kv_heads] float32: a value is code * scale of
 head (`tandem.quant.kv`); every path here dequantizes as it reads.
 
 The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs in two stages:
-1. each program attends, for one kv head, to partitions of the context (units of work: a
-   sequence and one of its partitions): it reads the block table itself, computes all the query
-   heads of its GQA group at once (so each K/V tile is loaded once per group) and writes a
-   partial softmax state (running max, sum of exponentials, unnormalised output) per partition;
+1. one program per (sequence, kv head, partition of the context) reads the block table itself,
+   computes all the query heads of its GQA group at once (so each K/V tile is loaded once per
+   group) and writes a partial softmax state (running max, sum of exponentials, unnormalised
+   output) for its partition;
 2. the partitions are merged with a log-sum-exp reduction: by the program of stage 1 that
    finishes a (sequence, kv head) last (an acq_rel arrival counter, `tandem.kernels.arrival`),
    which saves a launch and its wait on the critical path of a decode step; or by a second
    kernel, one program per (sequence, query head) (`merge_last=False`, which the
    model asks for in one-row steps of INT4 weights: measured faster there).
 When the whole context fits one partition, stage 1 writes the output directly and stage 2 is
-skipped.
-
-Which units there are: without a unit list, every partition of the longest context the launch
-allows for, for every sequence, one program each; the programs of partitions past a short
-context return at once. A captured step is sized for the longest context the model takes, so at
-a large batch most programs would be such empty ones, and launching them costs more than a
-step's attention of short contexts (H200, batch 256, 150-token contexts: 78 against 59 us a
-layer). With a unit list (`units`, written by the host, which knows every context length before
-the step), a fixed number of programs per kv head take the listed units in turn: only the
-partitions that hold tokens, and a long context still split over several programs. With PDL (`pdl.prewait`), stage 1
+skipped. With PDL (`pdl.prewait`), stage 1
 reads the context length and asks L2 for the K/V of its positions before the newest token's
 cache block before its PDL wait, while the previous kernel (which writes the newest token)
 finishes. Nothing here reads a device value on the host, so the call can be captured in a CUDA
@@ -35,7 +26,6 @@ graph.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tandem.kernels import pdl
@@ -66,9 +56,6 @@ def _decode_partition_kernel(
     vs_ptr,  # [num_blocks, Hkv] f32 block scales of v
     cnt_ptr,  # int32 [B * Hkv] arrival counters, zero between calls (MERGE)
     oidx_ptr,  # int32 [Hq * D] where each output element goes (SCATTER)
-    units_ptr,  # int32 [1 + n]: n, then units seq * num_parts + partition (UNITS)
-    batch,  # B
-    num_parts,  # P, partitions of the longest context the launch allows for
     qk_scale,  # softmax scale * log2(e): scores are kept in base 2 so exp2 can be used
     stride_qb,
     stride_qh,
@@ -103,20 +90,13 @@ def _decode_partition_kernel(
     PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
     PREFETCH_LINES: tl.constexpr = 1,  # 128-byte lines per K/V row (a power of 2), for PREWAIT
     SCATTER: tl.constexpr = False,  # output elements placed by oidx_ptr
-    UNITS: tl.constexpr = False,  # the units come from units_ptr; else unit w is (w % B, w // B)
 ):
-    pid = tl.program_id(0)
+    seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    programs = tl.num_programs(0)
+    part = tl.program_id(2)
+    num_parts = tl.num_programs(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    # The units (the list is the host's, so it may be read before the wait): this program takes
-    # units pid, pid + programs, ...; without a list there is one program per unit.
-    if UNITS:
-        n_units = tl.load(units_ptr)
-    else:
-        n_units = batch * num_parts
-    if PREWAIT and pid < n_units:
-        seq, part = _unit(units_ptr, pid, batch, num_parts, UNITS)
+    if PREWAIT:
         # Before the wait, what no kernel of this decode step writes: the context length (copied
         # from the host before the step), and into L2 the K/V lines of the partition's positions
         # before the newest token's cache block (the step writes only the newest token, and an
@@ -133,46 +113,14 @@ def _decode_partition_kernel(
                          (lines < (kv_head + 1) * GROUP * HEAD_DIM).to(tl.int32))  # fmt: skip
     pdl.wait(PDL)
     pdl.launch_dependents(PDL)
-    for w in range(pid, n_units, programs):
-        seq, part = _unit(units_ptr, w, batch, num_parts, UNITS)
+    if not PREWAIT:
         context_len = tl.load(context_lens_ptr + seq)
-        start = part * PARTITION_SIZE
-        # A partition past the context has nothing to do and stage 2 never reads it, so it writes
-        # nothing (there are such units only without a list). Partition 0 always runs, so an
-        # empty context (a padding slot of a captured batch) still has a defined output (zeros).
-        if start < tl.maximum(context_len, 1):
-            _attend_partition(
-                q_ptr, block_tables_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, cnt_ptr,
-                oidx_ptr, qk_scale, seq, kv_head, part, start, context_len, num_parts,
-                num_q_heads, stride_qb, stride_qh, stride_qd, stride_kb, stride_kt, stride_kd,
-                stride_vb, stride_vt, stride_vd, stride_btb, stride_btn, stride_ob, stride_oh,
-                stride_od, stride_sb, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-                GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PARTITION_SIZE, DIRECT_OUT, MERGE,
-                GROUP_P2, BLOCK_P, DOT_FP32, KV_SCALED, SCATTER,
-            )  # fmt: skip
-
-
-@triton.jit
-def _unit(units_ptr, w, batch, num_parts, UNITS: tl.constexpr):
-    """(sequence, partition) of unit w: from the host's list, or w % B, w // B."""
-    if UNITS:
-        u = tl.load(units_ptr + 1 + w)
-        return (u // num_parts).to(tl.int64), u % num_parts
-    return (w % batch).to(tl.int64), w // batch
-
-
-@triton.jit
-def _attend_partition(
-    q_ptr, block_tables_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, cnt_ptr, oidx_ptr,
-    qk_scale, seq, kv_head, part, start, context_len, num_parts, num_q_heads, stride_qb,
-    stride_qh, stride_qd, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, stride_btb, stride_btn, stride_ob, stride_oh, stride_od, stride_sb, k_head, v_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    MERGE: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_P: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_SCALED: tl.constexpr, SCATTER: tl.constexpr,
-):  # fmt: skip
-    """One unit: kv head `kv_head` of sequence `seq` (context_len tokens) over its partition
-    `part`, which starts at token `start`."""
+    start = part * PARTITION_SIZE
+    # Partitions past the context have nothing to do and stage 2 never reads them, so they write
+    # nothing (the grid is sized for the longest context). Partition 0 always runs, so an empty
+    # context (a padding slot of a captured batch) still produces a defined output (zeros).
+    if start >= tl.maximum(context_len, 1):
+        return
     end = tl.minimum(start + PARTITION_SIZE, context_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -194,6 +142,8 @@ def _attend_partition(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
 
     bt_row = block_tables_ptr + seq * stride_btb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
     for tok0 in range(start, end, BLOCK_N):
         offs_t = tok0 + offs_n  # [BLOCK_N] logical token positions
         tok_mask = offs_t < end
@@ -248,7 +198,7 @@ def _attend_partition(
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
         if MERGE:
             tl.debug_barrier()  # every thread's partials are written before the counter moves
-            cnt = cnt_ptr + seq * (num_q_heads // GROUP) + kv_head
+            cnt = cnt_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
             # The partitions that run (the rest returned above): at least one, within the grid.
             num_used = tl.minimum(tl.maximum(tl.cdiv(context_len, PARTITION_SIZE), 1), num_parts)
@@ -417,44 +367,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + o_off, out.to(out_ptr.dtype.element_ty))
 
 
-# Programs per kv head that take a unit list in turn, at most: about 2048 programs in all for
-# 8 kv heads, 16 to a multiprocessor of an H200.
-UNIT_PROGRAMS = 256
-
-
-def decode_num_parts(max_len: int, partition_size: int) -> int:
-    """Partitions of the longest context a decode launch allows for."""
-    return max(1, -(-max_len // partition_size))
-
-
-def decode_programs(batch: int, kv_heads: int, num_parts: int) -> int:
-    """Programs per kv head that take a unit list: one per sequence at least (every sequence has
-    a unit), up to UNIT_PROGRAMS while there can be as many units, and never more than units."""
-    return min(batch * num_parts, max(batch, UNIT_PROGRAMS))
-
-
-def decode_units(context_lens: np.ndarray, partition_size: int, num_parts: int,
-                 out: np.ndarray) -> int:  # fmt: skip
-    """Write a decode step's units of work into `out` (int32, >= 1 + len * num_parts): their
-    number n, then n units seq * num_parts + partition, for the partitions that hold tokens of
-    each context (partition 0 of an empty one: it writes zeros). Every sequence's partition 0
-    comes first, then the partitions 1, then 2...: the programs, which take units in turn, each
-    start with a sequence of their own, and a long context's partitions go to different ones.
-    Returns n."""
-    ctx = np.asarray(context_lens, dtype=np.int64)
-    parts = np.minimum(np.maximum(ctx, 1) + (partition_size - 1), num_parts * partition_size)
-    parts //= partition_size
-    n = int(parts.sum())
-    if out.shape[0] < 1 + n:
-        raise ValueError(f"unit buffer of {out.shape[0]} holds fewer than 1 + {n} units")
-    seqs = np.repeat(np.arange(len(ctx), dtype=np.int64), parts)
-    part = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
-    order = np.argsort(part, kind="stable")
-    out[0] = n
-    out[1 : 1 + n] = (seqs * num_parts + part)[order]
-    return n
-
-
 def paged_attention_decode_triton(
     q: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -468,14 +380,8 @@ def paged_attention_decode_triton(
     v_scale: torch.Tensor | None = None,
     merge_last: bool = True,
     out_index: torch.Tensor | None = None,  # int32 [Hq * D]
-    units: torch.Tensor | None = None,  # int32 [1 + capacity], filled by `decode_units`
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
-
-    units: the step's units of work as `decode_units` wrote them for these context lengths, this
-    partition size and `decode_num_parts(max_len, partition_size)` partitions; then
-    `decode_programs` programs per kv head take them in turn. Without it, one program per
-    partition of the longest context.
 
     out_index: each sequence's output row (viewed as [Hq * D]) is written permuted, element i
     going to position out_index[i], in the same stores (the input order of an act-order output
@@ -510,8 +416,6 @@ def paged_attention_decode_triton(
     if block_tables.shape[0] != b or context_lens.shape != (b,):
         raise ValueError("block_tables and context_lens need one row per query")
     scatter = out_index is not None
-    if units is not None and (units.dtype != torch.int32 or units.device != q.device):
-        raise ValueError(f"units must be int32 on {q.device}, got {units.dtype} on {units.device}")
     if scatter and (out_index.shape != (num_q_heads * head_dim,) or out_index.dtype != torch.int32):
         raise ValueError(
             f"out_index must be int32 [{num_q_heads * head_dim}], got {out_index.dtype} "
@@ -523,7 +427,7 @@ def paged_attention_decode_triton(
         return out
     group = num_q_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
-    num_parts = decode_num_parts(max_len, partition_size)
+    num_parts = max(1, triton.cdiv(max_len, partition_size))
     block_n = min(64, partition_size)
     # The Triton interpreter (CPU tensors) stores bf16 as raw uint16 and its tl.dot multiplies
     # the bit patterns (triton-lang/triton#11584), so bf16 is upcast there; on CUDA the native
@@ -542,8 +446,7 @@ def paged_attention_decode_triton(
             (b, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=q.device
         )
 
-    programs = b * num_parts if units is None else decode_programs(b, num_kv_heads, num_parts)
-    _decode_partition_kernel[(programs, num_kv_heads)](
+    _decode_partition_kernel[(b, num_kv_heads, num_parts)](
         q,
         k_cache,
         v_cache,
@@ -557,9 +460,6 @@ def paged_attention_decode_triton(
         v_scale if scaled else out,
         counters,
         out_index if scatter else out,
-        units if units is not None else out,
-        b,
-        num_parts,
         scale * LOG2E,
         *q.stride(),
         *k_cache.stride(),
@@ -583,7 +483,6 @@ def paged_attention_decode_triton(
         # A row shorter than a line (FP8 at head dim 64: 64 bytes) is still one line to fetch.
         PREFETCH_LINES=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
         SCATTER=scatter,
-        UNITS=units is not None,
         num_warps=4,
         **pdl.launch_options(q),
     )

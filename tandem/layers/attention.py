@@ -48,10 +48,6 @@ class AttentionMetadata:
     context_lens_list: list[int]
     query_start_loc: list[int]  # B + 1 offsets into the packed tokens
     decode_only: bool  # every sequence has exactly one query token
-    # A captured decode step's units of work for the decode kernel, over partitions of
-    # `decode_partition` tokens (`tandem.kernels.paged_attention.decode_units`), or None.
-    decode_units: torch.Tensor | None = None
-    decode_partition: int = 0
 
 
 class CpuDecodeAttention:
@@ -149,8 +145,7 @@ class Attention:
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                partition_size=meta.decode_partition
-                or decode_partition_size(q.shape[0], self.kv_heads),
+                partition_size=decode_partition_size(q.shape[0], self.kv_heads),
                 k_scale=k_scale,
                 v_scale=v_scale,
                 # One row of INT4 weights: the partitions merge faster in a kernel of their
@@ -158,7 +153,6 @@ class Attention:
                 # by the last partition (4.54 against 4.59).
                 merge_last=not (step.one_row and self.consumer.quantized),
                 out_index=self.consumer.input_places,
-                units=meta.decode_units,
             )
         kind = varlen_attention_kind(
             meta.query_start_loc, meta.context_lens_list, self.kernels.prefill_attention

@@ -52,15 +52,15 @@ a row fails (or errors), 0 otherwise; with no baseline of the same device, nothi
 The baseline is a results file of this script (`cp bench/results/gate_h200.json
 bench/baseline_h200.json`); replace it only with a better measurement, and say so in the commit.
 
-H200s of one kind differ by more than a row's noise (batch 256 decoded at 23,700 to 25,100
-tok/s on four of them with the same code). When a row fails, measure the baseline's revision
-on the same machine before calling it a regression: the same script in a checkout of that
-revision, alternating with this tree, e.g.
+H200s of one kind differ by more than a row's noise (batch 256 decoded at 23,600 to 25,100
+tok/s on five of them with the same code). When a row fails, measure the baseline's revision
+on the same machine before calling it a regression: `--base DIR` runs the rows in this tree and
+in the checkout DIR alternately, `--rounds` times each, every run a process importing its own
+tree, and judges this tree against DIR's pooled repeats instead of the baseline file, e.g.
 
     git worktree add /tmp/base $(python -c "import json; print(json.load(open(
         'bench/baseline_h200.json'))['git_revision'])")
-    python bench/gate.py --rows decode_b256 --repeats 3 --out /tmp/new.json
-    (cd /tmp/base && python bench/gate.py --rows decode_b256 --repeats 3 --out /tmp/base.json)
+    python bench/gate.py --rows decode_b256 --repeats 3 --base /tmp/base
 """
 
 from __future__ import annotations
@@ -143,6 +143,25 @@ def compare(current: dict[str, dict], baseline: dict[str, dict] | None) -> list[
         verdict = "fail" if ratio < 1 - tol else "better" if ratio > 1 + tol else "same"
         out.append({**v, "verdict": verdict, "value": row["value"], "baseline": base["value"],
                     "ratio": ratio, "tolerance": tol})  # fmt: skip
+    return out
+
+
+def pooled(runs: list[dict], name: str) -> dict[str, Any]:
+    """Row `name` over several runs of the gate: their repeats together and the row's statistic
+    over them (the median, or the best for the handover rows); the last run's other fields. An
+    error in any run, or a run without the row, is the row's error."""
+    rows = [run["rows"].get(name) for run in runs]
+    for row in rows:
+        if row is None or "error" in row:
+            return {"error": row["error"] if row else "not measured"}
+    repeats = [x for row in rows for x in row["repeats"]]
+    best = rows[-1].get("statistic") == "best"
+    out = {**rows[-1], "repeats": repeats}
+    out["value"] = max(repeats) if best else statistics.median(repeats)
+    fractions = [x for row in rows for x in row.get("fraction_repeats", [])]
+    if fractions:
+        out["fraction_of_roofline"] = statistics.median(fractions)
+        out["fraction_repeats"] = fractions
     return out
 
 
@@ -575,6 +594,13 @@ def main() -> int:
         "(default $TMPDIR/tandem-gate-llama3-8b, 16 GB; smoke: tandem-gate-smoke)",
     )
     ap.add_argument("--readme", action="store_true", help="rewrite README's table from --baseline")
+    ap.add_argument(
+        "--base",
+        default=None,
+        help="a checkout to compare with on this machine instead of the baseline file",
+    )
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="--base: runs of each tree, alternated (default 2)")  # fmt: skip
     args = ap.parse_args()
     if args.readme:
         with open(args.baseline) as f:
@@ -592,14 +618,20 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown rows {unknown}; known: {list(ROWS)}")
     args.repeats = args.repeats or (2 if args.smoke else 5)
-    if args.out == ap.get_default("out") and args.smoke:
-        args.out = os.path.join(tempfile.mkdtemp(prefix="tandem-gate-"), "gate_smoke.json")
+    if args.out == ap.get_default("out") and (args.smoke or args.base):
+        name = "gate_smoke.json" if args.smoke else "gate_ab.json"
+        args.out = os.path.join(tempfile.mkdtemp(prefix="tandem-gate-"), name)
+    if args.base:
+        return against_base(rows, args)
     sys.path.insert(0, HERE)
     import llama_random as lr
 
     t0 = time.perf_counter()
+    import tandem
+
     res: dict[str, Any] = {"benchmark": "gate", **lr.run_info(sys.argv), "smoke": args.smoke,
-                           "repeats": args.repeats, "rows": {}}  # fmt: skip
+                           "repeats": args.repeats, "tandem_path": os.path.dirname(tandem.__file__),
+                           "rows": {}}  # fmt: skip
     try:
         import torch
 
@@ -632,6 +664,71 @@ def main() -> int:
     print_table(res, verdicts)
     if not ok_base:
         print(f"no comparable baseline ({args.baseline}): nothing compared")
+    print(f"{'PASS' if res['passed'] else 'FAIL'}; wrote {args.out}")
+    return 0 if res["passed"] else 1
+
+
+def against_base(rows: list[str], args) -> int:
+    """The rows measured in this tree and in the checkout `args.base`, alternately (this, base,
+    this, base...: `args.rounds` gate runs of each, every one a process of its own importing its
+    own tree), each row's repeats pooled per tree, and this tree judged against the base as
+    against a baseline. Machines of one kind differ by more than a row's noise; one machine
+    measuring both does not."""
+    base = os.path.abspath(args.base)
+    if not (os.path.isfile(os.path.join(base, "bench", "gate.py"))
+            and os.path.isdir(os.path.join(base, "tandem"))):  # fmt: skip
+        raise SystemExit(f"--base {base}: not a checkout of Tandem (no bench/gate.py, tandem/)")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    tmp = tempfile.mkdtemp(prefix="tandem-gate-ab-")
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and os.path.abspath(p) not in (ROOT, base)]  # fmt: skip
+    runs: dict[str, list[dict]] = {"this": [], "base": []}
+    t0 = time.perf_counter()
+    for i in range(args.rounds):
+        for side, tree in (("this", ROOT), ("base", base)):
+            out = os.path.join(tmp, f"{side}{i}.json")
+            cmd = [sys.executable, os.path.join(tree, "bench", "gate.py"), "--rows", ",".join(rows),
+                   "--repeats", str(args.repeats), "--out", out,
+                   "--baseline", os.path.join(tmp, "none.json")]  # fmt: skip
+            if args.smoke:
+                cmd.append("--smoke")
+            if args.services_checkpoint:
+                cmd += ["--services-checkpoint", args.services_checkpoint]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *inherited]))
+            print(f"round {i + 1} of {args.rounds}: {side} ({tree})", flush=True)
+            proc = subprocess.run(cmd, cwd=tree, env=env)
+            if not os.path.exists(out):
+                raise SystemExit(f"the gate in {tree} wrote no results (exit {proc.returncode})")
+            with open(out) as f:
+                runs[side].append(json.load(f))
+    first = runs["this"][0]
+    res: dict[str, Any] = {
+        "benchmark": "gate",
+        **{k: first[k] for k in ("git_revision", "git_uncommitted_changes", "device", "torch",
+                                 "triton", "transformers", "python", "hardware", "tandem_path")
+           if k in first},
+        "command": "python " + " ".join(sys.argv),
+        "smoke": args.smoke,
+        "repeats": args.repeats * args.rounds,
+        "copy_bandwidth_Bps": statistics.median(
+            r.get("copy_bandwidth_Bps", 0.0) for r in runs["this"] + runs["base"]),
+        "seconds": time.perf_counter() - t0,
+        "rows": {name: pooled(runs["this"], name) for name in rows},
+    }  # fmt: skip
+    base_rows = {name: pooled(runs["base"], name) for name in rows}
+    verdicts = compare(res["rows"], base_rows)
+    res["baseline"] = {"path": base, "git_revision": runs["base"][0].get("git_revision"),
+                       "tandem_path": runs["base"][0].get("tandem_path"), "compared": True,
+                       "rounds": args.rounds, "rows": base_rows}  # fmt: skip
+    res["verdicts"] = verdicts
+    res["passed"] = not failed(verdicts)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+    print_table(res, verdicts)
+    print(f"baseline: {base} ({res['baseline']['git_revision']}), alternated on this machine")
     print(f"{'PASS' if res['passed'] else 'FAIL'}; wrote {args.out}")
     return 0 if res["passed"] else 1
 

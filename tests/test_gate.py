@@ -164,3 +164,59 @@ def test_readme_explains_services_rows_only_when_the_baseline_has_them() -> None
         ln for ln in block.splitlines() if ln.startswith(f"| {gate.ROWS['services_b64'][1]}")
     ]
     assert "| 2,000 tok/s |" in line and line.endswith("| 0.800 |")
+
+
+def test_pooled_rows_take_every_run_and_the_rows_statistic() -> None:
+    runs = [
+        {"rows": {"d": {"value": 10, "statistic": "median", "repeats": [9, 10, 11]},
+                  "h": {"value": 5, "statistic": "best", "repeats": [4, 5]},
+                  "f": {"value": 3, "statistic": "median", "repeats": [3],
+                        "fraction_of_roofline": 0.5, "fraction_repeats": [0.5]},
+                  "e": {"value": 1, "statistic": "median", "repeats": [1]}}},
+        {"rows": {"d": {"value": 20, "statistic": "median", "repeats": [19, 20]},
+                  "h": {"value": 7, "statistic": "best", "repeats": [7, 1]},
+                  "f": {"value": 1, "statistic": "median", "repeats": [1],
+                        "fraction_of_roofline": 0.1, "fraction_repeats": [0.1]},
+                  "e": {"error": "boom"}}},
+    ]  # fmt: skip
+    d = gate.pooled(runs, "d")
+    assert d["repeats"] == [9, 10, 11, 19, 20] and d["value"] == 11
+    h = gate.pooled(runs, "h")
+    assert h["repeats"] == [4, 5, 7, 1] and h["value"] == 7
+    f = gate.pooled(runs, "f")
+    assert f["fraction_repeats"] == [0.5, 0.1] and f["fraction_of_roofline"] == pytest.approx(0.3)
+    assert gate.pooled(runs, "e") == {"error": "boom"}
+    assert gate.pooled(runs, "missing") == {"error": "not measured"}
+
+
+def test_against_a_base_checkout_each_tree_runs_its_own_code(tmp_path) -> None:
+    """`--base`: the rows measured alternately in this tree and in another checkout, each run
+    importing its own tree's `tandem`, and judged against the other tree's pooled repeats."""
+    import shutil
+    import subprocess
+    import sys
+
+    base = tmp_path / "base"
+    skip = shutil.ignore_patterns("__pycache__", "results")
+    for part in ("bench", "tandem"):
+        shutil.copytree(os.path.join(ROOT, part), base / part, ignore=skip)
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gate.py"), "--smoke", "--rows",
+         "decode_b1_bf16", "--base", str(base), "--rounds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["tandem_path"] == os.path.join(ROOT, "tandem")
+    assert res["baseline"]["tandem_path"] == str(base / "tandem")
+    assert len(res["rows"]["decode_b1_bf16"]["repeats"]) == 2
+    assert len(res["baseline"]["rows"]["decode_b1_bf16"]["repeats"]) == 2
+    (v,) = res["verdicts"]
+    assert v["verdict"] in ("same", "better", "fail") and v["baseline"] > 0
+    assert res["passed"] == (v["verdict"] != "fail") == (proc.returncode == 0)
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gate.py"), "--smoke", "--base",
+         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "not a checkout of Tandem" in bad.stderr

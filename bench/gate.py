@@ -655,17 +655,22 @@ def main() -> int:
         res["baseline"] = {"path": os.path.relpath(args.baseline, ROOT),
                            "git_revision": baseline.get("git_revision") if baseline else None,
                            "compared": ok_base}  # fmt: skip
-        res["verdicts"] = verdicts
-        res["passed"] = not failed(verdicts)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
-            f.write("\n")
+        save(res, verdicts, args.out)
     print_table(res, verdicts)
     if not ok_base:
         print(f"no comparable baseline ({args.baseline}): nothing compared")
     print(f"{'PASS' if res['passed'] else 'FAIL'}; wrote {args.out}")
     return 0 if res["passed"] else 1
+
+
+def save(res: dict, verdicts: list[dict[str, Any]], out: str) -> None:
+    """The verdicts and whether the run passed, into `res`, and `res` into the file `out`."""
+    res["verdicts"] = verdicts
+    res["passed"] = not failed(verdicts)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
 
 
 def against_base(rows: list[str], args) -> int:
@@ -721,12 +726,7 @@ def against_base(rows: list[str], args) -> int:
     res["baseline"] = {"path": base, "git_revision": runs["base"][0].get("git_revision"),
                        "tandem_path": runs["base"][0].get("tandem_path"), "compared": True,
                        "rounds": args.rounds, "rows": base_rows}  # fmt: skip
-    res["verdicts"] = verdicts
-    res["passed"] = not failed(verdicts)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    save(res, verdicts, args.out)
     print_table(res, verdicts)
     print(f"baseline: {base} ({res['baseline']['git_revision']}), alternated on this machine")
     print(f"{'PASS' if res['passed'] else 'FAIL'}; wrote {args.out}")

@@ -1,0 +1,30 @@
+"""bench/decode_attention.py --smoke: the decode kernel as a captured step launches it and with a
+fitted grid, both against the torch reference, on a CPU under the Triton interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_smoke_run_writes_rows_that_match_the_reference(tmp_path) -> None:
+    out = tmp_path / "decode_attention.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "decode_attention.py"), "--smoke",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["smoke"] and [r["case"] for r in res["rows"]] == [
+        "b2 ctx 5, 40",
+        "b3 ctx 7, 70, 100",
+    ]
+    for row in res["rows"]:
+        assert row["max_abs_diff"] < 1e-4
+        assert row["captured_partitions"] == 2 and row["fitted_partitions"] in (1, 2)
+        assert row["captured_s"] > 0 and row["fitted_s"] > 0

@@ -53,7 +53,7 @@ The baseline is a results file of this script (`cp bench/results/gate_h200.json
 bench/baseline_h200.json`); replace it only with a better measurement, and say so in the commit.
 
 H200s of one kind differ by more than a row's noise (batch 256 decoded at 23,600 to 25,100
-tok/s on five of them with the same code). When a row fails, measure the baseline's revision
+tok/s on different ones with the same code). When a row fails, measure the baseline's revision
 on the same machine before calling it a regression: `--base DIR` runs the rows in this tree and
 in the checkout DIR alternately, `--rounds` times each, every run a process importing its own
 tree, and judges this tree against DIR's pooled repeats instead of the baseline file, e.g.

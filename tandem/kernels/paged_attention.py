@@ -96,17 +96,25 @@ def _decode_partition_kernel(
     part = tl.program_id(2)
     num_parts = tl.num_programs(2)
     num_q_heads = tl.num_programs(1) * GROUP
+    start = part * PARTITION_SIZE
+    # Partitions past the context have nothing to do and stage 2 never reads them, so they write
+    # nothing (a captured step's grid is sized for max_model_len). Partition 0 always runs, so an
+    # empty context (a padding slot of a captured batch) still produces a defined output (zeros),
+    # and the grid as a whole still waits for the kernel before it.
     if PREWAIT:
         # Before the wait, what no kernel of this decode step writes: the context length (copied
         # from the host before the step), and into L2 the K/V lines of the partition's positions
         # before the newest token's cache block (the step writes only the newest token, and an
-        # FP8 / INT8 write may re-code the rest of its block).
+        # FP8 / INT8 write may re-code the rest of its block). An empty partition (whose prefetch
+        # asks for nothing) leaves here, giving its slot back while the kernel before still runs.
         context_len = tl.load(context_lens_ptr + seq)
         prefetch_partition(
             k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-            block_tables_ptr + seq * stride_btb, stride_btn, part * PARTITION_SIZE, context_len,
+            block_tables_ptr + seq * stride_btb, stride_btn, start, context_len,
             stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE, PREFETCH_LINES,
         )  # fmt: skip
+        if start >= tl.maximum(context_len, 1):
+            return
         if SCATTER:  # the group's output places (a weight), one address per 128-byte line
             lines = kv_head * GROUP * HEAD_DIM + tl.arange(0, (GROUP_P2 * HEAD_DIM + 31) // 32) * 32
             prefetch_l2((oidx_ptr + lines).to(tl.int64),
@@ -115,12 +123,8 @@ def _decode_partition_kernel(
     pdl.launch_dependents(PDL)
     if not PREWAIT:
         context_len = tl.load(context_lens_ptr + seq)
-    start = part * PARTITION_SIZE
-    # Partitions past the context have nothing to do and stage 2 never reads them, so they write
-    # nothing (the grid is sized for the longest context). Partition 0 always runs, so an empty
-    # context (a padding slot of a captured batch) still produces a defined output (zeros).
-    if start >= tl.maximum(context_len, 1):
-        return
+        if start >= tl.maximum(context_len, 1):
+            return
     end = tl.minimum(start + PARTITION_SIZE, context_len)
 
     offs_h = tl.arange(0, BLOCK_H)

@@ -8,9 +8,10 @@ predecessor to finish (`wait`) before they read its output. Each kernel lets its
 (`launch_dependents`) once it has passed its own wait, so at most two kernels overlap.
 
 The ordering rule that keeps this correct: every kernel launched with PDL calls `wait` before it
-reads anything an earlier kernel wrote, and calls it unconditionally (a kernel that skipped it
-could finish before its predecessor, and its successor's wait would then not cover the
-predecessor's writes). Memory read before the wait must be data no kernel of the step writes.
+reads anything an earlier kernel wrote, and some of its programs always call it (a kernel none of
+whose programs waited could finish before its predecessor, and its successor's wait would then
+not cover the predecessor's writes). Memory read before the wait must be data no kernel of the
+step writes; a program may leave before the wait only when it writes nothing.
 
 The `pdl` kernel setting (`tandem.config.KernelConfig`, TANDEM_PDL=false) turns it off. It is used
 only for compiled CUDA on compute capability >= 9.0, with a Triton that has the intrinsics;

@@ -7,7 +7,8 @@ so sharing them needs no copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
@@ -69,15 +70,11 @@ class PrefixCache:
         done = len(names)
         if done >= full:
             return
-        known = table.known_names
-        for i in range(done, min(full, len(known))):
-            names.append(known[i])
-            self.pool.cache(table.blocks[i], known[i])
-        done = len(names)
-        if done >= full:
-            return
-        parent = names[-1] if names else None
-        new = token_ids[done * bs : full * bs]
-        for i, name in enumerate(chain_hashes(parent, new, bs), done):
+        given = table.known_names[done:full]  # names handed over with the sequence's KV
+        hashed: Iterable[bytes] = ()
+        if done + len(given) < full:  # hashing only the blocks left
+            parent = given[-1] if given else (names[-1] if names else None)
+            hashed = chain_hashes(parent, token_ids[(done + len(given)) * bs : full * bs], bs)
+        for i, name in enumerate(itertools.chain(given, hashed), done):
             names.append(name)
             self.pool.cache(table.blocks[i], name)

@@ -71,7 +71,9 @@ class EngineConfig:
     # Launch step t+1 before reading step t's sampled tokens, so the GPU never waits for Python
     # (plain decode batches without logprobs or repetition penalty; others run step by step).
     # Finished sequences are noticed one step late and the extra step's token is dropped.
-    async_scheduling: bool = False
+    # None: on for a CUDA device; off on CPU, where a step runs while Python waits for it and
+    # there is nothing to overlap.
+    async_scheduling: bool | None = None
     # Prefix caching: full KV blocks are kept by content after their sequence ends and shared by
     # later sequences with the same prefix, which compute only the rest; evicted least recently
     # used when blocks run out.

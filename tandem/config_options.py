@@ -12,7 +12,7 @@ from typing import Any
 def parse_value(value: str, typ: Any, name: str) -> Any:
     """A TANDEM_<NAME> value as the field's type (its annotation as a string)."""
     t = str(typ)
-    if t == "bool":
+    if t in ("bool", "bool | None"):
         return parse_bool(value, f"TANDEM_{name.upper()}")
     try:
         if "int" in t:
@@ -86,7 +86,7 @@ def add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] =
                 help=f"{what} {f.name}, repeatable (default {default}; {env}, comma separated)",
             )
             continue
-        if t == "bool":
+        if t in ("bool", "bool | None"):
             parser.add_argument(
                 flag,
                 dest=f.name,

@@ -30,6 +30,14 @@ def pair(model_factory):
     return sync, run_ahead
 
 
+def test_default_is_step_by_step_on_cpu(pair):
+    """Unset, asynchronous scheduling follows the device: off on CPU (nothing to overlap)."""
+    sync, run_ahead = pair
+    assert sync.config.async_scheduling is None
+    assert not sync.engine.async_scheduling
+    assert run_ahead.engine.async_scheduling
+
+
 def test_greedy_and_seeded_equal_sync(pair):
     sync, run_ahead = pair
     prompts = _prompts()

@@ -188,6 +188,12 @@ class LLMEngine(
         )
 
     # ---- the loop -------------------------------------------------------------------------
+    @property
+    def async_scheduling(self) -> bool:
+        """The config's setting, None resolved for this engine's device."""
+        on = self.config.async_scheduling
+        return self.device.type == "cuda" if on is None else on
+
     def step(self) -> list[StepOutput]:
         """Run one batched forward for every scheduled sequence and return the new tokens.
 
@@ -197,7 +203,7 @@ class LLMEngine(
         t0 = self._step_started = time.perf_counter()
         self._read = None
         self.blocked = False
-        if self.config.async_scheduling or self._inflight is not None:
+        if self.async_scheduling or self._inflight is not None:
             outs = self._step_async()
         else:
             batch = self.scheduler.schedule()

@@ -22,9 +22,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LENGTHS = [5, 17, 40, 3, 33, 70, 16]
 NEW_TOKENS = 32
 MODES = {
-    "eager": dict(cuda_graphs=False),
-    "graphs": dict(cuda_graphs=True),
+    "eager": dict(cuda_graphs=False, async_scheduling=False),
+    "graphs": dict(cuda_graphs=True, async_scheduling=False),
     "graphs+async": dict(cuda_graphs=True, async_scheduling=True),
+    "default": dict(),  # on a GPU: graphs and asynchronous scheduling
 }
 
 
@@ -104,8 +105,9 @@ def test_bf16_greedy_matches_transformers(hf_pair, kind, mode):
     assert all(len(o.token_ids) == NEW_TOKENS and o.finish_reason == "length" for o in outs)
     exact = _check_against_hf(hf16, hf32, prompts, outs)
     print(f"{kind}/{mode}: {exact} of {len(prompts)} outputs equal transformers' generate")
-    if MODES[mode]["cuda_graphs"]:
+    if MODES[mode].get("cuda_graphs", True):
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.graphs
+    assert llm.engine.async_scheduling == MODES[mode].get("async_scheduling", True)
     assert llm.engine.pool.num_used == 0
 
 

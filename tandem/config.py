@@ -73,7 +73,9 @@ class EngineConfig:
     # Finished sequences are noticed one step late and the extra step's token is dropped.
     # None: on for a CUDA device; off on CPU, where a step runs while Python waits for it and
     # there is nothing to overlap.
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = field(
+        default=None, metadata={"default_help": "on for a CUDA device, off on CPU"}
+    )
     # Prefix caching: full KV blocks are kept by content after their sequence ends and shared by
     # later sequences with the same prefix, which compute only the rest; evicted least recently
     # used when blocks run out.

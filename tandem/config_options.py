@@ -74,7 +74,7 @@ def add_dataclass_args(parser: Any, cls: Any, what: str, skip: tuple[str, ...] =
             continue
         flag = "--" + f.name.replace("_", "-")
         t = str(f.type)
-        default = "unset" if f.default is None else f.default
+        default = f.metadata.get("default_help", "unset" if f.default is None else f.default)
         env = f"TANDEM_{f.name.upper()}"
         if f.metadata.get("repeatable"):
             parser.add_argument(

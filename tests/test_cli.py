@@ -29,7 +29,28 @@ def test_up_help_lists_the_stage_flags_grouped_with_defaults(capsys):
         assert heading in text
     for flag in ("--num-blocks", "--kv-dtype", "--device", "--disagg-threshold", "--lease-ttl"):
         assert flag in text
-    assert "(default 16; TANDEM_BLOCK_SIZE)" in " ".join(text.split())
+    flat = " ".join(text.split())
+    assert "(default 16; TANDEM_BLOCK_SIZE)" in flat
+    assert "(default on for a CUDA device, off on CPU; TANDEM_ASYNC_SCHEDULING)" in flat
+
+
+@pytest.mark.parametrize(
+    "argv, env, want",
+    [([], None, None), (["--async-scheduling", "false"], "true", False), ([], "on", True)],
+)
+def test_async_scheduling_unset_or_set_by_flag_or_variable(argv, env, want, monkeypatch):
+    """A bool that may stay unset (None: chosen by the device) parses like any bool."""
+    from tandem.config import EngineConfig
+    from tandem.config_options import add_dataclass_args, dataclass_from_args
+
+    if env is None:
+        monkeypatch.delenv("TANDEM_ASYNC_SCHEDULING", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_ASYNC_SCHEDULING", env)
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, EngineConfig, "engine")
+    config = dataclass_from_args(EngineConfig, parser.parse_args(argv))
+    assert config.async_scheduling is want
 
 
 @pytest.mark.parametrize(

@@ -129,25 +129,3 @@ def test_fill_decode_inputs_equals_prepare(pair):
         assert tables[j, :nb].tolist() == meta.block_tables[j, :nb].tolist()
     # Padding rows: token 0 at position 0, no KV write (slot -1), empty context.
     assert (small[:, b:] == np.array([[0], [0], [-1], [0]])).all()
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_tpot_target_paces_prompts_without_changing_tokens(pair, model_factory, async_scheduling):
-    """Under a target no step meets, a round from a step with prompt chunks overruns it and the
-    next step carries decodes only; yet every prompt is computed, and the tokens are those of an
-    unpaced engine."""
-    sync, _ = pair
-    _, path = model_factory("llama")
-    paced = tandem.LLM(path, num_blocks=96, prefill_chunk=8, tpot_slo_ms=0.001,
-                       async_scheduling=async_scheduling)  # fmt: skip
-    rounds: list[bool] = []  # per round of decode tokens: did its step carry prompt chunks
-    pace = paced.engine.scheduler.pace
-    paced.engine.scheduler.pace = lambda s, mixed: (rounds.append(mixed), pace(s, mixed))
-    prompts = [[7] * 3, [9] * 60, [11] * 45, [13] * 50]  # the long ones still in their prompts
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    want = sync.generate(prompts, sp)
-    got = paced.generate(prompts, sp)
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert rounds.count(True) >= 3
-    assert not any(a and b for a, b in zip(rounds, rounds[1:], strict=False))
-    assert paced.engine.pool.num_used == 0

@@ -462,54 +462,6 @@ def test_tpot_target_bounds_prefill_chunks_and_batch_size():
     assert idle.schedule().num_tokens == 500
 
 
-def test_tpot_overrun_holds_prompts_until_repaid_and_slack_lengthens_chunks():
-    """Rounds of decode tokens that overran the target hold prompt tokens back until faster
-    rounds repay it; time rounds leave under the target buys a longer chunk, up to one
-    prefill_chunk step; decodes that miss the target on their own never stall prompts."""
-    pool = BlockPool(256)
-    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
-    for i in range(40):
-        tokens = 1 + i % 30
-        sched.step_time.observe(tokens, 0.25 + tokens / 128)  # 32 tokens fit 0.5 s
-    for i in range(2):
-        s = _seq(f"d{i}", 8, 7)
-        s.block_table.ensure(pool, 8)
-        sched.admit_running(s)
-    sched.add(_seq("long", 500, 0))
-
-    def sizes():
-        return {s.seq_id: n for s, n in sched.schedule().items}
-
-    fits = sched.step_time.max_tokens  # 2 decode tokens, the rest for the prompt
-    assert fits(0.5) in (31, 32) and fits(0.75) in (63, 64)
-    assert sizes() == {"d0": 1, "d1": 1, "long": fits(0.5) - 2}
-    sched.pace(1.0, sched.mixed)  # that step took twice the target
-    assert sched.tpot_bank_s == -0.5
-    assert sizes() == {"d0": 1, "d1": 1}
-    sched.pace(0.25, sched.mixed)
-    assert sizes() == {"d0": 1, "d1": 1}
-    sched.pace(0.25, sched.mixed)  # repaid
-    assert sizes() == {"d0": 1, "d1": 1, "long": fits(0.5) - 2}
-    sched.pace(0.25, sched.mixed)  # a quarter second banked: a 0.75 s step holds twice the tokens
-    assert sizes() == {"d0": 1, "d1": 1, "long": fits(0.75) - 2}
-    for _ in range(5):
-        sched.pace(0.25, False)
-    # At most one 64-token prefill_chunk step (0.75 s) is banked beyond the target.
-    assert sched.tpot_bank_s == pytest.approx(0.25)
-    sched.pace(1.5, True)
-    assert sizes() == {"d0": 1, "d1": 1}
-    # One slow decode-only round is a debt like any other...
-    sched.pace(0.75, sched.mixed)
-    assert sched.tpot_bank_s == pytest.approx(-1.0)
-    assert sizes() == {"d0": 1, "d1": 1}
-    # ...but once decode-only rounds take longer than the target on average, holding the prompt
-    # back cannot repay it: the debt is dropped.
-    while sched.tpot_bank_s < 0:
-        sched.pace(0.75, sched.mixed)
-    assert sched.tpot_bank_s == 0.0
-    assert sizes() == {"d0": 1, "d1": 1, "long": fits(0.5) - 2}
-
-
 def test_prefix_cache_counts_hits():
     pool = BlockPool(8)
     cache = PrefixCache(pool, 4)

@@ -52,7 +52,6 @@ class AsyncStepMixin:
     _ring_next: int
     _copy_stream: torch.cuda.Stream | None
     _last_tokens: int
-    _mixed: bool
     _read: tuple[int, float] | None
     _step_started: float
     _collected_at: float
@@ -78,7 +77,6 @@ class AsyncStepMixin:
         if not batch:
             self.blocked = self._blocked(batch)
             return []
-        self._mixed = self.scheduler.mixed
         kv_tokens = decode_kv_tokens(batch.items)
         outs = self._run_batch(batch.items)
         if kv_tokens:

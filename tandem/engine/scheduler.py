@@ -21,15 +21,7 @@ has no room is passed over, staying in its place, so other tenants still join in
 
 With a time-per-output-token target (`tpot_slo_s`), the budget of a step that carries decodes
 and the number of running sequences follow from the measured step time (`StepTimeModel`), so
-prefill chunks and new sequences do not push a decode step past the target. The engine also
-reports how long each round of decode tokens took (`pace`): the time decode rounds left under the
-target is banked and lets a later step carry a longer prompt chunk; when rounds took longer than
-the target (a step with prompt tokens costs more than the fit predicted, as an eager mixed step
-does beside graph-replayed decode steps), steps carry decodes only until the overrun is repaid,
-so the decoding sequences' time per output token averages within the target (unless decode-only
-rounds alone average longer than the target: the debt is then dropped, since holding prompts
-back cannot repay it). The bank holds at most the time of one `prefill_chunk` step beyond the
-target, so `prefill_chunk` bounds the longest pause.
+prefill chunks and new sequences never push a decode step past the target.
 """
 
 from __future__ import annotations
@@ -63,9 +55,8 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set; allocates and frees their KV blocks."""
 
-    # A step with decodes still carries at least this many prompt tokens (when a prompt waits and
-    # recent rounds did not overrun the target: see `pace`), so prompts progress however tight
-    # the time-per-output-token target is.
+    # A step with decodes still carries at least this many prompt tokens (when a prompt waits),
+    # so prompts progress however tight the time-per-output-token target is.
     MIN_PREFILL_TOKENS = 16
 
     def __init__(
@@ -84,11 +75,6 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.tpot_slo_s = tpot_slo_s
         self.step_time = StepTimeModel()
-        # Seconds decode rounds came in under the target, less what prompt steps overran it;
-        # below zero, steps carry decodes only (see `pace`).
-        self.tpot_bank_s = 0.0
-        self.mixed = False  # whether the latest schedule gave prompt tokens beside decodes
-        self._decode_round_s: float | None = None  # EWMA of rounds from decode-only steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -147,11 +133,7 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
-        self.mixed = False
-        if batch.items and self.tpot_slo_s is not None and self.tpot_bank_s < 0:
-            return batch  # recent rounds overran the target: decodes only, until repaid
         budget = self._token_limit(batch.num_tokens) - batch.num_tokens
-        decode_tokens = batch.num_tokens
         # 2. The next chunk of every running sequence still in its prompt (blocks are held).
         for seq in self.running:
             if budget <= 0:
@@ -185,26 +167,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget, self.prefill_chunk)
             batch.items.append((seq, n))
             budget -= n
-        self.mixed = decode_tokens > 0 and batch.num_tokens > decode_tokens
         return batch
-
-    def pace(self, seconds: float, mixed: bool) -> None:
-        """Account one round of decode tokens that came `seconds` after the previous round, from
-        a step that carried prompt tokens too (`mixed`) or not (under a time-per-output-token
-        target; see the module docstring)."""
-        if self.tpot_slo_s is None:
-            return
-        if not mixed:
-            prev = self._decode_round_s
-            self._decode_round_s = seconds if prev is None else prev + 0.1 * (seconds - prev)
-            if self._decode_round_s >= self.tpot_slo_s:
-                # Decodes alone miss the target: holding prompts back would not repay it.
-                self.tpot_bank_s = max(self.tpot_bank_s, 0.0)
-                return
-        slack = self.tpot_slo_s - seconds
-        cap = self.step_time.predict(self.prefill_chunk)
-        cap = self.tpot_slo_s if cap is None else max(cap - self.tpot_slo_s, 0.0)
-        self.tpot_bank_s = min(self.tpot_bank_s + slack, cap)
 
     def _outgrows_pool(self, seq: Sequence, num_tokens: int) -> bool:
         """True when `num_tokens` of the sequence need more blocks than the whole pool has (or
@@ -311,7 +274,7 @@ class Scheduler:
     def _token_limit(self, decode_tokens: int) -> int:
         limit = self.max_num_batched_tokens
         if self.tpot_slo_s is not None and decode_tokens:
-            fit = self.step_time.max_tokens(self.tpot_slo_s + max(self.tpot_bank_s, 0.0))
+            fit = self.step_time.max_tokens(self.tpot_slo_s)
             if fit is not None:
                 limit = min(limit, max(fit, decode_tokens + self.MIN_PREFILL_TOKENS))
         return limit

@@ -72,7 +72,9 @@ class Stage:
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if self.metrics_port is None and "--metrics-port" not in self.args:
+        # Whether the harness chose the /metrics port (and may choose another: see `start`).
+        self._own_metrics_port = self.metrics_port is None and "--metrics-port" not in self.args
+        if self._own_metrics_port:
             (self.metrics_port,) = free_ports(1)
 
     @property
@@ -124,6 +126,19 @@ class Stage:
             time.sleep(0.1)
 
     def start(self, wait: bool = True, credentials=None) -> Stage:
+        """Start the stage (and wait until it is healthy). A port found free may be taken before
+        the stage binds it (another process's outgoing connection gets it as its own port):
+        when that was the /metrics port the harness chose, no other stage knows it, so the
+        stage starts again on another one."""
+        for _ in range(3):
+            try:
+                return self._start(wait, credentials)
+            except _MetricsPortTaken:
+                (self.metrics_port,) = free_ports(1)
+        return self._start(wait, credentials)
+
+    def _start(self, wait: bool, credentials) -> Stage:
+        start_of_log = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(
             [
@@ -147,8 +162,13 @@ class Stage:
                 != health_pb2.HealthCheckResponse.SERVING
             ):
                 if self.proc.poll() is not None:
+                    log = self.log()
+                    new = log[start_of_log:]
+                    taken = "cannot serve metrics on" in new and f":{self.metrics_port}:" in new
+                    if self._own_metrics_port and taken:
+                        raise _MetricsPortTaken
                     raise RuntimeError(
-                        f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+                        f"{self.name} exited with {self.proc.returncode}:\n{log[-3000:]}"
                     )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{self.name} at {self.address} did not become healthy")
@@ -171,6 +191,10 @@ class Stage:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+
+class _MetricsPortTaken(Exception):
+    """The /metrics port the harness chose for a stage was taken before the stage bound it."""
 
 
 def pipeline_stages(

@@ -121,3 +121,21 @@ def test_a_pool_full_of_leases_makes_prompts_wait_without_spinning(model_factory
 
     with running(prefill):
         asyncio.run(main())
+
+
+def test_a_stage_whose_metrics_port_was_taken_starts_on_another(model_factory, tmp_path):
+    """The harness finds ports free, but another process may take one before the stage binds
+    it: the stage then starts again on a new /metrics port instead of failing the test."""
+    import socket
+
+    _, path = model_factory("llama")
+    prefill = _stage(tmp_path, path)
+    taken = prefill.metrics_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        with running(prefill):
+            assert prefill.metrics_port != taken
+            assert f"cannot serve metrics on 127.0.0.1:{taken}" in prefill.log()
+            with socket.create_connection(("127.0.0.1", prefill.metrics_port), timeout=5):
+                pass

@@ -135,7 +135,7 @@ class Stage:
                 return self._start(wait, credentials)
             except _MetricsPortTaken:
                 (self.metrics_port,) = free_ports(1)
-        return self._start(wait, credentials)
+        return self._start(wait, credentials)  # a fourth time taken: that error is raised
 
     def _start(self, wait: bool, credentials) -> Stage:
         start_of_log = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
@@ -166,7 +166,7 @@ class Stage:
                     new = log[start_of_log:]
                     taken = "cannot serve metrics on" in new and f":{self.metrics_port}:" in new
                     if self._own_metrics_port and taken:
-                        raise _MetricsPortTaken
+                        raise _MetricsPortTaken(f"{self.name}: /metrics port taken:\n{new[-3000:]}")
                     raise RuntimeError(
                         f"{self.name} exited with {self.proc.returncode}:\n{log[-3000:]}"
                     )
@@ -193,7 +193,7 @@ class Stage:
             return f.read()
 
 
-class _MetricsPortTaken(Exception):
+class _MetricsPortTaken(RuntimeError):
     """The /metrics port the harness chose for a stage was taken before the stage bound it."""
 
 

@@ -129,3 +129,37 @@ def test_fill_decode_inputs_equals_prepare(pair):
         assert tables[j, :nb].tolist() == meta.block_tables[j, :nb].tolist()
     # Padding rows: token 0 at position 0, no KV write (slot -1), empty context.
     assert (small[:, b:] == np.array([[0], [0], [-1], [0]])).all()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_tpot_target_paces_prompts_without_changing_tokens(pair, model_factory, async_scheduling):
+    """Under a target, the engine reports each round of decode tokens with whether its step had
+    prompt chunks, a step beside decodes carries one prefill_chunk of prompt tokens at most, and
+    the tokens are those of an unpaced engine."""
+    sync, _ = pair
+    _, path = model_factory("llama")
+    paced = tandem.LLM(path, num_blocks=96, prefill_chunk=8, tpot_slo_ms=10_000.0,
+                       async_scheduling=async_scheduling)  # fmt: skip
+    sched = paced.engine.scheduler
+    rounds: list[bool] = []  # per round of decode tokens: did its step carry prompt chunks
+    pace = sched.pace
+    sched.pace = lambda s, mixed: (rounds.append(mixed), pace(s, mixed))
+    beside: list[int] = []  # prompt tokens of each step that also carried decodes
+    schedule = sched.schedule
+
+    def recorded():
+        batch = schedule()
+        prompt = [n for s, n in batch.items if sched.in_prompt(s)]
+        if len(prompt) < len(batch.items):
+            beside.append(sum(prompt))
+        return batch
+
+    sched.schedule = recorded
+    prompts = [[7] * 3, [9] * 60, [11] * 45, [13] * 50]  # the long ones still in their prompts
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = sync.generate(prompts, sp)
+    got = paced.generate(prompts, sp)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert True in rounds and False in rounds
+    assert max(beside) == 8  # one chunk, though three prompts were in progress
+    assert paced.engine.pool.num_used == 0

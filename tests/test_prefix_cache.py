@@ -430,36 +430,60 @@ def _seq(sid: str, n: int, computed: int, bs: int = 16) -> Sequence:
     return s
 
 
-def test_tpot_target_bounds_prefill_chunks_and_batch_size():
+def test_tpot_target_bounds_the_batch_size():
     pool = BlockPool(256)
     sched = Scheduler(pool, max_num_seqs=64, max_num_batched_tokens=4096, tpot_slo_s=0.030)
     for i in range(40):
         sched.step_time.observe(1 + i % 30, 0.010 + 0.001 * (1 + i % 30))
     # 10 ms + 1 ms per token: a 30 ms step holds 20 tokens, so at most 20 sequences run.
     assert sched._seq_limit() == 20
-    # Two sequences decoding and a long prompt waiting: the prompt gets an 18-token chunk (not
-    # the 4096-token budget).
-    for i in range(2):
-        s = _seq(f"d{i}", 8, 7)
-        s.block_table.ensure(pool, 8)
-        sched.admit_running(s)
-    sched.add(_seq("long", 500, 0))
-    batch = sched.schedule()
-    sizes = {s.seq_id: n for s, n in batch.items}
-    assert sizes == {"d0": 1, "d1": 1, "long": 18}
-    # However tight the target, a step with decodes still moves a running prompt on (and no
-    # further sequence joins: the batch is already larger than the target allows).
-    tight = Scheduler(BlockPool(256), 64, 4096, tpot_slo_s=0.001)
-    tight.step_time = sched.step_time
-    tight.admit_running(_seq("d", 8, 7))
-    tight.admit_running(_seq("p", 100, 0))
-    tight.add(_seq("w", 4, 0))
-    assert {s.seq_id: n for s, n in tight.schedule().items} == {"d": 1, "p": 16}
     # Without decodes the whole budget goes to prompts.
     idle = Scheduler(BlockPool(256), 64, 4096, tpot_slo_s=0.030)
     idle.step_time = sched.step_time
     idle.add(_seq("p", 500, 0))
     assert idle.schedule().num_tokens == 500
+
+
+def test_tpot_target_paces_prompt_chunks_beside_decodes():
+    """Beside decodes, a step carries one prefill_chunk of prompt tokens, and only once the
+    time rounds left under the target covers what such steps lately overran it by; decodes that
+    miss the target on their own never hold prompts back."""
+    pool = BlockPool(256)
+    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
+    for i in range(2):
+        s = _seq(f"d{i}", 8, 7)
+        s.block_table.ensure(pool, 8)
+        sched.admit_running(s)
+    sched.add(_seq("long", 500, 0))
+    sched.add(_seq("long2", 500, 0))
+
+    def sizes():
+        return {s.seq_id: n for s, n in sched.schedule().items}
+
+    decodes = {"d0": 1, "d1": 1}
+    assert sizes() == {**decodes, "long": 64}  # one chunk in all: long2 waits
+    sched.pace(1.0, sched.mixed)  # that step overran the target by 0.5 s
+    assert sched.tpot_bank_s == -0.5
+    for bank in (-0.25, 0.0, 0.25):
+        assert sizes() == decodes
+        sched.pace(0.25, sched.mixed)
+        assert sched.tpot_bank_s == bank
+    assert sizes() == decodes
+    sched.pace(0.25, sched.mixed)  # the bank now holds the last overrun: the next chunk runs
+    assert sizes() == {**decodes, "long": 64}
+    sched.pace(1.5, sched.mixed)  # overran by 1 s: the expected overrun rises to 0.6 s
+    assert sched.tpot_bank_s == pytest.approx(-0.5)
+    for _ in range(20):
+        sched.pace(0.25, False)
+    assert sched.tpot_bank_s == pytest.approx(0.6)  # banked up to the expected overrun
+    sched.pace(1.6, True)
+    assert sched.tpot_bank_s == pytest.approx(-0.5)
+    assert sizes() == decodes
+    # Decode-only rounds that average over the target: waiting cannot help, prompts go on.
+    while sched._decode_round_s < 0.5:
+        sched.pace(0.75, sched.mixed)
+    assert sched.tpot_bank_s == 0.0
+    assert sizes() == {**decodes, "long": 64}
 
 
 def test_prefix_cache_counts_hits():

@@ -52,6 +52,7 @@ class AsyncStepMixin:
     _ring_next: int
     _copy_stream: torch.cuda.Stream | None
     _last_tokens: int
+    _mixed: bool
     _read: tuple[int, float] | None
     _step_started: float
     _collected_at: float
@@ -77,6 +78,7 @@ class AsyncStepMixin:
         if not batch:
             self.blocked = self._blocked(batch)
             return []
+        self._mixed = self.scheduler.mixed
         kv_tokens = decode_kv_tokens(batch.items)
         outs = self._run_batch(batch.items)
         if kv_tokens:

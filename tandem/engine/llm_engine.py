@@ -153,6 +153,8 @@ class LLMEngine(
         # graph do not queue behind that copy.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_tokens = 0  # tokens computed by the step being timed
+        self._last_round: float | None = None  # when the latest round of decode tokens came
+        self._mixed = False
         # Memory traffic of decode steps (tandem.engine.roofline): fixed bytes per step, KV bytes
         # per token, and what the latest step read (None: it was no decode step, or untimed).
         self._weight_bytes = weight_bytes(self.model)
@@ -202,6 +204,7 @@ class LLMEngine(
         """
         t0 = self._step_started = time.perf_counter()
         self._read = None
+        self._mixed = False  # whether the step whose tokens this call returns had prompt tokens
         self.blocked = False
         if self.async_scheduling or self._inflight is not None:
             outs = self._step_async()
@@ -211,15 +214,30 @@ class LLMEngine(
                 self.blocked = self._blocked(batch)
                 return self._outgrown()
             self._last_tokens = batch.num_tokens
+            self._mixed = self.scheduler.mixed
             kv_tokens = decode_kv_tokens(batch.items)
             outs = self._run_batch(batch.items)
             if kv_tokens:
                 self._read = (kv_tokens, time.perf_counter() - t0)
-        self.scheduler.step_time.observe(self._last_tokens, time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.scheduler.step_time.observe(self._last_tokens, now - t0)
         self._last_tokens = 0
+        self._pace(outs, now)
         if self.scheduler.outgrown:
             outs = self._outgrown() + outs
         return outs
+
+    def _pace(self, outs: list[StepOutput], now: float) -> None:
+        """Tell the scheduler how long this round of decode tokens (tokens after a sequence's
+        first) came after the previous one; a step without them ends the run of rounds."""
+        if self.scheduler.tpot_slo_s is None:
+            return
+        decoded = any(
+            o.new_token_ids and len(o.seq.output_token_ids) > len(o.new_token_ids) for o in outs
+        )
+        if decoded and self._last_round is not None:
+            self.scheduler.pace(now - self._last_round, self._mixed)
+        self._last_round = now if decoded else None
 
     def _blocked(self, batch: ScheduledBatch) -> bool:
         """True when an empty schedule leaves the engine as it found it (see `blocked`)."""

@@ -19,9 +19,16 @@ tenant's newest running sequence (itself last), never another tenant's; one that
 than the whole quota alone ends (`length`, in `outgrown`). In 3, a waiting sequence whose tenant
 has no room is passed over, staying in its place, so other tenants still join in arrival order.
 
-With a time-per-output-token target (`tpot_slo_s`), the budget of a step that carries decodes
-and the number of running sequences follow from the measured step time (`StepTimeModel`), so
-prefill chunks and new sequences never push a decode step past the target.
+With a time-per-output-token target (`tpot_slo_s`), the number of running sequences follows from
+the measured step time (`StepTimeModel`), so new sequences do not push a decode step past the
+target, and prompt work beside decodes is paced: the engine reports how long each round of
+decode tokens took (`pace`). Time rounds leave under the target is banked; a step beside decodes
+carries prompt tokens (one `prefill_chunk` in all, which bounds the pause) only once the bank
+holds what such steps lately overran the target by, which the step then spends. The decoding
+sequences' time per output token so averages within the target while prompts move a whole chunk
+at a time (a step with prompt tokens costs far more than their share: it runs eagerly, beside
+graph-replayed decode steps). When decode-only rounds alone average longer than the target,
+prompts are not held back: that could not help.
 """
 
 from __future__ import annotations
@@ -55,10 +62,6 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set; allocates and frees their KV blocks."""
 
-    # A step with decodes still carries at least this many prompt tokens (when a prompt waits),
-    # so prompts progress however tight the time-per-output-token target is.
-    MIN_PREFILL_TOKENS = 16
-
     def __init__(
         self,
         pool: BlockPool,
@@ -75,6 +78,12 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.tpot_slo_s = tpot_slo_s
         self.step_time = StepTimeModel()
+        # Seconds decode rounds came in under the target (at most one target's worth), less
+        # what steps with prompt chunks overran it; below zero, steps carry decodes only.
+        self.tpot_bank_s = 0.0
+        self.mixed = False  # whether the latest schedule gave prompt tokens beside decodes
+        self._decode_round_s: float | None = None  # EWMA of rounds from decode-only steps
+        self._overrun_s: float | None = None  # EWMA of how far rounds with prompts overran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -133,7 +142,13 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
-        budget = self._token_limit(batch.num_tokens) - batch.num_tokens
+        self.mixed = False
+        budget = self.max_num_batched_tokens - batch.num_tokens
+        if batch.items and self.tpot_slo_s is not None:
+            if not self._prompt_room():
+                return batch  # decodes only, until rounds under the target have paid for prompts
+            budget = min(budget, self.prefill_chunk)  # one chunk of prompt tokens a step
+        decode_tokens = batch.num_tokens
         # 2. The next chunk of every running sequence still in its prompt (blocks are held).
         for seq in self.running:
             if budget <= 0:
@@ -167,7 +182,37 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget, self.prefill_chunk)
             batch.items.append((seq, n))
             budget -= n
+        self.mixed = decode_tokens > 0 and batch.num_tokens > decode_tokens
         return batch
+
+    def pace(self, seconds: float, mixed: bool) -> None:
+        """Account one round of decode tokens that came `seconds` after the previous round, from
+        a step that carried prompt tokens too (`mixed`) or not (under a time-per-output-token
+        target; see the module docstring)."""
+        slo = self.tpot_slo_s
+        if slo is None:
+            return
+        if mixed:
+            over = seconds - slo
+            self._overrun_s = over if self._overrun_s is None else _ewma(self._overrun_s, over)
+        else:
+            self._decode_round_s = (
+                seconds if self._decode_round_s is None else _ewma(self._decode_round_s, seconds)
+            )
+            if self._decode_round_s >= slo:
+                # Decodes alone miss the target: holding prompts back would not help.
+                self.tpot_bank_s = max(self.tpot_bank_s, 0.0)
+                return
+        cap = max(slo, self._overrun_s or 0.0)
+        self.tpot_bank_s = min(self.tpot_bank_s + slo - seconds, cap)
+
+    def _prompt_room(self) -> bool:
+        """Whether a step beside decodes may carry prompt tokens under the TPOT target: the bank
+        holds what such a step overran the target by lately (or decodes alone miss it)."""
+        assert self.tpot_slo_s is not None
+        if self._decode_round_s is not None and self._decode_round_s >= self.tpot_slo_s:
+            return True
+        return self.tpot_bank_s >= max(self._overrun_s or 0.0, 0.0)
 
     def _outgrows_pool(self, seq: Sequence, num_tokens: int) -> bool:
         """True when `num_tokens` of the sequence need more blocks than the whole pool has (or
@@ -271,14 +316,6 @@ class Scheduler:
                 limit = min(limit, max(1, fit))
         return limit
 
-    def _token_limit(self, decode_tokens: int) -> int:
-        limit = self.max_num_batched_tokens
-        if self.tpot_slo_s is not None and decode_tokens:
-            fit = self.step_time.max_tokens(self.tpot_slo_s)
-            if fit is not None:
-                limit = min(limit, max(fit, decode_tokens + self.MIN_PREFILL_TOKENS))
-        return limit
-
     def cache_blocks(self, seq: Sequence) -> None:
         """Name (prefix cache) the sequence's full blocks whose KV is computed and final."""
         if self.prefix_cache is None:
@@ -331,3 +368,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         return blocks
+
+
+def _ewma(mean: float, x: float, alpha: float = 0.2) -> float:
+    return mean + alpha * (x - mean)

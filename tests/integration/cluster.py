@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -89,7 +90,22 @@ def start_cluster(
 ) -> Cluster:
     """`tandem up` on free ports; `env` adds to (or, with None values, removes from) the
     environment of every stage. The stages get a fresh stage secret (TANDEM_STAGE_SECRET)
-    unless `env` names one or removes it: the stage ports then require it, as deployed."""
+    unless `env` names one or removes it: the stage ports then require it, as deployed.
+
+    A port found free may be taken before its stage binds it (another process's outgoing
+    connection gets it as its own port). No one else knows these ports yet, so `tandem up`
+    then starts again on new ones, up to three times."""
+    for _ in range(3):
+        try:
+            return _start_cluster(extra, timeout, env)
+        except _PortTaken:
+            pass
+    return _start_cluster(extra, timeout, env)  # a fourth time taken: that error is raised
+
+
+def _start_cluster(
+    extra: list[str] | None, timeout: float, env: dict[str, str | None] | None
+) -> Cluster:
     port, http_port, pp, dp, gm, pm, dm = free_ports(7)
     metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
     cmd = [
@@ -133,7 +149,9 @@ def start_cluster(
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
-            raise RuntimeError("tandem up exited before it was healthy:\n" + "".join(lines))
+            out = "".join(lines)
+            taken = _PortTaken if _BIND_FAILURES.search(out) else RuntimeError
+            raise taken("tandem up exited before it was healthy:\n" + out)
         lines.append(line)
         if line.startswith("Tandem is up"):
             secret = env.get("TANDEM_STAGE_SECRET")
@@ -149,3 +167,13 @@ def start_cluster(
             )
     proc.kill()
     raise RuntimeError("tandem up did not become healthy in time:\n" + "".join(lines))
+
+
+# What `tandem up` and its stages print when a port they were given is already bound.
+_BIND_FAILURES = re.compile(
+    r"cannot listen on|cannot bind|cannot serve metrics on|address already in use", re.I
+)
+
+
+class _PortTaken(RuntimeError):
+    """A port chosen for `tandem up` was taken before its stage bound it."""

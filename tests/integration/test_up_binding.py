@@ -57,3 +57,36 @@ def test_host_binds_only_the_gateway_and_stages_require_a_secret(model_factory):
         assert out[-1].finish.usage.completion_tokens == 3
     finally:
         c.stop()
+
+
+def test_a_cluster_whose_port_was_taken_starts_on_new_ones(model_factory, monkeypatch):
+    """The harness finds ports free, but another process may take one before `tandem up` binds
+    it: the cluster then starts again on new ports instead of failing the test."""
+    import socket
+
+    from tests.integration import cluster
+
+    _, path = model_factory("llama")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    chosen: list[list[int]] = []
+    real = cluster.free_ports
+
+    def first_one_taken(n: int) -> list[int]:
+        ports = real(n)
+        if not chosen:
+            ports[-1] = taken  # the decode worker's /metrics port
+        chosen.append(ports)
+        return ports
+
+    monkeypatch.setattr(cluster, "free_ports", first_one_taken)
+    with holder:
+        c = cluster.start_cluster(["--model", path, "--num-blocks", "64"])
+        try:
+            assert len(chosen) == 2
+            assert c.metrics_ports["decode"] == chosen[1][-1] != taken
+            assert c.decode_stats().used_blocks == 0
+        finally:
+            c.stop()

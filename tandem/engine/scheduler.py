@@ -24,9 +24,9 @@ the measured step time (`StepTimeModel`), so new sequences do not push a decode 
 target, and prompt work beside decodes is paced: the engine reports how long each round of
 decode tokens took (`pace`). Time rounds leave under the target is banked; a step beside decodes
 carries prompt tokens (one `prefill_chunk` in all, which bounds the pause) only once the bank
-holds what such steps lately overran the target by, which the step then spends. The decoding
-sequences' time per output token so averages within the target while prompts move a whole chunk
-at a time (a step with prompt tokens costs far more than their share: it runs eagerly, beside
+holds what such steps lately overran the target by, which the step then spends. This aims the
+decoding sequences' time per output token at the target while prompts move a whole chunk at a
+time (a step with prompt tokens costs far more than their share: it runs eagerly, beside
 graph-replayed decode steps). When decode-only rounds alone average longer than the target,
 prompts are not held back: that could not help.
 """
@@ -78,8 +78,8 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.tpot_slo_s = tpot_slo_s
         self.step_time = StepTimeModel()
-        # Seconds decode rounds came in under the target (at most one target's worth), less
-        # what steps with prompt chunks overran it; below zero, steps carry decodes only.
+        # Seconds decode rounds came in under the target (at most the larger of the target and
+        # the expected overrun), less what steps with prompt chunks overran it.
         self.tpot_bank_s = 0.0
         self.mixed = False  # whether the latest schedule gave prompt tokens beside decodes
         self._decode_round_s: float | None = None  # EWMA of rounds from decode-only steps

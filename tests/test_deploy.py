@@ -93,9 +93,14 @@ def _plain(value):
 _DELETE = object()
 
 
+# Sequences that an override replaces instead of extending (a command is one value).
+_REPLACED = {"command", "entrypoint", "test"}
+
+
 def merge(base, over):
     """compose's merge of an override file, for what these files use: mappings merge key by
-    key, sequences append, scalars replace; `!reset` removes, `!override` replaces."""
+    key, sequences append (but a command, entrypoint or health check test is replaced),
+    scalars replace; `!reset` removes, `!override` replaces."""
     if isinstance(over, _Reset):
         return _DELETE
     if isinstance(over, _Override):
@@ -103,6 +108,9 @@ def merge(base, over):
     if isinstance(base, dict) and isinstance(over, dict):
         out = dict(base)
         for k, v in over.items():
+            if k in _REPLACED:
+                out[k] = _plain(v)
+                continue
             m = merge(base[k], v) if k in base else merge(None, v)
             if m is _DELETE:
                 out.pop(k, None)
@@ -226,7 +234,7 @@ def default_port(stage: str) -> int:
 def test_compose_files_match_the_compose_schema(compose_raw, compose, schema):
     _validate(compose_raw, schema)  # as written (variables unexpanded)
     _validate(compose, schema)  # as compose sees it with no variables set
-    for name in ("compose.cpu.yaml", "compose.multi-gpu.yaml"):
+    for name in ("compose.cpu.yaml", "compose.multi-gpu.yaml", "compose.spec.yaml"):
         override = load_compose(name)
         _validate(_plain(override), schema)
         _validate(interpolate(merge(compose_raw, override)), schema)
@@ -241,7 +249,7 @@ def test_compose_schema_check_is_not_vacuous(compose, schema):
 
 def test_variables_have_defaults(compose_raw):
     # `docker compose up` with no .env must not warn "variable is not set" nor get blanks.
-    for name in ("compose.yaml", "compose.cpu.yaml", "compose.multi-gpu.yaml"):
+    for name in ("compose.yaml", "compose.cpu.yaml", "compose.multi-gpu.yaml", "compose.spec.yaml"):
         for ref in variables(load_compose(name)):
             assert re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-[^}]*\}", ref), (
                 f"{name}: {ref} has no default (write ${{NAME:-default}})"
@@ -304,6 +312,37 @@ def test_dependencies_wait_for_health(compose):
             assert dep in services, f"{name} depends on unknown {dep}"
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], f"{dep} has no health check"
+
+
+@pytest.mark.parametrize(
+    "overrides", [(), ("compose.cpu.yaml",), ("compose.spec.yaml",), ("compose.multi-gpu.yaml",)]
+)
+def test_every_dependency_is_active_without_profiles(compose_raw, overrides):
+    # Compose refuses a project whose active service depends on one that a profile leaves out
+    # ("depends on undefined service"), and it checks that for every command (ps, logs, down),
+    # so the files as documented, with no --profile, must form a complete project.
+    merged = compose_raw
+    for name in overrides:
+        merged = merge(merged, load_compose(name))
+    services = interpolate(merged)["services"]
+    active = {name for name, svc in services.items() if not svc.get("profiles")}
+    for name in sorted(active):
+        for dep in services[name].get("depends_on") or {}:
+            assert dep in active, (
+                f"with {' + '.join(('compose.yaml', *overrides))} and no --profile, {name} "
+                f"depends on {dep}, which its profiles {services[dep].get('profiles')} leave out"
+            )
+
+
+def test_spec_override_points_decode_and_gateway_at_the_draft(compose_raw):
+    services = interpolate(merge(compose_raw, load_compose("compose.spec.yaml")))["services"]
+    draft = f"draft:{default_port('draft')}"
+    _, draft_args = parse_stage_command(services["draft"]["command"])
+    assert draft_args.port == default_port("draft")
+    for stage in ("decode", "gateway"):
+        _, args = parse_stage_command(services[stage]["command"])
+        assert args.draft in (draft, [draft]), (stage, args.draft)
+    assert services["decode"]["depends_on"]["draft"]["condition"] == "service_healthy"
 
 
 def _environment(svc: dict) -> dict[str, str]:

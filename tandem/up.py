@@ -131,16 +131,25 @@ def _wait_ready(children: list[Child], timeout: float, t0: float) -> None:
 
 def _stop(children: list[Child]) -> None:
     """Stop the stages front to back (gateway, then decode, then the rest), so that none sees
-    a peer vanish while it still serves."""
-    order = {"gateway": 0, "decode": 1}
-    for c in sorted(children, key=lambda c: order.get(c.stage, 2)):
-        if c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGTERM)
-            try:
-                c.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+    a peer vanish while it still serves.
+
+    A second Ctrl-C or SIGTERM meanwhile (a user pressing it twice; `timeout`, which passes its
+    signal on to its whole process group) is ignored: the stop is bounded anyway (SIGKILL after
+    10 s per stage), and each stage's own SIGTERM handling frees its shared memory."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        order = {"gateway": 0, "decode": 1}
+        for c in sorted(children, key=lambda c: order.get(c.stage, 2)):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _stage_env(stage: str) -> dict[str, str]:

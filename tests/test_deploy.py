@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -203,19 +204,6 @@ def _validate(doc: dict, schema: dict) -> None:
     )
 
 
-def stage_available(stage: str) -> None:
-    """Skip when the stage is not written yet (only the draft worker may be missing)."""
-    try:
-        stage_parser(stage)
-    except (KeyError, ValueError) as e:
-        assert stage == "draft", f"stage {stage!r} is unknown to tandem.config.stage_parser: {e!r}"
-        pytest.skip(
-            "the draft worker does not exist yet (`tandem draft`, services/draft: another issue); "
-            "compose.yaml keeps its service behind the `spec` profile and deploy/k8s leaves "
-            "draft.yaml out of kustomization.yaml"
-        )
-
-
 def parse_stage_command(argv: list[str]):
     """`tandem <stage> ARGS` as the CLI parses it; a flag it does not know fails the test."""
     stage, args = argv[0], [str(a) for a in argv[1:]]
@@ -272,7 +260,6 @@ def test_services(compose):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_compose_command_is_accepted_by_the_cli(compose, stage):
-    stage_available(stage)
     svc = compose["services"][stage]
     got, args = parse_stage_command(svc["command"])
     assert got == stage
@@ -380,7 +367,6 @@ def _settings(stage: str, argv: list[str], env: dict[str, str], monkeypatch):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_compose_environment_matches_the_cli_defaults(compose, stage, monkeypatch):
-    stage_available(stage)
     svc = compose["services"][stage]
     env = _environment(svc)
     unknown = {k for k in env if k.startswith("TANDEM_")} - _known_settings(stage)
@@ -679,10 +665,11 @@ K8S = ROOT / "deploy" / "k8s"
 
 
 def _k8s_docs() -> list[tuple[str, dict]]:
+    """Every manifest under deploy/k8s (the `spec` component's too), by its path there."""
     docs = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(K8S.rglob("*.yaml")):
         with open(path) as f:
-            docs += [(path.name, d) for d in yaml.safe_load_all(f) if d]
+            docs += [(str(path.relative_to(K8S)), d) for d in yaml.safe_load_all(f) if d]
     return docs
 
 
@@ -697,7 +684,7 @@ def test_k8s_manifests_match_the_kubernetes_schemas():
     version = kubernetes_validate.latest_version()
     checked = 0
     for name, doc in _k8s_docs():
-        if doc["kind"] == "Kustomization":
+        if doc["kind"] in ("Kustomization", "Component"):
             continue
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -713,10 +700,12 @@ def test_k8s_manifests_match_the_kubernetes_schemas():
 
 
 def test_kustomization_lists_the_runnable_stages():
-    (kust,) = [d for _, d in _k8s_docs() if d["kind"] == "Kustomization"]
+    (kust,) = [d for name, d in _k8s_docs() if name == "kustomization.yaml"]
     for res in kust["resources"]:
         assert (K8S / res).is_file(), res
     assert {"prefill.yaml", "decode.yaml", "gateway.yaml"} <= set(kust["resources"])
+    (spec,) = [d for name, d in _k8s_docs() if name == "spec/kustomization.yaml"]
+    assert spec["kind"] == "Component" and spec["resources"] == ["draft.yaml"]
     configmaps = {d["metadata"]["name"] for _, d in _k8s_docs() if d["kind"] == "ConfigMap"}
     for _, d in _k8s_docs():
         if d["kind"] == "Deployment":
@@ -727,7 +716,6 @@ def test_kustomization_lists_the_runnable_stages():
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_k8s_stage(stage):
-    stage_available(stage)
     dep, svc = _k8s("Deployment", stage), _k8s("Service", stage)
     pod = dep["spec"]["template"]
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
@@ -778,6 +766,42 @@ def test_k8s_stage(stage):
         # Pods share no memory: KV between them travels inline over gRPC.
         assert args.kv_transport == "inline"
         assert args.prefill == [f"prefill:{default_port('prefill')}"]
+
+
+def _kustomize(root: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its built-in kustomize) is not installed")
+    r = subprocess.run(
+        [kubectl, "kustomize", str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def _stage_args(docs: list[dict], stage: str):
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == stage]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return parse_stage_command(c["args"])[1]
+
+
+def test_k8s_spec_component_adds_the_draft_and_points_stages_at_it(tmp_path):
+    # Rendered as kustomize does: the base alone has no draft; with the `spec` component the
+    # draft worker runs and decode and the gateway use it, as compose.spec.yaml does.
+    shutil.copytree(K8S, tmp_path / "k8s")
+    base = _kustomize(tmp_path / "k8s")
+    assert "draft" not in {d["metadata"]["name"] for d in base}
+    for stage in ("decode", "gateway"):
+        assert _stage_args(base, stage).draft in (None, []), stage
+    with open(tmp_path / "k8s" / "kustomization.yaml", "a") as f:
+        f.write("components:\n  - spec\n")
+    spec = _kustomize(tmp_path / "k8s")
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in spec}
+    assert {("Deployment", "draft"), ("Service", "draft")} <= kinds
+    draft = f"draft:{default_port('draft')}"
+    assert _stage_args(spec, "draft").port == default_port("draft")
+    for stage in ("decode", "gateway"):
+        assert _stage_args(spec, stage).draft in (draft, [draft]), stage
 
 
 def test_k8s_environment_is_known():

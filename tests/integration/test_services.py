@@ -214,6 +214,49 @@ def test_bad_request_is_invalid_argument(cluster):
     assert "vocabulary" in e.value.details()
 
 
+def test_readme_grpcurl_call_through_reflection_alone(cluster, llm):
+    # What grpcurl does with no proto files: list the services over reflection, fetch the
+    # descriptors of tandem.v1.Gateway from the server (not from tandem.rpc), build the request
+    # from the README's JSON and call Generate; the reply is the in-process greedy one.
+    import json
+    import re
+    from pathlib import Path
+
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    (body,) = re.findall(
+        r"grpcurl -plaintext -d '([^']*)' \S+ tandem\.v1\.Gateway/Generate", readme
+    )
+    with grpc.insecure_channel(cluster.address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        assert {"tandem.v1.Gateway", "grpc.health.v1.Health"} <= set(db.get_services())
+        service = descriptor_pool.DescriptorPool(db).FindServiceByName("tandem.v1.Gateway")
+        method = service.methods_by_name["Generate"]
+        request_type = message_factory.GetMessageClass(method.input_type)
+        response_type = message_factory.GetMessageClass(method.output_type)
+        assert request_type is not api_pb2.GenerateRequest
+        generate = channel.unary_stream(
+            "/tandem.v1.Gateway/Generate",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        replies = [
+            json_format.MessageToDict(r)
+            for r in generate(json_format.Parse(body, request_type()), timeout=120)
+        ]
+    text = "".join(r["chunk"].get("text", "") for r in replies if "chunk" in r)
+    request = json.loads(body)
+    sp = tandem.SamplingParams(**request["sampling"])
+    expected = llm.generate([llm.chat_prompt(request["messages"]["messages"])], sp)[0]
+    assert text == expected.text
+    usage = replies[-1]["finish"]["usage"]
+    assert usage["completionTokens"] == len(expected.token_ids)
+
+
 def test_list_models(cluster):
     r = cluster.gateway().ListModels(api_pb2.ListModelsRequest())
     assert len(r.models) == 1 and r.models[0].context_length > 0

@@ -26,8 +26,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
     t0 = time.monotonic()
     if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+        try:
+            with open(args.tls_ca, "rb") as f:
+                ca = f.read()
+        except OSError as e:
+            print(f"tandem chat: --tls-ca {args.tls_ca}: {e.strerror}", file=sys.stderr)
+            return 2
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(ca))
     else:
         channel = grpc.insecure_channel(address)
     with channel as ch:

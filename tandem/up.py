@@ -331,6 +331,8 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
     import socket
 
     for host, port in ports:
+        if not 0 < port < 65536:
+            return f"cannot listen on {host}:{port}: a port must be in 1-65535"
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             try:
                 s.bind((host, port))

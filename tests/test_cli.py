@@ -109,3 +109,29 @@ def test_chat_with_nothing_listening_says_to_start_tandem(capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err and "tandem up" in err and f"127.0.0.1:{port}" in err
+
+
+@pytest.mark.parametrize(
+    "argv, address",
+    [
+        (["--port", "70000"], "127.0.0.1:7000"),  # a stage port from 70000 up
+        (["--port", "-1"], "127.0.0.1:"),
+        (["--port", "50061", "--http-port", "65536"], "127.0.0.1:65536"),
+    ],
+)
+def test_up_refuses_a_port_outside_the_range_by_name(argv, address, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--log-dir", str(tmp_path), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on {address}" in err
+    assert "a port must be in 1-65535" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("*.log"))
+
+
+def test_chat_with_a_missing_ca_file_says_so(capsys, tmp_path):
+    missing = tmp_path / "no-such-ca.pem"
+    rc = main(["chat", "hi", "--port", "1", "--tls-ca", str(missing)])
+    assert rc == 2
+    assert f"--tls-ca {missing}: No such file or directory" in capsys.readouterr().err

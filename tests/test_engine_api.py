@@ -31,6 +31,9 @@ def llm(model_factory):
         ([5, 6], SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
         ([5, 6], SamplingParams(stop_token_ids=[10_000]), "stop_token_ids"),
         ([5, 6], SamplingParams(logprobs=-1), "logprobs"),
+        ([5, 6], SamplingParams(stop=b"ab"), "stop must be a string or a list"),
+        ([5, 6], SamplingParams(stop_token_ids=7), "stop_token_ids"),
+        ([5, 6], SamplingParams(ignore_eos="no"), "ignore_eos"),
         ([7] * 512, SamplingParams(), "context"),
     ],
 )
@@ -92,6 +95,9 @@ def test_stop_token_and_stop_string(llm):
     out = llm.generate([5, 9, 33], SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
     assert out.text == base.text[:cut]
     assert out.finish_reason == "stop" and out.stop_string == stop
+    # One string is one stop string (as in vLLM), not a stop at each of its characters.
+    out = llm.generate([5, 9, 33], SamplingParams(max_tokens=20, temperature=0, stop=stop))[0]
+    assert out.text == base.text[:cut] and out.stop_string == stop
     assert llm.engine.pool.num_used == 0
 
 

@@ -50,6 +50,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     structured: StructuredOutput | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one stop string, as vLLM and OpenAI take it
+
     @property
     def penalized(self) -> bool:
         """True when a token's logit depends on the tokens generated so far (a host history)."""
@@ -106,6 +110,10 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"
             )
+        if isinstance(self.stop_token_ids, str | bytes | int):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
@@ -113,9 +121,13 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})"
                 )
+        if isinstance(self.stop, bytes):  # its items would be ints
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _finite(v) or not -2.0 <= v <= 2.0:

@@ -24,6 +24,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.seed is not None:
         sampling.seed = args.seed
     req = api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(messages=msgs), sampling=sampling)
+    metadata: list[tuple[str, str]] = []
+    api_key = getattr(args, "api_key", None)
+    if getattr(args, "api_key_file", None):
+        from tandem.config import read_secret
+
+        try:
+            api_key = read_secret(args.api_key_file, "--api-key-file")
+        except ValueError as e:
+            print(f"tandem chat: {e}", file=sys.stderr)
+            return 2
+    if api_key:
+        metadata.append(("authorization", f"Bearer {api_key}"))
     t0 = time.monotonic()
     if args.tls_ca:
         try:
@@ -38,7 +50,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with channel as ch:
         stub = api_pb2_grpc.GatewayStub(ch)
         try:
-            for resp in stub.Generate(req):
+            for resp in stub.Generate(req, metadata=metadata):
                 if resp.HasField("chunk"):
                     sys.stdout.write(resp.chunk.text)
                     sys.stdout.flush()

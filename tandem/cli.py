@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument(
         "--tls-ca", default=None, help="PEM file of the CA (or certificate) of a TLS gateway"
     )
+    chat.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file whose first line is the gateway's API key (sent as `authorization: Bearer`)",
+    )
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--system", default=None)

@@ -264,7 +264,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} file {path!r} does not exist")
 
 
-def _read_secret(path: str, what: str) -> str:
+def read_secret(path: str, what: str) -> str:
     """The first line of a secret file, stripped; a missing or empty file is an error."""
     try:
         with open(path) as f:
@@ -297,7 +297,7 @@ class StageAuthConfig:
                 raise ValueError(
                     "give the stage secret once: TANDEM_STAGE_SECRET or stage_secret_file, not both"
                 )
-            return _read_secret(self.stage_secret_file, "stage_secret_file").encode()
+            return read_secret(self.stage_secret_file, "stage_secret_file").encode()
         if self.stage_secret is not None:
             if not self.stage_secret.strip():
                 raise ValueError("TANDEM_STAGE_SECRET is set but empty")
@@ -316,7 +316,7 @@ def gateway_config_from_args(args: Any) -> GatewayConfig:
     if cfg.api_key_file is not None:
         if cfg.api_key is not None:
             raise ValueError("give the API key once: api_key or api_key_file, not both")
-        cfg.api_key = _read_secret(cfg.api_key_file, "api_key_file")
+        cfg.api_key = read_secret(cfg.api_key_file, "api_key_file")
     cfg.validate()
     if cfg.api_keys is not None:
         from tandem.tenants import load_api_keys

@@ -307,6 +307,17 @@ def _stage_secret(args: argparse.Namespace) -> str:
     return given.decode() if given is not None else secrets.token_urlsafe(32)
 
 
+def _then_chat_key(args: argparse.Namespace) -> str | None:
+    """An API key the gateway accepts (--then-chat's reply must pass its check), or None."""
+    from tandem.config import gateway_config_from_args
+    from tandem.tenants import load_api_keys
+
+    cfg = gateway_config_from_args(args)
+    if cfg.api_key:
+        return cfg.api_key
+    return next(iter(load_api_keys(cfg.api_keys)), None) if cfg.api_keys else None
+
+
 def _dial(host: str) -> str:
     """The address to connect to a server bound to `host` from this host."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
@@ -473,6 +484,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     temperature=0.0,
                     system=None,
                     seed=None,
+                    api_key=_then_chat_key(args),
                 ),
             )
             if rc != 0:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tandem.cli import main
+from tandem.rpc import api_pb2_grpc
 from tandem.up import _stage_argv
 from tandem.up import add_up_args as _add_up_args
 
@@ -135,3 +136,85 @@ def test_chat_with_a_missing_ca_file_says_so(capsys, tmp_path):
     rc = main(["chat", "hi", "--port", "1", "--tls-ca", str(missing)])
     assert rc == 2
     assert f"--tls-ca {missing}: No such file or directory" in capsys.readouterr().err
+
+
+class _KeyCheckingGateway(api_pb2_grpc.GatewayServicer):
+    """A gateway that answers Generate only with a key its tenant table (the gateway's own
+    `TenantAuth`) accepts, as the real one does."""
+
+    def __init__(self, api_key: str | None, api_keys: dict[str, str] | None) -> None:
+        from services.gateway.tenants import TenantAuth
+
+        super().__init__()
+        self.auth = TenantAuth(api_key, api_keys)
+
+    def Generate(self, request, context):  # noqa: N802 - the gRPC method's name
+        import grpc
+
+        from tandem.rpc import api_pb2
+
+        md = dict(context.invocation_metadata())
+        if self.auth.tenant_of_key(md.get("authorization", "")) is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+        yield api_pb2.GenerateResponse(chunk=api_pb2.Chunk(text="ok"))
+        yield api_pb2.GenerateResponse(finish=api_pb2.Finish(finish_reason="stop"))
+
+
+def _serve(servicer):
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_chat_sends_the_api_key_from_its_file(capsys, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    server, port = _serve(_KeyCheckingGateway("s3cret-key", None))
+    try:
+        assert main(["chat", "hi", "--port", str(port)]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main(["chat", "hi", "--port", str(port), "--api-key-file", str(key_file)]) == 0
+        assert capsys.readouterr().out.startswith("ok")
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("flag", ["--api-key-file", "--api-keys"])
+def test_then_chat_uses_a_key_the_gateway_accepts(flag, tmp_path):
+    from tandem.up import _then_chat_key
+
+    key_file = tmp_path / "keys"
+    if flag == "--api-key-file":
+        key_file.write_text("only-key\n")
+        gateway = _KeyCheckingGateway("only-key", None)
+    else:
+        key_file.write_text("# tenant key\nteam-a key-a\nteam-b key-b\n")
+        gateway = _KeyCheckingGateway(None, {"key-a": "team-a", "key-b": "team-b"})
+    key = _then_chat_key(_up_args([flag, str(key_file)]))
+    server, port = _serve(gateway)
+    try:
+        from tandem.chat import cmd_chat
+
+        assert cmd_chat(_chat_args(port, key)) == 0
+    finally:
+        server.stop(None)
+
+
+def _chat_args(port: int, api_key: str | None) -> argparse.Namespace:
+    return argparse.Namespace(
+        message="hi",
+        address=f"127.0.0.1:{port}",
+        port=None,
+        tls_ca=None,
+        max_tokens=4,
+        temperature=0.0,
+        system=None,
+        seed=None,
+        api_key=api_key,
+    )

@@ -339,19 +339,30 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
         stage_secret_from_args(args)
     except (TypeError, ValueError) as e:
         return str(e)
+    for host, port in ports:
+        problem = _cannot_listen(host, port)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why a stage could not listen on host:port, or None. The probe binds as the stages' servers
+    do (gRPC, aiohttp and the metrics server all set SO_REUSEADDR): connections of a stopped
+    stage left in TIME_WAIT do not hold its port."""
     import socket
 
-    for host, port in ports:
-        if not 0 < port < 65536:
-            return f"cannot listen on {host}:{port}: a port must be in 1-65535"
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                return (
-                    f"cannot listen on {host}:{port} ({e.strerror}); is another Tandem "
-                    "running? choose another --port"
-                )
+    if not 0 < port < 65536:
+        return f"cannot listen on {host}:{port}: a port must be in 1-65535"
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return (
+                f"cannot listen on {host}:{port} ({e.strerror}); is another Tandem running? "
+                "choose another --port"
+            )
     return None
 
 

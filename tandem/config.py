@@ -208,14 +208,16 @@ class GatewayConfig:
     max_messages: int = 512
     max_prompt_chars: int = 1_000_000
     max_concurrent_streams: int = 256  # per HTTP/2 connection (gRPC)
-    api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    # When set, clients must send `authorization: Bearer <key>`. A credential (this and the
+    # fields below marked so): an empty TANDEM_* variable for it is an error, not "unset".
+    api_key: str | None = field(default=None, metadata={"credential": True})
     # The API key read from a file (its first line), so that it needs to be in no command line;
     # TANDEM_API_KEY is the other way to keep it out of `ps`.
-    api_key_file: str | None = None
+    api_key_file: str | None = field(default=None, metadata={"credential": True})
     # Several API keys, each naming a tenant: a file of `TENANT KEY` lines. The key that
     # authenticates a request names its tenant (api_key, when also set, is tenant `default`).
     # Without keys the tenant comes from the client: `X-Tenant` / gRPC metadata `x-tenant`.
-    api_keys: str | None = None
+    api_keys: str | None = field(default=None, metadata={"credential": True})
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
     # The HTTP listener: open connections at most (more are closed at once), seconds a new
@@ -256,6 +258,12 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:
             raise ValueError("shed_load needs a time-to-first-token target: set ttft_slo_ms")
+        if self.api_key is not None and not self.api_key.strip():
+            # An empty key would turn authentication off: refuse it rather than serve openly.
+            raise ValueError(
+                "api_key (--api-key or TANDEM_API_KEY) is set but empty: give a key, or unset it "
+                "to serve without one"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         for name in ("tls_cert", "tls_key"):
@@ -286,9 +294,10 @@ class StageAuthConfig:
     the stage ports are open to anyone who reaches them, as on a loopback-only host.
     """
 
-    stage_secret_file: str | None = None  # a file whose first line is the secret
+    # A file whose first line is the secret.
+    stage_secret_file: str | None = field(default=None, metadata={"credential": True})
     # Only from the environment (TANDEM_STAGE_SECRET): no flag is made for it.
-    stage_secret: str | None = field(default=None, metadata={"env_only": True})
+    stage_secret: str | None = field(default=None, metadata={"env_only": True, "credential": True})
 
     def secret(self) -> bytes | None:
         """The secret to require and send; None when none is configured."""

@@ -114,6 +114,12 @@ def dataclass_from_args(cls: Any, args: Any) -> Any:
         v = getattr(args, f.name, None)
         if v is None:
             env = os.environ.get(f"TANDEM_{f.name.upper()}")
+            if env is not None and f.metadata.get("credential") and not env.strip():
+                # Elsewhere an empty variable means unset; for a credential that would turn
+                # authentication off by a typo, so it is an error.
+                raise ValueError(
+                    f"TANDEM_{f.name.upper()} is set but empty: give a value, or unset it"
+                )
             if env is not None:
                 v = parse_value(env, f.type, f.name)
         if v is not None:

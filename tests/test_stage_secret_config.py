@@ -50,3 +50,37 @@ def test_api_key_from_a_file(tmp_path, monkeypatch):
         gateway_config_from_args(
             p.parse_args([*base, "--api-key-file", str(f), "--api-key", "other"])
         )
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_api_key_is_refused(how, value, monkeypatch):
+    # An empty key must not silently turn authentication off.
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    argv = ["--prefill", "p:1", "--decode", "d:1"]
+    if how == "flag":
+        argv += ["--api-key", value]
+    else:
+        monkeypatch.setenv("TANDEM_API_KEY", value)
+    with pytest.raises(ValueError, match="set but empty"):
+        gateway_config_from_args(stage_parser("gateway").parse_args(argv))
+
+
+@pytest.mark.parametrize("var", ["TANDEM_API_KEY_FILE", "TANDEM_API_KEYS"])
+def test_an_empty_api_key_file_variable_is_refused(var, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    monkeypatch.setenv(var, "")
+    args = stage_parser("gateway").parse_args(["--prefill", "p:1", "--decode", "d:1"])
+    with pytest.raises(ValueError, match=f"{var} is set but empty"):
+        gateway_config_from_args(args)
+
+
+@pytest.mark.parametrize("var", ["TANDEM_STAGE_SECRET", "TANDEM_STAGE_SECRET_FILE"])
+def test_an_empty_stage_secret_variable_is_refused(var, monkeypatch):
+    # A secret from an empty Kubernetes Secret or an unset shell variable must not leave the
+    # stage ports open.
+    monkeypatch.delenv("TANDEM_STAGE_SECRET", raising=False)
+    monkeypatch.delenv("TANDEM_STAGE_SECRET_FILE", raising=False)
+    monkeypatch.setenv(var, "")
+    with pytest.raises(ValueError, match=f"{var} is set but empty"):
+        stage_secret_from_args(stage_parser("prefill").parse_args([]))

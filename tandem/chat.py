@@ -67,7 +67,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     )
         except grpc.RpcError as e:
             hint = ""
-            if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (e.details() or ""):
+            details = e.details() or ""
+            if e.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in details:
+                # Something accepted the connection and closed it at once: most often a gateway
+                # serving TLS, which a plaintext HTTP/2 preface does not get through.
+                if not args.tls_ca:
+                    hint = (
+                        f"\nSomething listens at {address} but closed the connection: a gateway "
+                        "serving TLS needs --tls-ca FILE (the PEM of its CA or certificate)."
+                    )
+            elif e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details:
                 hint = (
                     f"\nNothing answers at {address}: start Tandem with `tandem up` (or "
                     "`make serve`), or point --address / --port at a running gateway."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import subprocess
 import time
 
 import pytest
@@ -129,6 +130,38 @@ def test_up_refuses_a_port_outside_the_range_by_name(argv, address, capsys, tmp_
     assert "a port must be in 1-65535" in err
     assert "Traceback" not in err
     assert not list(tmp_path.glob("*.log"))
+
+
+def test_chat_in_plaintext_to_a_tls_gateway_says_to_give_its_ca(capsys, tmp_path):
+    # A TLS server closes a plaintext connection at once; "nothing answers, start Tandem" would
+    # send the user to start a second one.
+    from concurrent import futures
+
+    import grpc
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_GatewayServicer_to_server(_KeyCheckingGateway("k", None), server)
+    (tmp_path / "key").write_text("k\n")
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        assert main(["chat", "hi", "--port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert "--tls-ca" in err and "tandem up" not in err, err
+        tls = ["--tls-ca", str(cert), "--api-key-file", str(tmp_path / "key")]
+        assert main(["chat", "hi", "--port", str(port), *tls]) == 0
+        assert capsys.readouterr().out.startswith("ok")
+    finally:
+        server.stop(None)
 
 
 def test_chat_with_a_missing_ca_file_says_so(capsys, tmp_path):

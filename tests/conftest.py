@@ -45,6 +45,23 @@ def require_interpreter(*kernels) -> None:
     )
 
 
+def self_signed_cert(directory) -> tuple:
+    """(key, cert): PEM files of a one-day self-signed certificate for localhost and 127.0.0.1,
+    written into `directory` by openssl (the certificate is its own CA)."""
+    import subprocess
+    from pathlib import Path
+
+    key, cert = Path(directory) / "key.pem", Path(directory) / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return key, cert
+
+
 def _word_tokenizer(vocab: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

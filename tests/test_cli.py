@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import subprocess
 import time
 
 import pytest
@@ -14,6 +13,7 @@ from tandem.cli import main
 from tandem.rpc import api_pb2_grpc
 from tandem.up import _stage_argv
 from tandem.up import add_up_args as _add_up_args
+from tests.conftest import self_signed_cert
 
 
 def _up_args(argv: list[str]) -> argparse.Namespace:
@@ -139,14 +139,7 @@ def test_chat_in_plaintext_to_a_tls_gateway_says_to_give_its_ca(capsys, tmp_path
 
     import grpc
 
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    key, cert = self_signed_cert(tmp_path)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     api_pb2_grpc.add_GatewayServicer_to_server(_KeyCheckingGateway("k", None), server)
     (tmp_path / "key").write_text("k\n")

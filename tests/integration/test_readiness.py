@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, api_pb2_grpc
+from tests.conftest import self_signed_cert
 from tests.integration.cluster import free_ports
 from tests.integration.stages import health, pipeline_stages
 
@@ -211,14 +212,7 @@ def test_up_with_tls_becomes_ready_and_serves(tmp_path, model_factory):
     from tests.integration.cluster import start_cluster
 
     _, path = model_factory("llama")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-         "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    key, cert = self_signed_cert(tmp_path)
     c = start_cluster(
         ["--model", path, "--num-blocks", "64", "--tls-cert", str(cert), "--tls-key", str(key),
          "--then-chat", "w5 w6 w7"]

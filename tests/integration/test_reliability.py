@@ -6,7 +6,6 @@ import asyncio
 import http.client
 import json
 import ssl
-import subprocess
 import time
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
+from tests.conftest import self_signed_cert
 from tests.integration.stages import (
     gateway_stage,
     health,
@@ -346,29 +346,7 @@ def test_overload_is_refused_at_once(stack, tmp_path):
 
 def test_api_key_and_tls(stack, tmp_path):
     prefill, decode, _ = stack
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    key, cert = self_signed_cert(tmp_path)
     creds = grpc.ssl_channel_credentials(cert.read_bytes())
     secure = gateway_stage(
         prefill,

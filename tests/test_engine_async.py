@@ -155,11 +155,24 @@ def test_a_tpot_target_paces_prompts_without_changing_tokens(pair, model_factory
         return batch
 
     sched.schedule = recorded
+    decoded = 0  # calls that returned decode tokens: every one after the first is a round
+    step = paced.engine.step
+
+    def counted():
+        nonlocal decoded
+        outs = step()
+        decoded += any(len(o.seq.output_token_ids) > len(o.new_token_ids) for o in outs)
+        return outs
+
+    paced.engine.step = counted
     prompts = [[7] * 3, [9] * 60, [11] * 45, [13] * 50]  # the long ones still in their prompts
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = sync.generate(prompts, sp)
     got = paced.generate(prompts, sp)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert True in rounds and False in rounds
+    # Asynchronous scheduling refills its pipeline after each step with prompts (a call with no
+    # tokens): the round after is still counted.
+    assert len(rounds) == decoded - 1
     assert max(beside) == 8  # one chunk, though three prompts were in progress
     assert paced.engine.pool.num_used == 0

@@ -446,8 +446,8 @@ def test_tpot_target_bounds_the_batch_size():
 
 def test_tpot_target_paces_prompt_chunks_beside_decodes():
     """Beside decodes, a step carries one prefill_chunk of prompt tokens, and only once the
-    time rounds left under the target covers what such steps lately overran it by; decodes that
-    miss the target on their own never hold prompts back."""
+    time rounds left under the target covers what such steps lately overran it by; when decodes
+    alone miss the target, prompts still get PROMPT_SHARE of the time."""
     pool = BlockPool(256)
     sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
     for i in range(2):
@@ -471,19 +471,52 @@ def test_tpot_target_paces_prompt_chunks_beside_decodes():
     assert sizes() == decodes
     sched.pace(0.25, sched.mixed)  # the bank now holds the last overrun: the next chunk runs
     assert sizes() == {**decodes, "long": 64}
-    sched.pace(1.5, sched.mixed)  # overran by 1 s: the expected overrun rises to 0.6 s
+    sched.pace(1.5, sched.mixed)  # overran by 1 s: the next chunk is priced at that at once
     assert sched.tpot_bank_s == pytest.approx(-0.5)
     for _ in range(20):
         sched.pace(0.25, False)
-    assert sched.tpot_bank_s == pytest.approx(0.6)  # banked up to the expected overrun
-    sched.pace(1.6, True)
-    assert sched.tpot_bank_s == pytest.approx(-0.5)
+    assert sched.tpot_bank_s == pytest.approx(1.0)  # banked up to the expected overrun
+    sched.pace(1.3, True)  # overran by 0.8 s: the price comes down slowly
+    assert sched.tpot_bank_s == pytest.approx(0.2)
+    assert sched._overrun_s == pytest.approx(0.96)
     assert sizes() == decodes
-    # Decode-only rounds that average over the target: waiting cannot help, prompts go on.
-    while sched._decode_round_s < 0.5:
+    # Decode-only rounds over the target: the bank only falls (down to minus the price), and a
+    # chunk goes once they make its price 5 % of the time: 0.96 / (0.05 * 0.75) = 25.6 rounds.
+    for _ in range(25):
         sched.pace(0.75, sched.mixed)
-    assert sched.tpot_bank_s == 0.0
+        assert sizes() == decodes
+    assert sched.tpot_bank_s == pytest.approx(-0.96)
+    sched.pace(0.75, sched.mixed)
     assert sizes() == {**decodes, "long": 64}
+
+
+def _paced_mean(slo: float, decode_round, over: float, rounds: int = 4000) -> float:
+    """Mean round time of a scheduler's pacing against rounds that take `decode_round(i)`, or
+    that plus `over` when pace lets a prompt chunk beside them."""
+    sched = Scheduler(BlockPool(4), 64, 4096, tpot_slo_s=slo)
+    total = 0.0
+    for i in range(rounds):
+        mixed = sched._prompt_room()
+        t = decode_round(i) + (over if mixed else 0.0)
+        sched.pace(t, mixed)
+        total += t
+    return total / rounds
+
+
+def test_tpot_pacing_holds_the_mean_round_near_the_target():
+    """Decode rounds 6.5 ms with a late one (11 ms) in every 20 or 50, prompt chunks that add
+    50 ms: the mean round is the target, or the decode rounds' own mean plus PROMPT_SHARE when
+    that is more; a late round never lets prompts run unpaced."""
+    share = Scheduler.PROMPT_SHARE
+    for every in (50, 20):
+        mean_decode = 0.0065 + 0.0045 / every
+        got = _paced_mean(0.007, lambda i, e=every: 0.011 if i % e == 7 else 0.0065, 0.050)
+        want = max(0.007, mean_decode * (1 + share))
+        assert got == pytest.approx(want, rel=0.02), (every, got, want)
+    # Decodes alone over the target: prompts still take their share.
+    assert _paced_mean(0.007, lambda i: 0.0075, 0.050) == pytest.approx(
+        0.0075 * (1 + share), rel=0.02
+    )
 
 
 def test_prefix_cache_counts_hits():

@@ -229,7 +229,9 @@ class LLMEngine(
 
     def _pace(self, outs: list[StepOutput], now: float) -> None:
         """Tell the scheduler how long this round of decode tokens (tokens after a sequence's
-        first) came after the previous one; a step without them ends the run of rounds."""
+        first) came after the previous one. A call that returns none ends the run of rounds,
+        unless a step is in flight (asynchronous scheduling refilling its pipeline after a
+        step that could not run ahead): the next round's time then counts from the last."""
         if self.scheduler.tpot_slo_s is None:
             return
         decoded = any(
@@ -237,7 +239,10 @@ class LLMEngine(
         )
         if decoded and self._last_round is not None:
             self.scheduler.pace(now - self._last_round, self._mixed)
-        self._last_round = now if decoded else None
+        if decoded:
+            self._last_round = now
+        elif self._inflight is None:
+            self._last_round = None
 
     def _blocked(self, batch: ScheduledBatch) -> bool:
         """True when an empty schedule leaves the engine as it found it (see `blocked`)."""

@@ -27,8 +27,10 @@ carries prompt tokens (one `prefill_chunk` in all, which bounds the pause) only 
 holds what such steps lately overran the target by, which the step then spends. This aims the
 decoding sequences' time per output token at the target while prompts move a whole chunk at a
 time (a step with prompt tokens costs far more than their share: it runs eagerly, beside
-graph-replayed decode steps). When decode-only rounds alone average longer than the target,
-prompts are not held back: that could not help.
+graph-replayed decode steps). Prompts still get at least `PROMPT_SHARE` of the time: a chunk
+also goes once the decode-only rounds since the last one make its overrun that share, so they
+progress when decodes alone miss the target (which the time per output token then exceeds by up
+to that share).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set; allocates and frees their KV blocks."""
 
+    # Under a time-per-output-token target, the least share of time prompts get beside decodes
+    # (see `pace`).
+    PROMPT_SHARE = 0.05
+
     def __init__(
         self,
         pool: BlockPool,
@@ -78,12 +84,12 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.tpot_slo_s = tpot_slo_s
         self.step_time = StepTimeModel()
-        # Seconds decode rounds came in under the target (at most the larger of the target and
-        # the expected overrun), less what steps with prompt chunks overran it.
+        # Seconds decode rounds came in under the target, less what steps with prompt chunks
+        # overran it; within plus or minus the larger of the target and that overrun.
         self.tpot_bank_s = 0.0
         self.mixed = False  # whether the latest schedule gave prompt tokens beside decodes
-        self._decode_round_s: float | None = None  # EWMA of rounds from decode-only steps
         self._overrun_s: float | None = None  # EWMA of how far rounds with prompts overran
+        self._share_s = 0.0  # PROMPT_SHARE of the decode-only rounds since the last prompt chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -193,26 +199,25 @@ class Scheduler:
         if slo is None:
             return
         if mixed:
+            # Up at once, down slowly: the next chunk is priced at no less than this one cost.
             over = seconds - slo
-            self._overrun_s = over if self._overrun_s is None else _ewma(self._overrun_s, over)
+            if self._overrun_s is None or over > self._overrun_s:
+                self._overrun_s = over
+            else:
+                self._overrun_s = _ewma(self._overrun_s, over)
+            self._share_s = 0.0
         else:
-            self._decode_round_s = (
-                seconds if self._decode_round_s is None else _ewma(self._decode_round_s, seconds)
-            )
-            if self._decode_round_s >= slo:
-                # Decodes alone miss the target: holding prompts back would not help.
-                self.tpot_bank_s = max(self.tpot_bank_s, 0.0)
-                return
+            self._share_s += self.PROMPT_SHARE * seconds
         cap = max(slo, self._overrun_s or 0.0)
-        self.tpot_bank_s = min(self.tpot_bank_s + slo - seconds, cap)
+        self.tpot_bank_s = max(min(self.tpot_bank_s + slo - seconds, cap), -cap)
 
     def _prompt_room(self) -> bool:
         """Whether a step beside decodes may carry prompt tokens under the TPOT target: the bank
-        holds what such a step overran the target by lately (or decodes alone miss it)."""
-        assert self.tpot_slo_s is not None
-        if self._decode_round_s is not None and self._decode_round_s >= self.tpot_slo_s:
-            return True
-        return self.tpot_bank_s >= max(self._overrun_s or 0.0, 0.0)
+        holds what such a step overran the target by lately, or the decode-only rounds since
+        the last such step have run long enough for it to be PROMPT_SHARE of the time (so that
+        prompts progress even when decodes alone miss the target)."""
+        need = max(self._overrun_s or 0.0, 0.0)
+        return self.tpot_bank_s >= need or self._share_s >= need
 
     def _outgrows_pool(self, seq: Sequence, num_tokens: int) -> bool:
         """True when `num_tokens` of the sequence need more blocks than the whole pool has (or

@@ -143,7 +143,7 @@ def test_a_tpot_target_paces_prompts_without_changing_tokens(pair, model_factory
     sched = paced.engine.scheduler
     rounds: list[bool] = []  # per round of decode tokens: did its step carry prompt chunks
     pace = sched.pace
-    sched.pace = lambda s, mixed: (rounds.append(mixed), pace(s, mixed))
+    sched.pace = lambda s, mixed, n=1.0: (rounds.append(mixed), pace(s, mixed, n))
     beside: list[int] = []  # prompt tokens of each step that also carried decodes
     schedule = sched.schedule
 

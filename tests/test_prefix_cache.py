@@ -490,6 +490,18 @@ def test_tpot_target_paces_prompt_chunks_beside_decodes():
     assert sizes() == {**decodes, "long": 64}
 
 
+def test_tpot_pacing_allows_a_round_its_tokens_worth_of_time():
+    """A round that gives each sequence three tokens (accepted drafts) may take three targets:
+    15 ms for three tokens at a 7 ms target banks 6 ms; 25 ms owes 4 ms."""
+    sched = Scheduler(BlockPool(4), 64, 4096, tpot_slo_s=0.007)
+    sched.pace(0.015, False, 3)
+    assert sched.tpot_bank_s == pytest.approx(0.006)
+    sched.pace(0.025, False, 3)
+    assert sched.tpot_bank_s == pytest.approx(0.002)
+    sched.pace(0.015, False)  # one token: 8 ms over
+    assert sched.tpot_bank_s == pytest.approx(-0.006)
+
+
 def _paced_mean(slo: float, decode_round, over: float, rounds: int = 4000) -> float:
     """Mean round time of a scheduler's pacing against rounds that take `decode_round(i)`, or
     that plus `over` when pace lets a prompt chunk beside them."""

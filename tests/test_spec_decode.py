@@ -84,6 +84,23 @@ def test_ngram_on_a_rewrite_prompt_accepts_and_matches():
     assert st.accepted > 0 and st.mean_accepted_length > 1.5
 
 
+def test_a_tpot_target_counts_each_draft_token_of_a_round():
+    """Under a time-per-output-token target, a round that gives a sequence several tokens (its
+    accepted drafts) may take that many targets' time: the engine reports how many it gave."""
+    text = "Tandem serves large language models as a pipeline of cooperating processes."
+    spec = tandem.LLM(speculative="ngram", tpot_slo_ms=50.0)
+    prompt = spec.chat_prompt([{"role": "user", "content": "Repeat this text exactly:\n" + text}])
+    sched = spec.engine.scheduler
+    tokens: list[float] = []
+    pace = sched.pace
+    sched.pace = lambda s, mixed, n=1.0: (tokens.append(n), pace(s, mixed, n))
+    out = spec.generate([prompt], tandem.SamplingParams(max_tokens=32, temperature=0))[0]
+    assert max(tokens) > 1
+    # Every token after the first came in a reported round, but for the first round's.
+    first_round = len(out.token_ids) - 1 - sum(tokens)
+    assert 1 <= first_round <= spec.speculator.k_max + 1
+
+
 def test_greedy_speculation_stop_string(model_factory):
     _, path = model_factory("llama")
     plain = tandem.LLM(path, num_blocks=64)

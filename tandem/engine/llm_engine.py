@@ -229,16 +229,21 @@ class LLMEngine(
 
     def _pace(self, outs: list[StepOutput], now: float) -> None:
         """Tell the scheduler how long this round of decode tokens (tokens after a sequence's
-        first) came after the previous one. A call that returns none ends the run of rounds,
-        unless a step is in flight (asynchronous scheduling refilling its pipeline after a
-        step that could not run ahead): the next round's time then counts from the last."""
+        first) came after the previous one, and how many a sequence got in it (more than one
+        with draft tokens). A call that returns none ends the run of rounds, unless a step is in
+        flight (asynchronous scheduling refilling its pipeline after a step that could not run
+        ahead): the next round's time then counts from the last."""
         if self.scheduler.tpot_slo_s is None:
             return
-        decoded = any(
-            o.new_token_ids and len(o.seq.output_token_ids) > len(o.new_token_ids) for o in outs
-        )
+        counts = [
+            len(o.new_token_ids)
+            for o in outs
+            if o.new_token_ids and len(o.seq.output_token_ids) > len(o.new_token_ids)
+        ]
+        decoded = bool(counts)
         if decoded and self._last_round is not None:
-            self.scheduler.pace(now - self._last_round, self._mixed)
+            tokens = sum(counts) / len(counts)
+            self.scheduler.pace(now - self._last_round, self._mixed, tokens)
         if decoded:
             self._last_round = now
         elif self._inflight is None:

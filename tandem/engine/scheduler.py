@@ -191,16 +191,16 @@ class Scheduler:
         self.mixed = decode_tokens > 0 and batch.num_tokens > decode_tokens
         return batch
 
-    def pace(self, seconds: float, mixed: bool) -> None:
+    def pace(self, seconds: float, mixed: bool, tokens: float = 1.0) -> None:
         """Account one round of decode tokens that came `seconds` after the previous round, from
-        a step that carried prompt tokens too (`mixed`) or not (under a time-per-output-token
-        target; see the module docstring)."""
-        slo = self.tpot_slo_s
-        if slo is None:
+        a step that carried prompt tokens too (`mixed`) or not, `tokens` to a sequence on average
+        (under a time-per-output-token target; see the module docstring)."""
+        if self.tpot_slo_s is None:
             return
+        allowed = self.tpot_slo_s * tokens  # what the round may take
         if mixed:
             # Up at once, down slowly: the next chunk is priced at no less than this one cost.
-            over = seconds - slo
+            over = seconds - allowed
             if self._overrun_s is None or over > self._overrun_s:
                 self._overrun_s = over
             else:
@@ -208,8 +208,8 @@ class Scheduler:
             self._share_s = 0.0
         else:
             self._share_s += self.PROMPT_SHARE * seconds
-        cap = max(slo, self._overrun_s or 0.0)
-        self.tpot_bank_s = max(min(self.tpot_bank_s + slo - seconds, cap), -cap)
+        cap = max(self.tpot_slo_s, self._overrun_s or 0.0)
+        self.tpot_bank_s = max(min(self.tpot_bank_s + allowed - seconds, cap), -cap)
 
     def _prompt_room(self) -> bool:
         """Whether a step beside decodes may carry prompt tokens under the TPOT target: the bank

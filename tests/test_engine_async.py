@@ -176,3 +176,23 @@ def test_a_tpot_target_paces_prompts_without_changing_tokens(pair, model_factory
     assert len(rounds) == decoded - 1
     assert max(beside) == 8  # one chunk, though three prompts were in progress
     assert paced.engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompts_progress_under_a_target_decodes_alone_miss(model_factory, async_scheduling):
+    """A target no decode round meets: prompts beside a decoding stream still get their share
+    of the time, also when asynchronous scheduling defers a step with a prompt chunk by one call
+    (the rounds in between still count as rounds a prompt waited)."""
+    _, path = model_factory("llama")
+    llm = tandem.LLM(path, num_blocks=96, prefill_chunk=8, tpot_slo_ms=0.001,
+                     async_scheduling=async_scheduling)  # fmt: skip
+    eng = llm.engine
+    eng.add_request([7] * 3, SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    late = eng.add_request([9] * 40, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    steps = 0
+    while not late.is_finished and steps < 3000:
+        eng.step()
+        steps += 1
+    assert late.is_finished, f"a prompt beside decodes got no chunk in {steps} steps"

@@ -490,6 +490,32 @@ def test_tpot_target_paces_prompt_chunks_beside_decodes():
     assert sizes() == {**decodes, "long": 64}
 
 
+def test_tpot_pacing_owes_prompts_time_only_while_one_waits():
+    """Decode rounds while no prompt waits earn prompts no share: a prompt that arrives after
+    them still waits its 0.96 / (0.05 * 0.75) = 25.6 rounds."""
+    pool = BlockPool(256)
+    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
+    for i in range(2):
+        s = _seq(f"d{i}", 8, 7)
+        s.block_table.ensure(pool, 8)
+        sched.admit_running(s)
+    sched.pace(1.46, True)  # a chunk overran the target by 0.96 s
+    for _ in range(100):
+        assert len(sched.schedule().items) == 2
+        sched.pace(0.75, False)
+    assert not sched.prompts_wait
+    sched.add(_seq("late", 500, 0))
+    for _ in range(26):
+        assert {s.seq_id for s, _ in sched.schedule().items} == {"d0", "d1"}
+        assert sched.prompts_wait
+        sched.pace(0.75, False)
+    assert {s.seq_id: n for s, n in sched.schedule().items}["late"] == 64
+    # Asynchronous scheduling may report a decode-only round (the step in flight) before the
+    # step with that chunk runs: the prompt still waited, so the chunk still goes.
+    sched.pace(0.75, False)
+    assert {s.seq_id: n for s, n in sched.schedule().items}["late"] == 64
+
+
 def test_tpot_pacing_allows_a_round_its_tokens_worth_of_time():
     """A round that gives each sequence three tokens (accepted drafts) may take three targets:
     15 ms for three tokens at a 7 ms target banks 6 ms; 25 ms owes 4 ms."""
@@ -509,6 +535,7 @@ def _paced_mean(slo: float, decode_round, over: float, rounds: int = 4000) -> fl
     total = 0.0
     for i in range(rounds):
         mixed = sched._prompt_room()
+        sched.prompts_wait = True
         t = decode_round(i) + (over if mixed else 0.0)
         sched.pace(t, mixed)
         total += t

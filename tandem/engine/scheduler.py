@@ -88,6 +88,7 @@ class Scheduler:
         # overran it; within plus or minus the larger of the target and that overrun.
         self.tpot_bank_s = 0.0
         self.mixed = False  # whether the latest schedule gave prompt tokens beside decodes
+        self.prompts_wait = False  # whether prompt tokens waited beside its decodes (`pace`)
         self._overrun_s: float | None = None  # EWMA of how far rounds with prompts overran
         self._share_s = 0.0  # PROMPT_SHARE of the decode-only rounds since the last prompt chunk
         self.waiting: deque[Sequence] = deque()
@@ -148,9 +149,10 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
-        self.mixed = False
+        self.mixed = self.prompts_wait = False
         budget = self.max_num_batched_tokens - batch.num_tokens
         if batch.items and self.tpot_slo_s is not None:
+            self.prompts_wait = bool(self.waiting) or any(map(self.in_prompt, self.running))
             if not self._prompt_room():
                 return batch  # decodes only, until rounds under the target have paid for prompts
             budget = min(budget, self.prefill_chunk)  # one chunk of prompt tokens a step
@@ -206,16 +208,18 @@ class Scheduler:
             else:
                 self._overrun_s = _ewma(self._overrun_s, over)
             self._share_s = 0.0
-        else:
+        elif self.prompts_wait:
             self._share_s += self.PROMPT_SHARE * seconds
+        else:
+            self._share_s = 0.0  # no prompt waited: none is owed time
         cap = max(self.tpot_slo_s, self._overrun_s or 0.0)
         self.tpot_bank_s = max(min(self.tpot_bank_s + allowed - seconds, cap), -cap)
 
     def _prompt_room(self) -> bool:
         """Whether a step beside decodes may carry prompt tokens under the TPOT target: the bank
-        holds what such a step overran the target by lately, or the decode-only rounds since
-        the last such step have run long enough for it to be PROMPT_SHARE of the time (so that
-        prompts progress even when decodes alone miss the target)."""
+        holds what such a step overran the target by lately, or the decode-only rounds while
+        prompts waited since then have run long enough for it to be PROMPT_SHARE of the time
+        (so that prompts progress even when decodes alone miss the target)."""
         need = max(self._overrun_s or 0.0, 0.0)
         return self.tpot_bank_s >= need or self._share_s >= need
 

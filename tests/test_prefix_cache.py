@@ -444,16 +444,22 @@ def test_tpot_target_bounds_the_batch_size():
     assert idle.schedule().num_tokens == 500
 
 
-def test_tpot_target_paces_prompt_chunks_beside_decodes():
-    """Beside decodes, a step carries one prefill_chunk of prompt tokens, and only once the
-    time rounds left under the target covers what such steps lately overran it by; when decodes
-    alone miss the target, prompts still get PROMPT_SHARE of the time."""
+def _two_decoding(**kwargs) -> Scheduler:
+    """A scheduler (64-token prompt chunks) with sequences d0 and d1 decoding."""
     pool = BlockPool(256)
-    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
+    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, **kwargs)
     for i in range(2):
         s = _seq(f"d{i}", 8, 7)
         s.block_table.ensure(pool, 8)
         sched.admit_running(s)
+    return sched
+
+
+def test_tpot_target_paces_prompt_chunks_beside_decodes():
+    """Beside decodes, a step carries one prefill_chunk of prompt tokens, and only once the
+    time rounds left under the target covers what such steps lately overran it by; when decodes
+    alone miss the target, prompts still get PROMPT_SHARE of the time."""
+    sched = _two_decoding(tpot_slo_s=0.5)
     sched.add(_seq("long", 500, 0))
     sched.add(_seq("long2", 500, 0))
 
@@ -493,12 +499,7 @@ def test_tpot_target_paces_prompt_chunks_beside_decodes():
 def test_tpot_pacing_owes_prompts_time_only_while_one_waits():
     """Decode rounds while no prompt waits earn prompts no share: a prompt that arrives after
     them still waits its 0.96 / (0.05 * 0.75) = 25.6 rounds."""
-    pool = BlockPool(256)
-    sched = Scheduler(pool, 64, 4096, prefill_chunk=64, tpot_slo_s=0.5)
-    for i in range(2):
-        s = _seq(f"d{i}", 8, 7)
-        s.block_table.ensure(pool, 8)
-        sched.admit_running(s)
+    sched = _two_decoding(tpot_slo_s=0.5)
     sched.pace(1.46, True)  # a chunk overran the target by 0.96 s
     for _ in range(100):
         assert len(sched.schedule().items) == 2

@@ -28,7 +28,7 @@ holds what such steps lately overran the target by, which the step then spends. 
 decoding sequences' time per output token at the target while prompts move a whole chunk at a
 time (a step with prompt tokens costs far more than their share: it runs eagerly, beside
 graph-replayed decode steps). Prompts still get at least `PROMPT_SHARE` of the time: a chunk
-also goes once the decode-only rounds since the last one make its overrun that share, so they
+also goes once the decode-only rounds while prompts waited make its overrun that share, so they
 progress when decodes alone miss the target (which the time per output token then exceeds by up
 to that share).
 """

@@ -449,7 +449,12 @@ class OpenAIServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionError:
+            # The client left while the first token was computed: not a server error.
+            await events.aclose()
+            return resp
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
         async def send(payload: dict) -> None:

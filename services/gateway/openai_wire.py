@@ -119,6 +119,10 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(str(e), 429, kind="rate_limit_exceeded")
     except StageUnavailable as e:
         return error_response(str(e), 503, kind="service_unavailable")
+    except ConnectionError:
+        # The client went away (say, before its body was read): no one reads this answer, and
+        # no server error happened. 499 is the status proxies log for a request so ended.
+        return error_response("the client closed the connection", 499)
     except Exception:  # noqa: BLE001 - logged here, a plain message to the client
         log.exception("HTTP request failed")
         return error_response("internal error", 500)

@@ -105,7 +105,11 @@ async def serve(
     await server.start()
     runner = None
     if http_port is not None:
-        runner = web.AppRunner(OpenAIServer(frontend, gc.api_key, gc).app, access_log=None)
+        # A client that goes away cancels its handler, and with it the request's run: a
+        # non-streamed reply nobody waits for would otherwise be generated to its end.
+        runner = web.AppRunner(
+            OpenAIServer(frontend, gc.api_key, gc).app, access_log=None, handler_cancellation=True
+        )
         await runner.setup()
         ssl_ctx = None
         if gc.tls_cert:

@@ -325,3 +325,66 @@ def test_http_completions_stream_disconnect_frees_blocks(cluster):
     time.sleep(0.2)
     st = cluster.wait_decode_idle()
     assert st.used_blocks == 0 and st.running == 0
+
+
+def _http_request(cluster, path: str, body: dict):
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def test_http_non_streamed_disconnect_frees_blocks(cluster):
+    # Generated to its end, this reply would take far longer than the wait below.
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    conn = _http_request(cluster, "/v1/completions", body)
+    deadline = time.monotonic() + 30
+    while cluster.decode_stats().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.decode_stats().used_blocks > 0
+    conn.close()  # the client gives up waiting for the whole reply
+    st = cluster.wait_decode_idle(timeout=5)
+    assert st.used_blocks == 0 and st.running == 0
+
+
+def _gateway_metric(cluster, series: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(cluster.metrics_url("gateway"), timeout=10).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith(series + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def _wait_no_request_in_flight(cluster) -> None:
+    deadline = time.monotonic() + 30
+    while _gateway_metric(cluster, "tandem_requests_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # an error response is counted as it is sent, after the request ends
+
+
+@pytest.mark.parametrize("when", ["while its body is read", "while its prompt is prefilled"])
+def test_http_client_gone_before_the_reply_is_no_server_error(cluster, when):
+    errors = 'tandem_http_errors_total{status="500"}'
+    before = _gateway_metric(cluster, errors)
+    # A long prompt: long to send, and long to prefill before the stream's 200.
+    prompt = " ".join(QUESTIONS * 60)
+    body = {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    conn = _http_request(cluster, "/v1/completions", body)
+    if when == "while its prompt is prefilled":
+        deadline = time.monotonic() + 30
+        while not _gateway_metric(cluster, "tandem_requests_in_flight"):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    conn.close()
+    _wait_no_request_in_flight(cluster)
+    assert _gateway_metric(cluster, errors) == before
+    st = cluster.wait_decode_idle()
+    assert st.used_blocks == 0 and st.running == 0
+    # A prompt being computed when its caller left is finished and its lease given back (at
+    # the latest when the lease's 30 s time to live runs out).
+    deadline = time.monotonic() + 45
+    while cluster.prefill_stats().leased_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.prefill_stats().leased_blocks == 0

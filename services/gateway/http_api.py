@@ -52,6 +52,7 @@ from services.gateway.openai_wire import (
     errors_middleware,
     legacy_logprobs,
     sampling_from_body,
+    stream_from_body,
 )
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
@@ -361,19 +362,16 @@ class OpenAIServer:
         created = int(time.time())
         model = self.fe.model_name
         obj = "chat.completion" if chat else "text_completion"
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            return error_response("stream must be a boolean", 400, "stream")
+        try:
+            stream, include_usage = stream_from_body(body)
+        except RequestError as e:
+            return error_response(str(e), 400, e.param)
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
         self.fe.pipeline.admit(ids)
         try:
             await self.fe.pipeline.check_fits(ids, params)
         except ValueError as e:
             return error_response(str(e), 400, "max_tokens")
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            return error_response("stream_options must be an object", 400, "stream_options")
-        include_usage = bool(opts.get("include_usage", False))
         rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
         events = self._choices(ids, params, rid, rt, n)
         tool_names = tools.names if tools is not None and tools.active else None

@@ -17,7 +17,7 @@ from services.gateway.openai_request import (
 from services.gateway.pipeline import Finished
 from services.gateway.router import Overloaded, StageUnavailable
 from tandem import telemetry
-from tandem.api.sampling_params import SamplingParams
+from tandem.api.sampling_params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("tandem.gateway.http")
 TRACE_KEY = "tandem_trace"  # the request's RequestTrace, kept on the aiohttp request
@@ -53,12 +53,14 @@ def _num(body: dict, name: str, kind: type, default: Any) -> Any:
 
 def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     """OpenAI request fields -> SamplingParams; unsupported or mistyped fields name themselves."""
+    _check_bookkeeping(body)
     max_tokens = body.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _num(body, "max_tokens", int, 256 if chat else 16)
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise RequestError(
-            f"max_completion_tokens must be an integer, got {max_tokens!r}", "max_completion_tokens"
+            f"max_completion_tokens must be an integer >= 1, got {max_tokens!r}",
+            "max_completion_tokens",
         )
     stop = body.get("stop") or []
     if isinstance(stop, str):
@@ -71,7 +73,16 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
             lp = False
         if not isinstance(lp, bool):
             raise RequestError("logprobs must be a boolean", "logprobs")
-        logprobs = _num(body, "top_logprobs", int, 0) if lp else None
+        top = _num(body, "top_logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}",
+                "top_logprobs",
+            )
+        if top is not None and not lp:
+            # OpenAI's rule: alternatives are only reported with the sampled token's logprob.
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        logprobs = (top or 0) if lp else None
     else:
         logprobs = body.get("logprobs")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
@@ -82,6 +93,9 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise RequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
     try:
         structured = structured_from_body(body)
         logit_bias = logit_bias_from_body(body)
@@ -101,9 +115,50 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
         seed=seed,
         stop=stop,
         stop_token_ids=stop_ids,
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
     )
+
+
+def stream_from_body(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request: `stream_options` only with `stream: true`, and
+    only the options served (OpenAI refuses them on a request that does not stream)."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be a boolean", "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(opts, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    unknown = sorted(k for k in opts if k != "include_usage")
+    if unknown:
+        raise RequestError(
+            f"stream_options.{unknown[0]} is not supported (only include_usage)", "stream_options"
+        )
+    include_usage = opts.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage must be a boolean", "stream_options")
+    return stream, bool(include_usage)
+
+
+# The bookkeeping fields (no effect on generation) and the JSON types OpenAI takes for them.
+_BOOKKEEPING = {"user": str, "store": bool, "metadata": dict, "service_tier": str}
+_KIND_NAMES = {str: " string", bool: " boolean", dict: "n object"}
+
+
+def _check_bookkeeping(body: dict) -> None:
+    for name, kind in _BOOKKEEPING.items():
+        v = body.get(name)
+        if v is not None and not isinstance(v, kind):
+            raise RequestError(f"{name} must be a{_KIND_NAMES[kind]}, got {v!r}", name)
+    metadata = body.get("metadata") or {}
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise RequestError("metadata must map keys to strings", "metadata")
 
 
 @web.middleware
@@ -299,7 +354,8 @@ def _refuse_fields(body: dict, allowed: frozenset[str]) -> None:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine validation message is about (its first word)."""
-    word = message.split(" ", 1)[0]
+    # "messages[2].role must be ...": the field is `messages`.
+    word = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     return {"prompt": "prompt", "structured": "response_format"}.get(
         word, word if word.isidentifier() else None
     )

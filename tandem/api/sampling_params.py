@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1  # the wire format's int32
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -99,16 +100,19 @@ class SamplingParams:
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= 20
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if self.prompt_logprobs is not None and (
             isinstance(self.prompt_logprobs, bool)
             or not isinstance(self.prompt_logprobs, int)
-            or not 0 <= self.prompt_logprobs <= 20
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
-                f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                f"{self.prompt_logprobs!r}"
             )
         if isinstance(self.stop_token_ids, str | bytes | int):
             raise ValueError(

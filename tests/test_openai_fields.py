@@ -1,0 +1,110 @@
+"""OpenAI request fields as the HTTP API reads them: a mistyped or misplaced field is a 400
+naming it, never ignored or read as something else."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.openai_wire import (
+    RequestError,
+    _param_of,
+    sampling_from_body,
+    stream_from_body,
+)
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def _refused(body: dict, chat: bool = True) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        sampling_from_body({"messages": USER, **body} if chat else body, chat=chat)
+    return e.value
+
+
+def test_top_logprobs_needs_logprobs():
+    assert _refused({"top_logprobs": 3}).param == "top_logprobs"
+    assert _refused({"top_logprobs": 3, "logprobs": False}).param == "top_logprobs"
+    assert sampling_from_body({"logprobs": True, "top_logprobs": 3}, chat=True).logprobs == 3
+    assert sampling_from_body({"logprobs": True}, chat=True).logprobs == 0
+    assert sampling_from_body({"logprobs": False}, chat=True).logprobs is None
+
+
+@pytest.mark.parametrize("top", [21, -1, "2", 1.5])
+def test_top_logprobs_out_of_range_names_itself(top):
+    e = _refused({"logprobs": True, "top_logprobs": top})
+    assert e.param == "top_logprobs" and str(e).startswith("top_logprobs")
+
+
+def test_ignore_eos_must_be_a_boolean():
+    # bool("false") is True: a string would have turned the end-of-sequence token off.
+    assert _refused({"ignore_eos": "false"}).param == "ignore_eos"
+    assert _refused({"ignore_eos": 0}, chat=False).param == "ignore_eos"
+    assert sampling_from_body({"ignore_eos": True}, chat=False).ignore_eos is True
+    assert sampling_from_body({"ignore_eos": None}, chat=False).ignore_eos is False
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("user", 5),
+        ("store", "yes"),
+        ("metadata", "tag"),
+        ("metadata", {"k": 1}),
+        ("service_tier", 1),
+    ],
+)
+def test_bookkeeping_fields_are_type_checked(field, value):
+    assert _refused({field: value}).param == field
+    assert _refused({field: value}, chat=False).param == field
+
+
+def test_bookkeeping_fields_of_the_right_type_are_accepted():
+    body = {"user": "u-1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}
+    assert sampling_from_body({**body, "max_tokens": 7}, chat=True).max_tokens == 7
+
+
+def test_max_completion_tokens_names_itself():
+    for bad in (0, -3, "5"):
+        e = _refused({"max_completion_tokens": bad})
+        assert e.param == "max_completion_tokens" and "max_completion_tokens" in str(e)
+    assert sampling_from_body({"max_completion_tokens": 4, "max_tokens": 9}, True).max_tokens == 4
+
+
+def test_stream_and_its_options():
+    assert stream_from_body({}) == (False, False)
+    assert stream_from_body({"stream": None}) == (False, False)  # null is the default
+    assert stream_from_body({"stream": True}) == (True, False)
+    on = {"stream": True, "stream_options": {"include_usage": True}}
+    assert stream_from_body(on) == (True, True)
+    assert stream_from_body({"stream": True, "stream_options": None}) == (True, False)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"stream": "yes"},
+        {"stream_options": {"include_usage": True}},  # not streaming: nowhere to send usage
+        {"stream": False, "stream_options": {"include_usage": True}},
+        {"stream": True, "stream_options": ["include_usage"]},
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+    ],
+)
+def test_bad_stream_options_are_refused(body):
+    with pytest.raises(RequestError) as e:
+        stream_from_body(body)
+    assert e.value.param in body
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ("messages[0].role must be one of system, user, got 'bogus'", "messages"),
+        ("messages[3].content must be a string", "messages"),
+        ("temperature must be >= 0, got -1.0", "temperature"),
+        ("structured output (response_format) is invalid", "response_format"),
+        ("prompt has 9001 tokens", "prompt"),
+    ],
+)
+def test_engine_messages_name_their_field(message, param):
+    assert _param_of(message) == param

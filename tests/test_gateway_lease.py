@@ -96,3 +96,68 @@ def test_finishing_at_the_first_token_releases_the_lease():
         assert len(router.prefill.stub.released) == 1
 
     asyncio.run(go())
+
+
+class AnswerInTheInstantStub(FakePrefillStub):
+    """A prefill worker whose answer the test hands over itself, so that the request can be
+    cancelled in the same instant it arrives (as an HTTP client leaving can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer: asyncio.Future | None = None
+        self.cancelled_calls = 0
+
+    def Run(self, request, metadata=None):
+        self.answer = asyncio.get_running_loop().create_future()
+
+        async def call():
+            try:
+                return await self.answer
+            except asyncio.CancelledError:
+                self.cancelled_calls += 1
+                raise
+
+        return call()
+
+
+def test_cancel_in_the_instant_the_answer_arrives_releases_the_lease():
+    async def go():
+        pipe, router = _pipeline()
+        stub = router.prefill.stub = AnswerInTheInstantStub()
+        task = asyncio.ensure_future(anext(pipe.run([1, 2, 3], SamplingParams(max_tokens=8))))
+        await _settle()
+        assert stub.answer is not None, "the request never called the prefill worker"
+        stub.answer.set_result(
+            stages_pb2.PrefillResponse(
+                first_token=5, kv=stages_pb2.KvRef(pool_id="p", block_ids=[0], lease_id="L")
+            )
+        )
+        task.cancel()  # before the request's task has run again: its answer is not yet read
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await _settle()
+        assert stub.released == ["L"]
+        assert pipe.inflight == 0 and pipe.waiting == 0
+
+    asyncio.run(go())
+
+
+def test_cancel_while_prefilling_cancels_the_call_and_releases_nothing():
+    async def go():
+        pipe, router = _pipeline()
+        stub = router.prefill.stub = AnswerInTheInstantStub()
+        task = asyncio.ensure_future(anext(pipe.run([1, 2, 3], SamplingParams(max_tokens=8))))
+        await _settle()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await _settle()
+        assert stub.cancelled_calls == 1, "the prefill call goes on for a request nobody waits for"
+        assert stub.released == []
+        assert pipe.inflight == 0 and pipe.waiting == 0
+
+    asyncio.run(go())

@@ -306,6 +306,11 @@ class Pipeline:
                     return None
             await asyncio.sleep(0.2)
 
+    def _release_answered(self, prefill, answer: asyncio.Future) -> None:
+        """Give back the lease of a prefill answer that came for a request already cancelled."""
+        if not answer.cancelled() and answer.exception() is None:
+            self._release_lease(prefill, answer.result().kv.lease_id)
+
     def _release_lease(self, prefill, lease_id: str) -> None:
         async def release() -> None:
             await release_until_acknowledged(
@@ -318,16 +323,25 @@ class Pipeline:
         task.add_done_callback(self._background.discard)
 
     async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state, tenant=""):
+        call = prefill.stub.Run(
+            stages_pb2.PrefillRequest(
+                request_id=seq_id,
+                prompt_token_ids=ids,
+                sampling=sampling_to_proto(params),
+                tenant=tenant,
+            ),
+            metadata=trace.metadata() if trace is not None else None,
+        )
+        # The answer is awaited through a task of its own: a request cancelled in the instant
+        # its answer arrives would otherwise drop the answer, and with it the lease token that
+        # gives the prompt's KV back (held until its time to live ran out).
+        answer = asyncio.ensure_future(call)
         try:
-            return await prefill.stub.Run(
-                stages_pb2.PrefillRequest(
-                    request_id=seq_id,
-                    prompt_token_ids=ids,
-                    sampling=sampling_to_proto(params),
-                    tenant=tenant,
-                ),
-                metadata=trace.metadata() if trace is not None else None,
-            )
+            return await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            answer.cancel()  # cancels the call, unless its answer came already
+            answer.add_done_callback(lambda t: self._release_answered(prefill, t))
+            raise
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(e.details()) from e

@@ -103,9 +103,16 @@ class Frontend:
             )
         return self.tokenizer.encode(prompt)
 
-    def check(self, ids: list[int], params: SamplingParams) -> None:
-        """Apply the gateway's limits, then the engine's own checks; errors name the field."""
+    def check(self, ids: list[int], params: SamplingParams, asked: str | None = None) -> None:
+        """Apply the gateway's limits, then the engine's own checks; errors name the field.
+
+        `asked`: the field the client set the output length with (None: the default applies).
+        A length asked for must fit in the model's context after the prompt; the default is
+        cut to what is left of it (and to --max-tokens-limit)."""
         lim = self.limits
+        if asked is None and isinstance(params.max_tokens, int):
+            room = self.pipeline.max_model_len - len(ids)
+            params.max_tokens = max(1, min(params.max_tokens, self.max_tokens_limit, room))
         if len(params.stop) > lim.max_stop_strings:
             raise ValueError(
                 f"stop holds {len(params.stop)} strings; at most {lim.max_stop_strings} are allowed"
@@ -125,6 +132,18 @@ class Frontend:
                 f"(the model's context is {self.pipeline.max_model_len} tokens)"
             )
         validate_request(ids, params, self.vocab_size, self.pipeline.max_model_len)
+        room = self.pipeline.max_model_len - len(ids)
+        if params.max_tokens > room:
+            raise ValueError(
+                f"{asked} ({params.max_tokens}) plus the prompt ({len(ids)} tokens) is more than "
+                f"the model's context ({self.pipeline.max_model_len} tokens); set {asked} to at "
+                f"most {room}"
+            )
+
+
+def _asked(sampling: api_pb2.SamplingParams) -> str | None:
+    """The field the request sets its output length with, None when the default applies."""
+    return "max_tokens" if sampling.HasField("max_tokens") else None
 
 
 def finish_to_proto(f: Finished, trace_id: str = "") -> api_pb2.Finish:
@@ -193,7 +212,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
         else:
             raise ValueError("input is missing: set prompt, messages or prompt_token_ids")
         params = sampling_from_proto(req.sampling)
-        self.fe.check(ids, params)
+        self.fe.check(ids, params, _asked(req.sampling))
         return ids, params
 
     async def Generate(self, request, context):
@@ -293,7 +312,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                         msgs = [{"role": m.role, "content": m.content} for m in turn.messages]
                         ids = self.fe.chat_ids(history + msgs)
                         params = sampling_from_proto(turn.sampling)
-                        self.fe.check(ids, params)
+                        self.fe.check(ids, params, _asked(turn.sampling))
                     except ValueError as e:
                         rt.fail(e)
                         out.put_nowait(e)

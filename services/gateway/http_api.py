@@ -217,7 +217,7 @@ class OpenAIServer:
                 # The reply is one call of the allowed function(s), its arguments their schema.
                 params.structured = StructuredOutput("json_schema", call_schema(tools))
             n = n_from_body(body)
-            self.fe.check(ids, params)
+            self.fe.check(ids, params, _asked(body, ("max_completion_tokens", "max_tokens")))
             rt.tokenized(ids, params, body.get("model") or "")
         except (RequestError, FieldError, ToolError) as e:
             return error_response(str(e), getattr(e, "status", 400), e.param)
@@ -264,7 +264,7 @@ class OpenAIServer:
             if echo and params.logprobs is not None:
                 params.prompt_logprobs = params.logprobs
             n = n_from_body(body)
-            self.fe.check(ids, params)
+            self.fe.check(ids, params, _asked(body, ("max_tokens",)))
             rt.tokenized(ids, params, body.get("model") or "")
         except (RequestError, FieldError) as e:
             return error_response(str(e), getattr(e, "status", 400), e.param)
@@ -575,6 +575,11 @@ class OpenAIServer:
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
             pass
+
+
+def _asked(body: dict, fields: tuple[str, ...]) -> str | None:
+    """The field a request sets its output length with, None when the default applies."""
+    return next((f for f in fields if body.get(f) is not None), None)
 
 
 class _ChoiceState:

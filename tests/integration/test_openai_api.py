@@ -528,6 +528,22 @@ def test_refused_completion_fields_and_parts(client):
     assert e.value.body["param"] == "messages" and "image_url" in e.value.body["message"]
 
 
+def test_asked_length_past_the_context_is_refused(client):
+    # As OpenAI and vLLM answer: a 400 naming the field and what would fit, not a reply cut
+    # short at the end of the context.
+    ctx = client.models.list().data[0].max_model_len
+    ids = [17] * (ctx - 8)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt=ids, max_tokens=16)
+    assert e.value.body["param"] == "max_tokens", e.value.body
+    assert e.value.body["message"].endswith("at most 8"), e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=ctx
+        )
+    assert e.value.body["param"] == "max_completion_tokens", e.value.body
+
+
 def test_model_by_id(client):
     name = client.models.list().data[0].id
     assert client.models.retrieve(name).id == name

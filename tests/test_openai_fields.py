@@ -108,3 +108,53 @@ def test_bad_stream_options_are_refused(body):
 )
 def test_engine_messages_name_their_field(message, param):
     assert _param_of(message) == param
+
+
+def _message_refused(msg: dict) -> str:
+    from services.gateway.openai_request import FieldError, normalize_messages
+
+    with pytest.raises(FieldError) as e:
+        normalize_messages([msg])
+    assert e.value.param == "messages"
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("msg", "key"),
+    [
+        ({"role": "user", "content": "x", "foo": 1}, "foo"),
+        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "tool_call_id"),
+        ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls"),
+        ({"role": "assistant", "content": "x", "refusal": "no"}, "refusal"),
+        ({"role": "system", "content": "x", "weight": 0}, "weight"),
+    ],
+)
+def test_message_keys_not_served_are_refused_by_name(msg, key):
+    assert f"messages[0].{key} is not supported" in _message_refused(msg)
+
+
+def test_message_name_goes_to_the_template_and_must_be_a_string():
+    from services.gateway.openai_request import normalize_messages
+
+    (m,) = normalize_messages([{"role": "user", "content": "x", "name": "bob"}])
+    assert m == {"role": "user", "content": "x", "name": "bob"}
+    assert "messages[0].name must be a string" in _message_refused(
+        {"role": "user", "content": "x", "name": 5}
+    )
+
+
+def test_a_reply_sent_back_as_history_is_accepted():
+    # What the openai client's reply message holds when dumped (`message.model_dump()`): the
+    # reply's empty fields come back with it.
+    from services.gateway.openai_request import normalize_messages
+
+    reply = {
+        "role": "assistant",
+        "content": "Paris.",
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    assert normalize_messages([reply]) == [{"role": "assistant", "content": "Paris."}]

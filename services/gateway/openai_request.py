@@ -115,6 +115,7 @@ def normalize_messages(msgs: Any) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise FieldError(f"messages[{i}] must be an object", "messages")
+        _check_message_keys(m, i)
         role = m.get("role")
         if role == "developer":
             role = "system"
@@ -131,8 +132,31 @@ def normalize_messages(msgs: Any) -> list[dict]:
                 msg["content"] = ""
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id") or "")
+        if m.get("name") is not None:
+            msg["name"] = m["name"]  # for the chat template, as the message's author
         out.append(msg)
     return out
+
+
+# The keys a message may carry besides role and content, by role. An assistant message sent
+# back as history may also hold the reply's empty fields (`_EMPTY_REPLY_FIELDS`).
+_MESSAGE_KEYS = {"name"}
+_ROLE_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}
+_EMPTY_REPLY_FIELDS = {"refusal", "audio", "function_call", "annotations"}
+
+
+def _check_message_keys(m: dict, i: int) -> None:
+    """Refuse, by name, a message key that would otherwise be dropped unread."""
+    allowed = {"role", "content"} | _MESSAGE_KEYS | _ROLE_KEYS.get(m.get("role"), set())
+    for key, value in m.items():
+        if key in allowed or (key in _EMPTY_REPLY_FIELDS and not value):
+            continue
+        raise FieldError(
+            f"messages[{i}].{key} is not supported on a {m.get('role')!r} message", "messages"
+        )
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise FieldError(f"messages[{i}].name must be a string", "messages")
 
 
 def _text_part(part: Any, i: int, j: int) -> str:

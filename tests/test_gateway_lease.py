@@ -120,26 +120,30 @@ class AnswerInTheInstantStub(FakePrefillStub):
         return call()
 
 
+async def _run_cancelled(pipe, stub: AnswerInTheInstantStub, answer=None) -> None:
+    """Start a request, hand the prefill worker's `answer` over (if any) and cancel the request
+    in the same instant, before its task runs again; then let the loop settle."""
+    task = asyncio.ensure_future(anext(pipe.run([1, 2, 3], SamplingParams(max_tokens=8))))
+    await _settle()
+    assert stub.answer is not None, "the request never called the prefill worker"
+    if answer is not None:
+        stub.answer.set_result(answer)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    await _settle()
+    assert pipe.inflight == 0 and pipe.waiting == 0
+
+
 def test_cancel_in_the_instant_the_answer_arrives_releases_the_lease():
     async def go():
         pipe, router = _pipeline()
         stub = router.prefill.stub = AnswerInTheInstantStub()
-        task = asyncio.ensure_future(anext(pipe.run([1, 2, 3], SamplingParams(max_tokens=8))))
-        await _settle()
-        assert stub.answer is not None, "the request never called the prefill worker"
-        stub.answer.set_result(
-            stages_pb2.PrefillResponse(
-                first_token=5, kv=stages_pb2.KvRef(pool_id="p", block_ids=[0], lease_id="L")
-            )
-        )
-        task.cancel()  # before the request's task has run again: its answer is not yet read
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        await _settle()
+        kv = stages_pb2.KvRef(pool_id="p", block_ids=[0], lease_id="L")
+        await _run_cancelled(pipe, stub, stages_pb2.PrefillResponse(first_token=5, kv=kv))
         assert stub.released == ["L"]
-        assert pipe.inflight == 0 and pipe.waiting == 0
 
     asyncio.run(go())
 
@@ -148,16 +152,8 @@ def test_cancel_while_prefilling_cancels_the_call_and_releases_nothing():
     async def go():
         pipe, router = _pipeline()
         stub = router.prefill.stub = AnswerInTheInstantStub()
-        task = asyncio.ensure_future(anext(pipe.run([1, 2, 3], SamplingParams(max_tokens=8))))
-        await _settle()
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        await _settle()
+        await _run_cancelled(pipe, stub)
         assert stub.cancelled_calls == 1, "the prefill call goes on for a request nobody waits for"
         assert stub.released == []
-        assert pipe.inflight == 0 and pipe.waiting == 0
 
     asyncio.run(go())

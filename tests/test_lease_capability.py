@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem.kv.block_pool import BlockPool
-from tandem.kv.lease import LeaseRefused, LeaseTable, check_lease, sign_lease
+from tandem.kv.lease import LeaseRefused, LeaseTable, SpentLeases, check_lease, sign_lease
 
 KEY = b"k" * 32
 ARGS = ("pool-a", "tok", [3, 4, 5], 40, 2e9, list(range(40)))
@@ -56,3 +56,20 @@ def test_the_signature_covers_the_block_names():
     for other in (b"", names[:32], names[:-1] + b"x"):
         with pytest.raises(LeaseRefused, match="signature does not match"):
             check_lease(KEY, sig, *ARGS, other, now=1e9)
+
+
+def test_a_lease_is_taken_once_until_it_expires():
+    spent = SpentLeases()
+    spent.take("pool-a", "tok", expires_at=100.0, now=10.0)
+    with pytest.raises(LeaseRefused, match="already taken"):
+        spent.take("pool-a", "tok", expires_at=100.0, now=50.0)
+    # Another pool's token of the same spelling is another lease.
+    spent.take("pool-b", "tok", expires_at=100.0, now=50.0)
+    spent.take("pool-a", "later", expires_at=200.0, now=60.0)
+    assert len(spent) == 3
+    # Past their expiry the first two are forgotten (their signatures refuse them from then on);
+    # the one still live is remembered.
+    spent.take("pool-a", "new", expires_at=300.0, now=150.0)
+    assert len(spent) == 2
+    with pytest.raises(LeaseRefused, match="already taken"):
+        spent.take("pool-a", "later", expires_at=200.0, now=150.0)

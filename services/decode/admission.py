@@ -3,6 +3,7 @@
 An Admit naming a prefill worker goes through four steps, each a method below:
 1. `_verified_peer`: the registered peer (registering again when it restarted) and a check of
    the lease's signature against the prompt: the peer, not the caller, says which blocks hold it;
+   a lease is taken once (a reference replayed after its release is refused);
 2. `_fetch`: the transport readies the blocks (the inline transport streams them, NIXL reads them
    into blocks the engine reserved); a cancel meanwhile is noted, and honoured when it ends;
 3. `_join`: on the engine thread, the sequence joins (copying the blocks its prefix cache lacks,
@@ -130,6 +131,7 @@ class AdmissionMixin:
             req.ids,
             kv.block_names,
         )
+        self.spent_leases.take(kv.pool_id, kv.lease_id, kv.expires_at)
         return peer
 
     async def _fetch(

@@ -25,6 +25,7 @@ from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.layout import PoolLayout
+from tandem.kv.lease import SpentLeases
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto
@@ -72,6 +73,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
         self.importing: dict[str, bool | None] = {}
         self.transfer_failures = 0
+        self.spent_leases = SpentLeases()  # lease tokens admitted, until they expire
         self.loop = asyncio.get_running_loop()
         self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self.owner: dict[str, Session] = {}

@@ -11,6 +11,7 @@ they are the ones leased and hold the KV of exactly the prompt it was given.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import itertools
 import secrets
@@ -192,3 +193,37 @@ def check_lease(
     now = time.time() if now is None else now
     if now > expires_at:
         raise LeaseRefused(f"KV lease expired {now - expires_at:.1f} s ago")
+
+
+class SpentLeases:
+    """Lease tokens a reader has already taken, remembered until their leases expire.
+
+    A signature says which blocks a lease covers, not whether it is still live: a reference
+    replayed after its `Release` checks out while the owner may already be writing other KV into
+    those blocks. A reader that takes each token once, and refuses it afterwards until its expiry
+    (after which `check_lease` refuses it), never reads released blocks through a reference
+    it was given before.
+    """
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._by_expiry: list[tuple[float, str, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def take(self, pool_id: str, token: str, expires_at: float, now: float | None = None) -> None:
+        """Note the lease `token` of `pool_id` as taken; `LeaseRefused` when it was before
+        (`expires_at`, `now`: Unix seconds)."""
+        now = time.time() if now is None else now
+        while self._by_expiry and self._by_expiry[0][0] < now:
+            _, p, t = heapq.heappop(self._by_expiry)
+            self._seen.discard((p, t))
+        key = (pool_id, token)
+        if key in self._seen:
+            raise LeaseRefused(
+                "KV lease already taken: a lease reference admits one sequence once (ask "
+                "Prefill.Run for a new lease)"
+            )
+        self._seen.add(key)
+        heapq.heappush(self._by_expiry, (expires_at, pool_id, token))

@@ -243,6 +243,32 @@ def test_admit_naming_unleased_blocks_is_refused(stack):
     assert decode.stats().used_blocks == 0
 
 
+def test_a_lease_replayed_after_its_release_is_refused(stack):
+    _, prefill, decode, _ = stack
+    r = _prefill_run(prefill)
+    admit = _admit(prefill, PROMPT, r.kv, first_token=r.first_token)
+    tokens, fin = _session(decode, admit)
+    assert fin.finish_reason == "length" and len(tokens) == SAMPLING.max_tokens - 1
+    # The decode worker gave the lease back; the prefill worker may reuse its blocks.
+    deadline = time.monotonic() + 10
+    while prefill.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefill.stats().leases == 0
+    # The same reference again, its signature still good and not yet expired: refused, and
+    # nothing is released on the replay's account.
+    other = _prefill_run(prefill)
+    try:
+        tokens, fin = _session(decode, _admit(prefill, PROMPT, r.kv, first_token=r.first_token))
+        assert fin.finish_reason == "error" and not tokens
+        assert "KV lease already taken" in fin.error
+        assert prefill.stats().leases == 1
+    finally:
+        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+            stages_pb2.ReleaseRequest(lease_ids=[other.kv.lease_id])
+        )
+    assert decode.stats().used_blocks == 0
+
+
 def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
     _, prefill, decode, gateway = stack
     r = _prefill_run(prefill)

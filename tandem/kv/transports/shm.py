@@ -3,11 +3,20 @@
 The prefill worker creates its pool in the segment (`SharedPool.create`); a decode worker on the
 same host (or in a container sharing its IPC namespace) maps it once by name and afterwards
 copies blocks from it with `gather_copy`.
+
+A live owner holds an exclusive `flock` on its segment. A segment nobody holds is left over from
+an owner killed together with its resource tracker (SIGKILL of the whole process group): the
+next owner to start on the host removes it.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
+import logging
+import os
+import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -19,7 +28,65 @@ from tandem.kv.cache import KVCache
 from tandem.kv.layout import DTYPES, LayoutMismatch, PoolLayout, numel
 from tandem.kv.transports.base import MappedPeerPool, PeerLink, PeerRequest, TransportKind
 
+log = logging.getLogger("tandem.kv")
+
 _CREATED_HERE: set[str] = set()
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory (absent elsewhere: no sweep)
+PREFIX = "tandem-kv-"
+# A segment younger than this may be one whose owner is between creating and locking it.
+STALE_AFTER_S = 10.0
+
+
+def _hold(name: str) -> int | None:
+    """An fd on segment `name` holding its exclusive flock; None when another holds it (or the
+    platform cannot tell)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_stale_segments(now: float | None = None) -> list[str]:
+    """Unlink this user's KV segments that no live owner holds; their names."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    now = time.time() if now is None else now
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != os.getuid() or now - st.st_mtime < STALE_AFTER_S:
+            continue
+        fd = _hold(name)
+        if fd is None:
+            continue  # its owner lives
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning(
+            "removed %d KV segment(s) left in %s by a worker that was killed: %s",
+            len(removed),
+            SHM_DIR,
+            ", ".join(removed),
+        )
+    return removed
 
 
 class SharedPool:
@@ -29,6 +96,7 @@ class SharedPool:
         self.shm = shm
         self.layout = layout
         self.owner = owner
+        self._lock_fd = _hold(shm.name) if owner else None  # held while this owner lives
         # The codes, then (quantized pools) the float32 scales, in one segment.
         data_bytes = (
             numel(layout.shape) * torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
@@ -48,9 +116,10 @@ class SharedPool:
 
     @classmethod
     def create(cls, layout: PoolLayout) -> SharedPool:
+        remove_stale_segments()
         nbytes = layout.block_bytes * layout.num_blocks
         shm = shared_memory.SharedMemory(
-            name=f"tandem-kv-{uuid.uuid4().hex[:12]}", create=True, size=nbytes
+            name=f"{PREFIX}{uuid.uuid4().hex[:12]}", create=True, size=nbytes
         )
         _CREATED_HERE.add(shm.name)
         pool = cls(shm, layout, owner=True)
@@ -83,6 +152,9 @@ class SharedPool:
                 self.shm.unlink()
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         del self.kv
         try:
             self.shm.close()

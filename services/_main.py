@@ -13,8 +13,8 @@ from tandem.config import (
     engine_config_from_args,
     gateway_config_from_args,
     metrics_port_of,
+    stage_credentials_from_args,
     stage_parser,
-    stage_secret_from_args,
 )
 
 
@@ -65,7 +65,7 @@ def run_stage(
     if stage == "prefill":
         kwargs["max_leases_per_peer"] = args.max_leases_per_peer
     try:
-        kwargs["stage_secret"] = stage_secret_from_args(args)
+        kwargs["stage_credentials"] = stage_credentials_from_args(args, stage)
     except ValueError as e:
         sys.exit(f"tandem {stage}: {e}")
     kwargs["metrics_port"] = metrics_port_of(args)

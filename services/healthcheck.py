@@ -4,29 +4,48 @@ The health check of the container image (compose.yaml runs it inside each stage'
 It imports grpc and the health stubs only — not torch, not tandem — so a check costs a fraction
 of a second. Exit codes follow Docker's HEALTHCHECK: 0 healthy, 1 unhealthy (not serving,
 unreachable, or too slow); 2 is a usage error.
+
+A stage that serves TLS (--stage-tls-cert) is checked over TLS with `--tls-ca` (or the
+TANDEM_STAGE_TLS_CA variable the stage itself reads): the CA bundle that vouches for its
+certificate, which must name the host of ADDRESS, or the name given with `--tls-server-name`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> str:
-    """The serving status of `service` at `address` ("SERVING", "NOT_SERVING", ...).
+def check(
+    address: str,
+    service: str = "",
+    timeout: float = 3.0,
+    tls_root: bytes | None = None,
+    server_name: str | None = None,
+) -> str:
+    """The serving status of `service` at `address` ("SERVING", "NOT_SERVING", ...); over TLS
+    when `tls_root` (a PEM CA bundle) is given, the certificate checked for `server_name` (None:
+    the host of `address`).
 
     Raises `grpc.RpcError` when the server cannot be reached or does not answer in time.
     """
-    with grpc.insecure_channel(address) as channel:
+    if tls_root is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_root), options)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of the check (the TLS CA defaults to TANDEM_STAGE_TLS_CA)."""
     p = argparse.ArgumentParser(
         prog="python -m services.healthcheck",
         description="Exit 0 when the gRPC server at ADDRESS answers grpc.health.v1 SERVING.",
@@ -38,9 +57,37 @@ def main(argv: list[str] | None = None) -> int:
         help='health service name (default "": the whole server, as Kubernetes gRPC probes ask)',
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("TANDEM_STAGE_TLS_CA") or None,
+        metavar="FILE",
+        help="PEM CA bundle: check over TLS a stage that serves it (default: "
+        "TANDEM_STAGE_TLS_CA; unset: plaintext)",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=None,
+        metavar="NAME",
+        help="the name the stage's certificate must carry (default: the host of ADDRESS), e.g. "
+        "its Service name when ADDRESS is 127.0.0.1:PORT inside its pod",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    if args.tls_server_name and not args.tls_ca:
+        p.error("--tls-server-name needs --tls-ca (or TANDEM_STAGE_TLS_CA)")
+    root = None
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                root = f.read()
+        except OSError as e:
+            p.error(f"--tls-ca file {args.tls_ca!r} cannot be read: {e.strerror}")
     try:
-        status = check(args.address, args.service, args.timeout)
+        status = check(args.address, args.service, args.timeout, root, args.tls_server_name)
     except grpc.RpcError as e:
         print(f"{args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

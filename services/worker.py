@@ -17,7 +17,7 @@ import grpc
 from tandem import progress
 from tandem.metrics import serve_metrics
 from tandem.rpc import stages_pb2
-from tandem.rpc.auth import count_refusals, server_interceptors
+from tandem.rpc.auth import StageCredentials, add_stage_port, count_refusals, server_interceptors
 from tandem.rpc.health import add_health, set_serving
 
 
@@ -45,7 +45,7 @@ async def run_worker(
     host: str,
     port: int,
     metrics_port: int | None,
-    stage_secret: bytes | None,
+    stage_credentials: StageCredentials | None,
     *,
     options: list[tuple[str, Any]] | None = None,
     before_serving: Callable[[Any], Awaitable[None]] | None = None,
@@ -53,11 +53,12 @@ async def run_worker(
 ) -> None:
     """Serve `make_service()` until cancelled.
 
-    With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth).
-    Prometheus text is served on `metrics_port` (None: no metrics endpoint). `before_serving`
+    With a stage secret in `stage_credentials`, every call but health checks must carry it
+    (tandem.rpc.auth); with a certificate there, the port serves TLS only. Prometheus text is served on `metrics_port` (None: no metrics endpoint). `before_serving`
     runs after the server started and before health says SERVING; if it fails, the worker stops.
     """
-    auth = server_interceptors(stage_secret)
+    creds = stage_credentials or StageCredentials()
+    auth = server_interceptors(creds.secret)
     server = grpc.aio.server(interceptors=auth, options=options)
     service = make_service()
     metrics = None
@@ -65,7 +66,7 @@ async def run_worker(
         count_refusals(auth, service.refuse)
         add_servicer(service, server)
         health = await add_health(server, [service_name])
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_stage_port(server, f"{host}:{port}", creds)
         if bound == 0:
             raise OSError(f"{stage}: cannot bind {host}:{port}")
         await server.start()
@@ -75,7 +76,12 @@ async def run_worker(
         await set_serving(health, [service_name], True)
         progress.report("ready")
         logging.getLogger(f"tandem.{stage}").info(
-            "%s serving on %s:%d %s", stage, host, bound, ready_message(service, bound)
+            "%s serving on %s:%d%s %s",
+            stage,
+            host,
+            bound,
+            " over TLS" if creds.tls_cert else "",
+            ready_message(service, bound),
         )
         await server.wait_for_termination()
     finally:

@@ -24,6 +24,8 @@ from tandem.config_options import (
 if TYPE_CHECKING:
     import torch
 
+    from tandem.rpc.auth import StageCredentials
+
 # torch is imported where a setting is resolved, so that the command line starts without it.
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -319,6 +321,105 @@ def stage_secret_from_args(args: Any) -> bytes | None:
     return dataclass_from_args(StageAuthConfig, args).secret()
 
 
+@dataclass
+class StageTlsConfig:
+    """TLS on the ports between stages (prefill, decode, draft gRPC) and on the calls to them.
+
+    A worker given a certificate and its key serves its stage port over TLS only. A process given
+    a CA bundle calls every stage over TLS and checks that the stage's certificate names the host
+    part of the address it dials (`prefill`, `decode`, `draft` as Kubernetes Services;
+    `127.0.0.1` or `localhost` on one host): certificates carry those names as SANs. The stage
+    secret still authenticates callers; TLS keeps it, and prompts, tokens and KV bytes, from the
+    network. Unset: plaintext. Each is a PEM file; an empty TANDEM_* variable is an error, as
+    for a credential, rather than TLS silently off.
+    """
+
+    # This worker's certificate chain and its (unencrypted) private key: given together.
+    stage_tls_cert: str | None = field(default=None, metadata={"credential": True})
+    stage_tls_key: str | None = field(default=None, metadata={"credential": True})
+    # The CA bundle that vouches for the stages this process calls.
+    stage_tls_ca: str | None = field(default=None, metadata={"credential": True})
+
+
+def _flag(name: str) -> str:
+    """How a user names a setting: its flag and its variable."""
+    return f"--{name.replace('_', '-')} (TANDEM_{name.upper()})"
+
+
+def _read_pem(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{_flag(name)} file {path!r} cannot be read: {e.strerror}") from e
+
+
+def _refuse_encrypted_key() -> bytes:
+    raise ValueError("the key is encrypted")
+
+
+def _stage_tls_files(
+    cfg: StageTlsConfig, stage: str
+) -> tuple[bytes | None, tuple[bytes, bytes] | None]:
+    """(CA bundle, (private key, certificate chain)) read from `cfg`'s files, PEM, each None when
+    not set; every mistake (a missing or unreadable file, a key without its certificate, files
+    that are not PEM or do not match) is a ValueError naming the setting and the file."""
+    import ssl
+
+    if (cfg.stage_tls_cert is None) != (cfg.stage_tls_key is None):
+        given, missing = (
+            ("stage_tls_cert", "stage_tls_key")
+            if cfg.stage_tls_key is None
+            else ("stage_tls_key", "stage_tls_cert")
+        )
+        raise ValueError(
+            f"{_flag(given)} is given without {_flag(missing)}: a stage serves TLS with both"
+        )
+    if cfg.stage_tls_cert is not None and stage == "gateway":
+        raise ValueError(
+            "the gateway serves no stage port: --stage-tls-cert and --stage-tls-key are for the "
+            "prefill, decode and draft workers (TLS on the gateway's own ports: --tls-cert and "
+            "--tls-key; to the workers: --stage-tls-ca)"
+        )
+    root = pair = None
+    if cfg.stage_tls_ca is not None:
+        root = _read_pem(cfg.stage_tls_ca, "stage_tls_ca")
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+                cadata=root.decode("ascii", "replace")
+            )
+        except (ssl.SSLError, ValueError) as e:
+            raise ValueError(
+                f"{_flag('stage_tls_ca')} file {cfg.stage_tls_ca!r} holds no PEM certificate: {e}"
+            ) from None
+    if cfg.stage_tls_cert is not None:
+        cert = _read_pem(cfg.stage_tls_cert, "stage_tls_cert")
+        key = _read_pem(cfg.stage_tls_key, "stage_tls_key")
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                cfg.stage_tls_cert, cfg.stage_tls_key, password=_refuse_encrypted_key
+            )
+        except (ssl.SSLError, ValueError) as e:
+            raise ValueError(
+                f"{_flag('stage_tls_cert')} file {cfg.stage_tls_cert!r} and "
+                f"{_flag('stage_tls_key')} file {cfg.stage_tls_key!r} are not a PEM certificate "
+                f"and its unencrypted private key: {e}"
+            ) from None
+        pair = (key, cert)
+    return root, pair
+
+
+def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
+    """How the `stage` process (gateway, prefill, decode, draft) takes part in the stage network:
+    its stage secret and TLS files (StageAuthConfig, StageTlsConfig), from parsed flags, then
+    TANDEM_* variables. Raises ValueError naming what is wrong."""
+    from tandem.rpc.auth import StageCredentials
+
+    secret = stage_secret_from_args(args)
+    root, pair = _stage_tls_files(dataclass_from_args(StageTlsConfig, args), stage)
+    return StageCredentials(secret=secret, tls_root=root, tls_cert=pair)
+
+
 def gateway_config_from_args(args: Any) -> GatewayConfig:
     """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
     cfg = dataclass_from_args(GatewayConfig, args)
@@ -343,6 +444,11 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
 def add_stage_auth_args(parser: Any) -> None:
     """Add the stage credential's flag (`--stage-secret-file`) to a parser or group."""
     add_dataclass_args(parser, StageAuthConfig, "stage credential:")
+
+
+def add_stage_tls_args(parser: Any) -> None:
+    """Add the stage TLS flags (`--stage-tls-cert`, `--stage-tls-key`, `--stage-tls-ca`)."""
+    add_dataclass_args(parser, StageTlsConfig, "stage TLS:")
 
 
 def add_gateway_args(parser: Any) -> None:
@@ -427,6 +533,7 @@ def stage_parser(stage: str) -> Any:
     p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
     add_engine_args(p)
     add_stage_auth_args(p)
+    add_stage_tls_args(p)
     if stage == "prefill":
         p.add_argument(
             "--lease-ttl",

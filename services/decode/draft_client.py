@@ -9,7 +9,7 @@ import time
 import grpc
 
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import stage_channel
+from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.decode")
@@ -27,14 +27,15 @@ class DraftClient:
         address: str,
         loop: asyncio.AbstractEventLoop,
         timeout_s: float,
-        secret: bytes | None = None,
+        credentials: StageCredentials | None = None,
     ) -> None:
         self.address = address
+        self.tls = credentials is not None and credentials.tls_root is not None
         self.loop = loop
         self.timeout_s = timeout_s
         self.channel = stage_channel(
             address,
-            secret,
+            credentials,
             [
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.initial_reconnect_backoff_ms", 200),
@@ -66,10 +67,12 @@ class DraftClient:
                 if fut is not None and not fut.done():
                     fut.set_result(resp)
         except grpc.aio.AioRpcError as e:
+            hint = unreachable_hint(e.details() or "", self.tls)
             log.warning(
-                "draft worker %s unavailable (%s); decoding without speculation",
+                "draft worker %s unavailable (%s)%s; decoding without speculation",
                 self.address,
                 e.code().name,
+                f": {hint}" if hint else "",
             )
         if self._send is send:
             self._send = None

@@ -21,7 +21,7 @@ from tandem.kv.cache import KVCache
 from tandem.kv.layout import PoolLayout, host_id
 from tandem.kv.transports import KVTransport, PeerLink, PeerPool, TransportKind
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import stage_channel
+from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.convert import layout_from_proto, layout_to_proto
 
 log = logging.getLogger("tandem.decode")
@@ -67,7 +67,7 @@ class PrefillPeers:
         peer_id: str,
         model_name: str,
         addresses: list[str],
-        stage_secret: bytes | None,
+        stage_credentials: StageCredentials | None,
         transfer_timeout_s: float,
     ) -> None:
         transports.check_requested(kv_transport)  # fails at start-up, saying why
@@ -76,7 +76,7 @@ class PrefillPeers:
         self.peer_id = peer_id
         self.model_name = model_name
         self.addresses = set(addresses)
-        self.stage_secret = stage_secret
+        self.stage_credentials = stage_credentials or StageCredentials()
         self.kinds = transports.accept_kinds(
             kv_transport, kv.data.device.type, transports.nixl_usable(kv_transport)
         )
@@ -125,7 +125,7 @@ class PrefillPeers:
                 return self.peers[address]
             ch = stage_channel(
                 address,
-                self.stage_secret,
+                self.stage_credentials,
                 [
                     ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -202,6 +202,7 @@ class PrefillPeers:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         progress.report(f"waiting for prefill {address}")
+        told = None  # a TLS mismatch is said once, not at every retry
         while True:
             try:
                 await self.peer(address)
@@ -213,9 +214,15 @@ class PrefillPeers:
                         f"registration with prefill {address} failed: "
                         f"{e.code().name}: {e.details()}"
                     ) from None
+                hint = unreachable_hint(
+                    e.details() or "", self.stage_credentials.tls_root is not None
+                )
+                if hint is not None and hint != told:
+                    log.warning("prefill worker %s is unreachable: %s", address, hint)
+                    told = hint
                 if loop.time() > deadline:
                     raise ConnectionError(
                         f"prefill worker {address} did not answer within {wait_s:.0f}s "
-                        "(--prefill-wait); is it running?"
+                        f"(--prefill-wait): {hint or 'is it running?'}"
                     ) from None
             await asyncio.sleep(0.5)

@@ -28,6 +28,7 @@ from tandem.kv.layout import PoolLayout
 from tandem.kv.lease import SpentLeases
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import StageCredentials
 from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto
 
 log = logging.getLogger("tandem.decode")
@@ -52,7 +53,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         spec: dict | None = None,
         kv_transfer_timeout_s: float = 10.0,
         prefill: list[str] | None = None,
-        stage_secret: bytes | None = None,
+        stage_credentials: StageCredentials | None = None,
     ) -> None:
         transports.check_requested(kv_transport)  # fails here, before the model loads
         if kv_transfer_timeout_s <= 0:
@@ -67,7 +68,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             peer_id=f"decode-{uuid.uuid4().hex[:8]}",
             model_name=self.model_name,
             addresses=prefill or [],
-            stage_secret=stage_secret,
+            stage_credentials=stage_credentials,
             transfer_timeout_s=kv_transfer_timeout_s,
         )
         # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
@@ -92,7 +93,9 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         self._spec_seen = (0, 0, 0)
         if draft:
             spec = spec or {}
-            self.draft = DraftClient(draft[0], self.loop, spec.get("timeout_s", 0.2), stage_secret)
+            self.draft = DraftClient(
+                draft[0], self.loop, spec.get("timeout_s", 0.2), stage_credentials
+            )
             self.speculator = Speculator(
                 self.draft.propose,
                 k_min=spec.get("k_min", 1),
@@ -315,14 +318,15 @@ async def serve(
     spec: dict | None = None,
     kv_transfer_timeout_s: float = 10.0,
     prefill_wait_s: float = 300.0,
-    stage_secret: bytes | None = None,
+    stage_credentials: StageCredentials | None = None,
 ) -> None:
     """Run the decode worker until cancelled; registers with the given prefill workers, the only
     ones whose KV it takes (waiting up to `prefill_wait_s` for them), before it reports SERVING.
 
-    Prometheus text is served on `metrics_port` (None: no metrics endpoint). With
-    `stage_secret`, every call but health checks must carry it, and every call to the prefill
-    and draft workers sends it (tandem.rpc.auth).
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint). With a stage secret
+    in `stage_credentials`, every call but health checks must carry it, and every call to the
+    prefill and draft workers sends it; with a certificate there, the port serves TLS only, and
+    with a CA bundle, the calls to the prefill and draft workers are TLS (tandem.rpc.auth).
     """
 
     async def register(service: DecodeService) -> None:
@@ -333,13 +337,19 @@ async def serve(
         "decode",
         SERVICE,
         lambda: DecodeService(
-            config, kv_transport, draft, spec, kv_transfer_timeout_s, prefill or [], stage_secret
+            config,
+            kv_transport,
+            draft,
+            spec,
+            kv_transfer_timeout_s,
+            prefill or [],
+            stage_credentials,
         ),
         stages_pb2_grpc.add_DecodeServicer_to_server,
         host,
         port,
         metrics_port,
-        stage_secret,
+        stage_credentials,
         before_serving=register,
         ready_message=lambda s, _: f"(model {s.model_name})",
     )

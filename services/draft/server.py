@@ -14,7 +14,12 @@ from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
 from tandem.metrics import DraftMetrics, serve_metrics
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import count_refusals, server_interceptors
+from tandem.rpc.auth import (
+    StageCredentials,
+    add_stage_port,
+    count_refusals,
+    server_interceptors,
+)
 from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.draft")
@@ -119,21 +124,24 @@ async def serve(
     draft: str = "ngram",
     num_blocks: int | None = None,
     metrics_port: int | None = None,
-    stage_secret: bytes | None = None,
+    stage_credentials: StageCredentials | None = None,
 ) -> None:
     """Run the draft worker until cancelled.
 
     `draft`: ngram, self:N, self-int4, self-int4:DIR or a model path (tandem.engine.draft_models);
     a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
+    With a stage secret in `stage_credentials`, every call but health checks must carry it; with a
+    certificate there, the port serves TLS only (tandem.rpc.auth).
     """
     proposer = build_proposer(draft, config, num_blocks=num_blocks)
-    auth = server_interceptors(stage_secret)
+    creds = stage_credentials or StageCredentials()
+    auth = server_interceptors(creds.secret)
     server = grpc.aio.server(interceptors=auth)
     service = DraftService(proposer, draft)
     count_refusals(auth, lambda reason: service.metrics.refusals.labels(reason).inc())
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_stage_port(server, f"{host}:{port}", creds)
     if bound == 0:
         raise OSError(f"draft: cannot bind {host}:{port}")
     await server.start()
@@ -145,7 +153,8 @@ async def serve(
         raise
     await set_serving(health, [SERVICE], True)
     progress.report("ready")
-    log.info("draft serving on %s:%d (proposer %s)", host, bound, draft)
+    tls = " over TLS" if creds.tls_cert else ""
+    log.info("draft serving on %s:%d%s (proposer %s)", host, bound, tls, draft)
     try:
         await server.wait_for_termination()
     finally:

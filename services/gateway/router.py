@@ -18,7 +18,7 @@ import grpc
 from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import stage_channel
+from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.gateway")
@@ -51,9 +51,10 @@ class Worker:
 
     stage = "worker"
 
-    def __init__(self, address: str, secret: bytes | None = None) -> None:
+    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
         self.address = address
-        self.secret = secret  # the stage credential sent on every call
+        # The stage secret sent on every call, and the CA bundle that makes the calls TLS.
+        self.credentials = credentials or StageCredentials()
         # Not routed to until its health check answers SERVING (`watch`): a worker that is still
         # loading cannot serve, and the gateway's readiness says so.
         self.healthy = False
@@ -76,9 +77,15 @@ class Worker:
         self.watch()
 
     async def _probe_until_up(self) -> None:
-        from tandem.rpc.health import check
+        from tandem.rpc.health import probe
 
-        while not await check(self.address, timeout=1.0):
+        tls = self.credentials.tls_root is not None
+        told = None  # a TLS mismatch is said once, not at every probe
+        while (why := await probe(self.address, 1.0, self.credentials.tls_root)) is not None:
+            hint = unreachable_hint(why, tls)
+            if hint is not None and hint != told:
+                log.warning("%s worker %s is unreachable: %s", self.stage, self.address, hint)
+                told = hint
             await asyncio.sleep(PROBE_INTERVAL_S)
         if self.seen_up:
             log.info("%s worker %s is back", self.stage, self.address)
@@ -100,15 +107,15 @@ class Worker:
 class PrefillClient(Worker):
     stage = "prefill"
 
-    def __init__(self, address: str, secret: bytes | None = None) -> None:
-        super().__init__(address, secret)
-        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
+    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
+        super().__init__(address, credentials)
+        self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         self.inflight = 0
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         await old.close()
 
@@ -121,9 +128,9 @@ class DecodeClient(Worker):
 
     stage = "decode"
 
-    def __init__(self, address: str, secret: bytes | None = None) -> None:
-        super().__init__(address, secret)
-        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
+    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
+        super().__init__(address, credentials)
+        self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
@@ -136,7 +143,7 @@ class DecodeClient(Worker):
 
     async def reconnect(self) -> None:
         old = self.channel
-        self.channel = stage_channel(self.address, self.secret, CHANNEL_OPTIONS)
+        self.channel = stage_channel(self.address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self._send = None
         self.max_seq_tokens = None
@@ -227,9 +234,9 @@ class DecodeClient(Worker):
 class DraftAdmitter:
     """Admits sequences to a draft worker, fire-and-forget (speculation is optional)."""
 
-    def __init__(self, address: str, secret: bytes | None = None) -> None:
+    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
         self.address = address
-        self.channel = stage_channel(address, secret, CHANNEL_OPTIONS)
+        self.channel = stage_channel(address, credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DraftStub(self.channel)
         self.failures = 0
 
@@ -265,13 +272,13 @@ class Router:
         decode: list[str],
         draft: list[str] | None = None,
         index: PrefixIndex | None = None,
-        stage_secret: bytes | None = None,
+        stage_credentials: StageCredentials | None = None,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
-        self.prefill = [PrefillClient(a, stage_secret) for a in prefill]
-        self.decode = [DecodeClient(a, stage_secret) for a in decode]
-        self.draft = [DraftAdmitter(a, stage_secret) for a in draft or []]
+        self.prefill = [PrefillClient(a, stage_credentials) for a in prefill]
+        self.decode = [DecodeClient(a, stage_credentials) for a in decode]
+        self.draft = [DraftAdmitter(a, stage_credentials) for a in draft or []]
         self.index = index or PrefixIndex(16)
         for w in [*self.prefill, *self.decode]:
             w.index = self.index

@@ -28,6 +28,7 @@ from tandem.config import EngineConfig, GatewayConfig
 from tandem.metrics import GatewayMetrics, serve_metrics
 from tandem.model.info import load_model_info
 from tandem.rpc import api_pb2
+from tandem.rpc.auth import StageCredentials
 from tandem.rpc.health import add_health, set_serving
 
 log = logging.getLogger("tandem.gateway")
@@ -44,17 +45,22 @@ async def serve(
     gateway_config: GatewayConfig | None = None,
     draft: list[str] | None = None,
     metrics_port: int | None = None,
-    stage_secret: bytes | None = None,
+    stage_credentials: StageCredentials | None = None,
 ) -> None:
     """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off).
 
-    `stage_secret`: the credential sent on every call to the prefill, decode and draft workers."""
+    `stage_credentials`: the stage secret sent on every call to the prefill, decode and draft
+    workers, and the CA bundle that makes those calls (and the health probes) TLS."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
     max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
     router = Router(
-        prefill, decode, draft, index=PrefixIndex(config.block_size), stage_secret=stage_secret
+        prefill,
+        decode,
+        draft,
+        index=PrefixIndex(config.block_size),
+        stage_credentials=stage_credentials,
     )
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
     ttft_slo_s = gc.ttft_slo_ms / 1e3 if gc.ttft_slo_ms else None

@@ -24,6 +24,7 @@ from tandem.kv.transports.inline import InlineTransport
 from tandem.kv.transports.shm import SharedPool
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import StageCredentials
 from tandem.rpc.convert import (
     layout_from_proto,
     layout_to_proto,
@@ -386,12 +387,13 @@ async def serve(
     port: int,
     lease_ttl_s: float = 30.0,
     metrics_port: int | None = None,
-    stage_secret: bytes | None = None,
+    stage_credentials: StageCredentials | None = None,
     max_leases_per_peer: int = 1024,
 ) -> None:
     """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
 
-    With `stage_secret`, every call but health checks must carry it (tandem.rpc.auth)."""
+    With a stage secret in `stage_credentials`, every call but health checks must carry it; with
+    a certificate there, the port serves TLS only (tandem.rpc.auth)."""
     await run_worker(
         "prefill",
         SERVICE,
@@ -400,7 +402,7 @@ async def serve(
         host,
         port,
         metrics_port,
-        stage_secret,
+        stage_credentials,
         options=[("grpc.max_receive_message_length", 64 << 20)],
         ready_message=lambda s, _: f"(model {s.model_name}, pool {s.pool_id})",
     )

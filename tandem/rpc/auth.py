@@ -1,15 +1,58 @@
 """The stage credential: a shared secret in gRPC metadata, required by stage servers and sent by
-their clients (see `tandem.config.StageAuthConfig`). grpc.health.v1 stays open for probes."""
+their clients (see `tandem.config.StageAuthConfig`), and TLS on the stage ports, which keeps the
+secret and the traffic from the network (`tandem.config.StageTlsConfig`). grpc.health.v1 stays
+open for probes."""
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 # The metadata key every call between stages carries the secret under.
 STAGE_SECRET_KEY = "x-tandem-stage-secret"
+
+
+@dataclass(frozen=True)
+class StageCredentials:
+    """How a process takes part in the stage network: the secret its stage port requires and it
+    sends to the stages it calls, the CA bundle that vouches for those stages (TLS to them), and
+    the certificate its own stage port serves (TLS there). None: plaintext, no secret."""
+
+    secret: bytes | None = field(default=None, repr=False)
+    # PEM CA bundle: every channel to a stage is a TLS channel.
+    tls_root: bytes | None = field(default=None, repr=False)
+    # (private key, certificate chain), PEM: this process's stage port serves TLS only.
+    tls_cert: tuple[bytes, bytes] | None = field(default=None, repr=False)
+
+
+def add_stage_port(server, address: str, credentials: StageCredentials | None) -> int:
+    """Listen on `address` (TLS only when `credentials` carry a certificate); the port bound, or
+    0 when it cannot be bound."""
+    if credentials is not None and credentials.tls_cert is not None:
+        return server.add_secure_port(address, grpc.ssl_server_credentials([credentials.tls_cert]))
+    return server.add_insecure_port(address)
+
+
+def unreachable_hint(details: str, tls: bool) -> str | None:
+    """What a failed connection to a stage says about TLS (None: nothing): `details` of the
+    error, `tls` whether this side spoke TLS. A plaintext client's bytes make a TLS server close
+    the connection at once; a TLS client fails its handshake with a plaintext server, or with a
+    certificate its CA bundle does not vouch for (or that does not name the host dialled)."""
+    if not tls and "Socket closed" in details:
+        return (
+            "it closed the connection at once: if it serves TLS (--stage-tls-cert), give this "
+            "process --stage-tls-ca (TANDEM_STAGE_TLS_CA), the CA bundle that signed its "
+            "certificate"
+        )
+    if tls and any(w in details.lower() for w in ("handshake", "verification")):
+        return (
+            f"TLS with it failed ({details}): it must serve TLS (--stage-tls-cert) with a "
+            "certificate that --stage-tls-ca vouches for and that names the host dialled"
+        )
+    return None
 
 
 def _deny(handler, code: grpc.StatusCode, msg: str):
@@ -117,12 +160,22 @@ class _SendSecretSS(grpc.aio.StreamStreamClientInterceptor):
 
 
 def stage_channel(
-    address: str, secret: bytes | None, options: Sequence[tuple[str, object]] = ()
+    address: str,
+    credentials: StageCredentials | None,
+    options: Sequence[tuple[str, object]] = (),
 ) -> grpc.aio.Channel:
-    """An asyncio channel to a stage that sends the stage secret (when given) on every call."""
+    """An asyncio channel to a stage that sends the stage secret (when given) on every call; TLS
+    when `credentials` carry a CA bundle, the server's certificate checked for the host part
+    of `address`."""
+    creds = credentials or StageCredentials()
     # grpc.aio files each interceptor under one kind of call only: one object per kind.
     kinds = (_SendSecretUU, _SendSecretUS, _SendSecretSU, _SendSecretSS)
-    interceptors = [k(secret) for k in kinds] if secret else None
+    interceptors = [k(creds.secret) for k in kinds] if creds.secret else None
+    if creds.tls_root is not None:
+        tls = grpc.ssl_channel_credentials(creds.tls_root)
+        return grpc.aio.secure_channel(
+            address, tls, options=list(options), interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
@@ -170,7 +223,12 @@ class _Details(grpc.ClientCallDetails):
         self.compression = compression
 
 
-def stage_channel_sync(address: str, secret: bytes | None) -> grpc.Channel:
-    """A blocking channel to a stage that sends the stage secret (when given) on every call."""
-    ch = grpc.insecure_channel(address)
-    return grpc.intercept_channel(ch, _SendSecretSync(secret)) if secret else ch
+def stage_channel_sync(address: str, credentials: StageCredentials | None) -> grpc.Channel:
+    """A blocking channel to a stage that sends the stage secret (when given) on every call; TLS
+    when `credentials` carry a CA bundle (see `stage_channel`)."""
+    creds = credentials or StageCredentials()
+    if creds.tls_root is not None:
+        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(creds.tls_root))
+    else:
+        ch = grpc.insecure_channel(address)
+    return grpc.intercept_channel(ch, _SendSecretSync(creds.secret)) if creds.secret else ch

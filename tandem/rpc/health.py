@@ -34,6 +34,12 @@ async def set_serving(
 async def check(address: str, timeout: float = 1.0, tls_root: bytes | None = None) -> bool:
     """True when the server at `address` answers SERVING; `tls_root` (PEM): the server speaks
     TLS with a certificate that this root (or the certificate itself) vouches for."""
+    return await probe(address, timeout, tls_root) is None
+
+
+async def probe(address: str, timeout: float = 1.0, tls_root: bytes | None = None) -> str | None:
+    """Why the server at `address` is not serving (None: it answers SERVING): its status, or the
+    code and details of the failed call. `tls_root` as for `check`."""
     if tls_root is not None:
         channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_root))
     else:
@@ -42,6 +48,8 @@ async def check(address: str, timeout: float = 1.0, tls_root: bytes | None = Non
         stub = health_pb2_grpc.HealthStub(ch)
         try:
             r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return False
-        return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.rpc import api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import stage_channel_sync
+from tandem.rpc.auth import StageCredentials, stage_channel_sync
 
 
 def _die_with_parent() -> None:
@@ -60,11 +60,15 @@ class Cluster:
         return api_pb2_grpc.GatewayStub(grpc.insecure_channel(self.address))
 
     def decode_stats(self) -> stages_pb2.WorkerStats:
-        ch = stage_channel_sync(f"127.0.0.1:{self.decode_port}", self.stage_secret)
+        ch = stage_channel_sync(
+            f"127.0.0.1:{self.decode_port}", StageCredentials(secret=self.stage_secret)
+        )
         return stages_pb2_grpc.DecodeStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
 
     def prefill_stats(self) -> stages_pb2.WorkerStats:
-        ch = stage_channel_sync(f"127.0.0.1:{self.prefill_port}", self.stage_secret)
+        ch = stage_channel_sync(
+            f"127.0.0.1:{self.prefill_port}", StageCredentials(secret=self.stage_secret)
+        )
         return stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest(), timeout=10)
 
     def wait_decode_idle(self, timeout: float = 10.0) -> stages_pb2.WorkerStats:

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import stage_channel_sync
+from tandem.rpc.auth import StageCredentials, stage_channel_sync
 from tests.integration.cluster import free_ports
 
 _STAT_STUBS = {
@@ -87,9 +87,18 @@ class Stage:
         s = self.env.get("TANDEM_STAGE_SECRET")
         return s.encode() if s else None
 
+    @property
+    def credentials(self) -> StageCredentials:
+        """What its peers call this stage with: its stage secret, and the CA bundle it was given
+        (TANDEM_STAGE_TLS_CA in its env), if any."""
+        ca = self.env.get("TANDEM_STAGE_TLS_CA")
+        root = open(ca, "rb").read() if ca else None  # noqa: SIM115 - a small file, read once
+        return StageCredentials(secret=self.secret, tls_root=root)
+
     def channel(self) -> grpc.Channel:
-        """A channel to this stage that sends its stage secret, as its peers do."""
-        return stage_channel_sync(self.address, self.secret)
+        """A channel to this stage that sends its stage secret (over TLS when it was given a CA
+        bundle), as its peers do."""
+        return stage_channel_sync(self.address, self.credentials)
 
     def gateway_stub(self) -> api_pb2_grpc.GatewayStub:
         """The public API of this (gateway) stage, over a plaintext channel."""
@@ -138,6 +147,9 @@ class Stage:
         return self._start(wait, credentials)  # a fourth time taken: that error is raised
 
     def _start(self, wait: bool, credentials) -> Stage:
+        if credentials is None and self.env.get("TANDEM_STAGE_TLS_CERT"):
+            # Its port serves TLS only: probe its health with the CA bundle it was given.
+            credentials = grpc.ssl_channel_credentials(self.credentials.tls_root)
         start_of_log = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(

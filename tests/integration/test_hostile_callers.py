@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import STAGE_SECRET_KEY, stage_channel_sync
+from tandem.rpc.auth import STAGE_SECRET_KEY, StageCredentials, stage_channel_sync
 from tests.integration.stages import (
     Stage,
     gateway_stage,
@@ -383,7 +383,7 @@ def test_admit_never_dials_an_address_the_caller_chose(stack):
 
 def test_stage_channel_sends_the_secret(stack):
     _, prefill, _, _ = stack
-    ch = stage_channel_sync(prefill.address, SECRET.encode())
+    ch = stage_channel_sync(prefill.address, StageCredentials(secret=SECRET.encode()))
     assert stages_pb2_grpc.PrefillStub(ch).Stats(stages_pb2.StatsRequest()).total_blocks > 0
 
 

@@ -23,6 +23,7 @@ import yaml
 
 from tandem import cli, config
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, EngineConfig, stage_parser
+from tests.conftest import self_signed_cert
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("gateway", "prefill", "decode", "draft")
@@ -344,6 +345,7 @@ def _known_settings(stage: str) -> set[str]:
     names = {"TANDEM_HOST", "TANDEM_LOG_LEVEL", "TANDEM_HOST_ID"}
     names |= {f"TANDEM_{f.name.upper()}" for f in fields(EngineConfig)}
     names |= {f"TANDEM_{f.name.upper()}" for f in fields(config.StageAuthConfig)}
+    names |= {f"TANDEM_{f.name.upper()}" for f in fields(config.StageTlsConfig)}
     gateway_config = getattr(config, "GatewayConfig", None)
     if stage == "gateway" and gateway_config is not None:
         names |= {f"TANDEM_{f.name.upper()}" for f in fields(gateway_config)}
@@ -802,6 +804,84 @@ def test_k8s_spec_component_adds_the_draft_and_points_stages_at_it(tmp_path):
     assert _stage_args(spec, "draft").port == default_port("draft")
     for stage in ("decode", "gateway"):
         assert _stage_args(spec, stage).draft in (draft, [draft]), stage
+
+
+def _container(docs: list[dict], stage: str) -> tuple[dict, dict]:
+    """(pod spec, its one container) of `stage`'s Deployment."""
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == stage]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    return pod, c
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+@pytest.mark.parametrize("with_spec", [False, True], ids=["base", "with-spec"])
+def test_k8s_stage_tls_component(tmp_path, with_spec, monkeypatch):
+    # Rendered as kustomize does, after `spec` when both are used: every worker serves TLS from
+    # the Secret, every stage checks the others with its CA, and the workers' probes (no longer
+    # Kubernetes' plaintext gRPC probe) run services.healthcheck over TLS.
+    import kubernetes_validate
+
+    from services import healthcheck
+
+    shutil.copytree(K8S, tmp_path / "k8s")
+    components = ["spec", "stage-tls"] if with_spec else ["stage-tls"]
+    with open(tmp_path / "k8s" / "kustomization.yaml", "a") as f:
+        f.write("components:\n" + "".join(f"  - {c}\n" for c in components))
+    docs = _kustomize(tmp_path / "k8s")
+    version = kubernetes_validate.latest_version()
+    for d in docs:
+        kubernetes_validate.validate(d, version, strict=True)
+    workers = ("prefill", "decode", "draft") if with_spec else ("prefill", "decode")
+    # The hosts each worker is dialled by: its certificate's names (the probe checks the same).
+    dialled = {"prefill": set(), "decode": set(), "draft": set()}
+    for stage in ("gateway", "decode"):
+        args = _stage_args(docs, stage)
+        for worker in workers:
+            dialled[worker] |= {_host(a) for a in getattr(args, worker, None) or []}
+    assert dialled["prefill"] == {"prefill"} and dialled["decode"] == {"decode"}
+    # A Secret mounted as the files the stages read, as the Secret's keys name them.
+    key, cert = self_signed_cert(tmp_path)
+    files = {"tls.key": key, "tls.crt": cert, "ca.crt": cert}
+    for stage in ("gateway", *workers):
+        pod, c = _container(docs, stage)
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "stage-tls"]
+        assert vol["secret"]["secretName"] == "tandem-stage-tls"
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "stage-tls"]
+        assert mount["readOnly"] is True
+        env = {e["name"]: e["value"] for e in c["env"] if e["name"].startswith("TANDEM_STAGE_TLS")}
+        local = {}
+        for name, path in env.items():
+            assert os.path.dirname(path) == mount["mountPath"], (stage, name)
+            local[name] = str(files[os.path.basename(path)])
+        # The stage's command and environment as the CLI reads them, with the files in place.
+        with monkeypatch.context() as m:
+            for name in ("TANDEM_STAGE_TLS_CERT", "TANDEM_STAGE_TLS_KEY", "TANDEM_STAGE_TLS_CA"):
+                m.delenv(name, raising=False)
+            for name, value in local.items():
+                m.setenv(name, value)
+            creds = config.stage_credentials_from_args(_stage_args(docs, stage), stage)
+        assert creds.tls_root == cert.read_bytes(), stage
+        if stage == "gateway":
+            # It calls the stages; the private key stays out of its pod.
+            assert creds.tls_cert is None
+            assert [i["key"] for i in vol["secret"]["items"]] == ["ca.crt"]
+            assert c["readinessProbe"]["grpc"]["port"] == DEFAULT_GATEWAY_PORT
+            continue
+        assert creds.tls_cert == (key.read_bytes(), cert.read_bytes()), stage
+        port = _stage_args(docs, stage).port
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in c[probe], (stage, probe)
+            assert c[probe]["timeoutSeconds"] >= 3, (stage, probe)
+            command = c[probe]["exec"]["command"]
+            assert command[:3] == ["python", "-m", "services.healthcheck"], command
+            args = healthcheck.parser().parse_args(command[3:])
+            assert args.address == f"127.0.0.1:{port}"
+            assert args.tls_ca == env["TANDEM_STAGE_TLS_CA"]
+            assert dialled[stage] == {args.tls_server_name}, (stage, probe)
 
 
 def test_k8s_environment_is_known():

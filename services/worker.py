@@ -54,8 +54,9 @@ async def run_worker(
     """Serve `make_service()` until cancelled.
 
     With a stage secret in `stage_credentials`, every call but health checks must carry it
-    (tandem.rpc.auth); with a certificate there, the port serves TLS only. Prometheus text is served on `metrics_port` (None: no metrics endpoint). `before_serving`
-    runs after the server started and before health says SERVING; if it fails, the worker stops.
+    (tandem.rpc.auth); with a certificate there, the port serves TLS only. Prometheus text is
+    served on `metrics_port` (None: no metrics endpoint). `before_serving` runs after the
+    server started and before health says SERVING; if it fails, the worker stops.
     """
     creds = stage_credentials or StageCredentials()
     auth = server_interceptors(creds.secret)

@@ -45,6 +45,24 @@ def require_interpreter(*kernels) -> None:
     )
 
 
+def run_healthcheck(address: str, *extra: str, timeout_s: float = 2, env: dict | None = None):
+    """`python -m services.healthcheck ADDRESS --timeout T EXTRA...` as a container probe runs
+    it (TANDEM_STAGE_TLS_CA only from `env`); the finished process, output captured."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k != "TANDEM_STAGE_TLS_CA"}
+    return subprocess.run(
+        [sys.executable, "-m", "services.healthcheck", address, "--timeout", str(timeout_s)]
+        + list(extra),
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**base, **(env or {})},
+    )
+
+
 def self_signed_cert(directory) -> tuple:
     """(key, cert): PEM files of a one-day self-signed certificate for localhost and 127.0.0.1,
     written into `directory` by openssl (the certificate is its own CA)."""

@@ -23,7 +23,7 @@ import yaml
 
 from tandem import cli, config
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, EngineConfig, stage_parser
-from tests.conftest import self_signed_cert
+from tests.conftest import run_healthcheck, self_signed_cert
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("gateway", "prefill", "decode", "draft")
@@ -613,16 +613,6 @@ def test_dockerfile_installs_the_nixl_wheel_of_the_base_cuda(tmp_path, cuda, nix
 
 
 # ---- services/healthcheck.py --------------------------------------------------------------------
-def _healthcheck(address: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.healthcheck", address, "--timeout", "2", *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_healthcheck_exits_0_only_when_serving():
     from concurrent import futures
 
@@ -637,16 +627,16 @@ def test_healthcheck_exits_0_only_when_serving():
     address = f"127.0.0.1:{port}"
     try:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        r = _healthcheck(address)
+        r = run_healthcheck(address)
         assert r.returncode == 1 and "NOT_SERVING" in r.stdout, r
         servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        r = _healthcheck(address)
+        r = run_healthcheck(address)
         assert r.returncode == 0 and "SERVING" in r.stdout, r
-        r = _healthcheck(address, "--service", "tandem.v1.Nothing")
+        r = run_healthcheck(address, "--service", "tandem.v1.Nothing")
         assert r.returncode == 1 and "NOT_FOUND" in r.stderr, r
     finally:
         server.stop(None)
-    r = _healthcheck(address)
+    r = run_healthcheck(address)
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r
 
 

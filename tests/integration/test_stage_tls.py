@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import STAGE_SECRET_KEY, StageCredentials, stage_channel_sync
-from tests.conftest import self_signed_cert
+from tests.conftest import run_healthcheck, self_signed_cert
 from tests.integration.cluster import free_ports
 from tests.integration.stages import Stage, gateway_stage, health, running, speculative_stages
 
@@ -117,34 +117,26 @@ def test_a_tls_caller_without_the_secret_is_unauthenticated(stack, certs):
     ch.close()
 
 
-def _healthcheck(address: str, *extra: str, env: dict | None = None):
-    base = {k: v for k, v in os.environ.items() if k != "TANDEM_STAGE_TLS_CA"}
-    return subprocess.run(
-        [sys.executable, "-m", "services.healthcheck", address, "--timeout", "5", *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**base, **(env or {})},
-    )
-
-
 def test_healthcheck_answers_serving_over_tls_with_the_ca(stack, certs):
     _, prefill, decode, _ = stack
     key, cert = certs
     for s in (prefill, decode):
-        r = _healthcheck(s.address, "--tls-ca", str(cert))
+        r = run_healthcheck(s.address, "--tls-ca", str(cert), timeout_s=5)
         assert r.returncode == 0 and "SERVING" in r.stdout, r
         # The CA from the variable the stages read, and the other name the certificate carries.
-        r = _healthcheck(f"localhost:{s.port}", env={"TANDEM_STAGE_TLS_CA": str(cert)})
+        r = run_healthcheck(
+            f"localhost:{s.port}", env={"TANDEM_STAGE_TLS_CA": str(cert)}, timeout_s=5
+        )
         assert r.returncode == 0 and "SERVING" in r.stdout, r
     # Without the CA the check speaks plaintext, and the stage does not answer it.
-    r = _healthcheck(prefill.address)
+    r = run_healthcheck(prefill.address, timeout_s=5)
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r
     # The name checked is the one asked for: this certificate does not carry `prefill`.
-    r = _healthcheck(prefill.address, "--tls-ca", str(cert), "--tls-server-name", "prefill")
+    r = run_healthcheck(
+        prefill.address, "--tls-ca", str(cert), "--tls-server-name", "prefill", timeout_s=5
+    )
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r
-    r = _healthcheck(prefill.address, "--tls-ca", str(cert) + ".nope")
+    r = run_healthcheck(prefill.address, "--tls-ca", str(cert) + ".nope", timeout_s=5)
     assert r.returncode == 2 and "--tls-ca file" in r.stderr, r
 
 

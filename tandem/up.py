@@ -153,11 +153,16 @@ def _stop(children: list[Child]) -> None:
 
 
 def _stage_env(stage: str) -> dict[str, str]:
-    """The environment of a stage: one OTEL_SERVICE_NAME per process (`<name>-<stage>`)."""
+    """The environment of a stage: one OTEL_SERVICE_NAME per process (`<name>-<stage>`). The
+    stage-TLS certificate and key exported for the workers' ports are not the gateway's, which
+    serves no stage port (it would refuse them); it keeps the CA that checks the workers."""
     env = dict(os.environ)
     name = env.get("OTEL_SERVICE_NAME")
     if name:
         env["OTEL_SERVICE_NAME"] = f"{name}-{stage}"
+    if stage == "gateway":
+        env.pop("TANDEM_STAGE_TLS_CERT", None)
+        env.pop("TANDEM_STAGE_TLS_KEY", None)
     return env
 
 

@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tandem.rpc import api_pb2, api_pb2_grpc
-from tests.conftest import self_signed_cert
+from tests.conftest import run_healthcheck, self_signed_cert
 from tests.integration.cluster import free_ports
 from tests.integration.stages import health, pipeline_stages
 
@@ -237,6 +237,32 @@ def test_up_with_tls_becomes_ready_and_serves(tmp_path, model_factory):
             f"https://127.0.0.1:{c.http_port}/health", context=ctx, timeout=10
         ) as r:
             assert r.status == 200
+    finally:
+        c.stop()
+
+
+def test_up_with_stage_tls_variables_serves_tls_between_its_stages(tmp_path, model_factory):
+    """The TANDEM_STAGE_TLS_* variables exported for `tandem up`: its workers serve TLS, the
+    gateway (which serves no stage port, so takes only the CA) reaches them and serves."""
+    from tests.integration.cluster import start_cluster
+
+    _, path = model_factory("llama")
+    key, cert = self_signed_cert(tmp_path)
+    tls = {"TANDEM_STAGE_TLS_CERT": str(cert), "TANDEM_STAGE_TLS_KEY": str(key)}
+    c = start_cluster(
+        ["--model", path, "--num-blocks", "64", "--disagg-threshold", "0"],
+        env={**tls, "TANDEM_STAGE_TLS_CA": str(cert)},
+    )
+    try:
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        fin = list(c.gateway().Generate(req, timeout=60))[-1].finish
+        assert fin.usage.completion_tokens == 3 and fin.kv_transport == "shm"
+        for p in (c.prefill_port, c.decode_port):
+            assert run_healthcheck(f"127.0.0.1:{p}", "--tls-ca", str(cert)).returncode == 0
+            assert run_healthcheck(f"127.0.0.1:{p}").returncode == 1  # plaintext: refused
     finally:
         c.stop()
 

@@ -117,6 +117,13 @@ def _admit(prefill: Stage, ids, kv: stages_pb2.KvRef, **kw) -> stages_pb2.Admit:
     )
 
 
+def _release(prefill: Stage, *lease_ids: str) -> None:
+    """Give leases back as their holder would (Prefill.Release by token)."""
+    stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
+        stages_pb2.ReleaseRequest(lease_ids=list(lease_ids))
+    )
+
+
 def test_health_stays_open_without_the_secret(stack):
     for s in stack:
         assert health(s.address) == health_pb2.HealthCheckResponse.SERVING, s.name
@@ -237,9 +244,7 @@ def test_admit_naming_unleased_blocks_is_refused(stack):
         # A refused reference releases nothing: the victim's lease is intact.
         assert prefill.stats().leases == 1
     finally:
-        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
-            stages_pb2.ReleaseRequest(lease_ids=[victim.kv.lease_id])
-        )
+        _release(prefill, victim.kv.lease_id)
     assert decode.stats().used_blocks == 0
 
 
@@ -263,9 +268,7 @@ def test_a_lease_replayed_after_its_release_is_refused(stack):
         assert "KV lease already taken" in fin.error
         assert prefill.stats().leases == 1
     finally:
-        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
-            stages_pb2.ReleaseRequest(lease_ids=[other.kv.lease_id])
-        )
+        _release(prefill, other.kv.lease_id)
     assert decode.stats().used_blocks == 0
 
 
@@ -278,9 +281,7 @@ def test_admit_with_tokens_other_than_the_leased_kv_is_refused(stack):
     assert "signature does not match these blocks and prompt tokens" in fin.error
     # Nothing entered the prefix cache: the prompt it claimed is computed afresh when someone
     # asks it.
-    stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
-        stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
-    )
+    _release(prefill, r.kv.lease_id)
     assert prefill.stats().leases == 0
     before = decode.stats()
     stub = gateway.gateway_stub()
@@ -376,9 +377,7 @@ def test_admit_never_dials_an_address_the_caller_chose(stack):
         assert decode.stats().registered_peers == 1
     finally:
         trap.close()
-        stages_pb2_grpc.PrefillStub(prefill.channel()).Release(
-            stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])
-        )
+        _release(prefill, r.kv.lease_id)
 
 
 def test_stage_channel_sends_the_secret(stack):

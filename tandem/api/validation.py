@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.api.sampling_params import SamplingParams
+
+
+def _within(ids: Sequence[int], vocab_size: int) -> bool:
+    """Every id (an int) is in [0, vocab_size)."""
+    try:
+        a = np.frombuffer(array("q", ids), dtype=np.int64)
+    except OverflowError:  # beyond 64 bits
+        return False
+    return bool(a.min() >= 0 and a.max() < vocab_size)
 
 
 def validate_request(
@@ -13,11 +25,9 @@ def validate_request(
     """Raise `ValueError` naming the field when a request cannot be served."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: it must hold at least one token")
-    # The common case in C (set, map, min and max): plain ints within the vocabulary. Anything
-    # else takes the loop, which names the offending id.
-    if set(map(type, prompt_token_ids)) != {int} or not (
-        0 <= min(prompt_token_ids) and max(prompt_token_ids) < vocab_size
-    ):
+    # The common case in C (set and map, then the bounds over a 64-bit copy): plain ints within
+    # the vocabulary. Anything else takes the loop, which names the offending id.
+    if set(map(type, prompt_token_ids)) != {int} or not _within(prompt_token_ids, vocab_size):
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(

@@ -1,5 +1,6 @@
-"""`validate_request`'s token-id check: the fast path (bounds over a 64-bit array) refuses
-exactly what the per-id loop refuses, and the error names the offending id."""
+"""`validate_request`'s token-id check: the fast paths (min and max of a short prompt, the
+bounds of a 64-bit array of a long one) refuse exactly what the per-id loop refuses, and the
+error names the offending id."""
 
 import numpy as np
 import pytest
@@ -10,10 +11,13 @@ from tandem.api.validation import validate_request
 VOCAB = 512
 
 
+@pytest.mark.parametrize("length", [3, 300])
 @pytest.mark.parametrize("bad", [512, -1, 2**70, -(2**70), True, 2.0, "6", np.int64(6), None])
-def test_bad_token_id_is_named(bad):
+def test_bad_token_id_is_named(bad, length):
+    ids = [5] * length
+    ids[length // 2] = bad
     with pytest.raises(ValueError, match="outside the vocabulary") as e:
-        validate_request([5, bad, 7], SamplingParams(), VOCAB, 4096)
+        validate_request(ids, SamplingParams(), VOCAB, 4096)
     assert f"prompt token id {bad!r} " in str(e.value)
 
 

@@ -12,6 +12,8 @@ from tandem.api.sampling_params import SamplingParams
 
 def _within(ids: Sequence[int], vocab_size: int) -> bool:
     """Every id (an int) is in [0, vocab_size)."""
+    if len(ids) < 256:  # below this, min and max cost less than the copy
+        return 0 <= min(ids) and max(ids) < vocab_size
     try:
         a = np.frombuffer(array("q", ids), dtype=np.int64)
     except OverflowError:  # beyond 64 bits

@@ -27,8 +27,8 @@ def validate_request(
     """Raise `ValueError` naming the field when a request cannot be served."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: it must hold at least one token")
-    # The common case in C (set and map, then the bounds over a 64-bit copy): plain ints within
-    # the vocabulary. Anything else takes the loop, which names the offending id.
+    # The common case in C (set and map, then the bounds: `_within`): plain ints within the
+    # vocabulary. Anything else takes the loop, which names the offending id.
     if set(map(type, prompt_token_ids)) != {int} or not _within(prompt_token_ids, vocab_size):
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:

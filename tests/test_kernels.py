@@ -198,6 +198,25 @@ def test_varlen_triton_matches_f64(
     )
     assert got.shape == q.shape and not got.isnan().any()
     torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
+    # The offsets as the engine sends them: int32 views into one buffer of its step inputs.
+    words = torch.zeros(64, dtype=torch.int64)
+    words.view(torch.int32)[32 : 32 + len(starts)] = torch.tensor(starts)
+    words.view(torch.int32)[64 : 64 + len(lens)] = torch.tensor(lens)
+    offsets = (
+        words[16:32].view(torch.int32)[: len(starts)],
+        words[32:].view(torch.int32)[: len(lens)],
+    )
+    again = pa_varlen.paged_attention_varlen_triton(
+        q, kc, vc, table, starts, lens, d**-0.5, block_m=bm, block_n=bn, device_offsets=offsets
+    )
+    assert torch.equal(again, got)
+    shifted = (offsets[0], offsets[1] + 1)  # the kernel reads the lens given, not the list's
+    assert not torch.equal(
+        pa_varlen.paged_attention_varlen_triton(
+            q, kc, vc, table, starts, lens, d**-0.5, block_m=bm, block_n=bn, device_offsets=shifted
+        ),
+        got,
+    )
 
 
 def test_varlen_triton_scaled_cache_matches_f64() -> None:

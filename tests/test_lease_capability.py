@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from tandem.kv.block_pool import BlockPool
@@ -47,6 +48,20 @@ def test_a_signature_checks_only_what_was_signed():
         check_lease(KEY, b"", *ARGS, now=1e9)
     with pytest.raises(LeaseRefused, match="expired"):
         check_lease(KEY, sig, *ARGS, now=time.time() + 3e9)
+
+
+def test_a_uint32_array_of_the_prompt_checks_as_its_list_does():
+    """The decode worker checks a lease against the prompt as a uint32 array: the same
+    signature as the list the prefill worker signed, refused for any other prompt."""
+    pool_id, token, blocks, n, expires, _ = ARGS
+    ids = [0, 1, 49151, 2**32 - 1] + list(range(4000, 4036))
+    sig = sign_lease(KEY, pool_id, token, blocks, n, expires, ids)
+    as_array = np.array(ids, dtype=np.uint32)
+    check_lease(KEY, sig, pool_id, token, blocks, n, expires, as_array, now=1e9)
+    assert sign_lease(KEY, pool_id, token, blocks, n, expires, as_array) == sig
+    for other in (as_array[:-1], as_array[::-1].copy(), np.where(as_array == 1, 2, as_array)):
+        with pytest.raises(LeaseRefused, match="signature does not match"):
+            check_lease(KEY, sig, pool_id, token, blocks, n, expires, other.astype(np.uint32))
 
 
 def test_the_signature_covers_the_block_names():

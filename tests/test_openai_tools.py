@@ -122,3 +122,26 @@ def test_forced_call_streams_its_arguments_in_pieces():
     cut = ForcedCallStream()
     cut.feed('{"name": "get_weather", "arguments": {"city": "Lis')
     assert cut.finish()[1] is False
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "f", "arguments": {"a": 1}}',
+        '{"name":"f","arguments":{"a":[1, 2],"b":"x  y"}}',
+        '{ "name" : "f" ,\n  "arguments" :   {"a": {"b": null}}  \n}',
+    ],
+)
+def test_forced_call_arguments_are_exactly_the_written_object(text):
+    """However the text is cut into pieces, the argument deltas join to the arguments as the
+    model wrote them: no whitespace from around them, nothing of the enclosing object."""
+    from services.gateway.openai_tools import ForcedCallStream
+
+    start = text.index("{", text.index('"arguments"'))
+    want = text[start : text.rindex("}")].rstrip()
+    for size in range(1, 13):
+        st = ForcedCallStream()
+        deltas = [d for i in range(0, len(text), size) for d in st.feed(text[i : i + size])]
+        rest, complete = st.finish()
+        args = "".join(d["function"]["arguments"] for d in deltas[1:] + rest)
+        assert complete and args == want, (size, args)

@@ -7,6 +7,7 @@ preempt; reference counts and leases leak nothing (cached blocks nobody holds ar
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,21 @@ def test_pool_keeps_cached_blocks_free_and_evicts_least_recently_freed():
         pool.free([a])
     with pytest.raises(ValueError, match="not cached"):
         pool.acquire(got[0])
+
+
+def test_cache_many_names_blocks_as_cache_does_one_by_one():
+    one, many = BlockPool(6), BlockPool(6)
+    pairs = [(0, b"A"), (1, b"B"), (2, b"A"), (1, b"C"), (3, b"D")]  # a name taken, a block named
+    for pool in (one, many):
+        pool.allocate(4)
+    for b, h in pairs:
+        one.cache(b, h)
+    many.cache_many([b for b, _ in pairs], [h for _, h in pairs])
+    for h in (b"A", b"B", b"C", b"D"):
+        assert many.lookup(h) == one.lookup(h)
+    assert [many.is_cached(b) for b in range(6)] == [one.is_cached(b) for b in range(6)]
+    with pytest.raises(ValueError, match="block 5 is not allocated"):
+        many.cache_many([5], [b"E"])
 
 
 @pytest.mark.parametrize("lru_k", [1, 2])
@@ -311,7 +327,10 @@ def test_admit_prefilled_copies_only_the_uncached_blocks(llama):
             copies.append((first, len(dst)))
             gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
 
-        seq, imported = dec.admit_prefilled(p, first_token, GREEDY, rid, copy_in)
+        # The second prompt as a decode worker reads one from its message: a uint32 array.
+        ids = np.array(p, dtype=np.uint32) if i else p
+        seq, imported = dec.admit_prefilled(ids, first_token, GREEDY, rid, copy_in)
+        assert seq.prompt_token_ids == p and type(seq.prompt_token_ids[0]) is int
         pre.leases.release(rid)
         assert imported
         while dec.has_unfinished():
@@ -381,7 +400,10 @@ def test_imported_sequences_wait_with_their_kv_when_the_batch_is_full(llama):
         def copy_in(dst: list[int], first: int, src=src) -> None:
             gather_copy(dec.kv, dst, pre.kv, src[first : first + len(dst)])
 
-        seq, imported = dec.admit_prefilled(p, first_token, GREEDY, rid, copy_in)
+        # The second prompt as a decode worker reads one from its message: a uint32 array.
+        ids = np.array(p, dtype=np.uint32) if i else p
+        seq, imported = dec.admit_prefilled(ids, first_token, GREEDY, rid, copy_in)
+        assert seq.prompt_token_ids == p and type(seq.prompt_token_ids[0]) is int
         pre.leases.release(rid)
         assert imported
         seqs.append(seq)

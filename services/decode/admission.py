@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.decode.peers import PrefillPeer
@@ -38,7 +39,7 @@ class _Request:
     """One Admit, parsed."""
 
     msg: stages_pb2.Admit
-    ids: list[int]
+    ids: np.ndarray  # the prompt's ids, uint32
     params: object
     rng: torch.Tensor | None
     t0: float
@@ -55,7 +56,9 @@ class AdmissionMixin:
         rng = (
             torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
         )
-        ids = list(msg.prompt_token_ids)
+        # Copied out of the message once, in C: the lease signs the array's bytes, the engine
+        # checks the array and makes the sequence's list.
+        ids = np.array(msg.prompt_token_ids, dtype=np.uint32)
         req = _Request(msg, ids, sampling_from_proto(msg.sampling), rng, time.monotonic())
         self.obs.begin(msg)
         if msg.prefill_here:
@@ -85,9 +88,10 @@ class AdmissionMixin:
             kind = peer.kind.value if imported else "recompute"
             ended = joined[0]
             if source.pending is not None and imported:
-                # A GPU copy: the handover ends when the device has run it.
+                # A GPU copy: the handover ends when the device has run it (the steps behind it
+                # on the stream see the blocks then), not when this loop hears of it.
                 await source.pending.wait()
-                ended = max(ended, time.monotonic())
+                ended = max(ended, source.pending.passed_at())
                 if self.copies.pop(sid, None) is not None and sid in self.transfer:
                     self.transfer[sid] = ((ended - req.t0) * 1e3, kind)
             self.obs.admitted(sid, req.t0, ended, kind, source.blocks_moved if imported else 0)
@@ -241,8 +245,8 @@ class AdmissionMixin:
         self.transfer[sid] = ((joined[0] - req.t0) * 1e3, kind)
         if imported and source.pending is not None:
             # Until the admission sees the copy done and notes the handover's end (should the
-            # sequence finish first, its device time completes the host time noted here).
-            self.copies[sid] = source.pending
+            # sequence finish first, the copy's end replaces the host time noted here).
+            self.copies[sid] = (source.pending, req.t0)
         return imported
 
     async def _release(self, address: str, lease_id: str, failure: str = "") -> None:

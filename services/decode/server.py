@@ -79,8 +79,9 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self.owner: dict[str, Session] = {}
         self.transfer: dict[str, tuple[float, str]] = {}
-        # GPU copies of imported KV (seq id -> DeviceCopy): the handover lasts until they ran.
-        self.copies: dict[str, DeviceCopy] = {}
+        # GPU copies of imported KV (seq id -> the copy, the Admit's arrival on the monotonic
+        # clock): the handover lasts until they ran.
+        self.copies: dict[str, tuple[DeviceCopy, float]] = {}
         self.imports_by_transport: dict[str, int] = {}
         # Per sequence, noted at its first step here: (prompt tokens found in the prefix cache,
         # queue ms, prefill ms); the last two only mean something for prefill_here sequences.
@@ -190,11 +191,11 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
 
     def _finished(self, sid: str, reason: str) -> stages_pb2.SeqFinished:
         ms, kind = self.transfer.pop(sid, (0.0, ""))
-        copy = self.copies.pop(sid, None)
+        copy, t0 = self.copies.pop(sid, (None, 0.0))
         if copy is not None and copy.passed():
             # It ran before this sequence's steps, on the same stream (a sequence cancelled
             # before its first step may end while it still runs: then its host time alone).
-            ms += copy.device_ms()
+            ms = max(ms, (copy.passed_at() - t0) * 1e3)
         proposed, accepted = self.spec_totals.pop(sid, (0, 0))
         cached, queue_ms, prefill_ms = self.prefill_info.pop(sid, (0, 0.0, 0.0))
         err = ""

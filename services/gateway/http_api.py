@@ -476,7 +476,9 @@ class OpenAIServer:
             async for i, ev in _after(first, events):
                 c = choices[i]
                 if isinstance(ev, TextDelta):
-                    if not ev.text or score_only:
+                    # A token without text (the end-of-sequence token) still has its logprobs
+                    # sent, as the response without streaming has them.
+                    if score_only or not (ev.text or (params.logprobs is not None and ev.logprobs)):
                         continue
                     if chat and tools is not None and tools.forced:
                         # The grammar makes the reply one call: stream it as a call.

@@ -314,7 +314,11 @@ class ForcedCallStream:
             head = {"index": 0, "id": self.id, "type": "function"}
             head["function"] = {"name": self.name, "arguments": ""}
             out.append(head)
-        upto = len(self.text) - 1  # the last character may be the object's closing brace
+        if not self.sent:  # whitespace before the arguments is not part of them
+            self.args_start = len(self.text) - len(self.text[self.args_start :].lstrip())
+        # Held back: the last character (it may be the object's closing brace) and whitespace
+        # before it (it may fall between the arguments and that brace).
+        upto = len(self.text.rstrip()[:-1].rstrip())
         if upto > self.args_start + self.sent:
             out.append(self._piece(self.text[self.args_start + self.sent : upto]))
         return out
@@ -324,9 +328,10 @@ class ForcedCallStream:
         s = self.text.rstrip()
         if self.name is None or not s.endswith("}"):
             return [], False
-        rest = s[self.args_start + self.sent : -1]
+        args = s[:-1].rstrip()  # the arguments end before the object's closing brace
+        rest = args[self.args_start + self.sent :]
         try:
-            json.loads(s[self.args_start : -1])
+            json.loads(args[self.args_start :])
         except json.JSONDecodeError:
             return ([self._piece(rest)] if rest else []), False
         return ([self._piece(rest)] if rest else []), True

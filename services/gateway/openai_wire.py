@@ -207,7 +207,8 @@ def _chunk(
         "object": obj,
         "created": created,
         "model": model,
-        "choices": [{"index": index, "finish_reason": finish, **part}],
+        # `logprobs` is null unless the part brings them, as in OpenAI's chunks.
+        "choices": [{"index": index, "logprobs": None, "finish_reason": finish, **part}],
     }
 
 
@@ -362,20 +363,23 @@ def _param_of(message: str) -> str | None:
 
 
 def chat_logprobs(tok, lps) -> dict:
-    """The chat API's logprobs of sampled tokens: each token with its top alternatives."""
-    content = []
-    for lp in lps:
-        content.append(
-            {
-                "token": tok.decode([lp.token_id], skip_special_tokens=False),
-                "logprob": lp.logprob,
-                "top_logprobs": [
-                    {"token": tok.decode([t], skip_special_tokens=False), "logprob": v}
-                    for t, v in lp.top
-                ],
-            }
-        )
-    return {"content": content}
+    """The chat API's logprobs of sampled tokens: each token with its top alternatives, each
+    with its text and its bytes (a character split over several tokens has part of its UTF-8
+    bytes in each, where the text of each alone is U+FFFD)."""
+
+    ids = sorted({t for lp in lps for t in (lp.token_id, *(i for i, _ in lp.top))})
+    raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
+
+    def entry(t: int, logprob: float) -> dict:
+        text = tok.decode([t], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(raw[t])}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]
+    }
 
 
 def echo_logprobs(tok, ids: list[int], lps: list | None, echo: str) -> tuple[dict, int]:

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from services.prefill.observe import PrefillTelemetry
 from services.worker import run_worker, worker_stats
@@ -254,7 +255,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already being prefilled"
             )
         params = sampling_from_proto(request.sampling)
-        ids = list(request.prompt_token_ids)
+        # One copy out of the message, in C; the engine checks the array in C too.
+        ids = np.array(request.prompt_token_ids, dtype=np.uint32)
         owner = peer_host(context.peer() or "")
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
 

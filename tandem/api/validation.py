@@ -21,15 +21,33 @@ def _within(ids: Sequence[int], vocab_size: int) -> bool:
     return bool(a.min() >= 0 and a.max() < vocab_size)
 
 
+def _check_array(ids: np.ndarray, vocab_size: int) -> None:
+    """A prompt given as a numpy array (a worker reads a message's ids into one): integers,
+    one dimension, within the vocabulary."""
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"prompt token ids must be one sequence of integers, got a {ids.ndim}-dimensional "
+            f"array of {ids.dtype}"
+        )
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+        raise ValueError(f"prompt token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
 def validate_request(
-    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_token_ids: Sequence[int] | np.ndarray,
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
 ) -> None:
     """Raise `ValueError` naming the field when a request cannot be served."""
-    if not prompt_token_ids:
+    if not len(prompt_token_ids):
         raise ValueError("prompt is empty: it must hold at least one token")
+    if isinstance(prompt_token_ids, np.ndarray):
+        _check_array(prompt_token_ids, vocab_size)
     # The common case in C (set and map, then the bounds: `_within`): plain ints within the
     # vocabulary. Anything else takes the loop, which names the offending id.
-    if set(map(type, prompt_token_ids)) != {int} or not _within(prompt_token_ids, vocab_size):
+    elif set(map(type, prompt_token_ids)) != {int} or not _within(prompt_token_ids, vocab_size):
         for t in prompt_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 raise ValueError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from tandem.api.sampling_params import SamplingParams
@@ -15,6 +16,10 @@ from tandem.engine.sampler import make_generator
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.kv.block_table import BlockTable
 from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded
+
+# A prompt: a list of ids, or a numpy integer array of them (how a worker reads a message's ids:
+# checked in C, not id by id).
+PromptIds = list[int] | np.ndarray
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -43,7 +48,7 @@ class AdmissionMixin:
     _ids: Iterator[int]
 
     def validate_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None = None
+        self, prompt_token_ids: PromptIds, params: SamplingParams, tenant: str | None = None
     ) -> None:
         """Raise `ValueError` naming the field when a request cannot be served, and
         `TenantQuotaExceeded` when its tenant's KV quota could never hold its prompt."""
@@ -72,7 +77,7 @@ class AdmissionMixin:
 
     def add_request(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: PromptIds,
         params: SamplingParams,
         request_id: str | None = None,
         prefill_only: bool = False,
@@ -85,12 +90,13 @@ class AdmissionMixin:
         """
         self.validate_request(prompt_token_ids, params, tenant)
         self._check_queue()
+        prompt = _as_list(prompt_token_ids)
         rid = request_id if request_id is not None else f"seq-{next(self._ids)}"
         if rid in self.seqs:
             raise ValueError(f"request id {rid!r} is already running")
         seq = Sequence(
             seq_id=rid,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt,
             params=params,
             block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=None if params.greedy else make_generator(params.seed, self.device),
@@ -103,7 +109,7 @@ class AdmissionMixin:
 
     def _prefilled_seq(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: PromptIds,
         first_token: int,
         params: SamplingParams,
         request_id: str,
@@ -126,6 +132,7 @@ class AdmissionMixin:
         self._check_queue()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
+        prompt = _as_list(prompt_token_ids)
         gen = None
         if not params.greedy:
             gen = make_generator(params.seed, self.device)
@@ -133,7 +140,7 @@ class AdmissionMixin:
                 gen.set_state(rng_state)
         seq = Sequence(
             seq_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt,
             params=params,
             block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=gen,
@@ -154,7 +161,7 @@ class AdmissionMixin:
         hit: list[int] = []
         names: list[bytes] = []
         if self.prefix_cache is not None:
-            hit, names = self.prefix_cache.match(prompt_token_ids, n, table.known_names)
+            hit, names = self.prefix_cache.match(prompt, n, table.known_names)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         self.seqs[request_id] = seq
         fresh = table.blocks_needed(n + 1) - len(hit)
@@ -170,7 +177,7 @@ class AdmissionMixin:
 
     def admit_prefilled(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: PromptIds,
         first_token: int,
         params: SamplingParams,
         request_id: str,
@@ -231,7 +238,7 @@ class AdmissionMixin:
     # ---- KV imports that complete outside the engine thread (a network read) ----------------
     def reserve_prefilled(
         self,
-        prompt_token_ids: list[int],
+        prompt_token_ids: PromptIds,
         first_token: int,
         params: SamplingParams,
         request_id: str,
@@ -286,3 +293,8 @@ class AdmissionMixin:
         else:
             self.scheduler.add(seq)
         return True
+
+
+def _as_list(ids: PromptIds) -> list[int]:
+    """A sequence's own list of a prompt's ids."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tandem.engine.sequence import Sequence
+from tandem.host_copy import device_tensor
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
@@ -99,9 +100,11 @@ def write_pending_ids(input_ids: torch.Tensor, pending: PendingIds | None) -> No
     if rows == prev_rows and rows == list(range(n)):  # the common case: the same batch again
         input_ids[:n].copy_(prev_ids[:n])
         return
-    dev = input_ids.device
-    src = prev_ids.index_select(0, torch.tensor(prev_rows, dtype=torch.long, device=dev))
-    input_ids.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=dev), src)
+    # Both index lists in one queued copy (`tandem.host_copy`): the step in flight wrote
+    # `prev_ids`, and a synchronizing copy here would wait for it.
+    idx = device_tensor(prev_rows + rows, torch.long, input_ids.device)
+    src = prev_ids.index_select(0, idx[: len(prev_rows)])
+    input_ids.index_copy_(0, idx[len(prev_rows) :], src)
 
 
 class DecodeGraphs:

@@ -33,7 +33,7 @@ import torch
 
 from tandem.api.sampling_params import StructuredOutput
 from tandem.api.structured import check_structured, choice_grammar, load_xgrammar, parse_choices
-from tandem.engine.sampler import device_tensor, to_device
+from tandem.host_copy import device_tensor, to_device
 
 
 class GrammarCompiler:

@@ -30,6 +30,7 @@ from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.spec_step import SpeculativeStepMixin
 from tandem.engine.step_output import StepOutput, StepOutputMixin
+from tandem.host_copy import device_tensor
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
 from tandem.kv.lease import Lease, LeaseTable
@@ -286,9 +287,7 @@ class LLMEngine(
                     seq.num_computed += n
             if not done:
                 return []
-            logits = logits[
-                torch.tensor([i for i, _ in done], dtype=torch.long, device=logits.device)
-            ]
+            logits = logits[device_tensor([i for i, _ in done], torch.long, logits.device)]
             items = [it for _, it in done]
             seqs = [s for s, _ in items]
         # The forward is queued on the device; the masks are filled on the host meanwhile.

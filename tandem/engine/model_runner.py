@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.engine.cuda_graphs import DecodeGraphs, PendingIds, write_pending_ids
 from tandem.engine.prompt_logprobs import PromptScoring
 from tandem.engine.sequence import Sequence
+from tandem.host_copy import device_tensor
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
+
+# Each packed step input starts at a multiple of this many int64s (128 bytes).
+_ALIGN = 16
 
 
 class ModelRunner:
@@ -62,19 +67,40 @@ class ModelRunner:
             tables.append(blocks[: (start + n + bs - 1) // bs])
         width = max(len(t) for t in tables)
         # Padding entries point at block 0; the context-length mask keeps them out of attention.
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+        flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
+        decode_only = len(ids) == len(items)
+        parts: list[list[int]] = [ids, pos, slots, ctx, flat]
+        if not decode_only:
+            # The varlen attention kernel's offsets, int32, two to a word.
+            parts += [_int32_words(qsl), _int32_words(ctx)]
+        # One host tensor and one queued copy for all inputs (a copy from a Python list would
+        # synchronize the stream: see `tandem.host_copy`); each input is a slice of it,
+        # starting on a 128-byte boundary like a tensor of its own.
+        starts = []
+        packed: list[int] = []
+        for part in parts:
+            starts.append(len(packed))
+            packed.extend(part)
+            packed.extend([0] * (-len(packed) % _ALIGN))
+        dev = device_tensor(packed, torch.long, self.device)
+        ids_d, pos_d, slots_d, ctx_d, flat_d, *offsets = (
+            dev[a : a + len(part)] for a, part in zip(starts, parts, strict=True)
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            context_lens=torch.tensor(ctx, dtype=torch.long, device=dev),
+            slot_mapping=slots_d,
+            block_tables=flat_d.view(len(tables), width),
+            context_lens=ctx_d,
             context_lens_list=ctx,
             query_start_loc=qsl,
-            decode_only=len(ids) == len(items),
+            decode_only=decode_only,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta
+        if offsets:
+            qsl_words, ctx_words = offsets
+            meta.varlen_offsets = (
+                qsl_words.view(torch.int32)[: len(qsl)],
+                ctx_words.view(torch.int32)[: len(ctx)],
+            )
+        return ids_d, pos_d, meta
 
     @torch.inference_mode()
     def execute(
@@ -111,8 +137,16 @@ class ModelRunner:
                 for end, m in zip(meta.query_start_loc[1:], num_logits, strict=True)
                 for r in range(end - m, end)
             ]
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[device_tensor(rows, torch.long, self.device)]
         elif not meta.decode_only:
-            last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
-            hidden = hidden[last]
+            last = [end - 1 for end in meta.query_start_loc[1:]]
+            hidden = hidden[device_tensor(last, torch.long, self.device)]
         return self.model.logits(hidden)
+
+
+def _int32_words(values: list[int]) -> list[int]:
+    """`values` as int32s, two to an int64 word (little-endian, as the device reads a view of
+    the words as int32)."""
+    a = np.zeros(len(values) + len(values) % 2, dtype="<i4")
+    a[: len(values)] = values
+    return a.view("<i8").tolist()

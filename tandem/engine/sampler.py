@@ -17,24 +17,11 @@ import torch
 
 from tandem.api.logprobs import TokenLogprobs
 from tandem.api.sampling_params import SamplingParams
+from tandem.host_copy import device_tensor, to_device
 from tandem.kernels.argmax import argmax_rows
 
 # With no top-p row, top-k uses torch.topk up to this k instead of sorting the whole vocabulary.
 _TOPK_WITHOUT_SORT_MAX = 1024
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the work queued there: a plain copy to
-    a GPU synchronizes its stream, so the host would stall until the forward in flight is done;
-    from pinned memory the copy is queued like a kernel."""
-    if device.type == "cuda":
-        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
-    return t.to(device)
-
-
-def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype)` on `device`, queued without a synchronization."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -14,6 +14,7 @@ from tandem.engine.sampler import sample
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.spec_decode import accept_draft_tokens
 from tandem.engine.step_output import StepOutput
+from tandem.host_copy import device_tensor
 
 if TYPE_CHECKING:
     from tandem.engine.grammar import GrammarCompiler
@@ -54,7 +55,7 @@ class SpeculativeStepMixin:
             bitmask, mask_rows = self._masks(plain_seqs)
             hist, gen = self._sample_inputs(plain_seqs)
             toks, lps = sample(
-                logits[torch.tensor(plain_rows, device=logits.device)],
+                logits[device_tensor(plain_rows, torch.long, logits.device)],
                 [s.params for s in plain_seqs],
                 [s.generator for s in plain_seqs],
                 hist,

@@ -23,34 +23,40 @@ _CHUNK_WORDS = 2048
 def _gather_blocks_kernel(
     src,
     dst,
-    src_ids,
-    dst_ids,
-    src_plane_stride,
-    dst_plane_stride,
+    ids,
+    n,
+    src_plane_words,
+    dst_plane_words,
     BLOCK_WORDS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
+    # The pools as 32-bit words, whatever their dtype (bf16, fp8, fp32 scales...).
+    src = src.to(tl.pointer_type(tl.int32), bitcast=True)
+    dst = dst.to(tl.pointer_type(tl.int32), bitcast=True)
     j = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)
-    s = tl.load(src_ids + j).to(tl.int64)
-    d = tl.load(dst_ids + j).to(tl.int64)
-    src_base = src + plane * src_plane_stride + s * BLOCK_WORDS
-    dst_base = dst + plane * dst_plane_stride + d * BLOCK_WORDS
+    s = tl.load(ids + j).to(tl.int64)
+    d = tl.load(ids + n + j).to(tl.int64)
+    src_base = src + plane * src_plane_words + s * BLOCK_WORDS
+    dst_base = dst + plane * dst_plane_words + d * BLOCK_WORDS
     for off in tl.static_range(0, BLOCK_WORDS, CHUNK):
         o = off + tl.arange(0, CHUNK)
         mask = o < BLOCK_WORDS
         tl.store(dst_base + o, tl.load(src_base + o, mask=mask), mask=mask)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """`t` ([layers, 2, blocks, ...], contiguous) as 32-bit words, or None when its blocks are
-    not whole words."""
+def _block_words(t: torch.Tensor) -> int | None:
+    """Words (32 bits) in one block of one plane of `t` ([layers, 2, blocks, ...]), or None
+    when `t` is not contiguous or its blocks are not whole words. Shape arithmetic only: this
+    runs on every handover, before the copy is on the stream."""
     if not t.is_contiguous():
         return None
-    block_bytes = t[0, 0, 0].numel() * t.element_size()
+    block_bytes = t.element_size()
+    for d in t.shape[3:]:
+        block_bytes *= d
     if block_bytes % 4 or (t.shape[-1] * t.element_size()) % 4:
         return None
-    return t.view(torch.uint8).view(torch.int32)
+    return block_bytes // 4
 
 
 def gather_blocks_ref(
@@ -63,37 +69,38 @@ def gather_blocks_ref(
     dst.index_copy_(2, dst_ids.to(dst.device), src.index_select(2, src_ids.to(src.device)))
 
 
-def gather_blocks(
-    dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor
-) -> None:
-    """dst[:, :, dst_ids[j]] = src[:, :, src_ids[j]] for every j.
+def _launch(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor, words: int) -> None:
+    """The kernel over `ids` = [source ids..., destination ids...] (int32 or int64)."""
+    n = ids.numel() // 2
+    _gather_blocks_kernel[(n, src.shape[0] * src.shape[1])](
+        src,
+        dst,
+        ids,
+        n,
+        src.shape[2] * words,
+        dst.shape[2] * words,
+        BLOCK_WORDS=words,
+        CHUNK=min(_CHUNK_WORDS, triton.next_power_of_2(words)),
+        num_warps=4,
+    )
 
-    `dst_ids` and `src_ids` are int32 or int64 tensors on `dst`'s device. On CUDA, with both
-    pools on one device, it is one kernel launch and no host synchronisation."""
+
+def gather_block_pairs(dst: torch.Tensor, src: torch.Tensor, ids: torch.Tensor) -> None:
+    """dst[:, :, ids[n + j]] = src[:, :, ids[j]] for every j < n, `ids` holding 2n block ids
+    (the sources, then the destinations) on `dst`'s device: one tensor, so one host-to-device
+    copy brings both lists. On CUDA, with both pools on one device, one kernel launch and no
+    host synchronisation."""
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
         raise ValueError(f"copying blocks of a {tuple(src.shape)} pool into {tuple(dst.shape)}")
     if src.dtype != dst.dtype:
         raise ValueError(f"copying blocks of a {src.dtype} pool into a {dst.dtype} pool")
-    if src_ids.numel() != dst_ids.numel():
-        raise ValueError(f"copying {src_ids.numel()} blocks into {dst_ids.numel()}")
-    n = src_ids.numel()
-    if n == 0:
+    if ids.numel() % 2:
+        raise ValueError(f"{ids.numel()} block ids: not source and destination pairs")
+    if ids.numel() == 0:
         return
-    sw, dw = _words(src), _words(dst)
-    if not (dst.is_cuda and src.device == dst.device and sw is not None and dw is not None):
-        gather_blocks_ref(dst, dst_ids, src, src_ids)
+    words = _block_words(src)
+    if dst.is_cuda and src.device == dst.device and words and _block_words(dst) == words:
+        _launch(dst, src, ids, words)
         return
-    planes = src.shape[0] * src.shape[1]
-    block_words = sw[0, 0, 0].numel()
-    chunk = min(_CHUNK_WORDS, triton.next_power_of_2(block_words))
-    _gather_blocks_kernel[(n, planes)](
-        sw,
-        dw,
-        src_ids,
-        dst_ids,
-        sw[0, 0].numel(),
-        dw[0, 0].numel(),
-        BLOCK_WORDS=block_words,
-        CHUNK=chunk,
-        num_warps=4,
-    )
+    n = ids.numel() // 2
+    gather_blocks_ref(dst, ids[n:], src, ids[:n])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.host_copy import device_tensor
 from tandem.kernels._triton import tl, triton
 from tandem.kernels.attention_parts import LOG2E, kv_dot_operands
 
@@ -137,10 +138,15 @@ def paged_attention_varlen_triton(
     v_scale: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    device_offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`paged_attention_varlen_ref` in one launch: causal attention of packed multi-token queries
     over the paged cache (a whole prompt, a prompt chunk after a cached prefix, or the k + 1
-    positions of a speculative verification)."""
+    positions of a speculative verification).
+
+    `device_offsets`: `query_start_loc` and `context_lens` already on q's device as int32
+    tensors (the engine sends them once per step with its other inputs); without them they
+    are copied here, queued behind the work in flight (`tandem.host_copy`)."""
     t, hq, d = q.shape
     _, block_size, hkv, d_k = k_cache.shape
     b = len(context_lens)
@@ -181,8 +187,10 @@ def paged_attention_varlen_triton(
         block_n = 64 if q.is_cuda else 16
     max_q = max(query_start_loc[i + 1] - query_start_loc[i] for i in range(b))
     dev = q.device
-    qs = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
-    cl = torch.tensor(context_lens, dtype=torch.int32, device=dev)
+    if device_offsets is None:
+        both = device_tensor([*query_start_loc, *context_lens], torch.int32, dev)
+        device_offsets = both[: b + 1], both[b + 1 :]
+    qs, cl = device_offsets
     dot_fp32 = q.dtype == torch.float32 or not q.is_cuda
     ks = k_scale if scaled else cl
     vs = v_scale if scaled else cl

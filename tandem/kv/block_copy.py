@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from tandem.kernels.kv_gather import gather_blocks
+from tandem.host_copy import to_device
+from tandem.kernels.kv_gather import gather_block_pairs
 from tandem.kv.cache import KVCache
 from tandem.kv.layout import LayoutMismatch
 from tandem.quant.kv import is_quantized_kv
@@ -45,11 +47,13 @@ def gather_copy(dst: KVCache, dst_blocks: list[int], src: KVCache, src_blocks: l
     if src.scales is not None and dst.scales is not None:
         pairs.append((src.scales, dst.scales))
     if dst.data.is_cuda and src.data.device == dst.data.device:
-        # From pageable memory: the driver stages it at once, without waiting for the stream.
-        ids = torch.from_numpy(np.array([src_blocks, dst_blocks], dtype=np.int32))
-        ids = ids.to(dst.data.device, non_blocking=True)
+        # Both id lists in one tensor, queued from pinned memory: from pageable memory the
+        # driver would start the copy only once the stream drained (the decode step in flight).
+        ids = to_device(
+            torch.from_numpy(np.array([*src_blocks, *dst_blocks], dtype=np.int32)), dst.data.device
+        )
         for a, b in pairs:
-            gather_blocks(b, ids[1], a, ids[0])
+            gather_block_pairs(b, a, ids)
         return
     if is_quantized_kv(dst.data.dtype):
         # Byte views: index_copy_ is not implemented for float8 on every device.
@@ -76,27 +80,66 @@ def copy_blocks_and_wait(
         torch.cuda.current_stream(dst.data.device).synchronize()
 
 
+class DeviceClock:
+    """When the device ran an event, on the host's `time.monotonic()` clock.
+
+    The anchor is a timing event recorded on a stream of its own (idle, so it runs at once) and
+    waited for: the host reads the time as the wait returns, so the anchor's host time is at or
+    a little after its device time. An event that ran later is the anchor's host time plus the
+    device time between the two, never early. The anchor is renewed every `RENEW_S` seconds, so
+    the two clocks' drift stays within microseconds."""
+
+    RENEW_S = 1.0
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device)
+        self._anchor: tuple[torch.cuda.Event, float] | None = None
+
+    def anchor(self) -> tuple[torch.cuda.Event, float]:
+        """A passed timing event and the host time at which it had passed."""
+        if self._anchor is None or time.monotonic() - self._anchor[1] > self.RENEW_S:
+            ev = torch.cuda.Event(enable_timing=True)  # spins: the wait returns at once
+            ev.record(self._stream)
+            ev.synchronize()
+            self._anchor = (ev, time.monotonic())
+        return self._anchor
+
+
+_clocks: dict[torch.device, DeviceClock] = {}
+
+
+def device_clock(device: torch.device) -> DeviceClock:
+    """The one `DeviceClock` of a CUDA device."""
+    device = torch.device("cuda", device.index if device.index is not None else 0)
+    clock = _clocks.get(device)
+    if clock is None:
+        clock = _clocks[device] = DeviceClock(device)
+    return clock
+
+
 @dataclass
 class DeviceCopy:
-    """A copy enqueued on a GPU stream, between two timing events. Work enqueued after it on
-    that stream (the decode steps) sees the copied blocks; the host learns that it has run
-    (so the peer may reuse its blocks) from `passed` or `wait`."""
+    """A copy enqueued on a GPU stream, ending with a timing event. Work enqueued after it on
+    that stream (the decode steps) sees the copied blocks; the host learns that it has run (so
+    the peer may reuse its blocks) from `passed` or `wait`, and when from `passed_at`."""
 
-    start: torch.cuda.Event
     end: torch.cuda.Event
+    anchor: tuple[torch.cuda.Event, float]  # from the device's `DeviceClock`, before the copy
 
     def passed(self) -> bool:
         return self.end.query()
 
     async def wait(self) -> None:
-        """Until the device has run the copy. The events are blocking-sync ones, so the thread
-        waiting here sleeps instead of spinning on a core."""
+        """Until the device has run the copy. The end event is a blocking-sync one, so the
+        thread waiting here sleeps instead of spinning on a core."""
         if not self.end.query():
             await asyncio.to_thread(self.end.synchronize)
 
-    def device_ms(self) -> float:
-        """The copy's time on the device (once it has passed)."""
-        return self.start.elapsed_time(self.end)
+    def passed_at(self) -> float:
+        """The `time.monotonic()` at which the device had run the copy (once it has passed):
+        the end of a KV handover, for the steps queued behind it."""
+        event, at = self.anchor
+        return at + event.elapsed_time(self.end) / 1e3
 
 
 def copy_blocks(
@@ -107,8 +150,8 @@ def copy_blocks(
     if not dst.data.is_cuda:
         gather_copy(dst, dst_blocks, src, src_blocks)
         return None
-    start, end = (torch.cuda.Event(enable_timing=True, blocking=True) for _ in range(2))
-    start.record()
+    anchor = device_clock(dst.data.device).anchor()
     gather_copy(dst, dst_blocks, src, src_blocks)
+    end = torch.cuda.Event(enable_timing=True, blocking=True)
     end.record()
-    return DeviceCopy(start, end)
+    return DeviceCopy(end, anchor)

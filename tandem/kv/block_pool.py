@@ -182,7 +182,7 @@ class BlockPool:
         k = min(n, len(free))
         out = [free.popleft() for _ in range(k)]
         if k < n:  # the rest from the cached blocks nobody holds, in eviction order
-            out += [self._evict(0) for _ in range(n - k)]
+            out += self._evict_many(0, n - k)
         refs, owner, last, prev = self._refs, self._owner, self._last, self._prev
         for b in out:
             refs[b] = 1
@@ -220,6 +220,22 @@ class BlockPool:
         del self._by_hash[self._hash_of.pop(b)]
         self.evictions[t] += 1
         return b
+
+    def _evict_many(self, t: int, n: int) -> list[int]:
+        """`_evict(t)` n times, the bookkeeping of all n in one pass (a long prompt's blocks)."""
+        if self.lru_k != 1:
+            return [self._evict(t) for _ in range(n)]
+        pop = self._fifo[t].popitem
+        out = [pop(last=False)[0] for _ in range(n)]
+        key, owner, by_hash, hash_of = self._key, self._owner, self._by_hash, self._hash_of
+        for b in out:
+            del key[b]
+            owner[b] = -1
+            del by_hash[hash_of.pop(b)]
+        self._n_evictable[t] -= n
+        self._charged[t] -= n
+        self.evictions[t] += n
+        return out
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Share held blocks with one more owner."""
@@ -302,6 +318,16 @@ class BlockPool:
         self._by_hash[block_hash] = block
         self._hash_of[block] = block_hash
         return True
+
+    def cache_many(self, blocks: Iterable[int], block_hashes: Iterable[bytes]) -> None:
+        """`cache(block, hash)` for each pair, in one pass."""
+        refs, by_hash, hash_of = self._refs, self._by_hash, self._hash_of
+        for block, h in zip(blocks, block_hashes, strict=True):
+            if refs[block] <= 0:
+                raise ValueError(f"block {block} is not allocated")
+            if h not in by_hash and block not in hash_of:
+                by_hash[h] = block
+                hash_of[block] = h
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content `block_hash`, or None."""

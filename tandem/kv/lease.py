@@ -22,6 +22,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tandem.kv.block_pool import BlockPool
 
 
@@ -119,8 +121,11 @@ class LeaseRefused(ValueError):
     """A lease reference that does not check out (forged, altered, for other tokens, expired)."""
 
 
-def _u32_le(values: Sequence[int]) -> bytes:
-    """`values` as little-endian uint32s (what `struct.pack("<nI", ...)` gives, in one C call)."""
+def _u32_le(values: Sequence[int] | np.ndarray) -> bytes:
+    """`values` as little-endian uint32s (what `struct.pack("<nI", ...)` gives, in one C call;
+    a uint32 numpy array, as a decode worker reads a prompt, without a pass in Python)."""
+    if isinstance(values, np.ndarray) and values.dtype == np.uint32:
+        return values.astype("<u4", copy=False).tobytes()
     a = array(_U32, values)
     if sys.byteorder == "big":
         a.byteswap()

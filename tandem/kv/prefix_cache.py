@@ -75,6 +75,5 @@ class PrefixCache:
         if done + len(given) < full:  # hashing only the blocks left
             parent = given[-1] if given else (names[-1] if names else None)
             hashed = chain_hashes(parent, token_ids[(done + len(given)) * bs : full * bs], bs)
-        for i, name in enumerate(itertools.chain(given, hashed), done):
-            names.append(name)
-            self.pool.cache(table.blocks[i], name)
+        names.extend(itertools.chain(given, hashed))
+        self.pool.cache_many(table.blocks[done:full], names[done:full])

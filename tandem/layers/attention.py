@@ -48,6 +48,9 @@ class AttentionMetadata:
     context_lens_list: list[int]
     query_start_loc: list[int]  # B + 1 offsets into the packed tokens
     decode_only: bool  # every sequence has exactly one query token
+    # query_start_loc and context lens as int32 tensors on the device, for the varlen kernel
+    # (None: it copies them itself, queued, once per layer).
+    varlen_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class CpuDecodeAttention:
@@ -157,8 +160,13 @@ class Attention:
         kind = varlen_attention_kind(
             meta.query_start_loc, meta.context_lens_list, self.kernels.prefill_attention
         )
-        varlen = paged_attention_varlen_triton if kind == "triton" else paged_attention_varlen_ref
-        return varlen(
+        if kind == "triton":
+            return paged_attention_varlen_triton(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                meta.context_lens_list, self.scale, k_scale, v_scale,
+                device_offsets=meta.varlen_offsets,
+            )  # fmt: skip
+        return paged_attention_varlen_ref(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
             meta.context_lens_list, self.scale, k_scale, v_scale,
         )  # fmt: skip

@@ -2,8 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
+from functools import cache, cached_property
 from typing import Any
+
+# SentencePiece's byte-fallback pieces: one byte each.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 class Tokenizer:
@@ -40,6 +60,51 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(ids))
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes of each token's text, as the model's vocabulary defines it: part of a
+        character's UTF-8 bytes where the vocabulary splits a character over several tokens
+        (where `decode` of that token alone gives U+FFFD). A special token's bytes are those of
+        its text."""
+        kind, added = self._vocab_kind, self._added_tokens
+        out = []
+        for t, piece in zip(ids, self.convert_ids_to_tokens(ids), strict=True):
+            if piece is None or t in added:
+                out.append(self.decode([t], skip_special_tokens=False).encode())
+            elif kind == "byte_level":
+                chars = _byte_level_chars()
+                out.append(
+                    bytes(chars[c] for c in piece)
+                    if all(c in chars for c in piece)
+                    else piece.encode()
+                )
+            elif kind == "metaspace" and (m := _BYTE_PIECE.fullmatch(piece)):
+                out.append(bytes([int(m.group(1), 16)]))
+            elif kind == "metaspace":
+                out.append(piece.replace("\u2581", " ").encode())
+            else:
+                out.append(self.decode([t], skip_special_tokens=False).encode())
+        return out
+
+    @cached_property
+    def _vocab_kind(self) -> str:
+        """The vocabulary's kind, from the tokenizer's decoder: byte_level (GPT-2's byte
+        alphabet), metaspace (SentencePiece: U+2581 for a space, <0xNN> byte pieces) or other."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return "other"
+        dec = json.loads(backend.to_str()).get("decoder") or {}
+        types = {dec.get("type")} | {d.get("type") for d in dec.get("decoders") or []}
+        if "ByteLevel" in types:
+            return "byte_level"
+        if "Metaspace" in types or "ByteFallback" in types:
+            return "metaspace"
+        return "other"
+
+    @cached_property
+    def _added_tokens(self) -> frozenset[int]:
+        """Ids of tokens added beside the vocabulary (special tokens): their text is literal."""
+        return frozenset(int(i) for i in (getattr(self.hf, "added_tokens_decoder", None) or {}))
 
     @property
     def chat_template(self) -> str | None:

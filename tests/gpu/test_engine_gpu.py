@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from tests.device_busy import queue_busy_ms
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 LENGTHS = [5, 17, 40, 3, 33, 70, 16]
@@ -323,3 +325,75 @@ def test_prompt_logprobs_on_cuda_match_transformers(model_factory):
             assert lp.token_id == prompt[i + 1]
             assert abs(lp.logprob - ref[i, prompt[i + 1]].item()) <= 1e-3, (i, lp.logprob)
             assert [t for t, _ in lp.top] == ref[i].topk(2).indices.tolist()
+
+
+def _three_sequences(eng, seed: int) -> list:
+    """Three prompts with their blocks in `eng`'s pool, nothing computed; the first set to
+    decode its last prompt token."""
+    import tandem
+    from tandem.engine.sequence import Sequence
+    from tandem.kv.block_table import BlockTable
+
+    seqs = []
+    for i, p in enumerate(_prompts(seed=seed)[:3]):
+        seq = Sequence(f"s{i}", p, tandem.SamplingParams(), BlockTable(16))
+        seq.block_table.ensure(eng.pool, len(p))
+        seqs.append(seq)
+    seqs[0].num_computed = seqs[0].num_tokens - 1
+    return seqs
+
+
+@torch.inference_mode()
+def test_step_inputs_are_queued_behind_the_step_in_flight(model_factory):
+    """Packing a step's inputs (a prompt chunk beside a decode) and writing the pending ids of a
+    changed batch return while 25 ms of earlier work is still queued: no copy among them waits
+    for the stream, so the host prepares step t+1 while step t runs."""
+    import time
+
+    import tandem
+    from tandem.engine.cuda_graphs import write_pending_ids
+
+    _, path = model_factory("llama")
+    llm = tandem.LLM(path, device="cuda", dtype="bfloat16", num_blocks=64)
+    eng = llm.engine
+    seqs = _three_sequences(eng, seed=5)
+    items = [(seqs[0], 1), (seqs[1], seqs[1].num_tokens), (seqs[2], 2)]
+    prev_ids = torch.arange(10, 14, device="cuda")
+    eng.runner.prepare(items)  # warm: pinned buffers, allocator
+    torch.cuda.synchronize()
+    queue_busy_ms(25)
+    t0 = time.monotonic()
+    ids, pos, meta = eng.runner.prepare(items)
+    write_pending_ids(ids, ([0, 2], [3, 1], prev_ids))
+    took = time.monotonic() - t0
+    assert took < 0.005, f"preparing the step took {took * 1e3:.1f} ms behind 25 ms of work"
+    torch.cuda.synchronize()
+    want = seqs[0].step_token_ids[-1:] + seqs[1].step_token_ids + seqs[2].step_token_ids[:2]
+    want[0], want[2] = 13, 11  # packed-token rows 0 and 2 from the step in flight's 3 and 1
+    assert ids.tolist() == want
+    assert meta.context_lens.tolist() == [seqs[0].num_tokens, seqs[1].num_tokens, 2]
+
+
+@torch.inference_mode()
+def test_a_mixed_step_is_queued_without_waiting_for_the_device(model_factory):
+    """The forward of a step mixing a decode, a whole prompt and a prompt chunk is enqueued
+    while 50 ms of earlier work still runs: no copy or read in it waits for the stream (the
+    varlen attention kernel's offsets come with the step's inputs)."""
+    import time
+
+    import tandem
+
+    _, path = model_factory("llama")
+    llm = tandem.LLM(path, device="cuda", dtype="bfloat16", num_blocks=64, cuda_graphs=False)
+    eng = llm.engine
+    seqs = _three_sequences(eng, seed=6)
+    seqs[2].num_computed = 1
+    items = [(seqs[0], 1), (seqs[1], seqs[1].num_tokens), (seqs[2], seqs[2].num_tokens - 1)]
+    eng.runner.execute(items)  # compiled, warm
+    torch.cuda.synchronize()
+    queue_busy_ms(50)
+    t0 = time.monotonic()
+    eng.runner.execute(items)
+    took = time.monotonic() - t0
+    torch.cuda.synchronize()
+    assert took < 0.04, f"enqueueing the step took {took * 1e3:.1f} ms behind 50 ms of work"

@@ -236,6 +236,57 @@ def test_legacy_logprobs_and_echo(client, llm):
     assert r.choices[0].text == prompt + want.text
 
 
+def _chat_stream_raw(cluster, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed chat completion, as they are on the wire."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{cluster.http_port}/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    data = [ln[len("data: ") :] for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_chat_logprobs_carry_each_tokens_bytes(cluster, client):
+    """Chat logprobs give every token and alternative its bytes: joined, the content's UTF-8
+    bytes, characters split over tokens included (their text alone is U+FFFD). Streamed, every
+    chunk has `logprobs`: null when it brings none, as OpenAI's do."""
+    word = "café ☕ 日本"
+    body = dict(
+        model="",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "choice", "choice": [word]},
+    )
+    r = client.chat.completions.create(**body)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == word and r.choices[0].finish_reason == "stop"
+    # The grammar ends the reply with the end-of-sequence token: its text is not in the content.
+    *text_tokens, end = content
+    assert end.token == "<|im_end|>" and bytes(end.bytes) == b"<|im_end|>"
+    assert b"".join(bytes(t.bytes) for t in text_tokens) == word.encode()
+    assert any(t.token == "\ufffd" for t in content)  # the test covers split characters
+    for t in content:
+        assert len(t.top_logprobs) == 2
+        for alt in [t, *t.top_logprobs]:
+            if alt.token != "\ufffd":
+                assert bytes(alt.bytes).decode() == alt.token
+    chunks = _chat_stream_raw(cluster, body)
+    choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert all("logprobs" in c for c in choices)
+    streamed = [t for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    # Streamed, the same entries, the end-of-sequence token's included.
+    assert streamed == [t.model_dump(exclude_none=True) for t in content]
+    plain = _chat_stream_raw(cluster, {**body, "logprobs": False, "top_logprobs": None})
+    assert all(ch["choices"][0]["logprobs"] is None for ch in plain if ch["choices"])
+
+
 ECHO_PROMPT = "The quick brown fox jumps over the lazy dog, then naps in the sun."
 
 

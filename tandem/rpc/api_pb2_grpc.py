@@ -5,7 +5,7 @@ import warnings
 
 from tandem.rpc import api_pb2 as tandem_dot_v1_dot_api__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

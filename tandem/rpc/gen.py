@@ -11,6 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
 OUT = ROOT / "tandem" / "rpc"
 FILES = ["tandem/v1/api.proto", "tandem/v1/stages.proto"]
+# The grpcio the stubs ask for at import: the floor pyproject.toml admits, not the grpcio-tools
+# release that wrote them (its stubs refuse an older grpcio, and each new release would make
+# the committed stubs stale). What they call (`_registered_method`, registered method handlers)
+# is older than this floor.
+GRPC_FLOOR = "1.70.0"
 
 
 def generate(out_dir: Path = OUT) -> list[Path]:
@@ -37,6 +42,9 @@ def generate(out_dir: Path = OUT) -> list[Path]:
         text = src.read_text()
         # protoc emits `from tandem.v1 import api_pb2`; our stubs live flat in tandem.rpc.
         text = re.sub(r"from tandem\.v1 import (\w+)", r"from tandem.rpc import \1", text)
+        text = re.sub(
+            r"GRPC_GENERATED_VERSION = '[^']*'", f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", text
+        )
         dst = out_dir / src.name
         dst.write_text(text)
         written.append(dst)

@@ -81,6 +81,83 @@ def test_tool_choice_parsing_and_schema():
     assert e.value.param == "tool_choice"
 
 
+# Two functions whose parameters come from nested pydantic models (as the openai client's
+# `pydantic_function_tool` writes them): each with its own `$defs`, one name in both, and a
+# recursive model that refers to its own root.
+ORDER = {
+    "name": "place_order",
+    "parameters": {
+        "$defs": {
+            "Customer": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"customer": {"$ref": "#/$defs/Customer"}},
+        "required": ["customer"],
+        "additionalProperties": False,
+    },
+}
+TREE = {
+    "name": "plant",
+    "parameters": {
+        "$defs": {"Customer": {"type": "string"}},
+        "type": "object",
+        "properties": {
+            "owner": {"$ref": "#/$defs/Customer"},
+            "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        },
+        "required": ["owner", "children"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", "place_order", "plant"])
+def test_call_schema_keeps_each_functions_references(choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    tools = [{"type": "function", "function": f} for f in (ORDER, TREE)]
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    )
+    req = parse_tools({"tools": tools, "tool_choice": tool_choice})
+    schema = json.loads(call_schema(req))
+    order = {"name": "place_order", "arguments": {"customer": {"name": "Ana", "age": 7}}}
+    tree = {"name": "plant", "arguments": {"owner": "Bo", "children": [{"owner": "Cy",
+                                                                         "children": []}]}}  # fmt: skip
+    wrong = [
+        {"name": "place_order", "arguments": {"customer": "Ana"}},  # not the nested model
+        {"name": "plant", "arguments": {"owner": "Bo", "children": [{"owner": 1, "children": []}]}},
+    ]
+    for call in (order, tree):
+        if choice in ("required", call["name"]):
+            jsonschema.validate(call, schema)  # an independent resolver of the references
+        else:
+            assert not jsonschema.Draft202012Validator(schema).is_valid(call)
+    for call in wrong:
+        assert not jsonschema.Draft202012Validator(schema).is_valid(call)
+    xgr = pytest.importorskip("xgrammar")
+    xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True)  # the engine's grammar
+
+
+def test_unusable_parameters_schema_names_tools():
+    pytest.importorskip("xgrammar")
+    from services.gateway.openai_tools import check_call_schema
+    from tandem.api.sampling_params import StructuredOutput
+
+    bad = {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}}},
+    }
+    req = parse_tools({"tools": [{"type": "function", "function": bad}], "tool_choice": "required"})
+    with pytest.raises(ToolError) as e:
+        check_call_schema(StructuredOutput("json_schema", call_schema(req)))
+    assert e.value.param == "tools" and "response_format" not in str(e.value)
+
+
 def test_generic_rendering_of_a_tool_history():
     tools = parse_tools({"tools": [{"type": "function", "function": {"name": "get_time"}}]})
     msgs = [

@@ -25,6 +25,7 @@ from services.gateway.openai_tools import (
     ToolError,
     ToolRequest,
     call_schema,
+    check_call_schema,
     may_be_tool_call,
     parse_tool_calls,
     parse_tools,
@@ -216,6 +217,7 @@ class OpenAIServer:
             if tools is not None and tools.forced:
                 # The reply is one call of the allowed function(s), its arguments their schema.
                 params.structured = StructuredOutput("json_schema", call_schema(tools))
+                check_call_schema(params.structured)
             n = n_from_body(body)
             self.fe.check(ids, params, _asked(body, ("max_completion_tokens", "max_tokens")))
             rt.tokenized(ids, params, body.get("model") or "")

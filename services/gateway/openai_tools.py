@@ -24,6 +24,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.api.sampling_params import StructuredOutput
+from tandem.api.structured import check_structured
+
 
 class ToolError(ValueError):
     """A malformed tools / tool_choice / tool history field; `param` names it."""
@@ -103,22 +106,57 @@ def parse_tools(body: dict) -> ToolRequest | None:
 
 
 def call_schema(req: ToolRequest) -> str:
-    """JSON schema of one call of the allowed function(s): the grammar of a forced choice."""
-    options = []
-    for t in req.tools:
+    """JSON schema of one call of the allowed function(s): the grammar of a forced choice.
+
+    Each function's parameters schema sits under the call's `$defs` and its `arguments` refer to
+    it there: a parameters schema's own references (`#/$defs/...` from a nested pydantic model,
+    `#` for a recursive one) point into that schema, so they are rewritten to point where it now
+    lies, and several functions' definitions never clash."""
+    options, defs = [], {}
+    for i, t in enumerate(req.tools):
         f = t["function"]
         if req.name is not None and f["name"] != req.name:
             continue
         params = f.get("parameters") or {"type": "object", "properties": {}}
+        where = f"#/$defs/tool_{i}"
+        defs[f"tool_{i}"] = _rebase_refs(params, where)
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"enum": [f["name"]]}, "arguments": params},
+                "properties": {"name": {"enum": [f["name"]]}, "arguments": {"$ref": where}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
         )
-    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    call = options[0] if len(options) == 1 else {"anyOf": options}
+    return json.dumps({**call, "$defs": defs})
+
+
+def check_call_schema(so: StructuredOutput) -> None:
+    """Raise `ToolError` naming `tools` when the call grammar built from the functions'
+    parameters schemas is not one the engine can follow."""
+    try:
+        check_structured(so)
+    except ValueError as e:
+        msg = str(e).replace("structured output (response_format) json_schema", "the schema")
+        raise ToolError(f"tools: a function's parameters are not a usable JSON schema: {msg}",
+                        "tools") from None  # fmt: skip
+
+
+def _rebase_refs(schema: Any, root: str) -> Any:
+    """`schema` with every local reference (`#`, `#/...`) made relative to `root` instead of the
+    document's root."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, root) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = root + v[1:]
+        else:
+            out[k] = _rebase_refs(v, root)
+    return out
 
 
 def template_takes_tools(chat_template: str | None) -> bool:

@@ -13,6 +13,7 @@ import json
 import re
 import urllib.request
 from types import SimpleNamespace
+from typing import Annotated
 
 import pytest
 
@@ -536,6 +537,49 @@ def test_tool_call_streamed_and_multi_turn_history(client):
         model="", messages=history, max_tokens=12, temperature=0, tools=[WEATHER]
     )
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+
+def test_tools_from_nested_pydantic_models(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Customer(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    class Order(pydantic.BaseModel):
+        customer: Customer
+        items: list[Annotated[str, pydantic.Field(max_length=10)]] = pydantic.Field(max_length=2)
+
+    tools = [openai.pydantic_function_tool(Order), WEATHER]
+    q = [{"role": "user", "content": "Order two apples for Ana, who is 30."}]
+    r = client.chat.completions.parse(
+        model="",
+        messages=q,
+        max_tokens=120,
+        temperature=0,
+        tools=tools[:1],  # the client parses strict (pydantic) tools only
+        tool_choice={"type": "function", "function": {"name": "Order"}},
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "Order"
+    # The client parsed the arguments into the nested models.
+    assert isinstance(call.function.parsed_arguments, Order)
+    assert isinstance(call.function.parsed_arguments.customer, Customer)
+    r = client.chat.completions.create(
+        model="", messages=q, max_tokens=80, temperature=0, tools=tools, tool_choice="required"
+    )
+    call = r.choices[0].message.tool_calls[0]
+    if call.function.name == "Order":
+        Order.model_validate_json(call.function.arguments)
+    else:
+        _args_ok(call, WEATHER)
+    broken = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="", messages=q, max_tokens=4, tools=[broken], tool_choice="required"
+        )
+    assert e.value.body["param"] == "tools", e.value.body
 
 
 @pytest.mark.parametrize(

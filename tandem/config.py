@@ -222,11 +222,16 @@ class GatewayConfig:
     api_keys: str | None = field(default=None, metadata={"credential": True})
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
-    # The HTTP listener: open connections at most (more are closed at once), seconds a new
-    # connection may take to send its first request's headers, and a request its body.
+    # The HTTP listener (services/gateway/http_limits.py): open connections at most (at the cap
+    # a newcomer takes the place of an idle one, else it is refused with 503), connections one
+    # client address may hold (429 beyond), seconds a request's headers may take (the first
+    # request's from the connection's start, its TLS handshake included), seconds a request's
+    # body may take, and seconds a keep-alive connection may wait idle for its next request.
     http_max_connections: int = 1024
+    http_max_connections_per_client: int = 256
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
+    http_keepalive_timeout_s: float = 75.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
     # than this many tokens is prefilled there (no KV transfer); longer ones go to a prefill
     # worker. 0: always a prefill worker. Default measured on CPU (bench/results/
@@ -255,7 +260,7 @@ class GatewayConfig:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
         if not self.resume_budget_s >= 0:
             raise ValueError(f"resume_budget_s must be >= 0, got {self.resume_budget_s!r}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s"):
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:

@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.grpc_api import Frontend
+from services.gateway.http_limits import track_requests
 from services.gateway.observe import RequestTrace
 from services.gateway.openai_request import (
     FieldError,
@@ -74,7 +75,7 @@ class OpenAIServer:
         if api_key and not frontend.tenants.keys_on:
             raise ValueError("the API key must be in the frontend's GatewayConfig (api_key)")
         self.body_timeout_s = (config or GatewayConfig()).http_body_timeout_s
-        middlewares = [errors_middleware, self._who]
+        middlewares = [track_requests, errors_middleware, self._who]
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)

@@ -32,12 +32,18 @@ class RequestError(ValueError):
         self.status = status
 
 
+def error_body(
+    message: str, status: int = 400, param: str | None = None, kind: str | None = None
+) -> dict:
+    """An error as OpenAI's API gives it: `{"error": {message, type, param, code}}`."""
+    etype = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": etype, "param": param, "code": None}}
+
+
 def error_response(
     message: str, status: int = 400, param: str | None = None, kind: str | None = None
 ) -> web.Response:
-    etype = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": etype, "param": param, "code": None}}
-    return web.json_response(body, status=status)
+    return web.json_response(error_body(message, status, param, kind), status=status)
 
 
 def _num(body: dict, name: str, kind: type, default: Any) -> Any:

@@ -18,7 +18,12 @@ from services.gateway.grpc_api import (
     add_gateway_to_server,
 )
 from services.gateway.http_api import OpenAIServer
-from services.gateway.http_limits import ConnectionGuard, GuardedSite
+from services.gateway.http_limits import (
+    CLOSE_REASONS,
+    REFUSE_REASONS,
+    ConnectionGuard,
+    GuardedSite,
+)
 from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_index import PrefixIndex
@@ -121,8 +126,15 @@ async def serve(
         if gc.tls_cert:
             ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_ctx.load_cert_chain(gc.tls_cert, gc.tls_key)
-        guard = ConnectionGuard(gc.http_max_connections, gc.http_header_timeout_s)
-        await GuardedSite(runner, host, http_port, guard, ssl_context=ssl_ctx).start()
+        guard = ConnectionGuard(
+            gc.http_max_connections,
+            gc.http_max_connections_per_client,
+            gc.http_header_timeout_s,
+            gc.http_keepalive_timeout_s,
+            ssl_ctx,
+        )
+        gateway_metrics.watch(lambda: _http_metrics(guard))
+        await GuardedSite(runner, host, http_port, guard).start()
     # Workers are probed until they serve; readiness (gRPC health, /health) follows the router.
     router.watch()
     health_task = asyncio.ensure_future(_follow_router(router, health))
@@ -157,6 +169,35 @@ def _admission_metrics(pipeline: Pipeline):
         "Streams that continued on another (or a restarted) decode worker after theirs died.",
         value=pipeline.resumed,
     )
+
+
+def _http_metrics(guard: ConnectionGuard):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily(
+        "tandem_http_connections",
+        "Open HTTP connections, TLS handshakes in progress included.",
+        value=guard.open,
+    )
+    closed = CounterMetricFamily(
+        "tandem_http_connections_closed",
+        "HTTP connections the gateway closed: header_timeout (a request's headers, or the TLS "
+        "handshake, came too slowly), keepalive_timeout (idle too long), evicted (to make room "
+        "for a new connection at the cap).",
+        labels=["reason"],
+    )
+    for reason in CLOSE_REASONS:
+        closed.add_metric([reason], guard.closed[reason])
+    yield closed
+    refused = CounterMetricFamily(
+        "tandem_http_connections_refused",
+        "New HTTP connections refused: cap (every connection serving a request), per_client "
+        "(its address holds --http-max-connections-per-client).",
+        labels=["reason"],
+    )
+    for reason in REFUSE_REASONS:
+        refused.add_metric([reason], guard.refused[reason])
+    yield refused
 
 
 async def _follow_router(router: Router, health) -> None:

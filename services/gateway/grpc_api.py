@@ -18,6 +18,7 @@ from services.gateway.observe import (
 from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER, TenantAuth
+from services.gateway.tokenize_pool import TokenizePool
 from tandem.api.sampling_params import SamplingParams
 from tandem.api.validation import validate_request
 from tandem.config import GatewayConfig
@@ -52,6 +53,7 @@ class Frontend:
         self.max_tokens_limit = min(self.limits.max_tokens_limit or ctx, ctx)
         keys = load_api_keys(self.limits.api_keys) if self.limits.api_keys else None
         self.tenants = TenantAuth(self.limits.api_key, keys)
+        self.tokenize = TokenizePool()
 
     def tenant_of_call(self, context: grpc.aio.ServicerContext) -> str:
         """The tenant of a gRPC call: its API key's, else its `x-tenant` metadata's (ValueError
@@ -63,7 +65,8 @@ class Frontend:
         if model and model != self.model_name:
             raise ValueError(f"model {model!r} is not served here; available: {self.model_name!r}")
 
-    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of `messages` (and `tools`) rendered by the chat template, checked first."""
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         if len(messages) > self.limits.max_messages:
@@ -92,16 +95,18 @@ class Frontend:
                     f"messages and tools hold {total} characters; at most "
                     f"{self.limits.max_prompt_chars} are allowed"
                 )
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return await self.tokenize.run(
+            total, self.tokenizer.apply_chat_template, messages, True, tools
+        )
 
-    def prompt_ids(self, prompt: str) -> list[int]:
+    async def prompt_ids(self, prompt: str) -> list[int]:
         if not prompt:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(prompt) > self.limits.max_prompt_chars:
             raise ValueError(
                 f"prompt has {len(prompt)} characters; at most {self.limits.max_prompt_chars} are allowed"
             )
-        return self.tokenizer.encode(prompt)
+        return await self.tokenize.run(len(prompt), self.tokenizer.encode, prompt)
 
     def check(self, ids: list[int], params: SamplingParams, asked: str | None = None) -> None:
         """Apply the gateway's limits, then the engine's own checks; errors name the field.
@@ -198,13 +203,15 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
 
-    def _parse_generate(self, req: api_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _parse_generate(
+        self, req: api_pb2.GenerateRequest
+    ) -> tuple[list[int], SamplingParams]:
         self.fe.check_model(req.model)
         kind = req.WhichOneof("input")
         if kind == "prompt":
-            ids = self.fe.prompt_ids(req.prompt)
+            ids = await self.fe.prompt_ids(req.prompt)
         elif kind == "messages":
-            ids = self.fe.chat_ids(
+            ids = await self.fe.chat_ids(
                 [{"role": m.role, "content": m.content} for m in req.messages.messages]
             )
         elif kind == "prompt_token_ids":
@@ -225,7 +232,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
             await context.send_initial_metadata(rt.response_metadata())
         try:
             rt.set_tenant(self.fe.tenant_of_call(context), self.fe.tenants)
-            ids, params = self._parse_generate(request)
+            ids, params = await self._parse_generate(request)
         except ValueError as e:
             rt.fail(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -310,7 +317,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                     try:
                         self.fe.check_model(turn.model)
                         msgs = [{"role": m.role, "content": m.content} for m in turn.messages]
-                        ids = self.fe.chat_ids(history + msgs)
+                        ids = await self.fe.chat_ids(history + msgs)
                         params = sampling_from_proto(turn.sampling)
                         self.fe.check(ids, params, _asked(turn.sampling))
                     except ValueError as e:

@@ -207,7 +207,7 @@ class OpenAIServer:
             msgs = normalize_messages(body.get("messages"))
             native = template_takes_tools(self.fe.tokenizer.chat_template)
             rendered, template_tools = render_messages(msgs, tools, native)
-            ids = self.fe.chat_ids(rendered, template_tools)
+            ids = await self.fe.chat_ids(rendered, template_tools)
             params = sampling_from_body(body, chat=True)
             if tools is not None and tools.active and params.structured is not None:
                 raise RequestError(
@@ -235,7 +235,7 @@ class OpenAIServer:
             self.fe.check_model(body.get("model") or "")
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                ids = self.fe.prompt_ids(prompt)
+                ids = await self.fe.prompt_ids(prompt)
             elif (
                 isinstance(prompt, list)
                 and prompt
@@ -243,7 +243,7 @@ class OpenAIServer:
             ):
                 ids = list(prompt)
             elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                ids = self.fe.prompt_ids(prompt[0])
+                ids = await self.fe.prompt_ids(prompt[0])
             else:
                 raise RequestError(
                     "prompt must be a string or a list of token ids (one prompt per request)",

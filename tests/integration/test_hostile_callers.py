@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import threading
 import time
 import urllib.request
@@ -618,3 +619,41 @@ def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
         assert status == 401  # reached the handler (no key sent): the server is responsive
     finally:
         gw.stop()
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(stack):
+    """Four prompts of 980k characters (about a second of tokenizer time each) being tokenized
+    do not hold a concurrent short request: it takes under twice its time alone."""
+    *_, gateway = stack
+    short = {"prompt": "Hi", "max_tokens": 1}
+
+    def short_request_s() -> float:
+        t0 = time.perf_counter()
+        status, payload = _http(gateway, "/v1/completions", short)
+        assert status == 200, payload
+        return time.perf_counter() - t0
+
+    short_request_s()  # warm
+    alone = [short_request_s() for _ in range(5)]
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    long_prompt = (words * (980_000 // len(words) + 1))[:980_000]
+    statuses: list[int] = []
+
+    def long_request() -> None:
+        status, _ = _http(gateway, "/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
+        statuses.append(status)
+
+    threads = [threading.Thread(target=long_request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # their bodies are sent, their tokenization under way
+    loaded = []
+    while any(t.is_alive() for t in threads):
+        loaded.append(short_request_s())
+    for t in threads:
+        t.join()
+    alone += [short_request_s() for _ in range(5)]  # before and after: the host's load drifts
+    assert statuses == [400] * 4  # more tokens than the model's context: refused, once counted
+    assert statistics.median(loaded) < 2 * statistics.median(alone), (
+        f"short requests took {loaded} s during the long prompts' tokenization, {alone} s alone"
+    )

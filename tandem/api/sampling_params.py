@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1  # the wire format's int32
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+
+# The range of the 32-bit floats that carry sampling fields between processes.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive one (subnormal)
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -76,6 +81,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _check_wire_float("temperature", self.temperature)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.top_k > MAX_TOP_K:
@@ -85,12 +91,14 @@ class SamplingParams:
             )
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_wire_float("top_p", self.top_p, positive=True)
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
             )
+        _check_wire_float("repetition_penalty", self.repetition_penalty, positive=True)
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
         ):
@@ -149,6 +157,22 @@ class SamplingParams:
             from tandem.api.structured import check_structured  # it imports this module
 
             check_structured(self.structured)
+
+
+def _check_wire_float(name: str, x: float, positive: bool = False) -> None:
+    """Refuse a value that changes meaning as a 32-bit float: one beyond its range (infinite
+    there) or, for a field that must be > 0, one that rounds to 0. The gateway forwards every
+    sampling field as float32, so a worker would otherwise refuse what the gateway accepted."""
+    try:
+        (x32,) = struct.unpack("<f", struct.pack("<f", x))
+    except OverflowError:  # it would arrive as infinity
+        raise ValueError(
+            f"{name} must be at most {FLOAT32_MAX:.7g} (a 32-bit float), got {x!r}"
+        ) from None
+    if positive and x32 <= 0:
+        raise ValueError(
+            f"{name} must be > 0 and at least {FLOAT32_TINY:.7g} (a 32-bit float), got {x!r}"
+        )
 
 
 def _finite(x: object) -> bool:

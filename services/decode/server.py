@@ -225,7 +225,9 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
                     if kind == "admit":
                         asyncio.ensure_future(self.admit(msg.admit, session))
                     elif kind == "cancel":
-                        await self._cancel(msg.cancel.seq_id, session)
+                        # Not awaited: the abort waits for the engine's step to end, and the
+                        # admissions and cancels behind it on this stream must not.
+                        asyncio.ensure_future(self._cancel(msg.cancel.seq_id, session))
             finally:
                 session.out.put_nowait(None)
 

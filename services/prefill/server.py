@@ -342,9 +342,12 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             log.warning(
                 "KV handover of %s failed at the decode worker: %s", ids, request.transfer_error
             )
-        n = await asyncio.wrap_future(
-            self.engine_loop.submit(lambda e: sum(e.release_lease_token(i) for i in ids))
-        )
+        # Not a command queued behind the engine's step: a long step (a long prompt on a CPU)
+        # outlasted the caller's deadline, which cancelled the command and left the blocks held
+        # until the lease expired. The leases end now; their blocks are free for the next step.
+        n = sum(self.engine.release_lease_token(i) for i in ids)
+        if n:
+            self.engine_loop.wake()
         return stages_pb2.ReleaseResponse(released=n)
 
     async def _lease(self, token: str, context):

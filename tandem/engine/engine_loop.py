@@ -1,8 +1,8 @@
 """Runs an `LLMEngine` on a dedicated thread so an asyncio server's event loop never blocks.
 
 The thread's loop is the engine loop of vLLM v1 in one function: apply commands that arrived
-between steps (admit, abort, release), then schedule -> execute -> update, then hand the outputs
-to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
+between steps (admit, abort, release) and free the blocks of leases released from other threads,
+then schedule -> execute -> update, then hand the outputs to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
 its own thread. A step that found nothing to run (every queued sequence waits for blocks that
 leases or imports hold) makes the loop wait for the next command or tick, never spin.
 """
@@ -66,6 +66,12 @@ class EngineLoop:
         """Seconds the engine has had work without producing a token (0 while it progresses)."""
         return max(0.0, time.monotonic() - self.progress_at)
 
+    def wake(self) -> None:
+        """End an idle wait now (blocks were freed from another thread: a queued sequence may
+        fit)."""
+        with self._cond:
+            self._cond.notify()
+
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the engine thread before the next step; its result in a future."""
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -101,6 +107,7 @@ class EngineLoop:
                     fut.set_result(fn(eng))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
+            eng.leases.reclaim()  # released from another thread meanwhile
             eng.leases.expire()
             if not eng.has_unfinished():
                 self.progress_at = time.monotonic()

@@ -351,8 +351,10 @@ class LLMEngine(
         return self.leases.release(lease_id)
 
     def release_lease_token(self, token: str) -> bool:
-        """Give back the lease a peer's token names; False when it names no live lease."""
-        return self.leases.release_token(token)
+        """Give back the lease a peer's token names, from any thread and without waiting for a
+        step to end: the lease ends now, its blocks are free for the step after the one running
+        (`EngineLoop` reclaims them between steps). False when it names no live lease."""
+        return self.leases.revoke_token(token)
 
     def withhold(self, request_id: str) -> bool:
         """Forget a request without freeing its blocks: a transfer that could not be cancelled

@@ -17,6 +17,7 @@ import itertools
 import secrets
 import struct
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Sequence
@@ -40,7 +41,13 @@ class Lease:
 
 
 class LeaseTable:
-    """Blocks a peer may read until it releases them or the lease expires."""
+    """Blocks a peer may read until it releases them or the lease expires.
+
+    The table belongs to the engine thread, which alone touches the block pool; a peer's release
+    may come from another thread (`revoke_token`, so that it never waits behind a long engine
+    step): the lease ends at once, under the lock, and its blocks go back to the pool at the
+    engine thread's next `reclaim`.
+    """
 
     def __init__(self, pool: BlockPool, ttl_s: float, prefix: str = "lease") -> None:
         self.pool = pool
@@ -50,6 +57,8 @@ class LeaseTable:
         self.leases: dict[str, Lease] = {}
         self.by_token: dict[str, Lease] = {}
         self.num_expired = 0
+        self._lock = threading.Lock()  # guards leases, by_token and _revoked
+        self._revoked: list[Lease] = []  # ended by `revoke_token`, blocks not yet freed
 
     def grant(
         self,
@@ -74,8 +83,9 @@ class LeaseTable:
             token_ids=list(token_ids or ()),
             names=names,
         )
-        self.leases[lease.lease_id] = lease
-        self.by_token[lease.token] = lease
+        with self._lock:
+            self.leases[lease.lease_id] = lease
+            self.by_token[lease.token] = lease
         return lease
 
     def get(self, token: str) -> Lease | None:
@@ -84,12 +94,32 @@ class LeaseTable:
 
     def release(self, lease_id: str) -> bool:
         """Return a lease's blocks to the pool; False when it is unknown (released or expired)."""
-        lease = self.leases.pop(lease_id, None)
-        if lease is None:
-            return False
-        self.by_token.pop(lease.token, None)
+        with self._lock:
+            lease = self.leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            self.by_token.pop(lease.token, None)
         self.pool.free(reversed(lease.blocks))  # last first: a cached prefix evicts tail-first
         return True
+
+    def revoke_token(self, token: str) -> bool:
+        """End the lease a peer's token names, from any thread; its blocks return to the pool at
+        the next `reclaim`. False when the token names no live lease."""
+        with self._lock:
+            lease = self.by_token.pop(token, None) if token else None
+            if lease is None:
+                return False
+            del self.leases[lease.lease_id]
+            self._revoked.append(lease)
+        return True
+
+    def reclaim(self) -> int:
+        """Free the blocks of the leases revoked since the last call; returns how many."""
+        with self._lock:
+            revoked, self._revoked = self._revoked, []
+        for lease in revoked:
+            self.pool.free(reversed(lease.blocks))
+        return len(revoked)
 
     def release_token(self, token: str) -> bool:
         """`release` by the token a peer holds; False when it names no live lease."""
@@ -98,20 +128,22 @@ class LeaseTable:
 
     def owned_by(self, owner: str) -> int:
         """Live leases counted against `owner`."""
-        return sum(1 for v in self.leases.values() if v.owner == owner)
+        with self._lock:
+            return sum(1 for v in self.leases.values() if v.owner == owner)
 
     def expire(self, now: float | None = None) -> int:
         """Reclaim every lease past its deadline; returns how many."""
         now = time.monotonic() if now is None else now
-        dead = [k for k, v in self.leases.items() if v.expires_at <= now]
-        for k in dead:
-            self.release(k)
-        self.num_expired += len(dead)
-        return len(dead)
+        with self._lock:
+            dead = [k for k, v in self.leases.items() if v.expires_at <= now]
+        n = sum(self.release(k) for k in dead)  # one revoked meanwhile is not counted
+        self.num_expired += n
+        return n
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(v.blocks) for v in self.leases.values())
+        with self._lock:
+            return sum(len(v.blocks) for v in self.leases.values())
 
 
 _U32 = "I" if array("I").itemsize == 4 else "L"

@@ -16,7 +16,7 @@ from services.gateway.observe import (
     operation_of,
 )
 from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
-from services.gateway.router import Overloaded, StageUnavailable
+from services.gateway.router import RETRY_AFTER_S, Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER, TenantAuth
 from services.gateway.tokenize_pool import TokenizePool
 from tandem.api.sampling_params import SamplingParams
@@ -188,13 +188,21 @@ def chunk_to_proto(d: TextDelta) -> api_pb2.Chunk:
     )
 
 
+# When to try again, on every UNAVAILABLE and RESOURCE_EXHAUSTED: `retry-after` (seconds, as
+# HTTP's header) for any client, `grpc-retry-pushback-ms` for gRPC's own retry policies.
+RETRY_METADATA = (
+    ("retry-after", str(RETRY_AFTER_S)),
+    ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)),
+)
+
+
 async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
     if isinstance(e, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if isinstance(e, StageUnavailable):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e), RETRY_METADATA)
     if isinstance(e, Overloaded):
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), RETRY_METADATA)
     log.exception("request failed")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}")
 

@@ -53,6 +53,7 @@ from services.gateway.openai_wire import (
     error_response,
     errors_middleware,
     legacy_logprobs,
+    retry_after,
     sampling_from_body,
     stream_from_body,
 )
@@ -115,9 +116,7 @@ class OpenAIServer:
         if reason is None:
             return None
         return web.json_response(
-            {"status": "not_ready", "reason": reason},
-            status=503,
-            headers={"Retry-After": "1"},
+            {"status": "not_ready", "reason": reason}, status=503, headers=retry_after(503)
         )
 
     async def health(self, request: web.Request) -> web.Response:
@@ -369,6 +368,10 @@ class OpenAIServer:
             stream, include_usage = stream_from_body(body)
         except RequestError as e:
             return error_response(str(e), 400, e.param)
+        try:
+            await self.fe.pipeline.check_choices(n)
+        except ValueError as e:
+            return error_response(str(e), 400, "n")
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
         self.fe.pipeline.admit(ids)
         try:

@@ -15,7 +15,7 @@ from services.gateway.openai_request import (
     structured_from_body,
 )
 from services.gateway.pipeline import Finished
-from services.gateway.router import Overloaded, StageUnavailable
+from services.gateway.router import RETRY_AFTER_S, Overloaded, StageUnavailable
 from tandem import telemetry
 from tandem.api.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -43,7 +43,14 @@ def error_body(
 def error_response(
     message: str, status: int = 400, param: str | None = None, kind: str | None = None
 ) -> web.Response:
-    return web.json_response(error_body(message, status, param, kind), status=status)
+    return web.json_response(
+        error_body(message, status, param, kind), status=status, headers=retry_after(status)
+    )
+
+
+def retry_after(status: int) -> dict[str, str]:
+    """The `Retry-After` header every 429 and 503 carries (none for other statuses)."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else {}
 
 
 def _num(body: dict, name: str, kind: type, default: Any) -> Any:

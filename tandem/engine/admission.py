@@ -221,9 +221,14 @@ class AdmissionMixin:
         return seq, True
 
     def _check_queue(self) -> None:
-        if len(self.scheduler.waiting) >= self.config.max_queued_seqs:
+        # A new sequence queues until the next step; those that step will run (the batch has
+        # room) do not count against the queue, so the engine takes max_num_seqs +
+        # max_queued_seqs sequences however they arrive (`stats().max_sequences`).
+        room = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        waiting = len(self.scheduler.waiting) - room
+        if waiting >= self.config.max_queued_seqs:
             raise QueueFull(
-                f"{len(self.scheduler.waiting)} requests are already waiting "
+                f"{waiting} requests are already waiting "
                 f"(max_queued_seqs={self.config.max_queued_seqs}); retry later"
             )
 

@@ -246,6 +246,11 @@ class GatewayConfig:
     # then continues it from the prompt and the tokens already streamed; the client sees a
     # pause. Past it, or with 0, the stream ends with an error.
     resume_budget_s: float = 60.0
+    # Seconds a worker may take to answer a health check (asked every half second) before it is
+    # taken for stopped, a frozen process or a blocked event loop: no request is routed to it,
+    # readiness says so when no decode worker is left, and its streams resume elsewhere, until
+    # it answers again.
+    stage_health_timeout_s: float = 2.0
 
     def validate(self) -> None:
         for f in fields(self):
@@ -260,7 +265,12 @@ class GatewayConfig:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
         if not self.resume_budget_s >= 0:
             raise ValueError(f"resume_budget_s must be >= 0, got {self.resume_budget_s!r}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keepalive_timeout_s"):
+        for name in (
+            "http_header_timeout_s",
+            "http_body_timeout_s",
+            "http_keepalive_timeout_s",
+            "stage_health_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:

@@ -41,8 +41,13 @@ class FakeRouter:
     def __init__(self) -> None:
         self.index = PrefixIndex(block_size=16)
         self.prefill = SimpleNamespace(
-            stub=FakePrefillStub(), inflight=0, address="prefill:0", mark_down=lambda r: None
+            stub=FakePrefillStub(),
+            inflight=0,
+            address="prefill:0",
+            mark_down=lambda r: None,
+            lost=lambda: asyncio.get_running_loop().create_future(),  # it never stops answering
         )
+        self.prefill_serving = True
         # Opening a stream would fail; unhealthy, it tells no KV capacity either.
         self.decode = [SimpleNamespace(address="decode:0", healthy=False, full=False)]
         self.decode_opened = 0

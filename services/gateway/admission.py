@@ -71,10 +71,22 @@ class TtftAdmission:
             )
 
     def sent(self, worker: str, tokens: int) -> Ticket:
+        ticket = Ticket(worker, 0, 0, 0.0)
+        self._queue(ticket, worker, tokens)
+        return ticket
+
+    def moved(self, ticket: Ticket, worker: str, tokens: int) -> None:
+        """The request left its worker's queue for another's (its worker failed): `ticket`
+        counts it there from now on."""
+        self.done(ticket)
+        self._queue(ticket, worker, tokens)
+
+    def _queue(self, ticket: Ticket, worker: str, tokens: int) -> None:
         w = self._w(worker)
         tokens = max(1, tokens)
         w.queued_tokens += tokens
-        return Ticket(worker, tokens, w.queued_tokens, time.monotonic())
+        ticket.worker, ticket.tokens, ticket.work = worker, tokens, w.queued_tokens
+        ticket.sent = time.monotonic()
 
     def first_token(self, ticket: Ticket | None) -> None:
         """The request got its first token: learn from it, and it no longer queues."""

@@ -175,6 +175,26 @@ class Pipeline:
                 f"lower max_tokens to at most {max(0, fits - len(ids))}"
             )
 
+    async def check_choices(self, n: int) -> None:
+        """Refuse (ValueError naming n) a request for more choices than can ever run at once:
+        its choices run side by side, so past a decode worker's sequence limit (running plus
+        queued) or the gateway's own limits some would always be refused."""
+        await asyncio.gather(*(c.capacity() for c in self.router.decode if c.healthy))
+        takes = [c.max_sequences for c in self.router.decode if c.healthy and c.max_sequences]
+        limits = [
+            (self.max_inflight, "the gateway's max_inflight"),
+            # The first choice runs alone to its first token, then the others wait together.
+            (self.max_waiting + 1, "the gateway's max_waiting plus one"),
+        ]
+        if takes:
+            limits.append((max(takes), "a decode worker's max_num_seqs plus max_queued_seqs"))
+        limit, what = min(limits)
+        if n > limit:
+            raise ValueError(
+                f"n ({n}) is more choices than can run at once: {limit} ({what}); ask for at "
+                f"most {limit}"
+            )
+
     def route(self, ids: list[int], session: Session | None = None, scored: bool = False) -> Route:
         """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down).
         `scored`: the prompt's logprobs are asked for, so it is computed whole wherever it goes
@@ -186,7 +206,8 @@ class Pipeline:
         uncached = max(1, len(ids) - index.matched_tokens(decode.address, names))
         if scored:
             uncached = len(ids)
-        if uncached < self.disagg_threshold:
+        if uncached < self.disagg_threshold or not self.router.prefill_serving:
+            # Short, or no prefill worker serves: the decode worker prefills it itself.
             return Route(names, decode, None, uncached)
         prefill = self.router.pick_prefill(names)
         uncached = max(1, len(ids) - index.matched_tokens(prefill.address, names))
@@ -261,9 +282,6 @@ class Pipeline:
             draft.admit(seq_id, ids, trace.metadata() if trace is not None else None)
         prefill = route.prefill
         ticket = self.admission.sent((prefill or route.decode).address, route.uncached)
-        self.prefills["decode" if prefill is None else "prefill"] += 1
-        if prefill is not None:
-            prefill.inflight += 1
         # The lease token comes with the prefill's answer; until a decode worker takes the lease
         # over, this request owns it and gives it back on every way out (cancel, stop, error).
         # Without an answer there is no token: the prefill worker gives back what nobody took.
@@ -290,7 +308,8 @@ class Pipeline:
         finally:
             self.admission.done(ticket)
             if lease["owned"] and lease["id"]:
-                self._release_lease(prefill, lease["id"])
+                # The prefill worker that answered (another than the first, had that one failed).
+                self._release_lease(route.prefill, lease["id"])
             if session is not None:
                 session.decode = route.decode.address
 
@@ -305,6 +324,12 @@ class Pipeline:
                 if time.monotonic() >= deadline:
                     return None
             await asyncio.sleep(0.2)
+
+    def _abandon(self, prefill: PrefillClient, answer: asyncio.Future) -> None:
+        """Cancel a prefill call nobody waits for, giving back the lease of an answer that came
+        all the same."""
+        answer.cancel()  # cancels the call, unless its answer came already
+        answer.add_done_callback(lambda t: self._release_answered(prefill, t))
 
     def _release_answered(self, prefill, answer: asyncio.Future) -> None:
         """Give back the lease of a prefill answer that came for a request already cancelled."""
@@ -322,7 +347,33 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _prefill_anywhere(
+        self, route: Route, ids, params, seq_id, trace, state, ticket: Ticket, tenant=""
+    ) -> stages_pb2.PrefillResponse | None:
+        """The prompt prefilled by `route.prefill`, or by another prefill worker should that one
+        fail or stop responding; None (and `route.prefill` None) when none serves: the decode
+        worker then prefills it itself."""
+        while route.prefill is not None:
+            try:
+                return await self._prefill(route.prefill, ids, params, seq_id, trace, state, tenant)
+            except StageUnavailable as e:
+                failed = route.prefill
+                route.prefill = (
+                    self.router.pick_prefill(route.names) if self.router.prefill_serving else None
+                )
+                where = route.prefill or route.decode
+                log.warning(
+                    "prefill worker %s failed a request (%s); it is prefilled on %s %s instead",
+                    failed.address,
+                    e,
+                    where.stage,
+                    where.address,
+                )
+                self.admission.moved(ticket, where.address, route.uncached)
+        return None
+
     async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state, tenant=""):
+        prefill.inflight += 1
         call = prefill.stub.Run(
             stages_pb2.PrefillRequest(
                 request_id=seq_id,
@@ -336,11 +387,16 @@ class Pipeline:
         # its answer arrives would otherwise drop the answer, and with it the lease token that
         # gives the prompt's KV back (held until its time to live ran out).
         answer = asyncio.ensure_future(call)
+        lost = prefill.lost()  # a worker that stops responding ends the wait
         try:
-            return await asyncio.shield(answer)
+            # Neither is cancelled when this is (a shield for the answer, as for `lost`).
+            await asyncio.wait((answer, lost), return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                self._abandon(prefill, answer)
+                raise StageUnavailable(f"prefill worker stopped responding ({lost.result()})")
+            return answer.result()
         except asyncio.CancelledError:
-            answer.cancel()  # cancels the call, unless its answer came already
-            answer.add_done_callback(lambda t: self._release_answered(prefill, t))
+            self._abandon(prefill, answer)
             raise
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -381,8 +437,14 @@ class Pipeline:
         cached = 0
         t_first = None
         carrier = trace.carrier() if trace is not None else {}
+        resp = None
         if prefill is not None:
-            resp = await self._prefill(prefill, ids, params, seq_id, trace, state, tenant)
+            resp = await self._prefill_anywhere(
+                route, ids, params, seq_id, trace, state, ticket, tenant
+            )
+            prefill = route.prefill
+        self.prefills["decode" if prefill is None else "prefill"] += 1
+        if resp is not None:
             t_first = time.monotonic()
             self.admission.first_token(ticket)
             self.router.index.record(prefill.address, route.names)
@@ -476,7 +538,8 @@ class Pipeline:
                             cached = msg.cached_prompt_tokens
                             timings["queue_ms"] = msg.queue_ms
                             timings["prefill_ms"] = msg.prefill_ms
-                    else:  # the stream to the decode worker broke
+                    else:  # the stream to the decode worker broke, or the worker stopped
+                        decode.cancel(seq_id)  # one that only stalled drops it when it resumes
                         decode.close_seq(seq_id)
                         left = params.max_tokens - len(out_ids)
                         new = await self._decode_for_resume(route) if left > 0 else None
@@ -487,8 +550,10 @@ class Pipeline:
                                 f"{self.resume_budget_s:g}s (resume_budget_s)"
                             )
                         # Continue where it stopped: the prompt and the tokens streamed so far
-                        # are prefilled on the new worker, which generates the rest.
+                        # are prefilled on the new worker, which generates the rest. Under a new
+                        # id: the old one may still be cancelling on a worker that came back.
                         decode = route.decode = new
+                        seq_id = uuid.uuid4().hex
                         resumed = sampling_to_proto(_continued(params, out_ids))
                         admit = stages_pb2.Admit(
                             seq_id=seq_id,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
@@ -22,6 +23,12 @@ from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.gateway")
+
+
+# Seconds a refused client is asked to wait before it tries again: `Retry-After` on every HTTP
+# 429 and 503, `retry-after` (and gRPC's own `grpc-retry-pushback-ms`) on every
+# RESOURCE_EXHAUSTED and UNAVAILABLE. Workers come back, and queues drain, within about that.
+RETRY_AFTER_S = 1
 
 
 class StageUnavailable(RuntimeError):
@@ -33,6 +40,9 @@ class Overloaded(RuntimeError):
 
 
 PROBE_INTERVAL_S = 0.5
+# Seconds a worker may take to answer a health check before it is taken for stopped (a frozen
+# process, a blocked event loop): GatewayConfig.stage_health_timeout_s.
+HEALTH_TIMEOUT_S = 2.0
 # Prefix affinity never sends a request to a worker busier than the least loaded by more than
 # this many requests: a cache hit is not worth an unbounded queue.
 LOAD_SLACK = 2
@@ -47,41 +57,99 @@ CHANNEL_OPTIONS = [
 
 
 class Worker:
-    """Health bookkeeping shared by both kinds of worker client."""
+    """Health bookkeeping shared by both kinds of worker client.
+
+    A worker is routed to once its health check answers SERVING, and then checked every
+    `PROBE_INTERVAL_S` over its own channel: one that does not answer within
+    `health_timeout_s` (a frozen process, an event loop that stopped) is marked down like one
+    whose connection broke, so that no request waits on it, and routed to again once it answers.
+    """
 
     stage = "worker"
 
-    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        credentials: StageCredentials | None = None,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
         self.address = address
         # The stage secret sent on every call, and the CA bundle that makes the calls TLS.
         self.credentials = credentials or StageCredentials()
+        self.health_timeout_s = health_timeout_s
         # Not routed to until its health check answers SERVING (`watch`): a worker that is still
         # loading cannot serve, and the gateway's readiness says so.
         self.healthy = False
         self.seen_up = False  # it answered SERVING once: a later failure is worth a warning
+        # Marked down because its connection failed (it may have restarted: a fresh channel when
+        # it is back), not only because it stopped answering (its calls may still complete).
+        self._broken = False
         self._probe: asyncio.Task | None = None
+        self._lost: asyncio.Future[str] | None = None  # see `lost`
+        self.channel: grpc.aio.Channel | None = None  # set by the subclass
         self.index: PrefixIndex | None = None  # set by the router
 
     def watch(self) -> None:
-        """Probe `grpc.health.v1` until the worker answers SERVING, then route to it."""
+        """Probe `grpc.health.v1` until the worker answers SERVING, route to it, and keep
+        checking that it answers in time."""
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self._probe_until_up())
+            self._probe = asyncio.ensure_future(self._watch())
 
-    def mark_down(self, reason: str) -> None:
-        """Stop routing here and probe `grpc.health.v1` until the worker answers SERVING again."""
+    def mark_down(self, reason: str, broken: bool = True) -> None:
+        """Stop routing here until `grpc.health.v1` answers SERVING again. `broken`: its
+        connection failed (rather than a health check that went unanswered)."""
         if self.healthy:
             log.warning("%s worker %s is down: %s", self.stage, self.address, reason)
         self.healthy = False
-        if self.index is not None:
+        self._broken = self._broken or broken
+        if broken and self.index is not None:
             self.index.forget(self.address)  # it comes back with an empty cache
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(reason)
         self.watch()
+
+    def lost(self) -> asyncio.Future[str]:
+        """A future that resolves (with the reason) when this worker is next marked down, at
+        once when it is down now: a call to it is waited for together with this one."""
+        if self._lost is None or self._lost.done():
+            self._lost = asyncio.get_running_loop().create_future()
+            if not self.healthy:
+                self._lost.set_result(f"{self.stage} worker is down")
+        return self._lost
+
+    async def _watch(self) -> None:
+        while True:
+            if not self.healthy:
+                await self._probe_until_up()
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            why = await self._check()
+            if why is not None and self.healthy:
+                self.mark_down(why, broken=why.startswith(grpc.StatusCode.UNAVAILABLE.name))
+
+    async def _check(self) -> str | None:
+        """Why the worker failed its health check over its own channel (None: it answered
+        SERVING within `health_timeout_s`)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        try:
+            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.health_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return (
+                    f"it did not answer its health check within {self.health_timeout_s:g}s "
+                    "(stage_health_timeout_s)"
+                )
+            return f"{e.code().name}: {e.details()}"
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     async def _probe_until_up(self) -> None:
         from tandem.rpc.health import probe
 
         tls = self.credentials.tls_root is not None
         told = None  # a TLS mismatch is said once, not at every probe
-        while (why := await probe(self.address, 1.0, self.credentials.tls_root)) is not None:
+        timeout = self.health_timeout_s
+        while (why := await probe(self.address, timeout, self.credentials.tls_root)) is not None:
             hint = unreachable_hint(why, tls)
             if hint is not None and hint != told:
                 log.warning("%s worker %s is unreachable: %s", self.stage, self.address, hint)
@@ -89,10 +157,13 @@ class Worker:
             await asyncio.sleep(PROBE_INTERVAL_S)
         if self.seen_up:
             log.info("%s worker %s is back", self.stage, self.address)
-            # The old channel may sit in reconnect backoff and fail fast for a while: start afresh.
-            await self.reconnect()
+            if self._broken:
+                # The old channel may sit in reconnect backoff and fail fast for a while: start
+                # afresh. (One that only stopped answering keeps its channel and its streams.)
+                await self.reconnect()
         else:
             progress.report(f"{self.stage} worker {self.address} is serving")
+        self._broken = False
         self.seen_up = True
         self.healthy = True
 
@@ -107,8 +178,13 @@ class Worker:
 class PrefillClient(Worker):
     stage = "prefill"
 
-    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
-        super().__init__(address, credentials)
+    def __init__(
+        self,
+        address: str,
+        credentials: StageCredentials | None = None,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
+        super().__init__(address, credentials, health_timeout_s)
         self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.PrefillStub(self.channel)
         self.inflight = 0
@@ -128,8 +204,13 @@ class DecodeClient(Worker):
 
     stage = "decode"
 
-    def __init__(self, address: str, credentials: StageCredentials | None = None) -> None:
-        super().__init__(address, credentials)
+    def __init__(
+        self,
+        address: str,
+        credentials: StageCredentials | None = None,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
+    ) -> None:
+        super().__init__(address, credentials, health_timeout_s)
         self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
         self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -205,8 +286,19 @@ class DecodeClient(Worker):
         if self._send is send:
             self._send = None
         self.mark_down(reason)
+        self._fail_sequences(public)
+
+    def mark_down(self, reason: str, broken: bool = True) -> None:
+        super().mark_down(reason, broken)
+        if not broken:
+            # Its stream is open but nothing comes: its sequences continue elsewhere (the
+            # pipeline resumes them), and are cancelled here should it come back.
+            self._fail_sequences("decode worker stopped responding")
+
+    def _fail_sequences(self, message: str) -> None:
+        """Tell every sequence on this worker that it will get nothing more from it."""
         for q in self.queues.values():
-            q.put_nowait(("error", public))
+            q.put_nowait(("error", message))
 
     async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
         """Admit a sequence; its token batches and finish event arrive on the returned queue."""
@@ -273,11 +365,13 @@ class Router:
         draft: list[str] | None = None,
         index: PrefixIndex | None = None,
         stage_credentials: StageCredentials | None = None,
+        health_timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode address")
-        self.prefill = [PrefillClient(a, stage_credentials) for a in prefill]
-        self.decode = [DecodeClient(a, stage_credentials) for a in decode]
+        creds, timeout = stage_credentials, health_timeout_s
+        self.prefill = [PrefillClient(a, creds, timeout) for a in prefill]
+        self.decode = [DecodeClient(a, creds, timeout) for a in decode]
         self.draft = [DraftAdmitter(a, stage_credentials) for a in draft or []]
         self.index = index or PrefixIndex(16)
         for w in [*self.prefill, *self.decode]:
@@ -301,6 +395,11 @@ class Router:
             near, key=lambda c: (self.index.matched_tokens(c.address, list(names)), -load(c))
         )
 
+    @property
+    def prefill_serving(self) -> bool:
+        """A prefill worker is up (else decode workers prefill every prompt themselves)."""
+        return any(c.healthy for c in self.prefill)
+
     def pick_prefill(self, names: Sequence[bytes] = ()) -> PrefillClient:
         return self._pick(self.prefill, lambda c: c.inflight, names, "prefill")
 
@@ -319,16 +418,16 @@ class Router:
 
     @property
     def serving(self) -> bool:
-        """The gateway can take work: at least one worker of each stage is up."""
+        """The gateway can take work: a decode worker is up (it prefills prompts itself while
+        no prefill worker is)."""
         return self.not_ready_reason() is None
 
     def not_ready_reason(self) -> str | None:
-        """Why a request cannot be served now (None: it can): a stage with no serving worker."""
-        for stage, workers in (("decode", self.decode), ("prefill", self.prefill)):
-            if not any(c.healthy for c in workers):
-                seen = any(c.seen_up for c in workers)
-                return f"no {stage} worker is serving ({'down' if seen else 'starting'})"
-        return None
+        """Why a request cannot be served now (None: it can): no decode worker serves."""
+        if any(c.healthy for c in self.decode):
+            return None
+        seen = any(c.seen_up for c in self.decode)
+        return f"no decode worker is serving ({'down' if seen else 'starting'})"
 
     async def close(self) -> None:
         for c in [*self.prefill, *self.decode, *self.draft]:

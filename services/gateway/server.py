@@ -66,6 +66,7 @@ async def serve(
         draft,
         index=PrefixIndex(config.block_size),
         stage_credentials=stage_credentials,
+        health_timeout_s=gc.stage_health_timeout_s,
     )
     eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids)
     ttft_slo_s = gc.ttft_slo_ms / 1e3 if gc.ttft_slo_ms else None
@@ -201,7 +202,7 @@ def _http_metrics(guard: ConnectionGuard):
 
 
 async def _follow_router(router: Router, health) -> None:
-    """Report SERVING while at least one worker of each stage is up, NOT_SERVING otherwise."""
+    """Report SERVING while a request can be served (`Router.serving`), NOT_SERVING otherwise."""
     last = False  # add_health starts NOT_SERVING
     ever = False
     while True:

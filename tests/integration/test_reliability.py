@@ -27,8 +27,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("reliability")
-    # Every prompt through the prefill worker (no conditional disaggregation): the tests below
-    # kill it and expect new work to fail.
+    # Every prompt through the prefill worker (no conditional disaggregation) while it serves:
+    # the tests below kill it and expect the decode worker to prefill in its place.
     prefill, decode, gateway = pipeline_stages(
         str(d),
         [],
@@ -454,23 +454,30 @@ def test_fuzzed_requests_never_crash(stack):
         assert health(s.address) == SERVING
 
 
-def test_killed_prefill_fails_new_work_clearly_and_recovers(stack):
+def test_killed_prefill_workers_requests_are_prefilled_by_the_decode_worker(stack):
+    """The only prefill worker dies: a request caught in its prefill and the requests after it
+    are prefilled by the decode worker (the gateway stays ready); back, it prefills again."""
     prefill, decode, gateway = stack
     stub = gateway.gateway_stub()
     it = stub.Generate(_chat("Tell a long story about ships.", max_tokens=60, ignore_eos=True))
     next(it)  # decoding has started: the KV already lives in the decode worker's pool
+    caught = stub.Generate(_ids(list(range(10, 1510)), max_tokens=4, ignore_eos=True), timeout=120)
     prefill.kill()
     rest = list(it)
     assert rest[-1].HasField("finish") and rest[-1].finish.usage.completion_tokens == 60
-    with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(_chat("hi", max_tokens=4), timeout=30))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "prefill" in e.value.details()
-    wait_health(gateway.address, serving=False, timeout=10)
-    prefill.start()  # same port, a new pool: decode registers again on first use
-    wait_health(gateway.address, serving=True, timeout=30)
+    assert list(caught)[-1].finish.usage.completion_tokens == 4
     out = list(stub.Generate(_chat("hi", max_tokens=4), timeout=60))
     assert out[-1].finish.usage.completion_tokens == 4
+    assert out[-1].finish.prefill_worker == "decode"
+    assert health(gateway.address) == SERVING
+    prefill.start()  # same port, a new pool: decode registers again on first use
+    deadline = time.monotonic() + 30
+    while True:
+        out = list(stub.Generate(_chat("hi", max_tokens=4), timeout=60))
+        if out[-1].finish.prefill_worker == "prefill":
+            break
+        assert time.monotonic() < deadline, "the restarted prefill worker was not used again"
+        time.sleep(0.5)
     assert decode.wait_idle().used_blocks == 0
 
 

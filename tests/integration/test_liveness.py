@@ -167,6 +167,17 @@ def _run(stub, ids: list[int], timeout: float = 300) -> stages_pb2.PrefillRespon
     )
 
 
+def _stepping_for_s(stage: Stage) -> float:
+    """Seconds the stage's engine has had work without output (its /metrics, which answers
+    during a step): how long the step running now has run."""
+    url = f"http://127.0.0.1:{stage.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("tandem_engine_stalled_seconds "):
+                return float(line.split()[1])
+    raise AssertionError("no tandem_engine_stalled_seconds on /metrics")
+
+
 def test_a_lease_release_is_not_dropped_behind_a_long_prefill_step(tmp_path):
     """A Release whose caller's deadline is shorter than the engine's step (a long prompt on a
     CPU) is answered at once, and the blocks come back when the step ends, not at the lease's
@@ -175,20 +186,16 @@ def test_a_lease_release_is_not_dropped_behind_a_long_prefill_step(tmp_path):
     prefill = Stage("prefill", port, ["--lease-ttl", "300"], str(tmp_path / "prefill.log"))
     with running(prefill):
         stub = stages_pb2_grpc.PrefillStub(prefill.channel())
-        warm = [_run(stub, _ids(20, salt=3))]  # the first forward pays for set-up
-        t0 = time.monotonic()
-        warm.append(_run(stub, _ids(LONG)))  # how long one such step takes here
-        step_s = time.monotonic() - t0
-        ids = [r.kv.lease_id for r in warm]
-        stub.Release(stages_pb2.ReleaseRequest(lease_ids=ids), timeout=30)
         short = _run(stub, _ids(20, salt=1))
-
         answers: list[stages_pb2.PrefillResponse] = []
-        busy = threading.Thread(target=lambda: answers.append(_run(stub, _ids(LONG, salt=2))))
+        busy = threading.Thread(target=lambda: answers.append(_run(stub, _ids(LONG))))
         busy.start()
-        time.sleep(step_s / 4)  # the long prompt's step is running
+        deadline = time.monotonic() + 60
+        while _stepping_for_s(prefill) < 0.3:  # the long prompt's step is running
+            assert time.monotonic() < deadline and busy.is_alive(), "no long step was seen"
+            time.sleep(0.05)
         released = stub.Release(
-            stages_pb2.ReleaseRequest(lease_ids=[short.kv.lease_id]), timeout=step_s / 4
+            stages_pb2.ReleaseRequest(lease_ids=[short.kv.lease_id]), timeout=1.0
         )
         assert released.released == 1
         busy.join(300)

@@ -125,6 +125,11 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The most tokens (prompt and output) one sequence may have, for a model of
+        `max_position_embeddings` positions: max_model_len, never more than the model's."""
+        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+
     def resolved_dtype(self) -> torch.dtype:
         import torch
 

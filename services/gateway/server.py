@@ -58,7 +58,7 @@ async def serve(
     workers, and the CA bundle that makes those calls (and the health probes) TLS."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
-    max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    max_len = config.context_length(mc.max_position_embeddings)
     # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
     router = Router(
         prefill,

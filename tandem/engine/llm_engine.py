@@ -81,9 +81,7 @@ class LLMEngine(
         use_cuda_device(device)
         dtype = config.resolved_dtype()
         mc = loaded.config
-        self.max_model_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        self.max_model_len = config.context_length(mc.max_position_embeddings)
         progress.report(
             f"building the model ({dtype}, quantization {config.quantization}) on {device}"
         )

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tandem.rpc import api_pb2, api_pb2_grpc  # noqa: E402
-from tests.integration.cluster import start_cluster  # noqa: E402
+from tests.integration.cluster import rss_mb, start_cluster  # noqa: E402
 
 EXPECTED = {
     grpc.StatusCode.CANCELLED,
@@ -48,44 +48,6 @@ PROMPTS = [
     "Describe a busy train station in the morning.",
     "Give three tips for learning to cook.",
 ]
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(d))
-    return out
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory a process owns: anonymous + file-backed, without shared memory.
-
-    The decode worker maps the prefill worker's KV pool (shared memory); its pages count in
-    VmRSS as they are first read, which is not growth of the decode worker's own memory.
-    """
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("RssAnon", "RssFile", "RssShmem", "VmRSS"):
-                fields[k] = int(v.split()[0]) / 1024
-    return fields.get("RssAnon", 0.0) + fields.get("RssFile", 0.0)
-
-
-def stage_name(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        parts = f.read().split(b"\0")
-    for p in parts:
-        if p.startswith(b"services."):
-            return p.decode().split(".")[1]
-    return str(pid)
 
 
 KILL_GRACE_S = 5.0  # after a killed stage serves again, failures still count as the kill's
@@ -173,15 +135,11 @@ def worker_stats(cluster) -> dict:
     return out
 
 
-def stage_pids(cluster) -> dict[str, int]:
-    return {stage_name(p): p for p in children_of(cluster.proc.pid)}
-
-
 def kill_and_wait(cluster, stage: str, windows: list[list[float]], timeout: float = 300) -> dict:
     """SIGKILL one stage, wait until `tandem up` has it serving again; returns the timings."""
     from tandem.rpc.health import check
 
-    old = stage_pids(cluster)[stage]
+    old = cluster.pids()[stage]
     address = {
         "prefill": f"127.0.0.1:{cluster.prefill_port}",
         "decode": f"127.0.0.1:{cluster.decode_port}",
@@ -192,7 +150,7 @@ def kill_and_wait(cluster, stage: str, windows: list[list[float]], timeout: floa
     os.kill(old, 9)
     deadline = window[0] + timeout
     while time.monotonic() < deadline:
-        new = stage_pids(cluster).get(stage)
+        new = cluster.pids().get(stage)
         if new and new != old and asyncio.run(check(address, timeout=1.0)):
             window[1] = time.monotonic()
             return {"stage": stage, "down_s": round(window[1] - window[0], 1)}
@@ -228,7 +186,7 @@ def run(duration: float, concurrency: int, seed: int, kill: bool = False) -> dic
                 time.sleep(min(30.0, duration / 20))
         # Warm-up before memory is read: after the start, and after the last restart.
         time.sleep(min(60.0, duration / 10) if kill else min(15.0, duration / 4))
-        pids = stage_pids(cluster)
+        pids = cluster.pids()
         rss_warm = {k: rss_mb(p) for k, p in pids.items()}
         warm_at = time.monotonic() - t0
         load_thread.join()
@@ -241,7 +199,7 @@ def run(duration: float, concurrency: int, seed: int, kill: bool = False) -> dic
         ):
             time.sleep(0.25)
             pools = worker_stats(cluster)
-        rss_end = {k: rss_mb(p) for k, p in stage_pids(cluster).items()}
+        rss_end = {k: rss_mb(p) for k, p in cluster.pids().items()}
     finally:
         cluster.stop()
     growth = {k: (rss_end[k] - rss_warm[k]) / rss_warm[k] for k in rss_warm if rss_warm[k]}

@@ -1,9 +1,10 @@
 """Running a worker stage (prefill, decode) as a gRPC server: the start-up and shut-down they share.
 
-A worker's service object offers `refuse(reason)` (counts refused calls), `obs.metrics.registry`
-(its Prometheus metrics) and `close()` (stops its engine, frees its pool). `run_worker` builds
-the server with the stage-secret interceptors, health and metrics, runs the stage's own steps
-before it reports SERVING, and closes everything however it ends.
+A worker's service object offers `refuse(reason)` (counts refused calls), `receive_limits()` (the
+largest request of each of its methods, tandem.rpc.limits), `obs.metrics.registry` (its
+Prometheus metrics) and `close()` (stops its engine, frees its pool). `run_worker` builds the
+server with the credential check and the receive limits, health and metrics, runs the stage's
+own steps before it reports SERVING, and closes everything however it ends.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import grpc
 from tandem import progress
 from tandem.metrics import serve_metrics
 from tandem.rpc import stages_pb2
-from tandem.rpc.auth import StageCredentials, add_stage_port, count_refusals, server_interceptors
+from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server
 from tandem.rpc.health import add_health, set_serving
 
 
@@ -47,24 +48,23 @@ async def run_worker(
     metrics_port: int | None,
     stage_credentials: StageCredentials | None,
     *,
-    options: list[tuple[str, Any]] | None = None,
     before_serving: Callable[[Any], Awaitable[None]] | None = None,
     ready_message: Callable[[Any, int], str] = lambda service, bound: "",
 ) -> None:
     """Serve `make_service()` until cancelled.
 
-    With a stage secret in `stage_credentials`, every call but health checks must carry it
-    (tandem.rpc.auth); with a certificate there, the port serves TLS only. Prometheus text is
+    With a stage secret in `stage_credentials`, every call but health checks must carry it or,
+    for the methods that route requests, the gateway secret (tandem.rpc.auth); with a
+    certificate there, the port serves TLS only. Prometheus text is
     served on `metrics_port` (None: no metrics endpoint). `before_serving` runs after the
     server started and before health says SERVING; if it fails, the worker stops.
     """
     creds = stage_credentials or StageCredentials()
-    auth = server_interceptors(creds.secret)
-    server = grpc.aio.server(interceptors=auth, options=options)
     service = make_service()
+    server = None
     metrics = None
     try:
-        count_refusals(auth, service.refuse)
+        server = stage_server(creds, service.receive_limits(), service.refuse)
         add_servicer(service, server)
         health = await add_health(server, [service_name])
         bound = add_stage_port(server, f"{host}:{port}", creds)
@@ -89,7 +89,8 @@ async def run_worker(
         try:
             # Cancelled by SIGTERM, the stop itself may be cancelled: close the service anyway
             # (a shared-memory pool is unlinked there).
-            await server.stop(1.0)
+            if server is not None:
+                await server.stop(1.0)
         finally:
             service.close()
             if metrics is not None:

@@ -7,6 +7,7 @@ here; how a field becomes a `--flag` and a TANDEM_* variable is `config_options.
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -308,32 +309,77 @@ def read_secret(path: str, what: str) -> str:
 
 @dataclass
 class StageAuthConfig:
-    """The credential of the ports between stages (prefill, decode, draft gRPC).
+    """The credentials of the ports between stages (prefill, decode, draft gRPC), by role.
 
-    Every stage given a secret requires it, in gRPC metadata, on every call but grpc.health.v1,
-    and every stage sends it to the stages it calls (the gateway too). The secret is read from a
-    file or from TANDEM_STAGE_SECRET, never from a command line (`ps` shows those). No secret:
-    the stage ports are open to anyone who reaches them, as on a loopback-only host.
+    The stage secret is the workers' (prefill, decode, draft): a worker given it requires it, in
+    gRPC metadata, on every call but grpc.health.v1, sends it to the workers it calls, and
+    derives the keys of its KV leases from it. The gateway secret is the gateway's: the gateway
+    sends it, and a worker given it too takes it for the calls that route a request (Prefill.Run
+    and Release, Decode.Session, Draft.Admit, Stats) and nothing else (tandem.rpc.auth). The
+    gateway, facing the internet, never holds the stage secret. Each is read from a file or from
+    its TANDEM_* variable, never from a command line (`ps` shows those). No stage secret: the
+    stage ports are open to anyone who reaches them, as on a loopback-only host.
     """
 
-    # A file whose first line is the secret.
+    # A file whose first line is the stage secret (workers only).
     stage_secret_file: str | None = field(default=None, metadata={"credential": True})
     # Only from the environment (TANDEM_STAGE_SECRET): no flag is made for it.
     stage_secret: str | None = field(default=None, metadata={"env_only": True, "credential": True})
+    # A file whose first line is the gateway secret (the gateway, and every worker).
+    gateway_secret_file: str | None = field(default=None, metadata={"credential": True})
+    # Only from the environment (TANDEM_GATEWAY_SECRET).
+    gateway_secret: str | None = field(
+        default=None, metadata={"env_only": True, "credential": True}
+    )
 
     def secret(self) -> bytes | None:
-        """The secret to require and send; None when none is configured."""
-        if self.stage_secret_file is not None:
-            if self.stage_secret is not None:
+        """The stage secret; None when none is configured."""
+        return _one_secret(self.stage_secret_file, self.stage_secret, "stage_secret")
+
+    def gateway(self) -> bytes | None:
+        """The gateway secret; None when none is configured."""
+        return _one_secret(self.gateway_secret_file, self.gateway_secret, "gateway_secret")
+
+    def credentials(self, stage: str) -> tuple[bytes | None, bytes | None]:
+        """(stage secret, gateway secret) of the `stage` process; ValueError when they do not
+        fit its role."""
+        secret, gateway = self.secret(), self.gateway()
+        if stage == "gateway":
+            if secret is not None:
                 raise ValueError(
-                    "give the stage secret once: TANDEM_STAGE_SECRET or stage_secret_file, not both"
+                    "the gateway takes no stage secret (it would let the process facing the "
+                    "internet sign KV leases and register as a worker): give it the gateway "
+                    "secret instead, TANDEM_GATEWAY_SECRET or --gateway-secret-file, and the "
+                    "workers both"
                 )
-            return read_secret(self.stage_secret_file, "stage_secret_file").encode()
-        if self.stage_secret is not None:
-            if not self.stage_secret.strip():
-                raise ValueError("TANDEM_STAGE_SECRET is set but empty")
-            return self.stage_secret.strip().encode()
-        return None
+            return None, gateway
+        if gateway is not None and secret is None:
+            raise ValueError(
+                "a gateway secret is checked only by a worker that has a stage secret: set "
+                "TANDEM_STAGE_SECRET or --stage-secret-file too (without it the port is open)"
+            )
+        if gateway is not None and hmac.compare_digest(gateway, secret):
+            raise ValueError(
+                "the gateway secret must differ from the stage secret: the gateway's "
+                "credential would otherwise allow everything a worker's does"
+            )
+        return secret, gateway
+
+
+def _one_secret(path: str | None, value: str | None, name: str) -> bytes | None:
+    """A secret given by file (`<name>_file`) or by TANDEM_<NAME>, once; None when neither."""
+    if path is not None:
+        if value is not None:
+            raise ValueError(
+                f"give the {name.replace('_', ' ')} once: TANDEM_{name.upper()} or "
+                f"{name}_file, not both"
+            )
+        return read_secret(path, f"{name}_file").encode()
+    if value is not None:
+        if not value.strip():
+            raise ValueError(f"TANDEM_{name.upper()} is set but empty")
+        return value.strip().encode()
+    return None
 
 
 def stage_secret_from_args(args: Any) -> bytes | None:
@@ -431,13 +477,13 @@ def _stage_tls_files(
 
 def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
     """How the `stage` process (gateway, prefill, decode, draft) takes part in the stage network:
-    its stage secret and TLS files (StageAuthConfig, StageTlsConfig), from parsed flags, then
+    its credentials and TLS files (StageAuthConfig, StageTlsConfig), from parsed flags, then
     TANDEM_* variables. Raises ValueError naming what is wrong."""
     from tandem.rpc.auth import StageCredentials
 
-    secret = stage_secret_from_args(args)
+    secret, gateway = dataclass_from_args(StageAuthConfig, args).credentials(stage)
     root, pair = _stage_tls_files(dataclass_from_args(StageTlsConfig, args), stage)
-    return StageCredentials(secret=secret, tls_root=root, tls_cert=pair)
+    return StageCredentials(secret=secret, gateway_secret=gateway, tls_root=root, tls_cert=pair)
 
 
 def gateway_config_from_args(args: Any) -> GatewayConfig:
@@ -462,7 +508,8 @@ def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
 
 
 def add_stage_auth_args(parser: Any) -> None:
-    """Add the stage credential's flag (`--stage-secret-file`) to a parser or group."""
+    """Add the stage credentials' flags (`--stage-secret-file`, `--gateway-secret-file`) to a
+    parser or group."""
     add_dataclass_args(parser, StageAuthConfig, "stage credential:")
 
 

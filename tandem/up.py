@@ -85,13 +85,28 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class Secrets:
+    """The stage credentials `tandem up` hands out: the workers' stage secret, the gateway's."""
+
+    stage: str
+    gateway: str
+
+    def env(self, stage: str) -> dict[str, str]:
+        """The credentials of `stage`, as variables (a command line is public): every stage
+        gets the gateway secret (the workers check it), only the workers the stage secret."""
+        env = {"TANDEM_GATEWAY_SECRET": self.gateway}
+        if stage != "gateway":
+            env["TANDEM_STAGE_SECRET"] = self.stage
+        return env
+
+
 def _spawn(
-    cmd: list[str], log_path: str, secret: str | None, append: bool = False
+    cmd: list[str], log_path: str, credentials: Secrets, append: bool = False
 ) -> subprocess.Popen:
     logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
-    env = _stage_env(cmd[2].removeprefix("services."))  # cmd: python -m services.<stage> ...
-    if secret is not None:
-        env["TANDEM_STAGE_SECRET"] = secret  # in the environment: a command line is public
+    stage = cmd[2].removeprefix("services.")  # cmd: python -m services.<stage> ...
+    env = {**_stage_env(stage), **credentials.env(stage)}
     return subprocess.Popen(
         cmd,
         stdout=logf,
@@ -155,8 +170,17 @@ def _stop(children: list[Child]) -> None:
 def _stage_env(stage: str) -> dict[str, str]:
     """The environment of a stage: one OTEL_SERVICE_NAME per process (`<name>-<stage>`). The
     stage-TLS certificate and key exported for the workers' ports are not the gateway's, which
-    serves no stage port (it would refuse them); it keeps the CA that checks the workers."""
+    serves no stage port (it would refuse them); it keeps the CA that checks the workers. The
+    credentials come from `Secrets.env`, by value: the files or variables `tandem up` read them
+    from are not passed on (the gateway must never see the stage secret)."""
     env = dict(os.environ)
+    for var in (
+        "TANDEM_STAGE_SECRET",
+        "TANDEM_STAGE_SECRET_FILE",
+        "TANDEM_GATEWAY_SECRET",
+        "TANDEM_GATEWAY_SECRET_FILE",
+    ):
+        env.pop(var, None)
     name = env.get("OTEL_SERVICE_NAME")
     if name:
         env["OTEL_SERVICE_NAME"] = f"{name}-{stage}"
@@ -261,8 +285,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
     add_gateway_args(up.add_argument_group("gateway settings (or TANDEM_<NAME> variables)"))
     add_stage_auth_args(
         up.add_argument_group(
-            "stage credential (default: a fresh random secret at every start, or "
-            "TANDEM_STAGE_SECRET)"
+            "stage credentials (default: fresh random secrets at every start, or "
+            "TANDEM_STAGE_SECRET and TANDEM_GATEWAY_SECRET)"
         )
     )
     for stage, flags in STAGE_FLAGS.items():
@@ -301,15 +325,23 @@ def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
-def _stage_secret(args: argparse.Namespace) -> str:
-    """The secret every stage requires and sends: the one given (TANDEM_STAGE_SECRET or
-    --stage-secret-file), else a fresh random one, so that no stage port is ever open."""
+def _secrets(args: argparse.Namespace) -> Secrets:
+    """The workers' stage secret and the gateway's secret: those given (TANDEM_STAGE_SECRET or
+    --stage-secret-file, TANDEM_GATEWAY_SECRET or --gateway-secret-file), else fresh random
+    ones, so that no stage port is ever open and the gateway never holds a worker's key."""
     import secrets
 
-    from tandem.config import stage_secret_from_args
+    from tandem.config import StageAuthConfig
+    from tandem.config_options import dataclass_from_args
 
-    given = stage_secret_from_args(args)
-    return given.decode() if given is not None else secrets.token_urlsafe(32)
+    cfg = dataclass_from_args(StageAuthConfig, args)
+    stage, gateway = cfg.secret(), cfg.gateway()
+    out = Secrets(
+        stage=stage.decode() if stage is not None else secrets.token_urlsafe(32),
+        gateway=gateway.decode() if gateway is not None else secrets.token_urlsafe(32),
+    )
+    StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway).credentials("decode")
+    return out
 
 
 def _then_chat_key(args: argparse.Namespace) -> str | None:
@@ -330,18 +362,14 @@ def _dial(host: str) -> str:
 
 def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
-    from tandem.config import (
-        engine_config_from_args,
-        gateway_config_from_args,
-        stage_secret_from_args,
-    )
+    from tandem.config import engine_config_from_args, gateway_config_from_args
 
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         return f"--model {args.model}: no such file or directory"
     try:
         engine_config_from_args(args)
         gateway_config_from_args(args)
-        stage_secret_from_args(args)
+        _secrets(args)
     except (TypeError, ValueError) as e:
         return str(e)
     for host, port in ports:
@@ -406,7 +434,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if problem:
         parser.error(problem)
     argv = _stage_argv(args)
-    secret = _stage_secret(args)
+    credentials = _secrets(args)
     stage_host = _dial(args.stage_host)
     prefill_addr = f"{stage_host}:{prefill_port}"
     decode_addr = f"{stage_host}:{decode_port}"
@@ -459,7 +487,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         width = max(len(c.stage) for c in children)
         for c in children:
-            c.proc = _spawn(c.cmd, c.log_path, secret)
+            c.proc = _spawn(c.cmd, c.log_path, credentials)
             c.started = time.monotonic()
             print(
                 f"  [{c.started - t0:5.1f}s] {c.stage:<{width}}  starting (pid {c.proc.pid})",
@@ -506,7 +534,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if rc != 0:
                 return rc
             print("Still serving; Ctrl-C stops every stage.", flush=True)
-        return _supervise(children, args.restart, secret)
+        return _supervise(children, args.restart, credentials)
     except KeyboardInterrupt:
         print("stopping...", flush=True)
         return 0
@@ -517,7 +545,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _stop([c for c in children if c.proc is not None])
 
 
-def _supervise(children: list[Child], restart: bool, secret: str | None) -> int:
+def _supervise(children: list[Child], restart: bool, credentials: Secrets) -> int:
     """Watch the stages while they serve: a stage that dies is restarted (the others keep
     serving) or, with --no-restart, stops `tandem up`."""
     while True:
@@ -539,6 +567,6 @@ def _supervise(children: list[Child], restart: bool, secret: str | None) -> int:
             c.failures += 1
             print(f"tandem up: restarting {c.stage} in {delay:.0f}s", file=sys.stderr, flush=True)
             time.sleep(delay)
-            c.proc = _spawn(c.cmd, c.log_path, secret, append=True)
+            c.proc = _spawn(c.cmd, c.log_path, credentials, append=True)
             c.started = time.monotonic()
         time.sleep(0.5)

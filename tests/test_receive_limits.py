@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
+from tandem.rpc.auth import GATEWAY_METHODS
 from tandem.rpc.limits import (
     CLIENT_REQUEST_BYTES,
     ReceiveLimitInterceptor,
@@ -37,6 +38,7 @@ def test_every_stage_method_has_a_limit():
         for m in service.methods
     }
     assert set(_all_limits()) == methods
+    assert GATEWAY_METHODS <= methods
 
 
 def _sampling() -> api_pb2.SamplingParams:

@@ -19,10 +19,12 @@ from tandem import progress
 from tandem.kv import transports
 from tandem.kv.cache import KVCache
 from tandem.kv.layout import PoolLayout, host_id
+from tandem.kv.lease import lease_key
 from tandem.kv.transports import KVTransport, PeerLink, PeerPool, TransportKind
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.convert import layout_from_proto, layout_to_proto
+from tandem.rpc.limits import fetch_channel_options
 
 log = logging.getLogger("tandem.decode")
 
@@ -36,7 +38,7 @@ class PrefillPeer:
     stub: stages_pb2_grpc.PrefillStub
     pool: PeerPool
     pool_id: str = ""
-    lease_key: bytes = b""  # checks the signatures of the peer's leases
+    lease_key: bytes = b""  # checks the signatures of the peer's leases (`_lease_key`)
     layout: PoolLayout | None = None
 
     @property
@@ -130,7 +132,7 @@ class PrefillPeers:
                     ("grpc.use_local_subchannel_pool", 1),
                     ("grpc.initial_reconnect_backoff_ms", 200),
                     ("grpc.max_reconnect_backoff_ms", 2000),
-                    ("grpc.max_receive_message_length", 64 << 20),
+                    *fetch_channel_options(self.layout.block_bytes),
                 ],
             )
             stub = stages_pb2_grpc.PrefillStub(ch)
@@ -194,7 +196,20 @@ class PrefillPeers:
             pool = await self.transports[kind].open(link)
         except Exception as e:  # noqa: BLE001 - the caller decides: fall back or fail
             raise _HandleUnusable(kind, e) from e
-        return PrefillPeer(address, ch, stub, pool, link.handle.pool_id, resp.lease_key, layout)
+        key = self._lease_key(address, resp)
+        return PrefillPeer(address, ch, stub, pool, link.handle.pool_id, key, layout)
+
+    def _lease_key(self, address: str, resp: stages_pb2.RegisterResponse) -> bytes:
+        """The key of the peer's lease signatures: derived from the stage secret both workers
+        hold, or the one a prefill worker without a stage secret (its port open) sent."""
+        if resp.lease_key:
+            return resp.lease_key
+        if not self.stage_credentials.secret:
+            raise ConnectionError(
+                f"prefill {address} derives its lease key from the stage secret, which this "
+                "worker lacks: give every worker the same TANDEM_STAGE_SECRET"
+            )
+        return lease_key(self.stage_credentials.secret, resp.handle.pool_id)
 
     async def register_at_start(self, address: str, wait_s: float) -> None:
         """Register with a prefill worker named at start, waiting quietly while it starts itself;

@@ -30,6 +30,7 @@ from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
 from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto
+from tandem.rpc.limits import decode_limits
 
 log = logging.getLogger("tandem.decode")
 SERVICE = "tandem.v1.Decode"
@@ -60,6 +61,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             raise ValueError(f"--kv-transfer-timeout must be > 0, got {kv_transfer_timeout_s}")
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
+        self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
         self.engine = LLMEngine(loaded, config)
         self.layout = PoolLayout.of(self.engine.kv)
         self.peers = PrefillPeers(
@@ -112,6 +114,10 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
     def close(self) -> None:
         self.engine_loop.stop()
         self.peers.close()
+
+    def receive_limits(self) -> dict[str, int]:
+        """The largest request each method takes (tandem.rpc.limits)."""
+        return decode_limits(self.max_model_len, self.layout.block_size)
 
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
@@ -327,8 +333,10 @@ async def serve(
     ones whose KV it takes (waiting up to `prefill_wait_s` for them), before it reports SERVING.
 
     Prometheus text is served on `metrics_port` (None: no metrics endpoint). With a stage secret
-    in `stage_credentials`, every call but health checks must carry it, and every call to the
-    prefill and draft workers sends it; with a certificate there, the port serves TLS only, and
+    in `stage_credentials`, every call but health checks must carry it (or, for Session and
+    Stats, the gateway secret), every call to the prefill and draft workers sends it, and the
+    prefill pools' lease keys are derived from it; with a certificate there, the port serves
+    TLS only, and
     with a CA bundle, the calls to the prefill and draft workers are TLS (tandem.rpc.auth).
     """
 

@@ -7,20 +7,15 @@ import concurrent.futures
 import logging
 import time
 
-import grpc
-
 from tandem import progress, telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
 from tandem.metrics import DraftMetrics, serve_metrics
+from tandem.model.info import load_model_info
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import (
-    StageCredentials,
-    add_stage_port,
-    count_refusals,
-    server_interceptors,
-)
+from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server
 from tandem.rpc.health import add_health, set_serving
+from tandem.rpc.limits import draft_limits
 
 log = logging.getLogger("tandem.draft")
 SERVICE = "tandem.v1.Draft"
@@ -130,15 +125,20 @@ async def serve(
 
     `draft`: ngram, self:N, self-int4, self-int4:DIR or a model path (tandem.engine.draft_models);
     a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
-    With a stage secret in `stage_credentials`, every call but health checks must carry it; with a
-    certificate there, the port serves TLS only (tandem.rpc.auth).
+    With a stage secret in `stage_credentials`, every call but health checks must carry it (or,
+    for Admit and Stats, the gateway secret); with a certificate there, the port serves TLS only
+    (tandem.rpc.auth).
     """
     proposer = build_proposer(draft, config, num_blocks=num_blocks)
     creds = stage_credentials or StageCredentials()
-    auth = server_interceptors(creds.secret)
-    server = grpc.aio.server(interceptors=auth)
     service = DraftService(proposer, draft)
-    count_refusals(auth, lambda reason: service.metrics.refusals.labels(reason).inc())
+    # The prompts are the target's: its context length bounds every sequence proposed for.
+    max_len = config.context_length(load_model_info(config.model)[0].max_position_embeddings)
+    server = stage_server(
+        creds,
+        draft_limits(max_len, config.max_num_seqs),
+        lambda reason: service.metrics.refusals.labels(reason).inc(),
+    )
     stages_pb2_grpc.add_DraftServicer_to_server(service, server)
     health = await add_health(server, [SERVICE])
     bound = add_stage_port(server, f"{host}:{port}", creds)

@@ -19,7 +19,7 @@ from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
 from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
-from tandem.kv.lease import sign_lease
+from tandem.kv.lease import lease_key, sign_lease
 from tandem.kv.transports import PeerRequest, TransportKind
 from tandem.kv.transports.inline import InlineTransport
 from tandem.kv.transports.shm import SharedPool
@@ -34,6 +34,7 @@ from tandem.rpc.convert import (
     sampling_from_proto,
     status_for,
 )
+from tandem.rpc.limits import prefill_limits
 
 log = logging.getLogger("tandem.prefill")
 SERVICE = "tandem.v1.Prefill"
@@ -73,7 +74,11 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
     """Prefill.Run batches prompts on the engine thread; the KV stays leased until released."""
 
     def __init__(
-        self, config: EngineConfig, lease_ttl_s: float = 30.0, max_leases_per_peer: int = 1024
+        self,
+        config: EngineConfig,
+        lease_ttl_s: float = 30.0,
+        max_leases_per_peer: int = 1024,
+        stage_secret: bytes | None = None,
     ) -> None:
         if max_leases_per_peer < 1:
             raise ValueError(f"--max-leases-per-peer must be >= 1, got {max_leases_per_peer}")
@@ -86,10 +91,19 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.refusals: dict[str, int] = {}
         loaded = load_model(config.model, config.resolved_dtype())
         self.model_name = loaded.config.name
+        self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
         device = config.resolved_device()
         self.pool_id = f"prefill-{uuid.uuid4().hex[:8]}"
-        # Signs every lease of this pool (KvRef.lease_signature); registered peers get it.
-        self.lease_key = secrets.token_bytes(32)
+        # Signs every lease of this pool (KvRef.lease_signature). With a stage secret it is
+        # derived from it, and each decode worker derives it too: it never travels, and only a
+        # worker can make it. Without one (a port open to whoever reaches it) it is drawn here
+        # and handed to each peer that registers.
+        self.sends_lease_key = stage_secret is None
+        self.lease_key = (
+            secrets.token_bytes(32)
+            if stage_secret is None
+            else lease_key(stage_secret, self.pool_id)
+        )
         self.shared: SharedPool | None = None
         kv = None
         if device.type == "cpu":
@@ -240,13 +254,19 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.peers.add(request.peer_id)
         log.info("registered decode peer %s (%s)", request.peer_id, transport.describe())
         return stages_pb2.RegisterResponse(
-            handle=handle, model=self.model_name, lease_key=self.lease_key
+            handle=handle,
+            model=self.model_name,
+            lease_key=self.lease_key if self.sends_lease_key else b"",
         )
 
     def refuse(self, reason: str) -> None:
         """Count a refused call by its reason (WorkerStats.refusals, /metrics)."""
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         self.obs.metrics.refusals.labels(reason).inc()
+
+    def receive_limits(self) -> dict[str, int]:
+        """The largest request each method takes (tandem.rpc.limits)."""
+        return prefill_limits(self.max_model_len, self.layout.block_size, self.max_leases_per_peer)
 
     async def Run(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -397,17 +417,18 @@ async def serve(
 ) -> None:
     """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
 
-    With a stage secret in `stage_credentials`, every call but health checks must carry it; with
-    a certificate there, the port serves TLS only (tandem.rpc.auth)."""
+    With a stage secret in `stage_credentials`, every call but health checks must carry it (or,
+    for Run, Release and Stats, the gateway secret), and the pool's lease key is derived from
+    it; with a certificate there, the port serves TLS only (tandem.rpc.auth)."""
+    secret = stage_credentials.secret if stage_credentials is not None else None
     await run_worker(
         "prefill",
         SERVICE,
-        lambda: PrefillService(config, lease_ttl_s, max_leases_per_peer),
+        lambda: PrefillService(config, lease_ttl_s, max_leases_per_peer, secret),
         stages_pb2_grpc.add_PrefillServicer_to_server,
         host,
         port,
         metrics_port,
         stage_credentials,
-        options=[("grpc.max_receive_message_length", 64 << 20)],
         ready_message=lambda s, _: f"(model {s.model_name}, pool {s.pool_id})",
     )

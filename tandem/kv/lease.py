@@ -3,9 +3,11 @@
 A lease is a capability: its token (`Lease.token`, unguessable) is the only way another process
 names it, and the lease itself records which blocks it covers and the exact tokens whose KV they
 hold. Inside the process a lease is also known by its name (the request id), which never leaves
-it. What a lease says travels signed (`sign_lease`, an HMAC under a key the owner gives only to
-registered peers), so the process that reads the blocks checks, without asking the owner, that
-they are the ones leased and hold the KV of exactly the prompt it was given.
+it. What a lease says travels signed (`sign_lease`, an HMAC under the pool's lease key), so the
+process that reads the blocks checks, without asking the owner, that they are the ones leased and
+hold the KV of exactly the prompt it was given. The lease key is derived from the workers' stage
+secret and the pool (`lease_key`): owner and readers each compute it, it never travels, and a
+process without the stage secret (the gateway) cannot sign a lease.
 """
 
 from __future__ import annotations
@@ -184,6 +186,14 @@ def _lease_message(
         block_names,
     ]
     return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def lease_key(stage_secret: bytes, pool_id: str) -> bytes:
+    """The key that signs the leases of the pool `pool_id`, derived from the workers' stage
+    secret (one key per pool, so per worker incarnation)."""
+    return hmac.new(
+        stage_secret, b"tandem-lease-key-v1\0" + pool_id.encode(), hashlib.sha256
+    ).digest()
 
 
 def sign_lease(

@@ -1,7 +1,17 @@
-"""The stage credential: a shared secret in gRPC metadata, required by stage servers and sent by
-their clients (see `tandem.config.StageAuthConfig`), and TLS on the stage ports, which keeps the
-secret and the traffic from the network (`tandem.config.StageTlsConfig`). grpc.health.v1 stays
-open for probes."""
+"""The stage credentials, by role, in gRPC metadata; and TLS on the stage ports, which keeps them
+and the traffic from the network (`tandem.config.StageAuthConfig`, `StageTlsConfig`).
+
+Two credentials, so that the process facing the internet holds the least:
+- the stage secret, the workers' own (prefill, decode, draft): it allows every stage method,
+  and the key that signs a prefill pool's leases is derived from it (tandem/kv/lease.py), so a
+  worker never sends that key and only a worker can make it;
+- the gateway secret, the gateway's: a worker takes it for the methods that route a request
+  (`GATEWAY_METHODS`) and refuses it, PERMISSION_DENIED, for the rest (Register, FetchBlocks,
+  Propose). Whoever holds it can send requests through the stages, not sign a lease, read
+  another request's KV or write a prefix cache.
+A refused call is refused from its metadata, before its message is read. grpc.health.v1 stays
+open for probes.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +21,45 @@ from dataclasses import dataclass, field
 
 import grpc
 
-# The metadata key every call between stages carries the secret under.
+from tandem.rpc.limits import ReceiveLimitInterceptor, method_name, server_options
+
+# The metadata key every call between stages carries its credential under.
 STAGE_SECRET_KEY = "x-tandem-stage-secret"
+
+# What the gateway's credential may call: admit a request (prefill, the decode stream, the
+# draft), give back the lease of a request it abandoned, and read the workers' load.
+GATEWAY_METHODS = frozenset(
+    {
+        "/tandem.v1.Prefill/Run",
+        "/tandem.v1.Prefill/Release",
+        "/tandem.v1.Prefill/Stats",
+        "/tandem.v1.Decode/Session",
+        "/tandem.v1.Decode/Stats",
+        "/tandem.v1.Draft/Admit",
+        "/tandem.v1.Draft/Stats",
+    }
+)
 
 
 @dataclass(frozen=True)
 class StageCredentials:
-    """How a process takes part in the stage network: the secret its stage port requires and it
-    sends to the stages it calls, the CA bundle that vouches for those stages (TLS to them), and
-    the certificate its own stage port serves (TLS there). None: plaintext, no secret."""
+    """How a process takes part in the stage network: its credential, the CA bundle that vouches
+    for the stages it calls (TLS to them), and the certificate its own stage port serves (TLS
+    there). A worker holds the stage secret (`secret`), which its port requires and it sends,
+    and the gateway secret, which its port takes for `GATEWAY_METHODS`; the gateway holds only
+    the gateway secret, which it sends. None: plaintext, no credential."""
 
     secret: bytes | None = field(default=None, repr=False)
+    gateway_secret: bytes | None = field(default=None, repr=False)
     # PEM CA bundle: every channel to a stage is a TLS channel.
     tls_root: bytes | None = field(default=None, repr=False)
     # (private key, certificate chain), PEM: this process's stage port serves TLS only.
     tls_cert: tuple[bytes, bytes] | None = field(default=None, repr=False)
+
+    @property
+    def sent(self) -> bytes | None:
+        """The credential this process sends to the stages it calls."""
+        return self.secret or self.gateway_secret
 
 
 def add_stage_port(server, address: str, credentials: StageCredentials | None) -> int:
@@ -55,68 +89,78 @@ def unreachable_hint(details: str, tls: bool) -> str | None:
     return None
 
 
-def _deny(handler, code: grpc.StatusCode, msg: str):
-    """A method handler of the same shape as `handler` that refuses the call with `code`."""
+def _deny(code: grpc.StatusCode, msg: str):
+    """A handler that refuses a call without reading its request. It is stream-shaped whatever
+    the method: gRPC asks a unary handler's request message off the wire, whole, before the
+    handler runs, and a refused caller could make the process take in (and, through its
+    allocator, keep) as much as it sent."""
 
-    async def deny_unary(request, context):
-        await context.abort(code, msg)
-
-    async def deny_stream(request, context):
+    async def deny(requests, context):
         await context.abort(code, msg)
         yield  # pragma: no cover - makes this an async generator
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny)
 
 
 class StageAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses (UNAUTHENTICATED) every call without the stage secret, but health checks."""
+    """Takes the stage secret for every call and the gateway secret for `GATEWAY_METHODS`;
+    refuses the rest (UNAUTHENTICATED, or PERMISSION_DENIED for the gateway's credential outside
+    its role) from the metadata alone. Health checks are open."""
 
     OPEN = ("/grpc.health.v1.",)
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, gateway_secret: bytes | None = None) -> None:
         self.secret = secret
+        self.gateway_secret = gateway_secret
         self.on_refuse: Callable[[str], None] | None = None  # told the reason of each refusal
 
     async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(self.OPEN):
-            return handler
+        if details.method.startswith(self.OPEN):
+            return await continuation(details)
         got = b""
         for key, value in details.invocation_metadata or ():
             if key == STAGE_SECRET_KEY:
                 got = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(got, self.secret):
-            return handler
-        why = "wrong" if got else "missing"
+        # Both compared whatever the first gives: the time taken tells nothing.
+        worker = hmac.compare_digest(got, self.secret)
+        gateway = self.gateway_secret is not None and hmac.compare_digest(got, self.gateway_secret)
+        if worker or (gateway and details.method in GATEWAY_METHODS):
+            return await continuation(details)
+        if await continuation(details) is None:
+            return None  # no such method: UNIMPLEMENTED, as for anyone
+        if gateway:
+            reason, code = "permission_denied", grpc.StatusCode.PERMISSION_DENIED
+            msg = (
+                f"the gateway's credential does not allow {method_name(details.method)}: it "
+                "routes requests (Prefill.Run and Release, Decode.Session, Draft.Admit, Stats); "
+                "the rest is for the workers, which hold the stage secret"
+            )
+        else:
+            reason, code = "unauthenticated", grpc.StatusCode.UNAUTHENTICATED
+            msg = (
+                f"{'wrong' if got else 'missing'} stage credential: this stage requires the "
+                f"workers' stage secret (TANDEM_STAGE_SECRET or --stage-secret-file) or, from a "
+                f"gateway, the gateway secret (TANDEM_GATEWAY_SECRET or --gateway-secret-file) "
+                f"in metadata {STAGE_SECRET_KEY!r}"
+            )
         if self.on_refuse is not None:
-            self.on_refuse("unauthenticated")
-        return _deny(
-            handler,
-            grpc.StatusCode.UNAUTHENTICATED,
-            f"{why} stage credential: this stage requires the shared stage secret in metadata "
-            f"{STAGE_SECRET_KEY!r} (set TANDEM_STAGE_SECRET or --stage-secret-file on every stage)",
-        )
+            self.on_refuse(reason)
+        return _deny(code, msg)
 
 
-def server_interceptors(secret: bytes | None) -> list[StageAuthInterceptor]:
-    """The interceptors of a stage server: the credential check when a secret is configured."""
-    return [StageAuthInterceptor(secret)] if secret else []
-
-
-def count_refusals(interceptors: list[StageAuthInterceptor], on_refuse: Callable[[str], None]):
-    """Have the credential check report each refusal (a service's refusal counters)."""
-    for i in interceptors:
-        i.on_refuse = on_refuse
+def stage_server(
+    credentials: StageCredentials, limits: dict, on_refuse: Callable[[str], None]
+) -> grpc.aio.Server:
+    """The gRPC server of a stage port: the credential check first, from metadata (with a stage
+    secret in `credentials`), then the receive limits of each method (tandem.rpc.limits);
+    `on_refuse` is told the reason of each refused call."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if credentials.secret:
+        auth = StageAuthInterceptor(credentials.secret, credentials.gateway_secret)
+        auth.on_refuse = on_refuse
+        interceptors.append(auth)
+    interceptors.append(ReceiveLimitInterceptor(limits))
+    return grpc.aio.server(interceptors=interceptors, options=server_options(limits))
 
 
 def _with_secret(details, secret: bytes):
@@ -164,13 +208,13 @@ def stage_channel(
     credentials: StageCredentials | None,
     options: Sequence[tuple[str, object]] = (),
 ) -> grpc.aio.Channel:
-    """An asyncio channel to a stage that sends the stage secret (when given) on every call; TLS
-    when `credentials` carry a CA bundle, the server's certificate checked for the host part
-    of `address`."""
+    """An asyncio channel to a stage that sends this process's credential (when it has one) on
+    every call; TLS when `credentials` carry a CA bundle, the server's certificate checked for
+    the host part of `address`."""
     creds = credentials or StageCredentials()
     # grpc.aio files each interceptor under one kind of call only: one object per kind.
     kinds = (_SendSecretUU, _SendSecretUS, _SendSecretSU, _SendSecretSS)
-    interceptors = [k(creds.secret) for k in kinds] if creds.secret else None
+    interceptors = [k(creds.sent) for k in kinds] if creds.sent else None
     if creds.tls_root is not None:
         tls = grpc.ssl_channel_credentials(creds.tls_root)
         return grpc.aio.secure_channel(
@@ -224,11 +268,11 @@ class _Details(grpc.ClientCallDetails):
 
 
 def stage_channel_sync(address: str, credentials: StageCredentials | None) -> grpc.Channel:
-    """A blocking channel to a stage that sends the stage secret (when given) on every call; TLS
-    when `credentials` carry a CA bundle (see `stage_channel`)."""
+    """A blocking channel to a stage that sends this process's credential (when it has one) on
+    every call; TLS when `credentials` carry a CA bundle (see `stage_channel`)."""
     creds = credentials or StageCredentials()
     if creds.tls_root is not None:
         ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(creds.tls_root))
     else:
         ch = grpc.insecure_channel(address)
-    return grpc.intercept_channel(ch, _SendSecretSync(creds.secret)) if creds.secret else ch
+    return grpc.intercept_channel(ch, _SendSecretSync(creds.sent)) if creds.sent else ch

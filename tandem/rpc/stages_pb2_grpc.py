@@ -69,7 +69,8 @@ class PrefillServicer:
     """
 
     def Register(self, request, context):
-        """A decode worker registers once and receives the pool handle to map.
+        """A decode worker registers once and receives the pool handle to map (the workers' stage
+        secret only: the gateway's credential is refused).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

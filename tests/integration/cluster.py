@@ -53,6 +53,10 @@ class Cluster:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def pids(self) -> dict[str, int]:
+        """The process id of each stage `tandem up` runs now (a restarted one's new id)."""
+        return {_stage_name(p): p for p in _children_of(self.proc.pid)}
+
     def metrics_url(self, stage: str) -> str:
         return f"http://127.0.0.1:{self.metrics_ports[stage]}/metrics"
 
@@ -87,6 +91,44 @@ class Cluster:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d))
+    return out
+
+
+def _stage_name(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        parts = f.read().split(b"\0")
+    for p in parts:
+        if p.startswith(b"services."):
+            return p.decode().split(".")[1]
+    return str(pid)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory a process owns: anonymous + file-backed, without shared memory.
+
+    The decode worker maps the prefill worker's KV pool (shared memory); its pages count in
+    VmRSS as they are first read, which is not growth of the decode worker's own memory.
+    """
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("RssAnon", "RssFile"):
+                fields[k] = int(v.split()[0]) / 1024
+    return fields.get("RssAnon", 0.0) + fields.get("RssFile", 0.0)
 
 
 def start_cluster(

@@ -24,6 +24,26 @@ _STAT_STUBS = {
 }
 
 
+def register_request(peer_id: str) -> stages_pb2.RegisterRequest:
+    """What a decode worker of the default model on the CPU (float32, blocks of 16 tokens)
+    sends to register with a prefill worker, asking for the inline transport."""
+    from tandem.kv.layout import LAYOUT_VERSION
+    from tandem.model.info import load_model_info
+
+    mc = load_model_info(None)[0]
+    layout = stages_pb2.PoolLayout(
+        num_layers=mc.num_layers,
+        block_size=16,
+        kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype="float32",
+        layout_version=LAYOUT_VERSION,
+    )
+    return stages_pb2.RegisterRequest(
+        peer_id=peer_id, layout=layout, accept_kinds=["inline"], model=mc.name
+    )
+
+
 def _die_with_parent() -> None:
     # Linux: the stage gets SIGTERM when the test process dies, even by SIGKILL, so an
     # interrupted test run leaves no servers behind.

@@ -1,7 +1,9 @@
 """Callers who attack or misuse the stack: real processes, each attack refused.
 
-One stack runs with a stage secret. Callers without it get UNAUTHENTICATED everywhere but the
-health service; callers with it (a misbehaving or compromised peer) still cannot use KV they
+One stack runs with a stage secret (the workers') and a gateway secret (the gateway's). Callers
+without either get UNAUTHENTICATED everywhere but the health service; a caller with the
+gateway's may route requests and nothing more; callers with the stage secret (a misbehaving or
+compromised peer) still cannot use KV they
 were not leased, poison the decode worker's prefix cache, act on another caller's lease, hoard
 leases, or make the decode worker dial an address of their choosing. A request longer than the
 decode worker's KV pool is refused at the gateway, and one that reaches the worker anyway ends
@@ -30,12 +32,14 @@ from tests.integration.stages import (
     Stage,
     gateway_stage,
     health,
+    register_request,
     running,
     speculative_stages,
 )
 from tests.integration.streams import Outbox
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
+GATEWAY_SECRET = "gateway-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
 DECODE_BLOCKS = 32  # of 16 tokens: one sequence holds at most 512 tokens there
 DECODE_TAKES = 4  # sequences running (2) and queued (2) at most on the decode worker
@@ -61,10 +65,10 @@ def stack(tmp_path_factory):
             "2",
         ],
     )
-    stages = [draft, prefill, decode, gateway]
-    for s in stages:
-        s.env = {**s.env, "TANDEM_STAGE_SECRET": SECRET}
-    with running(*stages):
+    for s in (draft, prefill, decode):
+        s.env = {**s.env, "TANDEM_STAGE_SECRET": SECRET, "TANDEM_GATEWAY_SECRET": GATEWAY_SECRET}
+    gateway.env = {**gateway.env, "TANDEM_GATEWAY_SECRET": GATEWAY_SECRET}
+    with running(draft, prefill, decode, gateway):
         yield draft, prefill, decode, gateway
 
 
@@ -204,6 +208,47 @@ def test_every_stage_rpc_needs_the_secret(stack, secret):
     page = urllib.request.urlopen(f"http://127.0.0.1:{draft.metrics_port}/metrics").read()
     assert b'tandem_refusals_total{reason="unauthenticated"}' in page
     assert b"tandem_draft_sequences" in page
+
+
+def test_the_gateway_credential_routes_requests_and_nothing_more(stack):
+    draft, prefill, decode, _ = stack
+    gateway = StageCredentials(gateway_secret=GATEWAY_SECRET.encode())
+    ch = {s.name: stage_channel_sync(s.address, gateway) for s in (draft, prefill, decode)}
+    pre = stages_pb2_grpc.PrefillStub(ch["prefill"])
+    # What the gateway does: prefill, give a lease back, admit to the draft, read the load.
+    r = _prefill_run(prefill, channel=ch["prefill"])
+    assert pre.Release(stages_pb2.ReleaseRequest(lease_ids=[r.kv.lease_id])).released == 1
+    stages_pb2_grpc.DraftStub(ch["draft"]).Admit(
+        stages_pb2.DraftAdmitRequest(seq_id="routed", prompt_token_ids=PROMPT), timeout=10
+    )
+    assert stages_pb2_grpc.DecodeStub(ch["decode"]).Stats(stages_pb2.StatsRequest()).block_size
+    # What only a worker does: register (a pool handle, the lease key), read KV bytes, feed
+    # the draft.
+    refused = {
+        "Prefill.Register": lambda: pre.Register(
+            stages_pb2.RegisterRequest(peer_id="intruder"), timeout=10
+        ),
+        "Prefill.FetchBlocks": lambda: list(
+            pre.FetchBlocks(stages_pb2.FetchBlocksRequest(kv=r.kv), timeout=10)
+        ),
+        "Draft.Propose": lambda: list(
+            stages_pb2_grpc.DraftStub(ch["draft"]).Propose(
+                iter([stages_pb2.ProposeRequest(step=1)]), timeout=10
+            )
+        ),
+    }
+    before = prefill.stats().refusals["permission_denied"]
+    for name, call in refused.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+        assert f"the gateway's credential does not allow {name}" in e.value.details(), name
+    assert prefill.stats().refusals["permission_denied"] == before + 2
+    # Even a worker registering gets no lease key: each worker derives it from the stage secret.
+    ok = stages_pb2_grpc.PrefillStub(prefill.channel()).Register(
+        register_request("worker"), timeout=10
+    )
+    assert ok.handle.pool_id and ok.lease_key == b""
 
 
 def test_the_gateway_serves_through_authenticated_stages(stack):
@@ -578,7 +623,7 @@ def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
             "16",
         ],
         str(tmp_path / "gateway.log"),
-        env={"TANDEM_STAGE_SECRET": SECRET},
+        env={"TANDEM_GATEWAY_SECRET": GATEWAY_SECRET},
     ).start()
     hp = gw.http_port
     try:

@@ -29,6 +29,7 @@ from tests.integration.stages import Stage, gateway_stage, health, running, spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECRET = "stage-secret-" + uuid.uuid4().hex
+GATEWAY_SECRET = "gateway-secret-" + uuid.uuid4().hex
 SAMPLING = api_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [100, 101, 102, 100, 101, 102, 100, 101, 102, 100, 101]  # repeats: n-gram proposals
 CLOSED_AT_ONCE = "closed the connection at once: if it serves TLS (--stage-tls-cert)"
@@ -52,10 +53,10 @@ def stack(tmp_path_factory, certs):
         gateway_args=["--disagg-threshold", "0"],
         decode_args=["--kv-transport", "inline"],
     )
-    calls = {"TANDEM_STAGE_SECRET": SECRET, "TANDEM_STAGE_TLS_CA": str(cert)}
+    calls = {"TANDEM_GATEWAY_SECRET": GATEWAY_SECRET, "TANDEM_STAGE_TLS_CA": str(cert)}
     serves = {"TANDEM_STAGE_TLS_CERT": str(cert), "TANDEM_STAGE_TLS_KEY": str(key)}
     for s in (draft, prefill, decode):
-        s.env = {**calls, **serves}
+        s.env = {**calls, **serves, "TANDEM_STAGE_SECRET": SECRET}
     gateway.env = dict(calls)  # the gateway's own ports stay plaintext here
     with running(draft, prefill, decode, gateway):
         yield draft, prefill, decode, gateway
@@ -155,7 +156,7 @@ def test_a_gateway_without_the_ca_says_the_stages_may_serve_tls(stack, tmp_path)
         decode,
         [],
         str(tmp_path / "gateway.log"),
-        env={"TANDEM_STAGE_SECRET": SECRET},
+        env={"TANDEM_GATEWAY_SECRET": GATEWAY_SECRET},
     )
     try:
         gateway.start(wait=False)

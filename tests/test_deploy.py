@@ -388,30 +388,51 @@ def test_compose_environment_matches_the_cli_defaults(compose, stage, monkeypatc
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_compose_stages_share_a_generated_stage_secret(compose, stage, monkeypatch, tmp_path):
-    """Every stage reads the stage secret from the volume the stage-secret service writes once,
-    and starts only after it has."""
+def test_compose_stages_get_generated_credentials_by_role(compose, stage, monkeypatch, tmp_path):
+    """Each stage reads its credentials from the volumes the stage-secret service writes once,
+    and starts only after it has: the workers the stage secret and the gateway secret, the
+    gateway only its own (the stage secret's volume is not even mounted there)."""
     svc, init = compose["services"][stage], compose["services"]["stage-secret"]
     env = _environment(svc)
-    path = env["TANDEM_STAGE_SECRET_FILE"]
-    target = os.path.dirname(path)
     mounts = {v["target"]: v for v in svc["volumes"] if isinstance(v, dict)}
-    assert mounts[target]["type"] == "volume" and mounts[target]["source"] == "stage-secret"
-    assert "stage-secret" in compose["volumes"]
+    variables = {"TANDEM_GATEWAY_SECRET_FILE": "gateway-secret"}
+    if stage == "gateway":
+        assert "TANDEM_STAGE_SECRET_FILE" not in env
+        assert all(v.get("source") != "stage-secret" for v in mounts.values())
+    else:
+        variables["TANDEM_STAGE_SECRET_FILE"] = "stage-secret"
     assert svc["depends_on"]["stage-secret"]["condition"] == "service_completed_successfully"
-    assert any(v["target"] == target for v in init["volumes"] if isinstance(v, dict))
-    # The one-liner writes a secret the stage accepts (mode 0600), and only once.
     script = init["entrypoint"][-1]
-    assert init["entrypoint"][:2] == ["python", "-c"] and path in script
-    local = str(tmp_path / "stage-secret")
-    exec(compile(script.replace(path, local), "stage-secret", "exec"), {})
-    first = open(local).read()
-    exec(compile(script.replace(path, local), "stage-secret", "exec"), {})
-    assert open(local).read() == first and len(first) >= 32
-    assert os.stat(local).st_mode & 0o777 == 0o600
+    assert init["entrypoint"][:2] == ["python", "-c"]
     monkeypatch.delenv("TANDEM_STAGE_SECRET", raising=False)
-    monkeypatch.setenv("TANDEM_STAGE_SECRET_FILE", local)
-    assert config.stage_secret_from_args(parse_stage_command(svc["command"])[1]) == first.encode()
+    monkeypatch.delenv("TANDEM_GATEWAY_SECRET", raising=False)
+    monkeypatch.delenv("TANDEM_STAGE_SECRET_FILE", raising=False)
+    # Both files, wherever the workers read them (the gateway's read by the gateway too).
+    worker_env = _environment(compose["services"]["prefill"])
+    written = {}
+    both = {**variables, "TANDEM_STAGE_SECRET_FILE": "stage-secret"}
+    for var, volume in both.items():
+        path = worker_env[var]
+        assert path in script
+        written[var] = str(tmp_path / volume)
+        script = script.replace(path, written[var])
+    for var, volume in variables.items():
+        path = env[var]
+        target = os.path.dirname(path)
+        assert mounts[target]["type"] == "volume" and mounts[target]["source"] == volume
+        assert volume in compose["volumes"]
+        assert any(v["target"] == target for v in init["volumes"] if isinstance(v, dict))
+        monkeypatch.setenv(var, written[var])
+    # The one-liner writes secrets the stage accepts (mode 0600), and only once.
+    exec(compile(script, "stage-secret", "exec"), {})
+    first = {var: open(p).read() for var, p in written.items()}
+    exec(compile(script, "stage-secret", "exec"), {})
+    for var, p in written.items():
+        assert open(p).read() == first[var] and len(first[var]) >= 32
+        assert os.stat(p).st_mode & 0o777 == 0o600
+    creds = config.stage_credentials_from_args(parse_stage_command(svc["command"])[1], stage)
+    sent = "TANDEM_GATEWAY_SECRET_FILE" if stage == "gateway" else "TANDEM_STAGE_SECRET_FILE"
+    assert creds.sent == first[sent].encode()
 
 
 def test_kv_handles_can_cross_from_prefill_to_decode(compose):
@@ -733,9 +754,15 @@ def test_k8s_stage(stage):
             assert c[probe]["grpc"].get("service", "") == ""
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
     assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
-    # The stage credential, from the Secret every stage shares (never in the args).
-    ref = {"name": "tandem-stage-secret", "key": "secret"}
-    assert env["TANDEM_STAGE_SECRET"] == {"secretKeyRef": ref}
+    # The stage credentials, from Secrets (never in the args): every stage the gateway's, the
+    # workers the stage secret too, the gateway never.
+    ref = {"name": "tandem-gateway-secret", "key": "secret"}
+    assert env["TANDEM_GATEWAY_SECRET"] == {"secretKeyRef": ref}
+    if stage == "gateway":
+        assert "TANDEM_STAGE_SECRET" not in env
+    else:
+        ref = {"name": "tandem-stage-secret", "key": "secret"}
+        assert env["TANDEM_STAGE_SECRET"] == {"secretKeyRef": ref}
     assert not any("secret" in a for a in c["args"])
     gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
     assert gpus == (1 if stage in GPU_STAGES else None)

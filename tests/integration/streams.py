@@ -6,7 +6,7 @@ import queue
 from collections.abc import Iterator
 from typing import Any
 
-from tandem.rpc import api_pb2
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 
 
 class Outbox:
@@ -35,3 +35,26 @@ def chat_turn(text: str, **sampling) -> api_pb2.ChatRequest:
             sampling=api_pb2.SamplingParams(**sampling),
         )
     )
+
+
+def admit_one(
+    stub: stages_pb2_grpc.DecodeStub, admit: stages_pb2.Admit, timeout: float = 60.0
+) -> tuple[list[int], stages_pb2.SeqFinished]:
+    """Admit one sequence on a `Decode.Session` of our own, held open until it ends: (its token
+    ids, its SeqFinished)."""
+    outbox = Outbox()
+    outbox.put(stages_pb2.DecodeIn(admit=admit))
+    call = stub.Session(outbox.requests(), timeout=timeout)
+    tokens: list[int] = []
+    try:
+        for out in call:
+            for t in out.tokens:
+                if t.seq_id == admit.seq_id:
+                    tokens += t.token_ids
+            for f in out.finished:
+                if f.seq_id == admit.seq_id:
+                    return tokens, f
+    finally:
+        outbox.close()
+        call.cancel()
+    raise AssertionError("the decode session ended without finishing the sequence")

@@ -36,7 +36,7 @@ from tests.integration.stages import (
     running,
     speculative_stages,
 )
-from tests.integration.streams import Outbox
+from tests.integration.streams import Outbox, admit_one
 
 SECRET = "stage-secret-" + uuid.uuid4().hex
 GATEWAY_SECRET = "gateway-secret-" + uuid.uuid4().hex
@@ -88,26 +88,7 @@ def _prefill_run(prefill: Stage, ids=PROMPT, channel=None) -> stages_pb2.Prefill
 
 def _session(decode: Stage, admit: stages_pb2.Admit, channel=None, timeout=60.0):
     """Admit one sequence on a Decode.Session of our own; (token ids, SeqFinished)."""
-    done = threading.Event()
-
-    def requests():
-        yield stages_pb2.DecodeIn(admit=admit)
-        done.wait(timeout)  # the stream stays open until the sequence ends
-
-    stub = stages_pb2_grpc.DecodeStub(channel or decode.channel())
-    call = stub.Session(requests(), timeout=timeout)
-    tokens: list[int] = []
-    try:
-        for out in call:
-            for t in out.tokens:
-                tokens += t.token_ids
-            for f in out.finished:
-                if f.seq_id == admit.seq_id:
-                    return tokens, f
-    finally:
-        done.set()
-        call.cancel()
-    raise AssertionError("the decode session ended without finishing the sequence")
+    return admit_one(stages_pb2_grpc.DecodeStub(channel or decode.channel()), admit, timeout)
 
 
 def _admit(prefill: Stage, ids, kv: stages_pb2.KvRef, **kw) -> stages_pb2.Admit:

@@ -22,6 +22,7 @@ from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel_sync
 from tests.integration.cluster import rss_mb, start_cluster
 from tests.integration.stages import register_request
+from tests.integration.streams import admit_one
 
 SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 VICTIM = list(range(1000, 1040))  # someone's prompt: its KV is leased to their request
@@ -115,18 +116,10 @@ def _forged_admit(pool_id: str, blocks, key: bytes, prefill_address: str) -> sta
 
 
 def _admit(cluster, secret: bytes, admit: stages_pb2.Admit) -> stages_pb2.SeqFinished:
-    """Admit one sequence on a Decode.Session of our own; its SeqFinished."""
+    """Admit one sequence on a Decode.Session of our own, sending `secret`; its SeqFinished."""
     address = f"127.0.0.1:{cluster.decode_port}"
     stub = stages_pb2_grpc.DecodeStub(stage_channel_sync(address, StageCredentials(secret=secret)))
-    call = stub.Session(iter([stages_pb2.DecodeIn(admit=admit)]), timeout=60)
-    try:
-        for out in call:
-            for f in out.finished:
-                if f.seq_id == admit.seq_id:
-                    return f
-    finally:
-        call.cancel()
-    raise AssertionError("the decode session ended without finishing the sequence")
+    return admit_one(stub, admit)[1]
 
 
 def test_the_gateways_credential_cannot_read_other_kv_or_write_the_prefix_cache(cluster):

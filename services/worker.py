@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from tandem import progress
+from tandem.loop_lag import LoopLag
 from tandem.metrics import serve_metrics
 from tandem.rpc import stages_pb2
 from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server
@@ -63,6 +64,8 @@ async def run_worker(
     service = make_service()
     server = None
     metrics = None
+    lag = LoopLag(service.obs.metrics.registry)
+    lag.start()
     try:
         server = stage_server(creds, service.receive_limits(), service.refuse)
         add_servicer(service, server)
@@ -92,6 +95,7 @@ async def run_worker(
             if server is not None:
                 await server.stop(1.0)
         finally:
+            lag.stop()
             service.close()
             if metrics is not None:
                 metrics.close()

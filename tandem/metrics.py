@@ -388,16 +388,30 @@ class WorkerMetrics:
             registry=r,
         )
 
-    def watch_progress(self, stalled_s: Callable[[], float]) -> None:
-        """Export the engine loop's watchdog: seconds with work but no token produced."""
+    def watch_engine_loop(self, loop: Any) -> None:
+        """Export the engine thread's state (a `tandem.engine.engine_loop.EngineLoop`): its
+        watchdog, and where its time goes (rates of the counters: the fraction of each second
+        it waited for work or stepped)."""
 
         def read() -> Iterator[Any]:
             yield GaugeMetricFamily(
                 "tandem_engine_stalled_seconds",
                 "Seconds the engine has had work without producing a token (0 while it "
                 "progresses; a growing value is an engine stuck stepping).",
-                value=stalled_s(),
+                value=loop.stalled_s,
             )
+            yield CounterMetricFamily(
+                "tandem_engine_idle_seconds",
+                "Seconds the engine thread waited for work (nothing to step, or every queued "
+                "sequence waiting for blocks).",
+                value=loop.idle_s,
+            )
+            yield CounterMetricFamily(
+                "tandem_engine_step_seconds",
+                "Seconds the engine thread spent inside engine steps.",
+                value=loop.step_s,
+            )
+            yield CounterMetricFamily("tandem_engine_steps", "Engine steps run.", value=loop.steps)
 
         self.registry.register(_CallbackCollector(read))
 

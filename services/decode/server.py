@@ -108,7 +108,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         self.engine_loop = EngineLoop(
             self.engine, self._on_outputs, self._on_error, speculator=self.speculator
         )
-        self.obs.metrics.watch_progress(lambda: self.engine_loop.stalled_s)
+        self.obs.metrics.watch_engine_loop(self.engine_loop)
         self.engine_loop.start()
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import time
 from tandem import progress, telemetry
 from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
+from tandem.loop_lag import LoopLag
 from tandem.metrics import DraftMetrics, serve_metrics
 from tandem.model.info import load_model_info
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -151,6 +152,8 @@ async def serve(
         await server.stop(None)
         service.pool.shutdown(wait=False)
         raise
+    lag = LoopLag(service.metrics.registry)
+    lag.start()
     await set_serving(health, [SERVICE], True)
     progress.report("ready")
     tls = " over TLS" if creds.tls_cert else ""
@@ -161,6 +164,7 @@ async def serve(
         try:
             await server.stop(1.0)  # may itself be cancelled (SIGTERM): shut down anyway
         finally:
+            lag.stop()
             service.pool.shutdown(wait=False)
             if metrics is not None:
                 metrics.close()

@@ -30,6 +30,7 @@ from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import Router
 from tandem import progress
 from tandem.config import EngineConfig, GatewayConfig
+from tandem.loop_lag import LoopLag
 from tandem.metrics import GatewayMetrics, serve_metrics
 from tandem.model.info import load_model_info
 from tandem.rpc import api_pb2
@@ -91,6 +92,8 @@ async def serve(
     )
     gateway_metrics.watch(lambda: _admission_metrics(pipeline))
     metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway")
+    lag = LoopLag(gateway_metrics.registry)
+    lag.start()
 
     tenants = frontend.tenants
     interceptors = [ApiKeyInterceptor(tenants)] if tenants.keys_on else []
@@ -147,6 +150,7 @@ async def serve(
         await server.wait_for_termination()
     finally:
         health_task.cancel()
+        lag.stop()
         try:
             await server.stop(1.0)  # may itself be cancelled (SIGTERM): clean up anyway
         finally:
@@ -158,12 +162,17 @@ async def serve(
 
 
 def _admission_metrics(pipeline: Pipeline):
-    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     yield CounterMetricFamily(
         "tandem_requests_shed",
         "Requests refused at arrival because they could not meet the TTFT target (shed_load).",
         value=pipeline.admission.num_shed,
+    )
+    yield GaugeMetricFamily(
+        "tandem_requests_awaiting_first_token",
+        "Requests admitted by the gateway that have no first token yet.",
+        value=pipeline.waiting,
     )
     yield CounterMetricFamily(
         "tandem_streams_resumed",

@@ -126,7 +126,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
-        self.obs.metrics.watch_progress(lambda: self.engine_loop.stalled_s)
+        self.obs.metrics.watch_engine_loop(self.engine_loop)
         self.engine_loop.start()
 
     def close(self) -> None:

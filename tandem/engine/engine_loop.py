@@ -5,6 +5,9 @@ between steps (admit, abort, release) and free the blocks of leases released fro
 then schedule -> execute -> update, then hand the outputs to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
 its own thread. A step that found nothing to run (every queued sequence waits for blocks that
 leases or imports hold) makes the loop wait for the next command or tick, never spin.
+
+The thread adds up where its time goes (`idle_s` waiting for work, `step_s` inside steps; the
+rest is commands and the output callback): two clock readings per pass, read by `/metrics`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class EngineLoop:
         # The last moment the engine had no work or a step produced tokens (a watchdog: an
         # engine that keeps stepping without output is stuck).
         self.progress_at = time.monotonic()
+        # Seconds this thread waited for work, and spent inside `engine.step` (speculation
+        # included); only this thread writes them, `/metrics` reads them.
+        self.idle_s = 0.0
+        self.step_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -95,7 +102,9 @@ class EngineLoop:
                 # release, an abort) or a lease's expiry frees: wait for either, never spin.
                 idle = not eng.has_unfinished() or eng.blocked
                 if not self._cmds and idle and not self._stop:
+                    t_wait = time.monotonic()
                     self._cond.wait(self.idle_tick_s)
+                    self.idle_s += time.monotonic() - t_wait
                 if self._stop:
                     break
                 cmds = list(self._cmds)
@@ -130,6 +139,7 @@ class EngineLoop:
                 continue
             self.steps += 1
             self.last_step = (t_step, time.monotonic())
+            self.step_s += self.last_step[1] - t_step
             if outs:
                 self.progress_at = self.last_step[1]
                 self.on_outputs(outs)

@@ -18,6 +18,7 @@ from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
 from services.worker import run_worker, worker_stats
+from tandem import telemetry as tel
 from tandem.config import EngineConfig
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
@@ -159,13 +160,14 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
                 self.obs.metrics.spec_proposed_tokens.inc(prop)
                 self.obs.metrics.spec_accepted_tokens.inc(acc)
             self._spec_seen = (st.verify_rounds, st.proposed, st.accepted)
-        self.loop.call_soon_threadsafe(self._dispatch, items)
+        step_ended_at = tel.epoch_ns(self.engine_loop.last_step[1]) / 1e9
+        self.loop.call_soon_threadsafe(self._dispatch, items, step_ended_at)
 
     def _on_error(self, seq_ids: list[str], message: str) -> None:
         items = [(sid, [], [], "error:" + message, (0, 0), None) for sid in seq_ids]
         self.loop.call_soon_threadsafe(self._dispatch, items)
 
-    def _dispatch(self, items) -> None:
+    def _dispatch(self, items, step_ended_at: float = 0.0) -> None:
         per_session: dict[int, tuple[Session, stages_pb2.DecodeOut]] = {}
         for sid, toks, lps, reason, (proposed, accepted), prompt_lps in items:
             sess = self.owner.get(sid)
@@ -173,7 +175,9 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
                 if reason is not None:
                     self.prefill_info.pop(sid, None)
                 continue
-            _, msg = per_session.setdefault(id(sess), (sess, stages_pb2.DecodeOut()))
+            _, msg = per_session.setdefault(
+                id(sess), (sess, stages_pb2.DecodeOut(step_ended_at=step_ended_at))
+            )
             if toks:
                 msg.tokens.append(
                     stages_pb2.SeqTokens(

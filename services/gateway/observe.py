@@ -96,7 +96,17 @@ class TimedDetokenizer:
 class RequestTrace:
     """One request at the gateway: the root span and what the metrics need."""
 
-    __slots__ = ("tel", "t0", "span", "prompt_tokens", "detok", "_trace_id", "tenant", "_label")
+    __slots__ = (
+        "tel",
+        "t0",
+        "span",
+        "prompt_tokens",
+        "detok",
+        "_trace_id",
+        "tenant",
+        "_label",
+        "delivery",
+    )
 
     def __init__(self, telemetry: GatewayTelemetry, operation: str, carrier: Any) -> None:
         self.tel = telemetry
@@ -107,6 +117,9 @@ class RequestTrace:
         self._trace_id: str | None = None
         self.tenant = ""  # who the request is (services/gateway/tenants.py)
         self._label = ""
+        # Token messages from the decode worker: [count, seconds in all, the longest], each
+        # from the end of the step that sampled it to this request's handling of it.
+        self.delivery = [0, 0.0, 0.0]
         if tel.enabled():
             self.span = tel.start_span(
                 tel.GATEWAY_REQUEST,
@@ -176,6 +189,16 @@ class RequestTrace:
     def carrier(self) -> dict[str, str]:
         """This request's context as a W3C carrier (for `Admit.trace_context`)."""
         return tel.inject(self.span) if self.span is not None else {}
+
+    def delivered(self, step_ended_at: float) -> None:
+        """A token message reached this request (its step ended at `step_ended_at`, Unix
+        seconds): the decode worker's hand-off, the stream and this gateway's fan-out."""
+        d = self.delivery
+        took = time.time() - step_ended_at
+        d[0] += 1
+        d[1] += took
+        if took > d[2]:
+            d[2] = took
 
     def detokenizer(self, detok: Any) -> Any:
         """`detok`, timed when tracing is on (the time becomes one `gateway.detokenize` span)."""
@@ -280,6 +303,11 @@ class RequestTrace:
                 attrs[tel.RESPONSE_ID] = fin.request_id
             if t_first is not None:
                 attrs["tandem.ttft_ms"] = (t_first - self.t0) * 1e3
+        if self.delivery[0]:
+            n, total, longest = self.delivery
+            attrs["tandem.delivery.messages"] = n
+            attrs["tandem.delivery.total_ms"] = total * 1e3
+            attrs["tandem.delivery.max_ms"] = longest * 1e3
         span.set_attributes(attrs)
         if error is not None:
             span.record_exception(error)

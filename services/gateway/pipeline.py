@@ -494,12 +494,15 @@ class Pipeline:
             done = False
             # Prefilled on the decode worker: its first tokens message carries them.
             awaiting_prompt_lps = prefill is None and params.prompt_logprobs is not None
+            traced = trace is not None and trace.span is not None  # time deliveries then
             try:
                 q = await decode.open(seq_id, admit)
                 lease["owned"] = False  # the decode worker releases it after its copy
                 while not done:
-                    kind, msg = await q.get()
+                    kind, msg, step_ended_at = await q.get()
                     if kind == "tokens":
+                        if traced and step_ended_at:
+                            trace.delivered(step_ended_at)
                         toks = list(msg.token_ids)
                         if t_first is None and toks:  # prefilled here: the first token
                             t_first = time.monotonic()

@@ -263,14 +263,15 @@ class DecodeClient(Worker):
     async def _read(self, call, send: asyncio.Queue) -> None:
         try:
             async for out in call:
+                at = out.step_ended_at
                 for t in out.tokens:
                     q = self.queues.get(t.seq_id)
                     if q is not None:
-                        q.put_nowait(("tokens", t))
+                        q.put_nowait(("tokens", t, at))
                 for f in out.finished:
                     q = self.queues.get(f.seq_id)
                     if q is not None:
-                        q.put_nowait(("finished", f))
+                        q.put_nowait(("finished", f, 0.0))
             reason = public = "decode worker closed the stream"
         except grpc.aio.AioRpcError as e:
             reason = f"decode worker unavailable ({e.code().name}): {e.details()}"
@@ -298,10 +299,11 @@ class DecodeClient(Worker):
     def _fail_sequences(self, message: str) -> None:
         """Tell every sequence on this worker that it will get nothing more from it."""
         for q in self.queues.values():
-            q.put_nowait(("error", message))
+            q.put_nowait(("error", message, 0.0))
 
     async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
-        """Admit a sequence; its token batches and finish event arrive on the returned queue."""
+        """Admit a sequence; its token batches and finish event arrive on the returned queue as
+        (kind, message, when its step ended in Unix seconds: 0 but for tokens)."""
         send = await self._ensure_stream()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[seq_id] = q

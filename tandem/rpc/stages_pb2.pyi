@@ -335,12 +335,14 @@ class SeqFinished(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., kv_transport: _Optional[str] = ..., proposed_draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., error_code: _Optional[str] = ...) -> None: ...
 
 class DecodeOut(_message.Message):
-    __slots__ = ("tokens", "finished")
+    __slots__ = ("tokens", "finished", "step_ended_at")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[SeqTokens]
     finished: _containers.RepeatedCompositeFieldContainer[SeqFinished]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[SeqTokens, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SeqFinished, _Mapping]]] = ...) -> None: ...
+    step_ended_at: float
+    def __init__(self, tokens: _Optional[_Iterable[_Union[SeqTokens, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[SeqFinished, _Mapping]]] = ..., step_ended_at: _Optional[float] = ...) -> None: ...
 
 class DraftAdmitRequest(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids")

@@ -351,20 +351,38 @@ def engine_flags(options: dict[str, Any]) -> list[str]:
 
 
 class Launched:
-    """`tandem up` in a subprocess; ready once it prints its banner."""
+    """`tandem up` in a subprocess; ready once it prints its banner. `env`: variables set for
+    it (its OTEL_* then come only from there); `metrics`: each stage serves `/metrics` (at
+    `metrics_urls`), off otherwise."""
 
-    def __init__(self, extra: list[str], timeout: float) -> None:
+    def __init__(
+        self,
+        extra: list[str],
+        timeout: float,
+        env: dict[str, str] | None = None,
+        metrics: bool = False,
+    ) -> None:
         port = free_base_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "tandem.cli", "up", "--port", str(port), "--http-port", "-1"]
-        help_text = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "up", "--help"],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        ).stdout
-        if "--metrics-port" in help_text:
-            cmd += ["--metrics-port", "-1"]
+        # `tandem up`'s defaults: each stage's gRPC port + 1000 (free_base_port checked them).
+        self.metrics_urls = {
+            stage: f"http://127.0.0.1:{port + 1000 + k}/metrics"
+            for k, stage in enumerate(("gateway", "prefill", "decode"))
+        }
+        if not metrics:
+            self.metrics_urls = {}
+            help_text = subprocess.run(
+                [sys.executable, "-m", "tandem.cli", "up", "--help"],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            ).stdout
+            if "--metrics-port" in help_text:
+                cmd += ["--metrics-port", "-1"]
+        child_env = None  # this process's environment
+        if env is not None:
+            child_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | env
         cmd += extra
         self.command = shlex.join(cmd)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
@@ -377,6 +395,7 @@ class Launched:
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=child_env,
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -403,16 +422,22 @@ class Launched:
                 f"tandem up exited with code {self.proc.returncode} during the run:\n{text[-3000:]}"
             )
 
-    def stage_problems(self, limit: int = 40) -> str:
-        """The last `limit` warning, error and traceback lines of the stages' own logs (the
-        directory `tandem up` names on start), for a run that failed."""
+    def stage_log_lines(self, pattern: str) -> list[str]:
+        """Lines of the stages' own logs (the directory `tandem up` names on start) matching
+        the regular expression `pattern`, each prefixed by its log's name."""
         with open(self.log.name, errors="replace") as f:
             found = re.search(r"logs in (\S+?)\)", f.read())
         lines: list[str] = []
         for path in sorted(glob.glob(os.path.join(found.group(1), "*.log"))) if found else []:
             with open(path, errors="replace") as f:
                 lines += [f"{os.path.basename(path)}: {line.rstrip()}" for line in f
-                          if re.search(r"WARNING|ERROR|Traceback|Error:", line)]  # fmt: skip
+                          if re.search(pattern, line)]  # fmt: skip
+        return lines
+
+    def stage_problems(self, limit: int = 40) -> str:
+        """The last `limit` warning, error and traceback lines of the stages' logs, for a run
+        that failed."""
+        lines = self.stage_log_lines(r"WARNING|ERROR|Traceback|Error:")
         return "\n".join(lines[-limit:]) or "(no warnings or errors in the stage logs)"
 
     def stop(self) -> None:
@@ -458,18 +483,24 @@ def random_services_engine(
 
 
 def launch_disaggregated(
-    engine: dict[str, Any], cuda: bool, timeout: float = 600.0, concurrent: int | None = None
+    engine: dict[str, Any],
+    cuda: bool,
+    timeout: float = 600.0,
+    concurrent: int | None = None,
+    env: dict[str, str] | None = None,
+    metrics: bool = False,
 ) -> Launched:
     """`tandem up` (gateway, prefill and decode processes) with `engine`'s options, every prompt
     prefilled on the prefill worker and its KV handed to the decode worker by CUDA IPC on a GPU,
     shared memory on a CPU (the transport is `disaggregated_transport(cuda)`). `concurrent`:
     the gateway admits that many requests at once, all of them waiting for a first token (an
-    offline batch submitted at once; its defaults refuse more than 256 waiting)."""
+    offline batch submitted at once; its defaults refuse more than 256 waiting). `env` and
+    `metrics`: as `Launched`'s."""
     up = [*engine_flags(engine), "--kv-transport", disaggregated_transport(cuda),
           "--disagg-threshold", "0", "--no-restart"]  # fmt: skip
     if concurrent is not None:
         up += ["--max-waiting", str(concurrent), "--max-inflight", str(concurrent)]
-    return Launched(up, timeout=timeout)
+    return Launched(up, timeout=timeout, env=env, metrics=metrics)
 
 
 def disaggregated_transport(cuda: bool) -> str:

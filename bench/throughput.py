@@ -22,6 +22,9 @@ by client processes of concurrent streaming gRPC calls; printed beside published
     python bench/throughput.py --smoke         # tiny model, CPU or GPU, checks the script runs
     python bench/throughput.py --workload sharegpt-like    # bench/results/h200_sharegpt.json
     python bench/throughput.py --workload sharegpt-like --smoke   # CPU: 12 short requests
+    python bench/throughput.py --workload sharegpt-like --paths services --timeline DIR
+        # every request's stages through the services: DIR/timeline.json (open it in Perfetto),
+        # DIR/<stage>.png, the table in the results JSON (bench/timeline.py)
 """
 
 from __future__ import annotations
@@ -303,6 +306,8 @@ def sharegpt_main(args: argparse.Namespace) -> int:
     bad = sorted(set(paths) - {"engine", "services"})
     if bad:
         raise SystemExit(f"--paths: unknown {bad}; known: engine, services")
+    if args.timeline and "services" not in paths:
+        raise SystemExit("--timeline traces the services: give --paths with services")
     res: dict[str, Any] = {"benchmark": "throughput-sharegpt-like", **lr.run_info(sys.argv),
                            "smoke": args.smoke, "hardware": _hardware(cuda)}  # fmt: skip
     res["workload"] = {
@@ -377,16 +382,32 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                 cuda, args.max_num_seqs, 2 * SHAREGPT_CLIP[1], args.services_checkpoint, info,
                 **{k: v for k, v in engine_opts.items() if k not in ("device", "dtype")},
             )  # fmt: skip
-            launched = serve.launch_disaggregated(engine, cuda, concurrent=len(prompts))
+            recorder = None
+            if args.timeline:
+                import timeline
+
+                recorder = timeline.TimelineRecorder(args.timeline)
+            launched = serve.launch_disaggregated(
+                engine, cuda, concurrent=len(prompts),
+                env=recorder.service_env() if recorder else None, metrics=recorder is not None,
+            )  # fmt: skip
             info.update(command=launched.command, startup_s=launched.startup_s)
             try:
                 procs = args.client_procs
                 try:
                     run_offline_services(launched.address, *warm, procs, 600.0)
+                    if recorder is not None:
+                        recorder.start(launched.metrics_urls)
                     out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
                     launched.check_alive()
                 except RuntimeError as e:
                     raise RuntimeError(f"{e}\nstage logs:\n{launched.stage_problems()}") from e
+                if recorder is not None:
+                    # Every span exported: its numbers are of a traced run, not the plain one.
+                    out["traced"] = True
+                    dropped = len(launched.stage_log_lines(timeline.DROP_LOG))
+                    meta = {k: res[k] for k in ("command", "git_revision", "device", "hardware")}
+                    res["timeline"] = recorder.finish(len(prompts), dropped, meta)
             finally:
                 launched.stop()
             want = serve.disaggregated_transport(cuda)
@@ -463,6 +484,13 @@ def main() -> int:
     sg.add_argument("--max-num-batched-tokens", type=int, default=16384)
     sg.add_argument("--kv-gb", type=float, default=48.0, help="KV pool per engine (GPU)")
     sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
+    sg.add_argument(
+        "--timeline",
+        metavar="DIR",
+        default=None,
+        help="services: trace every request's stages (bench/timeline.py); writes "
+        "DIR/timeline.json (Chrome/Perfetto), DIR/<stage>.png and the summary into --out",
+    )
     sg.add_argument(
         "--services-checkpoint",
         default=None,

@@ -557,7 +557,13 @@ class TimelineRecorder:
                 break
             time.sleep(0.5)
         self.receiver.stop()
+        # The run's own window: from its first request's arrival (client processes may take a
+        # while to start after `start`) to its last request's end.
+        t0 = min((r.start for r in requests), default=self.t0)
+        t1 = max((r.stages["e2e"][1] for r in requests), default=time.time())
         samples = self.sampler.samples if self.sampler is not None else {}
+        samples = {p: [x for x in s if t0 - SCRAPE_S <= x[0] <= t1 + SCRAPE_S]
+                   for p, s in samples.items()}  # fmt: skip
         counters = {p: counter_series(s) for p, s in samples.items()}
         summary = summarize(requests, counters)
         missing: dict[str, int] = {}
@@ -578,11 +584,11 @@ class TimelineRecorder:
             scrapes={p: len(s) for p, s in samples.items()},
             scrape_failures=self.sampler.failures if self.sampler is not None else 0,
         )
-        trace = chrome_trace(requests, batch, counters, self.t0, meta | {"t0_unix_s": self.t0})
+        trace = chrome_trace(requests, batch, counters, t0, meta | {"t0_unix_s": t0})
         path = os.path.join(self.out_dir, "timeline.json")
         with open(path, "w") as f:
             json.dump(trace, f)
-        plots = write_plots(requests, counters, self.t0, self.out_dir)
+        plots = write_plots(requests, counters, t0, self.out_dir)
         summary.update(trace=path, plots=plots)
         print_summary(summary)
         return summary

@@ -2,8 +2,8 @@
 
 The thread's loop is the engine loop of vLLM v1 in one function: apply commands that arrived
 between steps (admit, abort, release) and free the blocks of leases released from other threads,
-then schedule -> execute -> update, then hand the outputs to a callback. Commands are plain functions of the engine, so the engine is only ever touched by
-its own thread. A step that found nothing to run (every queued sequence waits for blocks that
+then schedule -> execute -> update, then hand the outputs to a callback. Commands are plain
+functions of the engine, so the engine is only ever touched by its own thread. A step that found nothing to run (every queued sequence waits for blocks that
 leases or imports hold) makes the loop wait for the next command or tick, never spin.
 
 The thread adds up where its time goes (`idle_s` waiting for work, `step_s` inside steps; the

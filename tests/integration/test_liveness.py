@@ -205,5 +205,8 @@ def test_a_lease_release_is_not_dropped_behind_a_long_prefill_step(tmp_path):
         again = stub.Release(stages_pb2.ReleaseRequest(lease_ids=[short.kv.lease_id]), timeout=30)
         assert again.released == 0
         stub.Release(stages_pb2.ReleaseRequest(lease_ids=[answers[0].kv.lease_id]), timeout=30)
-        st = prefill.stats()
+        # The blocks return on the engine thread, which the release wakes.
+        deadline = time.monotonic() + 10
+        while (st := prefill.stats()).used_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert st.leases == 0 and st.used_blocks == 0, st

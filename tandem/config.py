@@ -95,6 +95,13 @@ class EngineConfig:
     # without a quota are refused; cached blocks are evicted LRU-2 within each tenant. None: no
     # tenants (one pool, least recently used eviction). See tandem/tenants.py.
     tenant_quota: str | None = field(default=None, metadata={"repeatable": True})
+    # Structured output: compiled grammars are kept for reuse, by content, least recently used
+    # evicted past this many MiB (one grammar that alone compiles larger is refused); each
+    # grammar compiles on a worker thread, never the engine's, and may take this many seconds
+    # (its request then fails naming the setting; others are not held up). The default stays
+    # under the prefill worker's lease TTL (30 s), which a decode worker's compile counts against.
+    grammar_cache_mb: int = 256
+    grammar_compile_timeout_s: float = 20.0
 
     def tenant_quotas(self) -> dict[str, float]:
         """{tenant: fraction of the KV pool} from tenant_quota ({} when unset)."""
@@ -171,6 +178,14 @@ class EngineConfig:
             )
         if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms!r}")
+        if not isinstance(self.grammar_cache_mb, int) or self.grammar_cache_mb < 1:
+            raise ValueError(
+                f"grammar_cache_mb must be a positive integer, got {self.grammar_cache_mb!r}"
+            )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in ("auto", *_DTYPES):

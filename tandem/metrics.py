@@ -298,6 +298,7 @@ class _EngineCollector(Collector):
                 value=leases.num_expired,
             )
         yield from _tenant_families(e)
+        yield from _grammar_families(e)
         step_time = getattr(e.scheduler, "step_time", None)
         if step_time is not None and step_time.samples:
             yield GaugeMetricFamily(
@@ -307,6 +308,37 @@ class _EngineCollector(Collector):
             )
         if self.extra is not None:
             yield from self.extra()
+
+
+def _grammar_families(e: Any) -> Iterator[Any]:
+    """The structured-output grammar pool's families (none before its first grammar)."""
+    stats = e.grammar_stats() if hasattr(e, "grammar_stats") else None
+    if stats is None:
+        return
+    yield GaugeMetricFamily(
+        "tandem_grammar_cache_bytes",
+        "Bytes of the compiled grammars kept for reuse (xgrammar's measure of each).",
+        value=stats["cache_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "tandem_grammar_cache_limit_bytes",
+        "The grammar cache's limit (grammar_cache_mb).",
+        value=stats["cache_limit_bytes"],
+    )
+    yield GaugeMetricFamily(
+        "tandem_grammar_compiles_in_flight",
+        "Grammars being compiled or waiting for a compile thread.",
+        value=stats["compiling"],
+    )
+    requests = CounterMetricFamily(
+        "tandem_grammar_requests",
+        "Constrained requests by how their grammar came: compiled, cached, or refused as "
+        "invalid, too_large (grammar_cache_mb), timeout (grammar_compile_timeout_s) or busy.",
+        labels=["outcome"],
+    )
+    for outcome, n in stats["outcomes"].items():
+        requests.add_metric([outcome], n)
+    yield requests
 
 
 def _tenant_families(e: Any) -> Iterator[Any]:

@@ -27,7 +27,8 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     # Tokens already generated under this grammar by a worker the sequence moved from: they are
-    # replayed into the new matcher (the prompt then ends with them).
+    # replayed into the new matcher, and the prompt ends with them (so they are bounded by the
+    # context: a request whose prompt does not end with them is refused).
     accepted: list[int] = field(default_factory=list)
 
 
@@ -154,9 +155,12 @@ class SamplingParams:
             if not _finite(b) or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
         if self.structured is not None:
-            from tandem.api.structured import check_structured  # it imports this module
+            # it imports this module
+            from tandem.api.structured import check_structured_fields
 
-            check_structured(self.structured)
+            # The grammar is parsed where the request arrives (the gateway) and compiled off
+            # the engine thread (the engine's grammar pool), not here: this runs on it.
+            check_structured_fields(self.structured, vocab_size)
 
 
 def _check_wire_float(name: str, x: float, positive: bool = False) -> None:

@@ -51,8 +51,9 @@ def parse_choices(spec: str) -> list[str]:
     return choices
 
 
-def check_structured(so: StructuredOutput) -> None:
-    """Raise `ValueError` when the grammar is malformed (parsed without a tokenizer: cheap)."""
+def check_structured_fields(so: StructuredOutput, vocab_size: int | None = None) -> None:
+    """Raise `ValueError` when the kind is unknown or an accepted token is no token id; the
+    grammar itself is not parsed (see `check_structured`)."""
     if so.kind not in STRUCTURED_KINDS:
         raise ValueError(
             f"structured output (response_format) kind must be one of "
@@ -61,6 +62,17 @@ def check_structured(so: StructuredOutput) -> None:
     for t in so.accepted:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"structured output accepted tokens must be token ids, got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(
+                f"structured output accepted holds {t}, outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def check_structured(so: StructuredOutput) -> None:
+    """Raise `ValueError` when the grammar is malformed: `check_structured_fields`, then the
+    grammar parsed without a tokenizer (milliseconds for a grammar of a few kilobytes: 54 ms
+    for a 377 KB JSON schema, so engines leave it to their compile threads)."""
+    check_structured_fields(so)
     xgr = load_xgrammar()
     try:
         if so.kind == "json_schema":
@@ -81,11 +93,12 @@ def check_structured(so: StructuredOutput) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
         raise ValueError(
-            f"structured output (response_format) {so.kind} is invalid: {_short(e)}"
+            f"structured output (response_format) {so.kind} is invalid: {xgrammar_error(e)}"
         ) from None
 
 
-def _short(e: Exception) -> str:
+def xgrammar_error(e: Exception) -> str:
+    """The first line of an xgrammar error, without its source location."""
     # xgrammar's messages start with "[time] /path/file.cc:line: Check failed: ..."
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg

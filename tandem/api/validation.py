@@ -53,10 +53,33 @@ def validate_request(
                 raise ValueError(
                     f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})"
                 )
+    _check_accepted(prompt_token_ids, params)  # before `validate` walks the accepted ids
     params.validate(vocab_size)
     n = len(prompt_token_ids)
     if n >= max_model_len:
         raise ValueError(
             f"prompt has {n} tokens; the model's context is {max_model_len} tokens "
             f"(prompt + output), so the prompt must be shorter than {max_model_len}"
+        )
+
+
+def _check_accepted(prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams) -> None:
+    """A grammar's accepted tokens (the output a continued sequence already generated under it)
+    must be the prompt's last tokens, after at least one of its own: so they are no longer than
+    the context, and a replay costs no more than the prompt."""
+    so = params.structured
+    if so is None or not so.accepted:
+        return
+    k, n = len(so.accepted), len(prompt_token_ids)
+    if k >= n:
+        raise ValueError(
+            f"structured output accepted holds {k} tokens, but the prompt has only {n}: they "
+            "must be the prompt's last tokens (the output already generated under the grammar), "
+            "after at least one token of its own"
+        )
+    tail = prompt_token_ids[n - k :]
+    if (tail.tolist() if isinstance(tail, np.ndarray) else list(tail)) != list(so.accepted):
+        raise ValueError(
+            f"structured output accepted ({k} tokens) must be the prompt's last {k} tokens (the "
+            "output already generated under the grammar)"
         )

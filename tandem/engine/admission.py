@@ -5,7 +5,7 @@ bounded waiting queue, and sequences prefilled elsewhere, which join with their 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -82,11 +82,14 @@ class AdmissionMixin:
         request_id: str | None = None,
         prefill_only: bool = False,
         tenant: str | None = None,
+        matcher: Any = None,
     ) -> Sequence:
         """Validate and queue a request; nothing is allocated when it is refused.
 
         `prefill_only`: stop after the first token and keep the KV under a lease (prefill worker).
         `tenant`: whose KV quota its blocks count against (see `tandem.tenants`).
+        `matcher`: its grammar's matcher from `prepare_matcher` (a constrained request without
+        one has its grammar compiled here, on the calling thread).
         """
         self.validate_request(prompt_token_ids, params, tenant)
         self._check_queue()
@@ -101,7 +104,7 @@ class AdmissionMixin:
             block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=None if params.greedy else make_generator(params.seed, self.device),
             prefill_only=prefill_only,
-            matcher=self._matcher(params),
+            matcher=self._matcher(params, prepared=matcher),
         )
         self.seqs[rid] = seq
         self.scheduler.add(seq)
@@ -116,13 +119,15 @@ class AdmissionMixin:
         rng_state: torch.Tensor | None,
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
+        matcher: Any = None,
     ) -> tuple[Sequence, int | None]:
         """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
         the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
         after it. `first` is None when the pool (or its tenant's quota) has no room: the
         sequence then waits in the queue and will be recomputed here. `block_names`: the names
         of the prompt's full blocks, when the worker that prefilled it sent them (verified with
-        its lease), so that this pool's prefix cache need not hash the prompt again."""
+        its lease), so that this pool's prefix cache need not hash the prompt again. `matcher`:
+        its grammar's matcher from `prepare_matcher`, having replayed `first_token`."""
         self.validate_request(prompt_token_ids, params, tenant)
         if params.prompt_logprobs is not None:
             raise ValueError(
@@ -147,7 +152,7 @@ class AdmissionMixin:
             output_token_ids=[first_token],
             output_logprobs=[None],
             # The prefill worker sampled the first token under the grammar: replay it.
-            matcher=self._matcher(params, [first_token]),
+            matcher=self._matcher(params, [first_token], prepared=matcher),
         )
         n = len(prompt_token_ids)
         table = seq.block_table
@@ -185,6 +190,7 @@ class AdmissionMixin:
         rng_state: torch.Tensor | None = None,
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
+        matcher: Any = None,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
 
@@ -196,7 +202,14 @@ class AdmissionMixin:
         sequence limit or the TPOT target), it waits holding its KV.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state, tenant, block_names
+            prompt_token_ids,
+            first_token,
+            params,
+            request_id,
+            rng_state,
+            tenant,
+            block_names,
+            matcher,
         )
         if first is None:
             return seq, False
@@ -251,6 +264,7 @@ class AdmissionMixin:
         peer_blocks: list[int] | None = None,
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
+        matcher: Any = None,
     ) -> tuple[int, list[int]] | None:
         """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
         for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
@@ -264,7 +278,14 @@ class AdmissionMixin:
         has them, so a network read moves them in long pieces rather than block by block.
         """
         seq, first = self._prefilled_seq(
-            prompt_token_ids, first_token, params, request_id, rng_state, tenant, block_names
+            prompt_token_ids,
+            first_token,
+            params,
+            request_id,
+            rng_state,
+            tenant,
+            block_names,
+            matcher,
         )
         if first is None:
             return None

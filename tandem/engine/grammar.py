@@ -26,18 +26,28 @@ finishes with "stop" (whatever `ignore_eos` says: nothing may follow a complete 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tandem.api.sampling_params import StructuredOutput
-from tandem.api.structured import check_structured, choice_grammar, load_xgrammar, parse_choices
+from tandem.api.structured import (
+    check_structured,
+    choice_grammar,
+    load_xgrammar,
+    parse_choices,
+    xgrammar_error,
+)
+from tandem.engine.grammar_pool import GrammarPool
 from tandem.host_copy import device_tensor, to_device
 
 
 class GrammarCompiler:
-    """Compiles `StructuredOutput`s for one tokenizer (xgrammar caches compiled grammars)."""
+    """Compiles `StructuredOutput`s for one tokenizer (off the engine thread, into a cache of
+    `cache_bytes`, each compile within `timeout_s`: `tandem/engine/grammar_pool.py`) and makes
+    their matchers and token bitmasks."""
 
     def __init__(
         self,
@@ -45,13 +55,17 @@ class GrammarCompiler:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         pin_memory: bool = False,
+        cache_bytes: int = 256 << 20,
+        timeout_s: float = 20.0,
     ) -> None:
         xgr = load_xgrammar()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        # The pool caches compiled grammars itself, within its byte limit.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.pool = GrammarPool(self._compile, cache_bytes, timeout_s)
         self._xgr = xgr
         # Two bitmask buffers, used in turn (pinned for a GPU engine): allocating pinned memory
         # every step cost milliseconds on an H200 host, more than the filling. A buffer is
@@ -71,22 +85,39 @@ class GrammarCompiler:
         self._turn ^= 1
         return buf[:batch]
 
-    def compile(self, so: StructuredOutput):
+    def _compile(self, so: StructuredOutput) -> Any:
+        """`so` compiled against the vocabulary (ValueError when it is malformed)."""
         check_structured(so)
         c = self._compiler
-        if so.kind == "json_schema":
-            return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
-        if so.kind == "json_object":  # OpenAI's JSON mode: an object, not any JSON value
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if so.kind == "regex":
-            return c.compile_regex(so.spec)
-        if so.kind == "choice":
-            return c.compile_grammar(choice_grammar(parse_choices(so.spec)))
-        return c.compile_grammar(so.spec)
+        try:
+            if so.kind == "json_schema":
+                return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
+            if so.kind == "json_object":  # OpenAI's JSON mode: an object, not any JSON value
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if so.kind == "regex":
+                return c.compile_regex(so.spec)
+            if so.kind == "choice":
+                return c.compile_grammar(choice_grammar(parse_choices(so.spec)))
+            return c.compile_grammar(so.spec)
+        except RuntimeError as e:  # a grammar that parses but does not compile: still its fault
+            raise ValueError(
+                f"structured output (response_format) {so.kind} cannot be compiled: {xgrammar_error(e)}"
+            ) from None
 
     def matcher(self, so: StructuredOutput, replay: Sequence[int] = ()):
-        """A fresh matcher for `so` that has accepted `so.accepted` and then `replay`."""
-        m = self._xgr.GrammarMatcher(self.compile(so))
+        """A fresh matcher for `so` that has accepted `so.accepted` and then `replay`, compiled
+        on the calling thread (the in-process engine)."""
+        return self._replayed(self.pool.compile(so), so, replay)
+
+    async def prepared_matcher(self, so: StructuredOutput, replay: Sequence[int] = ()):
+        """`matcher`, compiled on the pool's threads within its budgets and replayed on another
+        thread, for a caller on an event loop (whose other requests go on meanwhile)."""
+        compiled = await self.pool.compiled(so)
+        return await asyncio.to_thread(self._replayed, compiled, so, replay)
+
+    def _replayed(self, compiled: Any, so: StructuredOutput, replay: Sequence[int]):
+        """A fresh matcher of `compiled` that has accepted `so.accepted` and then `replay`."""
+        m = self._xgr.GrammarMatcher(compiled)
         for t in [*so.accepted, *replay]:
             if not m.accept_token(int(t)):
                 raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -161,6 +162,7 @@ class LLMEngine(
         self._read: tuple[int, float] | None = None  # (KV tokens, seconds)
         self._step_started = self._collected_at = 0.0  # perf_counter() readings
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()  # that request may come from another thread
         # The latest step had nothing to run: no sequence runs or fits, none was preempted, no
         # step is in flight. Until blocks are freed from outside (a lease released or expired,
         # an import started or aborted) the next step would find the same.

@@ -1,14 +1,16 @@
 """How a sequence joins the decode worker: its KV handed over from a prefill worker, or prefilled here.
 
-An Admit naming a prefill worker goes through four steps, each a method below:
+An Admit naming a prefill worker goes through five steps, each a method below:
 1. `_verified_peer`: the registered peer (registering again when it restarted) and a check of
    the lease's signature against the prompt: the peer, not the caller, says which blocks hold it;
    a lease is taken once (a reference replayed after its release is refused);
-2. `_fetch`: the transport readies the blocks (the inline transport streams them, NIXL reads them
+2. `_prepared_matcher`: a constrained sequence's grammar compiled and replayed off the engine
+   thread (the batch keeps running while it waits); a cancel meanwhile drops it;
+3. `_fetch`: the transport readies the blocks (the inline transport streams them, NIXL reads them
    into blocks the engine reserved); a cancel meanwhile is noted, and honoured when it ends;
-3. `_join`: on the engine thread, the sequence joins (copying the blocks its prefix cache lacks,
+4. `_join`: on the engine thread, the sequence joins (copying the blocks its prefix cache lacks,
    or starting the reserved sequence);
-4. telemetry (`obs.admitted`), and the lease released whatever happened (with the failure, if
+5. telemetry (`obs.admitted`), and the lease released whatever happened (with the failure, if
    any, so the prefill worker counts it).
 """
 
@@ -18,11 +20,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from services.decode.peers import PrefillPeer
+from tandem.api.sampling_params import SamplingParams
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv.lease import check_lease
 from tandem.kv.names import split_names
@@ -40,9 +44,10 @@ class _Request:
 
     msg: stages_pb2.Admit
     ids: np.ndarray  # the prompt's ids, uint32
-    params: object
+    params: SamplingParams
     rng: torch.Tensor | None
     t0: float
+    matcher: Any = None  # a constrained sequence's grammar matcher, once prepared
 
     @property
     def sid(self) -> str:
@@ -75,6 +80,8 @@ class AdmissionMixin:
                 return  # the gateway went away meanwhile (the lease is released below)
             session.seqs.add(sid)  # a gateway that goes away meanwhile cancels it too
             self.owner[sid] = session
+            if not await self._prepared_matcher(req, session, [msg.first_token]):
+                return  # cancelled while its grammar compiled
             fetched = await self._fetch(peer, req, session)
             if fetched is None:
                 return  # cancelled while its KV was on the way
@@ -156,12 +163,33 @@ class AdmissionMixin:
             return source, reserved
         # Cancelled while its KV was on the way: drop it (and the blocks it reserved).
         await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.abort(sid)))
+        self._drop_cancelled(sid, session, cancelled)
+        return None
+
+    async def _prepared_matcher(self, req: _Request, session, replay: list[int]) -> bool:
+        """Prepare a constrained sequence's grammar matcher (`req.matcher`) off the engine
+        thread, the grammar compiled within the pool's budgets (their errors are raised). False
+        when the sequence was cancelled meanwhile: it is dropped (it is in no engine yet)."""
+        if req.params.structured is None:
+            return True
+        sid = req.sid
+        self.compiling[sid] = None
+        try:
+            req.matcher = await self.engine.prepare_matcher(req.ids, req.params, replay)
+        finally:
+            cancelled = self.compiling.pop(sid, None)
+        if cancelled is None:
+            return True
+        self._drop_cancelled(sid, session, cancelled)
+        return False
+
+    def _drop_cancelled(self, sid: str, session, notify: bool) -> None:
+        """Forget a sequence cancelled before it joined; tell the gateway when it asked."""
         session.seqs.discard(sid)
         self.owner.pop(sid, None)
         self.obs.finished(sid, "abort")
-        if cancelled:
+        if notify:
             session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
-        return None
 
     async def _read_reserved(
         self, source: BlockSource, req: _Request
@@ -182,6 +210,7 @@ class AdmissionMixin:
                 peer_blocks,
                 tenant=msg.tenant,
                 block_names=split_names(msg.kv.block_names),
+                matcher=req.matcher,
             )
             if got is None:
                 self.transfer[sid] = ((time.monotonic() - req.t0) * 1e3, "recompute")
@@ -236,6 +265,7 @@ class AdmissionMixin:
                 req.rng,
                 tenant=msg.tenant,
                 block_names=split_names(msg.kv.block_names),
+                matcher=req.matcher,
             )
         # Noted on the engine thread, before a step can finish the sequence and report its
         # transfer (a short sequence can finish before the admission resumes), and before a step
@@ -290,9 +320,13 @@ class AdmissionMixin:
         session.seqs.add(sid)
         self.owner[sid] = session
         try:
+            if not await self._prepared_matcher(req, session, []):
+                return  # cancelled while its grammar compiled
             await asyncio.wrap_future(
                 self.engine_loop.submit(
-                    lambda e: e.add_request(req.ids, req.params, sid, tenant=req.msg.tenant)
+                    lambda e: e.add_request(
+                        req.ids, req.params, sid, tenant=req.msg.tenant, matcher=req.matcher
+                    )
                 )
             )
         except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on

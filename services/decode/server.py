@@ -76,6 +76,8 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         )
         # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
         self.importing: dict[str, bool | None] = {}
+        # Sequences whose grammar is compiling, likewise (they are in no engine yet).
+        self.compiling: dict[str, bool | None] = {}
         self.transfer_failures = 0
         self.spent_leases = SpentLeases()  # lease tokens admitted, until they expire
         self.loop = asyncio.get_running_loop()
@@ -261,9 +263,8 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         ids = []
         for sid in list(session.seqs):
             session.seqs.discard(sid)
-            if sid in self.importing:
-                self.importing[sid] = False  # `admit` drops it when its transfer ends
-            elif self.owner.get(sid) is session:
+            # One on its way in is dropped by `admit` when its transfer or compile ends.
+            if not self._joining(sid, False) and self.owner.get(sid) is session:
                 self.owner.pop(sid, None)
                 ids.append(sid)
         if not ids:
@@ -284,11 +285,18 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             self.copies.pop(sid, None)
             self.spec_totals.pop(sid, None)
 
+    def _joining(self, sid: str, notify: bool) -> bool:
+        """Note the cancel of a sequence still on its way in (its KV in transfer, or its grammar
+        compiling): `admit` drops it when that ends (a READ may be writing into its blocks).
+        False when it is not on its way in."""
+        for pending in (self.importing, self.compiling):
+            if sid in pending:
+                pending[sid] = notify
+                return True
+        return False
+
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
-        if sid in self.importing:
-            # Its KV is still on the way (a READ may be writing into its blocks): `admit` drops
-            # it when the transfer ends.
-            self.importing[sid] = notify
+        if self._joining(sid, notify):
             return
         if self.owner.get(sid) is not session:
             return

@@ -19,7 +19,8 @@ from services.gateway.pipeline import Finished, Pipeline, Session, TextDelta
 from services.gateway.router import RETRY_AFTER_S, Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER, TenantAuth
 from services.gateway.tokenize_pool import TokenizePool
-from tandem.api.sampling_params import SamplingParams
+from tandem.api.sampling_params import SamplingParams, StructuredOutput
+from tandem.api.structured import check_structured
 from tandem.api.validation import validate_request
 from tandem.config import GatewayConfig
 from tandem.rpc import api_pb2, api_pb2_grpc
@@ -136,13 +137,28 @@ class Frontend:
                 f"prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are accepted "
                 f"(the model's context is {self.pipeline.max_model_len} tokens)"
             )
+        if params.structured is not None:
+            self._check_grammar_size(params.structured)
         validate_request(ids, params, self.vocab_size, self.pipeline.max_model_len)
+        if params.structured is not None:
+            # Parsed here, so that a malformed grammar never reaches a worker.
+            check_structured(params.structured)
         room = self.pipeline.max_model_len - len(ids)
         if params.max_tokens > room:
             raise ValueError(
                 f"{asked} ({params.max_tokens}) plus the prompt ({len(ids)} tokens) is more than "
                 f"the model's context ({self.pipeline.max_model_len} tokens); set {asked} to at "
                 f"most {room}"
+            )
+
+    def _check_grammar_size(self, so: StructuredOutput) -> None:
+        """Refuse a grammar larger than max_grammar_bytes (compile time grows with size)."""
+        size = len(so.spec.encode())
+        limit = self.limits.max_grammar_bytes
+        if size > limit:
+            raise ValueError(
+                f"structured output (response_format) {so.kind} is {size} bytes; at most "
+                f"{limit} are accepted (max_grammar_bytes)"
             )
 
 

@@ -531,6 +531,10 @@ class Pipeline:
                         if msg.finish_reason == "error":
                             if msg.error_code == "RESOURCE_EXHAUSTED":
                                 raise Overloaded(f"decode worker is full: {msg.error}")
+                            if msg.error_code == "INVALID_ARGUMENT":
+                                # The request's own fault (a grammar past its compile budget):
+                                # a 400 with the worker's message, as from a prefill worker.
+                                raise ValueError(msg.error.removeprefix("decode admit: "))
                             log.warning("decode worker %s failed: %s", decode.address, msg.error)
                             raise StageUnavailable(f"decode worker failed: {msg.error}")
                         reason = reason or msg.finish_reason

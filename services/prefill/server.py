@@ -279,6 +279,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         ids = np.array(request.prompt_token_ids, dtype=np.uint32)
         owner = peer_host(context.peer() or "")
         fut: asyncio.Future[PrefillResult] = self.loop.create_future()
+        matcher = None  # a constrained request's, compiled off the engine thread below
 
         def add(e: LLMEngine) -> None:
             held = e.leases_owned_by(owner) + self.runs_by_owner.get(owner, 0)
@@ -287,7 +288,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                     f"this client holds {held} KV leases (max_leases_per_peer="
                     f"{self.max_leases_per_peer}): release some or let them expire, then retry"
                 )
-            e.add_request(ids, params, rid, prefill_only=True, tenant=request.tenant)
+            e.add_request(
+                ids, params, rid, prefill_only=True, tenant=request.tenant, matcher=matcher
+            )
             self._start_run(rid, owner)
 
         def drop(e: LLMEngine) -> None:
@@ -298,6 +301,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.obs.begin(rid, context)
         try:
             try:
+                # The grammar compiles while the engine keeps prefilling other prompts.
+                matcher = await self.engine.prepare_matcher(ids, params)
                 await asyncio.wrap_future(self.engine_loop.submit(add))
             except Exception as e:  # noqa: BLE001 - mapped to a status
                 self.pending.pop(rid, None)

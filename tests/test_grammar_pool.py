@@ -36,7 +36,7 @@ def schema(properties: int, prefix: str = "p") -> StructuredOutput:
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
     cfg, tok, _ = load_model_info()
-    return GrammarCompiler(tok.hf, cfg.vocab_size, cfg.eos_token_ids)
+    return GrammarCompiler(tok.hf, cfg.vocab_size, cfg.eos_token_ids, 256 << 20, 60.0)
 
 
 def pool_of(compiler: GrammarCompiler, cache_bytes: int, timeout_s: float, threads: int = 2):

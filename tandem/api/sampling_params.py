@@ -155,11 +155,11 @@ class SamplingParams:
             if not _finite(b) or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
         if self.structured is not None:
-            # it imports this module
+            # Its fields only: the grammar is parsed where the request arrives (the gateway)
+            # and compiled off the engine thread (the engine's grammar pool), not here, on it.
+            # Imported here: structured.py imports this module.
             from tandem.api.structured import check_structured_fields
 
-            # The grammar is parsed where the request arrives (the gateway) and compiled off
-            # the engine thread (the engine's grammar pool), not here: this runs on it.
             check_structured_fields(self.structured, vocab_size)
 
 

@@ -54,9 +54,9 @@ class GrammarCompiler:
         hf_tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        cache_bytes: int,
+        timeout_s: float,
         pin_memory: bool = False,
-        cache_bytes: int = 256 << 20,
-        timeout_s: float = 20.0,
     ) -> None:
         xgr = load_xgrammar()
         self.vocab_size = vocab_size

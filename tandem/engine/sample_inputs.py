@@ -44,9 +44,9 @@ class SampleInputsMixin:
                     self.tokenizer.hf,
                     self.model_config.vocab_size,
                     self.eos_token_ids,
-                    pin_memory=self.device.type == "cuda",
                     cache_bytes=self.config.grammar_cache_mb << 20,
                     timeout_s=self.config.grammar_compile_timeout_s,
+                    pin_memory=self.device.type == "cuda",
                 )
             return self._grammars
 

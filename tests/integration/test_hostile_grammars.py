@@ -110,9 +110,10 @@ def test_a_slow_grammar_holds_up_no_other_stream(cluster):
         if decode_metric(cluster, "tandem_grammar_compiles_in_flight"):
             break
         time.sleep(0.05)
-    during = timed_short_request(cluster)
+    during = statistics.median(timed_short_request(cluster) for _ in range(3))
     assert during < 2 * alone, f"a short request took {during:.2f}s, {alone:.2f}s alone"
-    assert sender.is_alive(), "the grammar was meant to compile all through the short request"
+    compiling = decode_metric(cluster, "tandem_grammar_compiles_in_flight")
+    assert compiling, "the grammar was meant to compile all through the short requests"
     sender.join(600)
     status, body = big["reply"]
     assert status == 200, body

@@ -12,7 +12,15 @@ _CONTEXT_TOKENS = 4
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output ids into text deltas; holds back what may still change."""
+    """Turns a growing list of output ids into text deltas; holds back what may still change.
+
+    Each `add` decodes a short window of ids, not the whole output (which made a sequence's
+    detokenization quadratic in its length): the ids from `_prefix` on, whose text up to
+    `_read` was already counted. The text of the ids past `_read` is what the window adds;
+    the window then moves up to the end, unless its text ends in an incomplete UTF-8 sequence
+    (U+FFFD) or adds nothing yet, when it waits for the ids that complete it. Decoding from a
+    few ids back, not from `_read`, keeps what depends on the neighbours (a SentencePiece
+    word's leading space, bytes split over ids) as a decode of the whole would give it."""
 
     def __init__(
         self,
@@ -22,9 +30,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self.context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.skip_special_tokens = skip_special_tokens
-        self._context_text = self._decode(self.context)
+        # The last prompt ids open the window, so the first delta has the text a decode of
+        # prompt and output together gives it.
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix, self._read = 0, len(self._ids)
+        self._decoded = ""  # the text of the output ids up to `_read`
         self.stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.output_ids: list[int] = []
@@ -34,22 +45,25 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _full_text(self) -> str:
-        full = self._decode(self.context + self.output_ids)
-        if full.startswith(self._context_text):
-            return full[len(self._context_text) :]
-        return self._decode(self.output_ids)
+    def _advance(self, final: bool) -> None:
+        """Extend `_decoded` with the text of the ids past `_read`, once it is complete (or
+        as it is, when `final`)."""
+        if len(self._ids) == self._read:
+            return
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
+            self._decoded += after[len(before) :]
+            self._prefix, self._read = self._read, len(self._ids)
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append ids and return the new text; once a stop string is seen, `stopped_by` is set."""
         if self.stopped_by is not None:
             return ""
         self.output_ids.extend(token_ids)
-        full = self._full_text()
-        # An incomplete UTF-8 sequence decodes to U+FFFD; wait for the bytes that complete it.
-        if not final:
-            while full.endswith("\ufffd"):
-                full = full[:-1]
+        self._ids.extend(token_ids)
+        self._advance(final)
+        full = self._decoded
         if self.stop:
             start = max(0, len(self.text) - self._holdback)
             best = -1
@@ -64,28 +78,37 @@ class IncrementalDetokenizer:
                 return delta
             if not final and self._holdback:
                 full = full[: max(len(self.text), len(full) - self._holdback)]
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text = self.text + delta
+        # `_decoded` only grows and `text` is a prefix of it: the delta is what lies past it.
+        delta = full[len(self.text) :]
+        self.text += delta
         return delta
 
     def add_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
         """`add` for several ids at once (an accepted speculative run, a batched message) that
         stops at the id completing a stop string, as one-id steps would: returns the new text
         and how many of `token_ids` belong to the output (all unless a stop string ended it)."""
-        n0, text0 = len(self.output_ids), self.text
+        saved = self._state()
         delta = self.add(token_ids)
         if self.stopped_by is None or len(token_ids) <= 1:
             return delta, len(token_ids)
         # Replay one id at a time to find the one that completed the stop string; this happens
         # once per sequence, so the extra decoding costs nothing that matters.
-        del self.output_ids[n0:]
-        self.text, self.stopped_by = text0, None
+        self._restore(saved)
         delta = ""
         for i, t in enumerate(token_ids):
             delta += self.add([t])
             if self.stopped_by is not None:
                 return delta, i + 1
         return delta, len(token_ids)
+
+    def _state(self) -> tuple[int, int, int, int, str, str]:
+        return (len(self.output_ids), len(self._ids), self._prefix, self._read, self._decoded,
+                self.text)  # fmt: skip
+
+    def _restore(self, state: tuple[int, int, int, int, str, str]) -> None:
+        n_out, n_ids, self._prefix, self._read, self._decoded, self.text = state
+        del self.output_ids[n_out:], self._ids[n_ids:]
+        self.stopped_by = None
 
     def finish(self) -> str:
         """Release the held-back text at the end of generation."""

@@ -498,12 +498,25 @@ class Pipeline:
             try:
                 q = await decode.open(seq_id, admit)
                 lease["owned"] = False  # the decode worker releases it after its copy
+                held: list[tuple] = []  # an event taken from `q` behind token messages
                 while not done:
-                    kind, msg, step_ended_at = await q.get()
+                    kind, msg, step_ended_at = held.pop() if held else await q.get()
                     if kind == "tokens":
+                        # Token messages that queued up while this loop was busy go out as one
+                        # delta: one detokenization and one write for all of them.
+                        msgs = [msg]
+                        while not q.empty():
+                            nxt = q.get_nowait()
+                            if nxt[0] != "tokens":
+                                held.append(nxt)
+                                break
+                            msgs.append(nxt[1])
+                            if traced and nxt[2]:
+                                trace.delivered(nxt[2])
                         if traced and step_ended_at:
                             trace.delivered(step_ended_at)
-                        toks = list(msg.token_ids)
+                        msg = msgs[-1]  # the draft totals are running totals: the last holds
+                        toks = [t for m in msgs for t in m.token_ids]
                         if t_first is None and toks:  # prefilled here: the first token
                             t_first = time.monotonic()
                             timings["ttft_ms"] = (t_first - t0) * 1e3
@@ -514,11 +527,11 @@ class Pipeline:
                         text, n = detok.add_until_stop(toks)
                         toks = toks[:n]
                         out_ids.extend(toks)
-                        lps = [logprob_from_proto(m) for m in msg.logprobs][:n]
+                        lps = [logprob_from_proto(x) for m in msgs for x in m.logprobs][:n]
                         prompt_lps = None
                         if awaiting_prompt_lps and toks:
                             # Prefilled there: the prompt's logprobs come with the first token.
-                            prompt_lps = prompt_logprobs_from_proto(msg.prompt_logprobs)
+                            prompt_lps = prompt_logprobs_from_proto(msgs[0].prompt_logprobs)
                             awaiting_prompt_lps = False
                         if msg.proposed_draft_tokens:  # running totals; SeqFinished has the last
                             spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -66,6 +66,7 @@ class Worker:
     """
 
     stage = "worker"
+    stub_class: Any = None  # the stage's gRPC stub, opened on the worker's channel
 
     def __init__(
         self,
@@ -86,7 +87,7 @@ class Worker:
         self._broken = False
         self._probe: asyncio.Task | None = None
         self._lost: asyncio.Future[str] | None = None  # see `lost`
-        self.channel: grpc.aio.Channel | None = None  # set by the subclass
+        self.channel: grpc.aio.Channel | None = None  # opened by the subclass (`_open`)
         self.index: PrefixIndex | None = None  # set by the router
 
     def watch(self) -> None:
@@ -167,8 +168,17 @@ class Worker:
         self.seen_up = True
         self.healthy = True
 
+    def _open(self) -> None:
+        """A channel to this worker and the stage's stub on it."""
+        self.channel = stage_channel(self.address, self.credentials, CHANNEL_OPTIONS)
+        self.stub = self.stub_class(self.channel)
+
     async def reconnect(self) -> None:
         """Replace the channel to this worker."""
+        old = self.channel
+        self._open()
+        if old is not None:
+            await old.close()
 
     def stop_probe(self) -> None:
         if self._probe is not None:
@@ -177,6 +187,7 @@ class Worker:
 
 class PrefillClient(Worker):
     stage = "prefill"
+    stub_class = stages_pb2_grpc.PrefillStub
 
     def __init__(
         self,
@@ -185,15 +196,8 @@ class PrefillClient(Worker):
         health_timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
         super().__init__(address, credentials, health_timeout_s)
-        self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
-        self.stub = stages_pb2_grpc.PrefillStub(self.channel)
+        self._open()
         self.inflight = 0
-
-    async def reconnect(self) -> None:
-        old = self.channel
-        self.channel = stage_channel(self.address, self.credentials, CHANNEL_OPTIONS)
-        self.stub = stages_pb2_grpc.PrefillStub(self.channel)
-        await old.close()
 
     async def close(self) -> None:
         await self.channel.close()
@@ -203,6 +207,7 @@ class DecodeClient(Worker):
     """One long-lived bidirectional Session stream to a decode worker, shared by all requests."""
 
     stage = "decode"
+    stub_class = stages_pb2_grpc.DecodeStub
 
     def __init__(
         self,
@@ -211,8 +216,7 @@ class DecodeClient(Worker):
         health_timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
         super().__init__(address, credentials, health_timeout_s)
-        self.channel = stage_channel(address, self.credentials, CHANNEL_OPTIONS)
-        self.stub = stages_pb2_grpc.DecodeStub(self.channel)
+        self._open()
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
@@ -223,12 +227,9 @@ class DecodeClient(Worker):
         self.max_sequences: int | None = None  # running + queued it takes (also from Stats)
 
     async def reconnect(self) -> None:
-        old = self.channel
-        self.channel = stage_channel(self.address, self.credentials, CHANNEL_OPTIONS)
-        self.stub = stages_pb2_grpc.DecodeStub(self.channel)
         self._send = None
         self.max_seq_tokens = None
-        await old.close()
+        await super().reconnect()
 
     async def capacity(self) -> int | None:
         """`max_seq_tokens` of this worker (asked once); None when it does not answer."""

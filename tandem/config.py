@@ -276,6 +276,9 @@ class GatewayConfig:
     # readiness says so when no decode worker is left, and its streams resume elsewhere, until
     # it answers again.
     stage_health_timeout_s: float = 2.0
+    # Responses (POST /v1/responses) kept in memory for `previous_response_id`, the most
+    # recent this many (LRU); a request with `store: false` is not kept.
+    responses_store_size: int = 1024
 
     def validate(self) -> None:
         for f in fields(self):

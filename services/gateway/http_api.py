@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP: /v1/chat/completions, /v1/completions (SSE when streaming), /v1/models."""
+"""OpenAI-compatible HTTP: /v1/chat/completions, /v1/completions, /v1/responses (SSE when
+streaming), /v1/models."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from services.gateway.openai_request import (
     n_from_body,
     normalize_messages,
 )
+from services.gateway.openai_responses import ResponsesAPI
 from services.gateway.openai_tools import (
     ForcedCallStream,
     ToolError,
@@ -75,11 +77,14 @@ class OpenAIServer:
         self.fe = frontend
         if api_key and not frontend.tenants.keys_on:
             raise ValueError("the API key must be in the frontend's GatewayConfig (api_key)")
-        self.body_timeout_s = (config or GatewayConfig()).http_body_timeout_s
+        config = config or GatewayConfig()
+        self.body_timeout_s = config.http_body_timeout_s
         middlewares = [track_requests, errors_middleware, self._who]
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
+        self.responses = ResponsesAPI(self, config.responses_store_size)
+        self.app.router.add_post("/v1/responses", self.responses.create)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model_id:.+}", self.model)
         self.app.router.add_get("/health", self.health)

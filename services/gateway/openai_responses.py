@@ -93,7 +93,6 @@ _RENAMED = (
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
     ("response_format", "text.format"),
-    ("messages", "input"),
 )
 
 
@@ -105,6 +104,8 @@ def _renamed(e: Exception) -> web.Response:
         message = message.replace(chat_name, name)
         if param == chat_name:
             param = name.split(".")[0]
+    if param == "messages":  # "messages[2].role ...": the conversation, built from `input`
+        param = "input"
     return error_response(message, getattr(e, "status", 400), param)
 
 
@@ -288,7 +289,7 @@ def _chat_tools(body: dict) -> dict:
     return out
 
 
-class _Output:
+class OutputItems:
     """A response's output items as they are generated, and (streaming) the events telling
     them: one open item at a time, a `message` with one `output_text` part or a
     `function_call`."""
@@ -299,6 +300,7 @@ class _Output:
         self.stream = stream
         self.seq = 0
         self._open: dict | None = None
+        self._text: list[str] = []  # the open message's text so far
 
     def event(self, kind: str, **fields: Any) -> None:
         if self.stream:
@@ -326,7 +328,7 @@ class _Output:
                     "content": [],
                 }
             )
-            self._text: list[str] = []
+            self._text = []
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.event("response.content_part.added", **self._where(), content_index=0, part=part)
         self._text.append(delta)
@@ -376,13 +378,7 @@ class _Output:
 
     def messages(self) -> list[dict]:
         """The output as chat messages (the history of a later `previous_response_id`)."""
-        return (
-            messages_from_input(
-                [{k: v for k, v in item.items() if k != "status"} for item in self.items]
-            )
-            if self.items
-            else []
-        )
+        return messages_from_input(self.items) if self.items else []
 
 
 def _usage_of(fin: Finished | None) -> dict:
@@ -398,6 +394,54 @@ def _usage_of(fin: Finished | None) -> dict:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u["total_tokens"],
     }
+
+
+async def generate(
+    events: AsyncIterator,
+    out: OutputItems,
+    tools: ToolRequest | None,
+    flush: Callable[[], Awaitable[None]],
+) -> Finished | None:
+    """Run the request into `out` (its items, and its events for `flush` to send)."""
+    forced = ForcedCallStream() if tools is not None and tools.forced else None
+    holding = tools is not None and tools.active and forced is None
+    held: list[str] = []  # `auto` tools: a reply that may be a call, held until known
+    fin = None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            if not ev.text:
+                continue
+            if forced is not None:
+                for piece in forced.feed(ev.text):
+                    out.call(piece)
+            elif holding:
+                held.append(ev.text)
+                if may_be_tool_call("".join(held)):
+                    continue
+                out.text("".join(held))
+                holding, held = False, []
+            else:
+                out.text(ev.text)
+            await flush()
+        else:
+            fin = ev
+    status = "incomplete" if fin is not None and fin.reason == "length" else "completed"
+    if forced is not None:
+        pieces, complete = forced.finish()
+        for piece in pieces:
+            out.call(piece)
+        out.close("completed" if complete else "incomplete")
+    elif held:
+        content, calls = parse_tool_calls("".join(held), tools.names, tools.parallel)
+        if content:
+            out.text(content)
+        for c in calls:
+            out.call({"id": c["id"], "function": {"name": c["function"]["name"]}})
+            out.call({"function": {"arguments": c["function"]["arguments"]}})
+            out.close()
+    out.close(status)
+    await flush()
+    return fin
 
 
 class ResponsesAPI:
@@ -438,12 +482,12 @@ class ResponsesAPI:
             return _renamed(e)
         rid = "resp_" + uuid.uuid4().hex
         events = rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt, tenant=rt.tenant))
-        out = _Output(bool(stream))
+        out = OutputItems(bool(stream))
         head = {"id": rid, "created_at": time.time(), "body": body, "params": params}
         try:
             if not stream:
                 try:
-                    fin = await self._generate(events, out, tools, _nothing)
+                    fin = await generate(events, out, tools, _nothing)
                 except (Overloaded, StageUnavailable, ValueError) as e:
                     return _error_for(e)
                 self._keep(body, rid, rt.tenant, conversation, out)
@@ -496,59 +540,15 @@ class ResponsesAPI:
             check_call_schema(params.structured)
         return params
 
-    def _keep(self, body: dict, rid: str, tenant: str, conversation: list, out: _Output) -> None:
+    def _keep(
+        self, body: dict, rid: str, tenant: str, conversation: list, out: OutputItems
+    ) -> None:
         if body.get("store") is not False:
             self.store.put(tenant, rid, conversation + out.messages())
 
-    async def _generate(
-        self,
-        events: AsyncIterator,
-        out: _Output,
-        tools: ToolRequest | None,
-        flush: Callable[[], Awaitable[None]],
-    ) -> Finished | None:
-        """Run the request into `out` (its items, and its events for `flush` to send)."""
-        forced = ForcedCallStream() if tools is not None and tools.forced else None
-        holding = tools is not None and tools.active and forced is None
-        held: list[str] = []  # `auto` tools: a reply that may be a call, held until known
-        fin = None
-        async for ev in events:
-            if isinstance(ev, TextDelta):
-                if not ev.text:
-                    continue
-                if forced is not None:
-                    for piece in forced.feed(ev.text):
-                        out.call(piece)
-                elif holding:
-                    held.append(ev.text)
-                    if may_be_tool_call("".join(held)):
-                        continue
-                    out.text("".join(held))
-                    holding, held = False, []
-                else:
-                    out.text(ev.text)
-                await flush()
-            else:
-                fin = ev
-        status = "incomplete" if fin is not None and fin.reason == "length" else "completed"
-        if forced is not None:
-            pieces, complete = forced.finish()
-            for piece in pieces:
-                out.call(piece)
-            out.close("completed" if complete else "incomplete")
-        elif held:
-            content, calls = parse_tool_calls("".join(held), tools.names, tools.parallel)
-            if content:
-                out.text(content)
-            for c in calls:
-                out.call({"id": c["id"], "function": {"name": c["function"]["name"]}})
-                out.call({"function": {"arguments": c["function"]["arguments"]}})
-                out.close()
-        out.close(status)
-        await flush()
-        return fin
-
-    def _response(self, head: dict, out: _Output, fin: Finished | None, status: str = "") -> dict:
+    def _response(
+        self, head: dict, out: OutputItems, fin: Finished | None, status: str = ""
+    ) -> dict:
         """The Response object: `status` in_progress while streaming, else from `fin`."""
         body, params = head["body"], head["params"]
         if not status:
@@ -586,7 +586,7 @@ class ResponsesAPI:
         request: web.Request,
         head: dict,
         events: AsyncIterator,
-        out: _Output,
+        out: OutputItems,
         tools: ToolRequest | None,
         conversation: list[dict],
         tenant: str,
@@ -613,7 +613,7 @@ class ResponsesAPI:
         out.event("response.created", response=started)
         out.event("response.in_progress", response=started)
         try:
-            fin = await self._generate(_after(first, events), out, tools, flush)
+            fin = await generate(_after(first, events), out, tools, flush)
             done = self._response(head, out, fin)
             self._keep(head["body"], head["id"], tenant, conversation, out)
             kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
@@ -625,7 +625,9 @@ class ResponsesAPI:
             await self._fail(resp, head, out, e)
         return resp
 
-    async def _fail(self, resp: web.StreamResponse, head: dict, out: _Output, e: Exception) -> None:
+    async def _fail(
+        self, resp: web.StreamResponse, head: dict, out: OutputItems, e: Exception
+    ) -> None:
         """After the 200 of a stream, a failure is an `error` event, then `response.failed`."""
         if isinstance(e, Overloaded):
             code, message = "rate_limit_exceeded", str(e)

@@ -27,6 +27,7 @@ WEATHER = {
     },
     "strict": True,
 }
+FUNCTION_KEYS = ("name", "description", "parameters")
 
 
 class Person(BaseModel):
@@ -163,6 +164,65 @@ def test_function_tool_round_trip(client):
         temperature=0,
     )
     assert r2.output[0].type == "message" and r2.output_text
+    chat_call = {"id": call.call_id, "type": "function"}
+    chat_call["function"] = {"name": call.name, "arguments": call.arguments}
+    history = [
+        question,
+        {"role": "assistant", "content": None, "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "22 C, sunny"},
+    ]
+    chat = client.chat.completions.create(
+        model="",
+        messages=history,
+        tools=[{"type": "function", "function": {k: WEATHER[k] for k in FUNCTION_KEYS}}],
+        tool_choice="none",
+        max_tokens=24,
+        temperature=0,
+    )
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens
+    assert r2.output_text == chat.choices[0].message.content
+
+
+def test_auto_tools_as_the_chat_endpoint_decides(client):
+    q = "Is it raining in Oslo right now?"
+    kwargs = dict(model="", input=q, tools=[WEATHER], max_output_tokens=40, temperature=0)
+    r = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    chat = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": q}],
+        tools=[{"type": "function", "function": {k: WEATHER[k] for k in FUNCTION_KEYS}}],
+        max_tokens=40,
+        temperature=0,
+    ).choices[0]
+    want = []
+    if chat.message.content:
+        want.append(("message", chat.message.content))
+    for t in chat.message.tool_calls or []:
+        want.append(("function_call", (t.function.name, json.loads(t.function.arguments))))
+
+    def items(output) -> list:
+        return [
+            ("message", o.content[0].text)
+            if o.type == "message"
+            else ("function_call", (o.name, json.loads(o.arguments)))
+            for o in output
+        ]
+
+    assert items(r.output) == want
+    assert items(events[-1].response.output) == want
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert items(done) == want
+
+
+def test_the_sdk_stream_helper(client):
+    with client.responses.stream(
+        model="", input="Say hello.", max_output_tokens=64, temperature=0
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed"  # the helper needs `response.completed`
+    assert deltas and "".join(deltas) == final.output_text
 
 
 def test_previous_response_id_continues_the_conversation(client):

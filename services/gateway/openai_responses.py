@@ -483,7 +483,7 @@ class ResponsesAPI:
         rid = "resp_" + uuid.uuid4().hex
         events = rt.watch(self.fe.pipeline.run(ids, params, rid, trace=rt, tenant=rt.tenant))
         out = OutputItems(bool(stream))
-        head = {"id": rid, "created_at": time.time(), "body": body, "params": params}
+        head = {"id": rid, "created_at": int(time.time()), "body": body, "params": params}
         try:
             if not stream:
                 try:

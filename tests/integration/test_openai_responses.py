@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`) with the official `openai` client against real
-processes: text (streamed and not, equal to the chat endpoint's greedy reply), structured
-output through `responses.parse`, a function-tool round trip, `previous_response_id`, and 400s
-naming what is not served."""
+processes (every prompt through the prefill worker, an n-gram draft worker speculating): text
+(streamed and not, equal to the chat endpoint's greedy reply), structured output through
+`responses.parse`, a function-tool round trip, `previous_response_id`, and 400s naming what is
+not served."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def client():
-    c = start_cluster(["--disagg-threshold", "0"])
+    c = start_cluster(["--disagg-threshold", "0", "--draft", "ngram"])
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{c.http_port}/v1", api_key="unused")
     c.stop()
 
@@ -264,6 +265,7 @@ def test_previous_response_id_continues_the_conversation(client):
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),
         ({"text": {"format": {"type": "regex"}}}, "text"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"temperature": "hot"}, "temperature"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
@@ -277,3 +279,4 @@ def test_what_is_not_served_is_a_400_naming_it(client, fields, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**body)
     assert e.value.param == param, e.value.message
+    assert param.split("_")[0] in e.value.message, e.value.message

@@ -293,6 +293,16 @@ def build_requests(spans: list[Span], t_from: float) -> list[Request]:
     return out
 
 
+def bracket(
+    samples: list[tuple[float, dict[str, float]]], t0: float, t1: float
+) -> list[tuple[float, dict[str, float]]]:
+    """The scrapes within [t0, t1] and the last one before and the first one after it: every
+    interval of the run is covered, however few scrapes a busy machine let through."""
+    first = max([i for i, (t, _) in enumerate(samples) if t <= t0], default=0)
+    last = min([i for i, (t, _) in enumerate(samples) if t >= t1], default=len(samples) - 1)
+    return samples[first : last + 1]
+
+
 def counter_series(
     samples: list[tuple[float, dict[str, float]]],
 ) -> dict[str, list[tuple[float, float]]]:
@@ -562,8 +572,7 @@ class TimelineRecorder:
         t0 = min((r.start for r in requests), default=self.t0)
         t1 = max((r.stages["e2e"][1] for r in requests), default=time.time())
         samples = self.sampler.samples if self.sampler is not None else {}
-        samples = {p: [x for x in s if t0 - SCRAPE_S <= x[0] <= t1 + SCRAPE_S]
-                   for p, s in samples.items()}  # fmt: skip
+        samples = {p: bracket(s, t0, t1) for p, s in samples.items()}
         counters = {p: counter_series(s) for p, s in samples.items()}
         summary = summarize(requests, counters)
         missing: dict[str, int] = {}

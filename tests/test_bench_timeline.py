@@ -92,6 +92,14 @@ def test_counters_are_rates_of_the_scraped_counters() -> None:
     assert tl.parse_metrics(text) == {"tandem_num_requests_running": 3.0}
 
 
+def test_a_run_is_bracketed_by_the_scrapes_around_it() -> None:
+    samples = [(t, {}) for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    assert [t for t, _ in tl.bracket(samples, 1.5, 2.5)] == [1.0, 2.0, 3.0]
+    # No scrape inside a short run on a busy machine: the two around it still give its rates.
+    assert [t for t, _ in tl.bracket(samples, 1.2, 1.8)] == [1.0, 2.0]
+    assert [t for t, _ in tl.bracket(samples, -1.0, 9.0)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_a_trace_with_every_stage_of_every_request(tmp_path) -> None:
     out, tdir = tmp_path / "sharegpt.json", tmp_path / "tl"

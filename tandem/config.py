@@ -279,6 +279,15 @@ class GatewayConfig:
     # Responses (POST /v1/responses) kept in memory for `previous_response_id`, the most
     # recent this many (LRU); a request with `store: false` is not kept.
     responses_store_size: int = 1024
+    # Web pages of these origins (scheme://host[:port], comma-separated or the flag repeated;
+    # `*`: any) may call the HTTP API from a browser (CORS). None: no CORS headers are sent.
+    cors_allowed_origins: str | None = field(default=None, metadata={"repeatable": True})
+
+    @property
+    def cors_origins(self) -> frozenset[str]:
+        """The origins of cors_allowed_origins, without a trailing slash."""
+        entries = (self.cors_allowed_origins or "").split(",")
+        return frozenset(o.strip().rstrip("/") for o in entries if o.strip())
 
     def validate(self) -> None:
         for f in fields(self):
@@ -311,6 +320,11 @@ class GatewayConfig:
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
+        for o in self.cors_origins:
+            if o != "*" and not o.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"cors_allowed_origins: {o!r} is not an origin (scheme://host[:port], or *)"
+                )
         for name in ("tls_cert", "tls_key"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):

@@ -31,6 +31,18 @@ log = logging.getLogger("tandem.gateway")
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: as system
 
 
+class ModelNotFound(ValueError):
+    """A request for a model this gateway does not serve (HTTP 404, OpenAI's code)."""
+
+    param, status, code = "model", 404, "model_not_found"
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt, or a prompt plus the length asked for, past the model's context."""
+
+    code = "context_length_exceeded"
+
+
 class Frontend:
     """Turns public requests into token ids and checked sampling parameters."""
 
@@ -64,7 +76,9 @@ class Frontend:
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            raise ValueError(f"model {model!r} is not served here; available: {self.model_name!r}")
+            raise ModelNotFound(
+                f"model {model!r} is not served here; available: {self.model_name!r}"
+            )
 
     async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The ids of `messages` (and `tools`) rendered by the chat template, checked first."""
@@ -133,7 +147,7 @@ class Frontend:
                 f"max_tokens must be <= {self.max_tokens_limit}, got {params.max_tokens}"
             )
         if len(ids) > self.max_prompt_tokens:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} are accepted "
                 f"(the model's context is {self.pipeline.max_model_len} tokens)"
             )
@@ -145,7 +159,7 @@ class Frontend:
             check_structured(params.structured)
         room = self.pipeline.max_model_len - len(ids)
         if params.max_tokens > room:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"{asked} ({params.max_tokens}) plus the prompt ({len(ids)} tokens) is more than "
                 f"the model's context ({self.pipeline.max_model_len} tokens); set {asked} to at "
                 f"most {room}"

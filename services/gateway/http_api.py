@@ -15,17 +15,13 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway.grpc_api import Frontend
+from services.gateway.http_cors import Cors
 from services.gateway.http_limits import track_requests
 from services.gateway.observe import RequestTrace
-from services.gateway.openai_request import (
-    FieldError,
-    n_from_body,
-    normalize_messages,
-)
+from services.gateway.openai_request import n_from_body, normalize_messages
 from services.gateway.openai_responses import ResponsesAPI
 from services.gateway.openai_tools import (
     ForcedCallStream,
-    ToolError,
     ToolRequest,
     call_schema,
     check_call_schema,
@@ -45,7 +41,6 @@ from services.gateway.openai_wire import (
     _check_json,
     _chunk,
     _error_for,
-    _param_of,
     _refuse_fields,
     _scored,
     _trace_header,
@@ -55,9 +50,14 @@ from services.gateway.openai_wire import (
     error_response,
     errors_middleware,
     legacy_logprobs,
+    overloaded,
+    refusal,
+    request_id_header,
     retry_after,
     sampling_from_body,
+    stop_str_in_output,
     stream_from_body,
+    with_stop_strings,
 )
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
@@ -79,7 +79,8 @@ class OpenAIServer:
             raise ValueError("the API key must be in the frontend's GatewayConfig (api_key)")
         config = config or GatewayConfig()
         self.body_timeout_s = config.http_body_timeout_s
-        middlewares = [track_requests, errors_middleware, self._who]
+        cors = Cors(config.cors_origins)
+        middlewares = [track_requests, errors_middleware, cors.preflight, self._who]
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -90,6 +91,8 @@ class OpenAIServer:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/livez", self.livez)
         self.app.on_response_prepare.append(_trace_header)
+        self.app.on_response_prepare.append(request_id_header)
+        self.app.on_response_prepare.append(cors.on_prepare)
         self.app.on_response_prepare.append(self._count_errors)
 
     @web.middleware
@@ -105,6 +108,7 @@ class OpenAIServer:
                     "missing or wrong API key: send 'Authorization: Bearer <key>'",
                     401,
                     kind="authentication_error",
+                    code="invalid_api_key",
                 )
             except ValueError as e:
                 return error_response(str(e), 400, "X-Tenant")
@@ -156,6 +160,7 @@ class OpenAIServer:
                 404,
                 "model",
                 kind="not_found_error",
+                code="model_not_found",
             )
         return web.json_response(self._model_card())
 
@@ -226,10 +231,8 @@ class OpenAIServer:
             n = n_from_body(body)
             self.fe.check(ids, params, _asked(body, ("max_completion_tokens", "max_tokens")))
             rt.tokenized(ids, params, body.get("model") or "")
-        except (RequestError, FieldError, ToolError) as e:
-            return error_response(str(e), getattr(e, "status", 400), e.param)
-        except ValueError as e:
-            return error_response(str(e), 400, _param_of(str(e)))
+        except ValueError as e:  # RequestError, FieldError, ToolError, the engine's checks
+            return refusal(e)
         return await self._respond(request, body, ids, params, chat=True, n=n, tools=tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -273,10 +276,8 @@ class OpenAIServer:
             n = n_from_body(body)
             self.fe.check(ids, params, _asked(body, ("max_tokens",)))
             rt.tokenized(ids, params, body.get("model") or "")
-        except (RequestError, FieldError) as e:
-            return error_response(str(e), getattr(e, "status", 400), e.param)
-        except ValueError as e:
-            return error_response(str(e), 400, _param_of(str(e)))
+        except ValueError as e:  # RequestError, FieldError, the engine's checks
+            return refusal(e)
         if echo:
             echo_text = prompt if isinstance(prompt, str) else self.fe.tokenizer.decode(ids)
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -371,6 +372,7 @@ class OpenAIServer:
         obj = "chat.completion" if chat else "text_completion"
         try:
             stream, include_usage = stream_from_body(body)
+            keep_stop = stop_str_in_output(body)
         except RequestError as e:
             return error_response(str(e), 400, e.param)
         try:
@@ -385,6 +387,8 @@ class OpenAIServer:
             return error_response(str(e), 400, "max_tokens")
         rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
         events = self._choices(ids, params, rid, rt, n)
+        if keep_stop:
+            events = with_stop_strings(events)
         tool_names = tools.names if tools is not None and tools.active else None
         choices = [_ChoiceState() for _ in range(n)]
         prompt_lps = None  # the first choice's first event brings them (params.prompt_logprobs)
@@ -404,9 +408,9 @@ class OpenAIServer:
             except StageUnavailable as e:
                 return error_response(str(e), 503, kind="service_unavailable")
             except Overloaded as e:
-                return error_response(str(e), 429, kind="rate_limit_exceeded")
+                return overloaded(e)
             except ValueError as e:
-                return error_response(str(e), 400, _param_of(str(e)))
+                return refusal(e)
             finally:
                 await events.aclose()  # a failed choice cancels the others
             out = []

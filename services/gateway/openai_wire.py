@@ -4,6 +4,8 @@ responses and errors out (chunks, usage, error bodies)."""
 from __future__ import annotations
 
 import logging
+import uuid
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -14,7 +16,7 @@ from services.gateway.openai_request import (
     logit_bias_from_body,
     structured_from_body,
 )
-from services.gateway.pipeline import Finished
+from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.router import RETRY_AFTER_S, Overloaded, StageUnavailable
 from tandem import telemetry
 from tandem.api.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -33,19 +35,39 @@ class RequestError(ValueError):
 
 
 def error_body(
-    message: str, status: int = 400, param: str | None = None, kind: str | None = None
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    kind: str | None = None,
+    code: str | None = None,
 ) -> dict:
-    """An error as OpenAI's API gives it: `{"error": {message, type, param, code}}`."""
+    """An error as OpenAI's API gives it: `{"error": {message, type, param, code}}`; `code` is
+    OpenAI's where it sets one (`model_not_found`, `context_length_exceeded`, ...), else null."""
     etype = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": etype, "param": param, "code": None}}
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
 def error_response(
-    message: str, status: int = 400, param: str | None = None, kind: str | None = None
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    kind: str | None = None,
+    code: str | None = None,
 ) -> web.Response:
     return web.json_response(
-        error_body(message, status, param, kind), status=status, headers=retry_after(status)
+        error_body(message, status, param, kind, code), status=status, headers=retry_after(status)
     )
+
+
+def refusal(e: ValueError) -> web.Response:
+    """The answer to a request refused by validation. The error may carry its field (`param`),
+    its HTTP status and OpenAI's `code`; an engine message without them names its field first."""
+    param = e.param if hasattr(e, "param") else _param_of(str(e))
+    return error_response(str(e), getattr(e, "status", 400), param, code=getattr(e, "code", None))
+
+
+def overloaded(e: Overloaded) -> web.Response:
+    return error_response(str(e), 429, kind="rate_limit_exceeded", code="rate_limit_exceeded")
 
 
 def retry_after(status: int) -> dict[str, str]:
@@ -109,6 +131,14 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise RequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
+    if _num(body, "min_tokens", int, 0) != 0:
+        # Honouring it means masking the end-of-sequence tokens in every sampler (prefill,
+        # decode, speculative verification) and holding back stop strings: not served.
+        raise RequestError(
+            "min_tokens is not supported (only 0, the default): the end of sequence and stop "
+            "strings cannot be held back",
+            "min_tokens",
+        )
     try:
         structured = structured_from_body(body)
         logit_bias = logit_bias_from_body(body)
@@ -131,6 +161,25 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
     )
+
+
+def stop_str_in_output(body: dict) -> bool:
+    """vLLM's `include_stop_str_in_output`: the stop string that ended a choice ends its text."""
+    v = body.get("include_stop_str_in_output")
+    if v is not None and not isinstance(v, bool):
+        raise RequestError(
+            f"include_stop_str_in_output must be a boolean, got {v!r}", "include_stop_str_in_output"
+        )
+    return bool(v)
+
+
+async def with_stop_strings(events):
+    """(choice, event) of `events`, a choice's stop string given as its last text delta."""
+    async with aclosing(events):
+        async for i, ev in events:
+            if isinstance(ev, Finished) and ev.stop_string:
+                yield i, TextDelta(ev.stop_string, [])
+            yield i, ev
 
 
 def stream_from_body(body: dict) -> tuple[bool, bool]:
@@ -179,12 +228,20 @@ async def errors_middleware(request: web.Request, handler):
     """Every failure answers with the OpenAI error body, never a traceback."""
     try:
         return await handler(request)
+    except web.HTTPNotFound:
+        # OpenAI's words for a path it does not serve.
+        return error_response(f"Invalid URL ({request.method} {request.path})", 404)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return error_response(
+            f"method {request.method} is not allowed on {request.path} (allowed: {allowed})", 405
+        )
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return error_response(e.reason or "request failed", e.status)
     except Overloaded as e:
-        return error_response(str(e), 429, kind="rate_limit_exceeded")
+        return overloaded(e)
     except StageUnavailable as e:
         return error_response(str(e), 503, kind="service_unavailable")
     except ConnectionError:
@@ -204,6 +261,14 @@ async def _trace_header(request: web.Request, response: web.StreamResponse) -> N
     response.headers[telemetry.TRACE_ID_HEADER] = rt.trace_id
     if response.status >= 400:
         rt.fail(f"HTTP {response.status}")
+
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+async def request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response carries `x-request-id`: the client's own when it sent one, else new."""
+    response.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
 
 
 def _chunk(
@@ -292,6 +357,8 @@ _COMMON_FIELDS = frozenset(
         "ignore_eos",
         "stop_token_ids",
         "response_format",
+        "include_stop_str_in_output",
+        "min_tokens",
     }
 )
 CHAT_FIELDS = _COMMON_FIELDS | {
@@ -345,10 +412,10 @@ def _check_json(body: dict) -> None:
 def _error_for(e: Exception) -> web.Response:
     """The error response of a request refused before its first token."""
     if isinstance(e, Overloaded):
-        return error_response(str(e), 429, kind="rate_limit_exceeded")
+        return overloaded(e)
     if isinstance(e, StageUnavailable):
         return error_response(str(e), 503, kind="service_unavailable")
-    return error_response(str(e), 400, _param_of(str(e)))
+    return refusal(e)
 
 
 async def _after(first, events):

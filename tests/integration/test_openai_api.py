@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 import urllib.request
 from types import SimpleNamespace
 from typing import Annotated
@@ -82,9 +83,14 @@ TIME = {
 }
 
 
+ALLOWED_ORIGIN = "http://app.example:3000"
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(["--disagg-threshold", "0", "--draft", "ngram"])
+    c = start_cluster(
+        ["--disagg-threshold", "0", "--draft", "ngram", "--cors-allowed-origins", ALLOWED_ORIGIN]
+    )
     yield c
     c.stop()
 
@@ -682,3 +688,122 @@ def test_grpc_sampling_params_carry_the_same(cluster):
     with pytest.raises(grpc.RpcError) as e:
         run(structured=api_pb2.StructuredOutput(kind="regex", spec="(unclosed"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
+
+
+def _raw(cluster, method: str, path: str, headers: dict | None = None, body: bytes | None = None):
+    """(status, headers, body) of one HTTP request to the gateway, errors included."""
+    url = f"http://127.0.0.1:{cluster.http_port}{path}"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def test_unknown_path_answers_openai_404(cluster, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.post("/no/such/endpoint", cast_to=object, body={})
+    assert e.value.body["message"] == "Invalid URL (POST /v1/no/such/endpoint)", e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+    status, _, body = _raw(cluster, "GET", "/v1/chat/completions")
+    assert status == 405 and "POST" in json.loads(body)["error"]["message"]
+
+
+def test_errors_carry_openai_codes(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    ctx = client.models.list().data[0].max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt=[17] * (ctx + 1), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt=[17] * (ctx - 8), max_tokens=16)
+    assert e.value.body["code"] == "context_length_exceeded", e.value.body
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="", prompt="hi", max_tokens=2, temperature=-1)
+    assert e.value.body["code"] is None  # OpenAI sets none for a plain bad value
+
+
+def test_request_id_echoed_or_generated(cluster, client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.with_raw_response.create(
+        model="", messages=msgs, max_tokens=2, extra_headers={"X-Request-Id": "req-42"}
+    )
+    assert r.headers["x-request-id"] == "req-42"
+    r = client.chat.completions.with_raw_response.create(model="", messages=msgs, max_tokens=2)
+    made = r.headers["x-request-id"]
+    assert made and made != "req-42"
+    with client.chat.completions.with_streaming_response.create(
+        model="", messages=msgs, max_tokens=2, stream=True, extra_headers={"X-Request-Id": "s-1"}
+    ) as r:
+        assert r.headers["x-request-id"] == "s-1"
+    status, headers, _ = _raw(cluster, "GET", "/nowhere", {"X-Request-Id": "e-7"})
+    assert status == 404 and headers["x-request-id"] == "e-7"
+    assert _raw(cluster, "GET", "/health")[1]["x-request-id"]
+
+
+def test_cors_only_for_allowed_origins(cluster, local_cluster):
+    preflight = {
+        "Origin": ALLOWED_ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    status, headers, _ = _raw(cluster, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 204, status
+    assert headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    status, headers, _ = _raw(cluster, "GET", "/v1/models", {"Origin": ALLOWED_ORIGIN})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    assert "x-request-id" in headers["Access-Control-Expose-Headers"]
+    # Another origin, or a gateway without allowed origins: no CORS header at all.
+    other = {**preflight, "Origin": "http://evil.example"}
+    status, headers, _ = _raw(cluster, "OPTIONS", "/v1/chat/completions", other)
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    _, headers, _ = _raw(cluster, "GET", "/v1/models", {"Origin": "http://evil.example"})
+    assert "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = _raw(local_cluster, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(client, stream):
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    plain = client.completions.create(model="", prompt=prompt, max_tokens=12, temperature=0)
+    text = plain.choices[0].text
+    stop = text.strip().split()[1]  # the second word: it ends the reply early
+    kw = {"model": "", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    extra = {"include_stop_str_in_output": True}
+    if stream:
+        chunks = list(client.completions.create(**kw, stream=True, extra_body=extra))
+        kept = "".join(c.choices[0].text for c in chunks)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        assert reasons == ["stop"]
+    else:
+        r = client.completions.create(**kw, extra_body=extra)
+        kept, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert reason == "stop"
+    cut = client.completions.create(**kw).choices[0].text
+    assert kept == cut + stop and text.startswith(kept), (text, cut, kept)
+
+
+def test_min_tokens_zero_accepted_more_refused(client):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(
+        model="", messages=msgs, max_tokens=2, extra_body={"min_tokens": 0}
+    )
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="", messages=msgs, max_tokens=2, extra_body={"min_tokens": 4}
+        )
+    assert e.value.body["param"] == "min_tokens"
+    assert "min_tokens is not supported" in e.value.body["message"]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.gateway.admission import SloUnreachable, TtftAdmission
-from services.gateway.pipeline import Pipeline, Session
+from services.gateway.pipeline import KeyedSessions, Pipeline, Session
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import Overloaded, Router
 from tandem.kv.names import block_hashes
@@ -58,6 +58,21 @@ def test_router_prefers_the_worker_holding_the_prefix_unless_much_busier():
     assert r.pick_decode(names, affinity=d1.address) is d1
     d1.healthy = False
     assert r.pick_decode(names, affinity=d1.address) is d0
+
+
+def test_a_prompt_cache_key_keeps_its_decode_worker():
+    r = _router(1, 2)
+    pipe = Pipeline(r, _Tok(), set(), 4096, disagg_threshold=0)
+    keys = KeyedSessions(capacity=2)
+    session = keys.get("default", "user-7")
+    d1 = r.decode[1]
+    session.decode = d1.address  # where the key's last request ran (set by Pipeline._run)
+    assert keys.get("default", "user-7") is session
+    assert pipe.route(list(range(40)), keys.get("default", "user-7")).decode is d1
+    # The same key of another tenant is another session; past capacity the oldest is forgotten.
+    assert keys.get("acme", "user-7") is not session
+    keys.get("default", "other")
+    assert keys.get("default", "user-7").decode is None
 
 
 class _Tok:

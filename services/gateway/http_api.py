@@ -51,6 +51,7 @@ from services.gateway.openai_wire import (
     errors_middleware,
     legacy_logprobs,
     overloaded,
+    prompt_cache_key,
     refusal,
     request_id_header,
     retry_after,
@@ -59,7 +60,7 @@ from services.gateway.openai_wire import (
     stream_from_body,
     with_stop_strings,
 )
-from services.gateway.pipeline import Finished, TextDelta
+from services.gateway.pipeline import Finished, KeyedSessions, Session, TextDelta
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER
 from tandem import telemetry
@@ -79,6 +80,7 @@ class OpenAIServer:
             raise ValueError("the API key must be in the frontend's GatewayConfig (api_key)")
         config = config or GatewayConfig()
         self.body_timeout_s = config.http_body_timeout_s
+        self.cache_keys = KeyedSessions()  # prompt_cache_key -> its decode worker
         cors = Cors(config.cors_origins)
         middlewares = [track_requests, errors_middleware, cors.preflight, self._who]
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
@@ -288,12 +290,15 @@ class OpenAIServer:
             request, body, ids, params, chat=False, n=n, echo=echo_text, score_only=score_only
         )
 
-    async def _choices(self, ids, params, rid, rt, n: int):
+    async def _choices(self, ids, params, rid, rt, n: int, session: Session | None = None):
         """(choice index, event) of `n` runs of one prompt. The first runs alone until its
         first token (the prompt is then prefilled, its KV blocks named in the prefix caches);
-        the others start after it and find the prompt's blocks cached: one prefill, not n."""
+        the others start after it and find the prompt's blocks cached: one prefill, not n.
+        `session`: the prompt_cache_key's, whose decode worker the runs prefer."""
         pipe = self.fe.pipeline
-        first_run = rt.watch(pipe.run(ids, params, rid, trace=rt, tenant=rt.tenant))
+        first_run = rt.watch(
+            pipe.run(ids, params, rid, trace=rt, session=session, tenant=rt.tenant)
+        )
         if n == 1:
             async with aclosing(first_run):
                 async for ev in first_run:
@@ -327,7 +332,7 @@ class OpenAIServer:
                 # The prompt is scored once, by the first choice (the same for every choice):
                 # the others take its cached blocks instead of computing the prompt again.
                 p = replace(p, prompt_logprobs=None)
-                run = pipe.run(ids, p, rid, tenant=rt.tenant)
+                run = pipe.run(ids, p, rid, session=session, tenant=rt.tenant)
                 runs.append(run)
                 tasks.append(asyncio.ensure_future(pump(i, run)))
             left = n
@@ -386,7 +391,9 @@ class OpenAIServer:
         except ValueError as e:
             return error_response(str(e), 400, "max_tokens")
         rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
-        events = self._choices(ids, params, rid, rt, n)
+        key = prompt_cache_key(body)
+        session = self.cache_keys.get(rt.tenant, key) if key else None
+        events = self._choices(ids, params, rid, rt, n, session)
         if keep_stop:
             events = with_stop_strings(events)
         tool_names = tools.names if tools is not None and tools.active else None

@@ -3,6 +3,7 @@ responses and errors out (chunks, usage, error bodies)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from contextlib import aclosing
@@ -163,6 +164,12 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     )
 
 
+def prompt_cache_key(body: dict) -> str | None:
+    """OpenAI's `prompt_cache_key` (type-checked with the bookkeeping fields): requests sharing
+    it go where the last one's KV is cached."""
+    return body.get("prompt_cache_key") or None
+
+
 def stop_str_in_output(body: dict) -> bool:
     """vLLM's `include_stop_str_in_output`: the stop string that ended a choice ends its text."""
     v = body.get("include_stop_str_in_output")
@@ -208,9 +215,30 @@ def stream_from_body(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-# The bookkeeping fields (no effect on generation) and the JSON types OpenAI takes for them.
-_BOOKKEEPING = {"user": str, "store": bool, "metadata": dict, "service_tier": str}
+# The bookkeeping and hint fields (no effect on generation) and the JSON types OpenAI takes for
+# them. `prompt_cache_key` routes (`prompt_cache_key`, below); the others are only checked.
+_BOOKKEEPING = {
+    "user": str,
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "safety_identifier": str,
+    "prompt_cache_key": str,
+    "reasoning_effort": str,
+    "verbosity": str,
+}
 _KIND_NAMES = {str: " string", bool: " boolean", dict: "n object"}
+# The values of those fields that ask for what is served anyway; any other would change the
+# service or the output and cannot be honoured: refused, saying why.
+_SERVED = {
+    "store": ((False,), "responses are not stored: send false or leave it out"),
+    "service_tier": (("auto", "default"), "one tier serves every request: 'auto' or 'default'"),
+    "reasoning_effort": (("none",), "the served model does not reason: only 'none'"),
+    "verbosity": (
+        ("medium",),
+        "the served model's replies cannot be made terser or wordier: only 'medium', the default",
+    ),
+}
 
 
 def _check_bookkeeping(body: dict) -> None:
@@ -218,6 +246,10 @@ def _check_bookkeeping(body: dict) -> None:
         v = body.get(name)
         if v is not None and not isinstance(v, kind):
             raise RequestError(f"{name} must be a{_KIND_NAMES[kind]}, got {v!r}", name)
+    for name, (served, why) in _SERVED.items():
+        v = body.get(name)
+        if v is not None and v not in served:
+            raise RequestError(f"{name} {json.dumps(v)} is not supported: {why}", name)
     metadata = body.get("metadata") or {}
     if not all(isinstance(v, str) for v in metadata.values()):
         raise RequestError("metadata must map keys to strings", "metadata")
@@ -359,6 +391,8 @@ _COMMON_FIELDS = frozenset(
         "response_format",
         "include_stop_str_in_output",
         "min_tokens",
+        "safety_identifier",
+        "prompt_cache_key",
     }
 )
 CHAT_FIELDS = _COMMON_FIELDS | {
@@ -368,6 +402,8 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "reasoning_effort",
+    "verbosity",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _REFUSED = {
@@ -377,7 +413,6 @@ _REFUSED = {
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "the served model has no reasoning modes",
     "web_search_options": "web search is not supported",
 }
 

@@ -10,9 +10,11 @@ decode worker imports the KV, copying only the blocks it does not hold already.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -73,6 +75,25 @@ class Session:
     """What a Chat stream's turns share: the decode worker holding the conversation's KV."""
 
     decode: str | None = None
+
+
+class KeyedSessions:
+    """Sessions named by a client's key (OpenAI's `prompt_cache_key`), per tenant: requests
+    sharing a key go to the decode worker of the last one, whose prefix cache probably holds
+    their common prefix. The least recently used key is forgotten past `capacity`; keys are
+    kept as digests, so a long one costs no more memory than a short one."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._sessions: OrderedDict[bytes, Session] = OrderedDict()
+
+    def get(self, tenant: str, key: str) -> Session:
+        name = hashlib.sha256(f"{tenant}\0{key}".encode()).digest()
+        session = self._sessions.pop(name, None) or Session()
+        self._sessions[name] = session
+        if len(self._sessions) > self.capacity:
+            self._sessions.popitem(last=False)
+        return session
 
 
 @dataclass

@@ -807,3 +807,53 @@ def test_min_tokens_zero_accepted_more_refused(client):
         )
     assert e.value.body["param"] == "min_tokens"
     assert "min_tokens is not supported" in e.value.body["message"]
+
+
+def test_hint_fields_accepted_as_openai_documents_them(client):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    hints = {
+        "prompt_cache_key": "conversation-9",
+        "safety_identifier": "user-hash-1",
+        "service_tier": "default",
+        "store": False,
+        "reasoning_effort": "none",
+        "verbosity": "medium",
+    }
+    greedy = {"model": "", "messages": msgs, "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**greedy).choices[0].message.content
+    for _ in range(2):  # the second request under the key goes where the first one ran
+        r = client.chat.completions.create(**greedy, extra_body=hints)
+        assert r.choices[0].message.content == plain
+    r = client.completions.create(
+        model="",
+        prompt="Hello",
+        max_tokens=2,
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s", "service_tier": "auto"},
+    )
+    assert r.choices[0].text is not None
+    r = client.chat.completions.create(
+        model="", messages=msgs, max_tokens=2, tools=[WEATHER], parallel_tool_calls=False
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("store", True, "not stored"),
+        ("service_tier", "priority", "one tier"),
+        ("service_tier", "flex", "one tier"),
+        ("reasoning_effort", "high", "does not reason"),
+        ("verbosity", "low", "only 'medium'"),
+    ],
+)
+def test_hints_that_would_change_the_service_are_refused(client, field, value, why):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={field: value},
+        )
+    assert e.value.body["param"] == field, e.value.body
+    assert why in e.value.body["message"] and field in e.value.body["message"]

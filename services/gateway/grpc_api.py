@@ -80,8 +80,14 @@ class Frontend:
                 f"model {model!r} is not served here; available: {self.model_name!r}"
             )
 
-    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The ids of `messages` (and `tools`) rendered by the chat template, checked first."""
+    async def chat_ids(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The ids of `messages` (and `tools`) rendered by the chat template, checked first;
+        the assistant's turn is opened unless `add_generation_prompt` is false."""
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         if len(messages) > self.limits.max_messages:
@@ -111,17 +117,19 @@ class Frontend:
                     f"{self.limits.max_prompt_chars} are allowed"
                 )
         return await self.tokenize.run(
-            total, self.tokenizer.apply_chat_template, messages, True, tools
+            total, self.tokenizer.apply_chat_template, messages, add_generation_prompt, tools
         )
 
-    async def prompt_ids(self, prompt: str) -> list[int]:
+    async def prompt_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if not prompt:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(prompt) > self.limits.max_prompt_chars:
             raise ValueError(
                 f"prompt has {len(prompt)} characters; at most {self.limits.max_prompt_chars} are allowed"
             )
-        return await self.tokenize.run(len(prompt), self.tokenizer.encode, prompt)
+        return await self.tokenize.run(
+            len(prompt), self.tokenizer.encode, prompt, add_special_tokens
+        )
 
     def check(self, ids: list[int], params: SamplingParams, asked: str | None = None) -> None:
         """Apply the gateway's limits, then the engine's own checks; errors name the field.

@@ -17,8 +17,9 @@ from aiohttp import web
 from services.gateway.grpc_api import Frontend
 from services.gateway.http_cors import Cors
 from services.gateway.http_limits import track_requests
+from services.gateway.http_tokens import TokenEndpoints
 from services.gateway.observe import RequestTrace
-from services.gateway.openai_request import n_from_body, normalize_messages
+from services.gateway.openai_request import n_from_body, normalize_messages, prompts_from_body
 from services.gateway.openai_responses import ResponsesAPI
 from services.gateway.openai_tools import (
     ForcedCallStream,
@@ -50,6 +51,7 @@ from services.gateway.openai_wire import (
     error_response,
     errors_middleware,
     legacy_logprobs,
+    merge,
     overloaded,
     prompt_cache_key,
     refusal,
@@ -88,6 +90,9 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.responses = ResponsesAPI(self, config.responses_store_size)
         self.app.router.add_post("/v1/responses", self.responses.create)
+        tokens = TokenEndpoints(frontend, self._body)
+        self.app.router.add_post("/tokenize", tokens.tokenize)
+        self.app.router.add_post("/detokenize", tokens.detokenize)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model_id:.+}", self.model)
         self.app.router.add_get("/health", self.health)
@@ -235,33 +240,21 @@ class OpenAIServer:
             rt.tokenized(ids, params, body.get("model") or "")
         except ValueError as e:  # RequestError, FieldError, ToolError, the engine's checks
             return refusal(e)
-        return await self._respond(request, body, ids, params, chat=True, n=n, tools=tools)
+        return await self._respond(request, body, [ids], params, chat=True, n=n, tools=tools)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         rt = self._begin(request, "text_completion")
         try:
             body = await self._body(request, COMPLETION_FIELDS)
             self.fe.check_model(body.get("model") or "")
-            prompt = body.get("prompt")
-            if isinstance(prompt, str):
-                ids = await self.fe.prompt_ids(prompt)
-            elif (
-                isinstance(prompt, list)
-                and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-            ):
-                ids = list(prompt)
-            elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                ids = await self.fe.prompt_ids(prompt[0])
-            else:
-                raise RequestError(
-                    "prompt must be a string or a list of token ids (one prompt per request)",
-                    "prompt",
-                )
+            texts = prompts_from_body(body)
+            prompts = [t if isinstance(t, list) else await self.fe.prompt_ids(t) for t in texts]
             params = sampling_from_body(body, chat=False)
             echo = body.get("echo", False)
             if not isinstance(echo, bool):
                 raise RequestError("echo must be a boolean", "echo")
+            if echo and len(prompts) > 1:
+                raise RequestError("echo takes one prompt per request, not a list", "echo")
             score_only = params.max_tokens == 0
             if score_only:
                 if not echo:
@@ -276,82 +269,80 @@ class OpenAIServer:
             if echo and params.logprobs is not None:
                 params.prompt_logprobs = params.logprobs
             n = n_from_body(body)
-            self.fe.check(ids, params, _asked(body, ("max_tokens",)))
-            rt.tokenized(ids, params, body.get("model") or "")
+            for ids in prompts:  # an unset max_tokens is cut to what the longest prompt leaves
+                self.fe.check(ids, params, _asked(body, ("max_tokens",)))
+            rt.tokenized([t for ids in prompts for t in ids], params, body.get("model") or "")
         except ValueError as e:  # RequestError, FieldError, the engine's checks
             return refusal(e)
+        echo_text = None
         if echo:
-            echo_text = prompt if isinstance(prompt, str) else self.fe.tokenizer.decode(ids)
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                echo_text = prompt[0]
-        else:
-            echo_text = None
+            echo_text = (
+                texts[0] if isinstance(texts[0], str) else self.fe.tokenizer.decode(prompts[0])
+            )
         return await self._respond(
-            request, body, ids, params, chat=False, n=n, echo=echo_text, score_only=score_only
+            request, body, prompts, params, chat=False, n=n, echo=echo_text, score_only=score_only
         )
 
-    async def _choices(self, ids, params, rid, rt, n: int, session: Session | None = None):
+    async def _prompts_choices(
+        self, prompts: list[list[int]], params, rid, rt, n: int, session: Session | None
+    ):
+        """(choice index, event) of every prompt's `n` choices, the prompts side by side (their
+        prefills batched by the workers); prompt k's choices are k * n to k * n + n - 1, as
+        OpenAI numbers them. The request's trace follows the first prompt's first choice."""
+        if len(prompts) == 1:
+            async with aclosing(self._choices(prompts[0], params, rid, rt, n, session)) as evs:
+                async for i, ev in evs:
+                    yield i, ev
+            return
+        streams = [
+            self._choices(ids, params, rid, rt, n, session, traced=k == 0)
+            for k, ids in enumerate(prompts)
+        ]
+        try:
+            async with aclosing(merge(streams)) as evs:
+                async for k, (i, ev) in evs:
+                    yield k * n + i, ev
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    async def _choices(
+        self, ids, params, rid, rt, n: int, session: Session | None = None, traced: bool = True
+    ):
         """(choice index, event) of `n` runs of one prompt. The first runs alone until its
         first token (the prompt is then prefilled, its KV blocks named in the prefix caches);
         the others start after it and find the prompt's blocks cached: one prefill, not n.
-        `session`: the prompt_cache_key's, whose decode worker the runs prefer."""
+        `session`: the prompt_cache_key's, whose decode worker the runs prefer; `traced`: the
+        first run is the request's trace (one run per request is)."""
         pipe = self.fe.pipeline
-        first_run = rt.watch(
-            pipe.run(ids, params, rid, trace=rt, session=session, tenant=rt.tenant)
+        first_run = pipe.run(
+            ids, params, rid, trace=rt if traced else None, session=session, tenant=rt.tenant
         )
+        if traced:
+            first_run = rt.watch(first_run)
         if n == 1:
             async with aclosing(first_run):
                 async for ev in first_run:
                     yield 0, ev
             return
-        queue: asyncio.Queue = asyncio.Queue()
-        end = object()
         runs = [first_run]
-        tasks: list[asyncio.Task] = []
-
-        async def pump(i: int, run) -> None:
-            try:
-                async for ev in run:
-                    await queue.put((i, ev))
-                await queue.put((i, end))
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-                await queue.put((i, e))
-
         try:
             try:
                 first = await anext(first_run)
             except StopAsyncIteration:
                 return
             yield 0, first
-            tasks.append(asyncio.ensure_future(pump(0, first_run)))
             for i in range(1, n):
                 # A seeded request gives each choice its own stream (seed, seed + 1, ...).
                 p = params if params.seed is None else replace(params, seed=params.seed + i)
                 # The prompt is scored once, by the first choice (the same for every choice):
                 # the others take its cached blocks instead of computing the prompt again.
                 p = replace(p, prompt_logprobs=None)
-                run = pipe.run(ids, p, rid, session=session, tenant=rt.tenant)
-                runs.append(run)
-                tasks.append(asyncio.ensure_future(pump(i, run)))
-            left = n
-            while left:
-                i, ev = await queue.get()
-                if ev is end:
-                    left -= 1
-                elif isinstance(ev, Exception):
-                    raise ev
-                else:
+                runs.append(pipe.run(ids, p, rid, session=session, tenant=rt.tenant))
+            async with aclosing(merge(runs)) as events:
+                async for i, ev in events:
                     yield i, ev
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing down
-                    pass
             for run in runs:
                 await run.aclose()
 
@@ -359,7 +350,7 @@ class OpenAIServer:
         self,
         request,
         body,
-        ids,
+        prompts: list[list[int]],
         params,
         chat: bool,
         n: int = 1,
@@ -381,23 +372,25 @@ class OpenAIServer:
         except RequestError as e:
             return error_response(str(e), 400, e.param)
         try:
-            await self.fe.pipeline.check_choices(n)
+            await self.fe.pipeline.check_choices(n, len(prompts))
         except ValueError as e:
-            return error_response(str(e), 400, "n")
+            return error_response(str(e), 400, "n" if len(prompts) == 1 else "prompt")
         # Refuse before the 200 of a stream is sent; run() checks again when it starts.
-        self.fe.pipeline.admit(ids)
-        try:
-            await self.fe.pipeline.check_fits(ids, params)
-        except ValueError as e:
-            return error_response(str(e), 400, "max_tokens")
+        for ids in prompts:
+            self.fe.pipeline.admit(ids)
+            try:
+                await self.fe.pipeline.check_fits(ids, params)
+            except ValueError as e:
+                return error_response(str(e), 400, "max_tokens")
         rt = request.get(TRACE_KEY) or self._begin(request, "chat" if chat else "text_completion")
         key = prompt_cache_key(body)
         session = self.cache_keys.get(rt.tenant, key) if key else None
-        events = self._choices(ids, params, rid, rt, n, session)
+        events = self._prompts_choices(prompts, params, rid, rt, n, session)
+        ids = prompts[0]  # the echoed prompt (echo takes one)
         if keep_stop:
             events = with_stop_strings(events)
         tool_names = tools.names if tools is not None and tools.active else None
-        choices = [_ChoiceState() for _ in range(n)]
+        choices = [_ChoiceState() for _ in range(n * len(prompts))]
         prompt_lps = None  # the first choice's first event brings them (params.prompt_logprobs)
         if not stream:
             try:
@@ -456,7 +449,7 @@ class OpenAIServer:
                     "created": created,
                     "model": model,
                     "choices": out,
-                    "usage": _usage([c.finished for c in choices]),
+                    "usage": _usage([c.finished for c in choices], n),
                 }
             )
         # The 200 waits for the first event: a request refused before its first token (a full
@@ -484,7 +477,7 @@ class OpenAIServer:
             return _chunk(rid, chunk_obj, created, model, part, finish, i)
 
         try:
-            for i in range(n):
+            for i in range(len(choices)):
                 if chat:
                     await send(chunk(i, {"delta": {"role": "assistant", "content": ""}}))
                 elif echo is not None and params.prompt_logprobs is not None:
@@ -566,7 +559,7 @@ class OpenAIServer:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": _usage([c.finished for c in choices]),
+                        "usage": _usage([c.finished for c in choices], n),
                     }
                 )
             await resp.write(b"data: [DONE]\n\n")

@@ -93,6 +93,33 @@ def logit_bias_from_body(body: dict) -> dict[int, float]:
     return out
 
 
+def _token_ids(x: Any) -> bool:
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
+
+
+def prompts_from_body(body: dict) -> list[str | list[int]]:
+    """/v1/completions' `prompt`: a string, a list of token ids, or a list of several prompts
+    (all strings or all token-id lists); each gets `n` choices."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if _token_ids(p):
+        return [list(p)]
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        return list(p)
+    if isinstance(p, list) and p and all(_token_ids(x) for x in p):
+        return [list(x) for x in p]
+    raise FieldError(
+        "prompt must be a string, a list of token ids, or a list of prompts (all strings or "
+        "all non-empty lists of token ids)",
+        "prompt",
+    )
+
+
 def n_from_body(body: dict) -> int:
     n = body.get("n", 1)
     if n is None:

@@ -3,9 +3,11 @@ responses and errors out (chunks, usage, error bodies)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -347,18 +349,25 @@ def _text_offsets(tok, ids: list[int]) -> list[int]:
     return offsets
 
 
-def _usage(fins: list[Finished | None]) -> dict:
-    """Usage of a response: its prompt once, the completion tokens of every choice."""
+def _usage(fins: list[Finished | None], n: int = 1) -> dict:
+    """Usage of a response: each prompt once (its `n` choices are consecutive), the completion
+    tokens of every choice."""
     done = [f for f in fins if f is not None]
     if not done:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    prompt = done[0].prompt_tokens
+    # Per prompt, its first finished choice: the prompt's tokens, and those found cached.
+    firsts = [
+        next(f for f in fins[k : k + n] if f is not None)
+        for k in range(0, len(fins), n)
+        if any(f is not None for f in fins[k : k + n])
+    ]
+    prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in done)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": done[0].cached_prompt_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(f.cached_prompt_tokens for f in firsts)},
     }
 
 
@@ -459,6 +468,43 @@ async def _after(first, events):
         yield first
     async for ev in events:
         yield ev
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(k, item) of every stream k at once, in the order items come; the first error of any
+    is raised. Closing this stops reading them all (the caller closes the streams)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(k: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((k, item))
+            await queue.put((k, end))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((k, e))
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing down
+                pass
 
 
 def _refuse_fields(body: dict, allowed: frozenset[str]) -> None:

@@ -196,10 +196,11 @@ class Pipeline:
                 f"lower max_tokens to at most {max(0, fits - len(ids))}"
             )
 
-    async def check_choices(self, n: int) -> None:
-        """Refuse (ValueError naming n) a request for more choices than can ever run at once:
-        its choices run side by side, so past a decode worker's sequence limit (running plus
-        queued) or the gateway's own limits some would always be refused."""
+    async def check_choices(self, n: int, prompts: int = 1) -> None:
+        """Refuse (ValueError naming n, or the prompts) a request for more choices than can
+        ever run at once: its choices (n per prompt) run side by side, so past a decode
+        worker's sequence limit (running plus queued) or the gateway's own limits some would
+        always be refused."""
         await asyncio.gather(*(c.capacity() for c in self.router.decode if c.healthy))
         takes = [c.max_sequences for c in self.router.decode if c.healthy and c.max_sequences]
         limits = [
@@ -210,9 +211,10 @@ class Pipeline:
         if takes:
             limits.append((max(takes), "a decode worker's max_num_seqs plus max_queued_seqs"))
         limit, what = min(limits)
-        if n > limit:
+        asked = f"n ({n})" if prompts == 1 else f"{prompts} prompts times n ({prompts * n})"
+        if prompts * n > limit:
             raise ValueError(
-                f"n ({n}) is more choices than can run at once: {limit} ({what}); ask for at "
+                f"{asked} is more choices than can run at once: {limit} ({what}); ask for at "
                 f"most {limit}"
             )
 

@@ -857,3 +857,82 @@ def test_hints_that_would_change_the_service_are_refused(client, field, value, w
         )
     assert e.value.body["param"] == field, e.value.body
     assert why in e.value.body["message"] and field in e.value.body["message"]
+
+
+def _root(client, path: str) -> str:
+    """The URL of a path outside /v1 (vLLM's token endpoints)."""
+    return str(client.base_url).removesuffix("/").removesuffix("/v1") + path
+
+
+def test_tokenize_and_detokenize(client):
+    tok = client.post(_root(client, "/tokenize"), cast_to=object, body={"prompt": "Hello world"})
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert tok["max_model_len"] == client.models.list().data[0].max_model_len
+    back = client.post(_root(client, "/detokenize"), cast_to=object, body={"tokens": tok["tokens"]})
+    assert back == {"prompt": "Hello world"}
+    plain = client.post(
+        _root(client, "/tokenize"),
+        cast_to=object,
+        body={"model": "", "prompt": "Hello world", "add_special_tokens": False},
+    )
+    assert plain["tokens"] == [t for t in tok["tokens"] if t in plain["tokens"]]
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    chat = client.post(_root(client, "/tokenize"), cast_to=object, body={"messages": msgs})
+    r = client.chat.completions.create(model="", messages=msgs, max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens
+    bare = client.post(
+        _root(client, "/tokenize"),
+        cast_to=object,
+        body={"messages": msgs, "add_generation_prompt": False},
+    )
+    assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": "12"}, "tokens"),
+    ]:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.post(_root(client, path), cast_to=object, body=body)
+        assert e.value.body["param"] == param, (path, body, e.value.body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_gives_n_choices_each(client, stream):
+    texts = ["The capital of France is", "One, two, three,"]
+    ids = [
+        client.post(_root(client, "/tokenize"), cast_to=object, body={"prompt": t})["tokens"]
+        for t in texts
+    ]
+    kw = {"model": "", "max_tokens": 5, "temperature": 0}
+    singles = [client.completions.create(prompt=t, **kw) for t in texts]
+    want = [s.choices[0].text for s in singles]
+    for prompt in (texts, ids):
+        if stream:
+            chunks = list(
+                client.completions.create(
+                    prompt=prompt, n=2, stream=True, stream_options={"include_usage": True}, **kw
+                )
+            )
+            got = {}
+            for c in chunks:
+                for ch in c.choices:
+                    got[ch.index] = got.get(ch.index, "") + ch.text
+            usage = chunks[-1].usage
+            got = [got[i] for i in range(4)]
+        else:
+            r = client.completions.create(prompt=prompt, n=2, **kw)
+            assert [c.index for c in r.choices] == [0, 1, 2, 3]
+            got, usage = [c.text for c in r.choices], r.usage
+        # OpenAI's order: prompt k's choices are k * n .. k * n + n - 1.
+        assert got == [want[0], want[0], want[1], want[1]], (prompt, got, want)
+        assert usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+        assert usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in singles)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=texts, echo=True, **kw)
+    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=["a", [1, 2]], **kw)
+    assert e.value.body["param"] == "prompt"

@@ -186,32 +186,38 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class MetricsSampler:
-    """Scrapes each stage's `/metrics` every `SCRAPE_S` on a thread until `stop()`."""
+    """Scrapes each stage's `/metrics` every `SCRAPE_S` on a thread until `stop()`, and once
+    more on the caller's thread at either end: a run, however short or busy the machine, lies
+    between two scrapes of every stage."""
 
     def __init__(self, urls: dict[str, str]) -> None:
         self.urls = urls
         self.samples: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in urls}
         self.failures = 0
         self._stop = threading.Event()
+        self.scrape()
         self._thread = threading.Thread(target=self._run, name="timeline-scrape", daemon=True)
         self._thread.start()
 
+    def scrape(self) -> None:
+        """One sample of every stage."""
+        for process, url in self.urls.items():
+            try:
+                with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - local
+                    text = r.read().decode()
+            except OSError:
+                self.failures += 1
+                continue
+            self.samples[process].append((time.time(), parse_metrics(text)))
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            t_next = time.monotonic() + SCRAPE_S
-            for process, url in self.urls.items():
-                try:
-                    with urllib.request.urlopen(url, timeout=2) as r:  # noqa: S310 - local
-                        text = r.read().decode()
-                except OSError:
-                    self.failures += 1
-                    continue
-                self.samples[process].append((time.time(), parse_metrics(text)))
-            self._stop.wait(max(0.0, t_next - time.monotonic()))
+        while not self._stop.wait(SCRAPE_S):
+            self.scrape()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        self._thread.join(15)
+        self.scrape()
 
 
 # ---- building the timeline --------------------------------------------------------------------

@@ -44,7 +44,7 @@ class _StuckEngine:
     """Always has work, never produces a token: what a wedged engine looks like."""
 
     device = SimpleNamespace(type="cpu")
-    leases = SimpleNamespace(expire=lambda: 0)
+    leases = SimpleNamespace(expire=lambda: 0, reclaim=lambda: 0)
     seqs: dict = {}
     blocked = False  # it steps as if it had work to run
 

@@ -417,6 +417,7 @@ class Pipeline:
             if not answer.done():
                 self._abandon(prefill, answer)
                 raise StageUnavailable(f"prefill worker stopped responding ({lost.result()})")
+            prefill.heard += 1
             return answer.result()
         except asyncio.CancelledError:
             self._abandon(prefill, answer)

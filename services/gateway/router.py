@@ -63,6 +63,8 @@ class Worker:
     `PROBE_INTERVAL_S` over its own channel: one that does not answer within
     `health_timeout_s` (a frozen process, an event loop that stopped) is marked down like one
     whose connection broke, so that no request waits on it, and routed to again once it answers.
+    A check that goes unanswered while the worker's answers to requests keep coming (`heard`)
+    marks nothing down: that worker is busy, not frozen.
     """
 
     stage = "worker"
@@ -89,6 +91,9 @@ class Worker:
         self._lost: asyncio.Future[str] | None = None  # see `lost`
         self.channel: grpc.aio.Channel | None = None  # opened by the subclass (`_open`)
         self.index: PrefixIndex | None = None  # set by the router
+        # Answers that came from this worker (token messages, prefill answers): a worker whose
+        # answers keep coming is alive, whatever a slow health check says.
+        self.heard = 0
 
     def watch(self) -> None:
         """Probe `grpc.health.v1` until the worker answers SERVING, route to it, and keep
@@ -123,9 +128,16 @@ class Worker:
             if not self.healthy:
                 await self._probe_until_up()
             await asyncio.sleep(PROBE_INTERVAL_S)
+            heard = self.heard
             why = await self._check()
-            if why is not None and self.healthy:
-                self.mark_down(why, broken=why.startswith(grpc.StatusCode.UNAVAILABLE.name))
+            if why is None or not self.healthy:
+                continue
+            broken = why.startswith(grpc.StatusCode.UNAVAILABLE.name)
+            if not broken and self.heard != heard:
+                # Unanswered in time, yet it answered requests meanwhile: a loaded worker (or a
+                # loaded gateway), not a frozen one. Its streams go on where they are.
+                continue
+            self.mark_down(why, broken=broken)
 
     async def _check(self) -> str | None:
         """Why the worker failed its health check over its own channel (None: it answered
@@ -264,6 +276,7 @@ class DecodeClient(Worker):
     async def _read(self, call, send: asyncio.Queue) -> None:
         try:
             async for out in call:
+                self.heard += 1
                 at = out.step_ended_at
                 for t in out.tokens:
                     q = self.queues.get(t.seq_id)

@@ -550,6 +550,13 @@ def _services(
                     out[name][1].extend(in_process.run([lv]))
             info["levels_s"] = time.perf_counter() - t0
         finally:
+            # What the stages warned of during the rows (a worker marked down, a resumed
+            # stream): a slow repeat is explained by its log, which stays on the machine.
+            warnings = launched.stage_log_lines(r"WARNING|ERROR")
+            info["stage_warnings"] = warnings[-40:]
+            print(f"stage warnings during the services rows: {len(warnings)}", flush=True)
+            for line in warnings[-10:]:
+                print("  " + line, flush=True)
             launched.stop()
     return out
 

@@ -435,7 +435,8 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
         from tandem.config_options import dataclass_from_args
 
         try:
-            tls = dataclass_from_args(StageTlsConfig, args)
+            # The variables alone: `tandem up` has no stage TLS flags (its --stage-mtls is its own).
+            tls = dataclass_from_args(StageTlsConfig, argparse.Namespace())
         except ValueError as e:
             return str(e)
         given = [f.name for f in fields(tls) if getattr(tls, f.name) not in (None, False)]

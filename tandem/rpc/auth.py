@@ -97,11 +97,9 @@ def tls_words(credentials: StageCredentials) -> str:
     (client certificates required)"."""
     if credentials.tls_cert is None:
         return ""
-    return (
-        " over TLS (client certificates required)"
-        if credentials.require_client_cert
-        else (" over TLS")
-    )
+    if credentials.require_client_cert:
+        return " over TLS (client certificates required)"
+    return " over TLS"
 
 
 def channel_tls(credentials: StageCredentials | None) -> grpc.ChannelCredentials | None:

@@ -350,10 +350,22 @@ def engine_flags(options: dict[str, Any]) -> list[str]:
     return flags
 
 
+def _metrics_token(env: dict[str, str] | os._Environ) -> str | None:
+    """The /metrics token `tandem up` reads from the environment `env` it is started with."""
+    from tandem.config import MetricsAuthConfig
+
+    token = MetricsAuthConfig(
+        metrics_token_file=env.get("TANDEM_METRICS_TOKEN_FILE"),
+        metrics_token=env.get("TANDEM_METRICS_TOKEN"),
+    ).token()
+    return token.decode() if token is not None else None
+
+
 class Launched:
     """`tandem up` in a subprocess; ready once it prints its banner. `env`: variables set for
     it (its OTEL_* then come only from there); `metrics`: each stage serves `/metrics` (at
-    `metrics_urls`), off otherwise."""
+    `metrics_urls`, to scrapes carrying `metrics_token` when its environment sets one), off
+    otherwise."""
 
     def __init__(
         self,
@@ -383,6 +395,7 @@ class Launched:
         child_env = None  # this process's environment
         if env is not None:
             child_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | env
+        self.metrics_token = _metrics_token(os.environ if child_env is None else child_env)
         cmd += extra
         self.command = shlex.join(cmd)
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()

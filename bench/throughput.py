@@ -397,7 +397,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                 try:
                     run_offline_services(launched.address, *warm, procs, 600.0)
                     if recorder is not None:
-                        recorder.start(launched.metrics_urls)
+                        recorder.start(launched.metrics_urls, launched.metrics_token)
                     out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
                     launched.check_alive()
                 except RuntimeError as e:

@@ -188,10 +188,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 class MetricsSampler:
     """Scrapes each stage's `/metrics` every `SCRAPE_S` on a thread until `stop()`, and once
     more on the caller's thread at either end: a run, however short or busy the machine, lies
-    between two scrapes of every stage."""
+    between two scrapes of every stage. `token`: sent as a bearer token, for services given
+    a metrics token."""
 
-    def __init__(self, urls: dict[str, str]) -> None:
+    def __init__(self, urls: dict[str, str], token: str | None = None) -> None:
         self.urls = urls
+        self.headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         self.samples: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in urls}
         self.failures = 0
         self._stop = threading.Event()
@@ -203,7 +205,8 @@ class MetricsSampler:
         """One sample of every stage."""
         for process, url in self.urls.items():
             try:
-                with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - local
+                req = urllib.request.Request(url, headers=self.headers)
+                with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - local
                     text = r.read().decode()
             except OSError:
                 self.failures += 1
@@ -554,10 +557,11 @@ class TimelineRecorder:
             "OTEL_BSP_SCHEDULE_DELAY": str(EXPORT_DELAY_MS),
         }
 
-    def start(self, metrics_urls: dict[str, str]) -> None:
-        """The measured run begins now: requests that began before (a warm-up) are left out."""
+    def start(self, metrics_urls: dict[str, str], metrics_token: str | None = None) -> None:
+        """The measured run begins now: requests that began before (a warm-up) are left out.
+        `metrics_token`: the services' /metrics token, if they have one."""
         self.t0 = time.time()
-        self.sampler = MetricsSampler(metrics_urls)
+        self.sampler = MetricsSampler(metrics_urls, metrics_token)
 
     def finish(self, expected: int, dropped: int, meta: dict[str, Any], wait_s: float = 60.0):
         """After the run: wait (up to `wait_s`) until `expected` requests have all their spans,

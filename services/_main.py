@@ -13,6 +13,7 @@ from tandem.config import (
     engine_config_from_args,
     gateway_config_from_args,
     metrics_port_of,
+    metrics_token_from_args,
     stage_credentials_from_args,
     stage_parser,
 )
@@ -66,6 +67,7 @@ def run_stage(
         kwargs["max_leases_per_peer"] = args.max_leases_per_peer
     try:
         kwargs["stage_credentials"] = stage_credentials_from_args(args, stage)
+        kwargs["metrics_token"] = metrics_token_from_args(args)
     except ValueError as e:
         sys.exit(f"tandem {stage}: {e}")
     kwargs["metrics_port"] = metrics_port_of(args)

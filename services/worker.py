@@ -19,7 +19,7 @@ from tandem import progress
 from tandem.loop_lag import LoopLag
 from tandem.metrics import serve_metrics
 from tandem.rpc import stages_pb2
-from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server
+from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server, tls_words
 from tandem.rpc.health import add_health, set_serving
 
 
@@ -51,13 +51,15 @@ async def run_worker(
     *,
     before_serving: Callable[[Any], Awaitable[None]] | None = None,
     ready_message: Callable[[Any, int], str] = lambda service, bound: "",
+    metrics_token: bytes | None = None,
 ) -> None:
     """Serve `make_service()` until cancelled.
 
     With a stage secret in `stage_credentials`, every call but health checks must carry it or,
     for the methods that route requests, the gateway secret (tandem.rpc.auth); with a
     certificate there, the port serves TLS only. Prometheus text is
-    served on `metrics_port` (None: no metrics endpoint). `before_serving` runs after the
+    served on `metrics_port` (None: no metrics endpoint), to scrapes that carry `metrics_token`
+    when given. `before_serving` runs after the
     server started and before health says SERVING; if it fails, the worker stops.
     """
     creds = stage_credentials or StageCredentials()
@@ -74,7 +76,9 @@ async def run_worker(
         if bound == 0:
             raise OSError(f"{stage}: cannot bind {host}:{port}")
         await server.start()
-        metrics = serve_metrics(service.obs.metrics.registry, host, metrics_port, stage)
+        metrics = serve_metrics(
+            service.obs.metrics.registry, host, metrics_port, stage, metrics_token
+        )
         if before_serving is not None:
             await before_serving(service)
         await set_serving(health, [service_name], True)
@@ -84,7 +88,7 @@ async def run_worker(
             stage,
             host,
             bound,
-            " over TLS" if creds.tls_cert else "",
+            tls_words(creds),
             ready_message(service, bound),
         )
         await server.wait_for_termination()

@@ -418,6 +418,46 @@ def _one_secret(path: str | None, value: str | None, name: str) -> bytes | None:
     return None
 
 
+@dataclass
+class MetricsAuthConfig:
+    """The credential of the Prometheus `/metrics` endpoint every process serves. Given, a
+    scrape must carry it (`Authorization: Bearer <token>`) and any other is answered 401; unset,
+    `/metrics` is open to whoever reaches its port. Read from a file (its first line) or from
+    TANDEM_METRICS_TOKEN, never from a command line.
+    """
+
+    # A file whose first line is the metrics token.
+    metrics_token_file: str | None = field(default=None, metadata={"credential": True})
+    # Only from the environment (TANDEM_METRICS_TOKEN).
+    metrics_token: str | None = field(default=None, metadata={"env_only": True, "credential": True})
+
+    def token(self) -> bytes | None:
+        """The metrics token; None when none is configured. ValueError when it could never be
+        sent in an HTTP header (a bearer token is printable ASCII without spaces)."""
+        token = _one_secret(self.metrics_token_file, self.metrics_token, "metrics_token")
+        if token is not None and not re.fullmatch(rb"[\x21-\x7e]+", token):
+            where = (
+                f"--metrics-token-file {self.metrics_token_file!r}"
+                if self.metrics_token_file is not None
+                else "TANDEM_METRICS_TOKEN"
+            )
+            raise ValueError(
+                f"the metrics token ({where}) must be printable ASCII without spaces: a scraper "
+                "sends it in an HTTP header"
+            )
+        return token
+
+
+def metrics_token_from_args(args: Any) -> bytes | None:
+    """The metrics token from parsed flags, then TANDEM_* variables; None when none is set."""
+    return dataclass_from_args(MetricsAuthConfig, args).token()
+
+
+def add_metrics_auth_args(parser: Any) -> None:
+    """Add the metrics credential's flag (`--metrics-token-file`) to a parser or group."""
+    add_dataclass_args(parser, MetricsAuthConfig, "metrics credential:")
+
+
 def stage_secret_from_args(args: Any) -> bytes | None:
     """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
     return dataclass_from_args(StageAuthConfig, args).secret()
@@ -434,13 +474,27 @@ class StageTlsConfig:
     secret still authenticates callers; TLS keeps it, and prompts, tokens and KV bytes, from the
     network. Unset: plaintext. Each is a PEM file; an empty TANDEM_* variable is an error, as
     for a credential, rather than TLS silently off.
+
+    Mutual TLS (`stage_mtls`): a worker's port then takes only callers that present a
+    certificate signed by its CA bundle, refusing the others at the handshake, and every process
+    presents one on its calls to stages: its client certificate, or a worker's own stage
+    certificate when it has no other (that certificate must then allow client use, as one
+    without an extended key usage does). The gateway, which serves no stage port, needs a
+    client certificate.
     """
 
     # This worker's certificate chain and its (unencrypted) private key: given together.
     stage_tls_cert: str | None = field(default=None, metadata={"credential": True})
     stage_tls_key: str | None = field(default=None, metadata={"credential": True})
-    # The CA bundle that vouches for the stages this process calls.
+    # The CA bundle that vouches for the stages this process calls (and, with stage_mtls, for
+    # the callers of this worker's port).
     stage_tls_ca: str | None = field(default=None, metadata={"credential": True})
+    # The certificate chain and (unencrypted) private key this process presents to the stages
+    # it calls: given together, with stage_tls_ca.
+    stage_tls_client_cert: str | None = field(default=None, metadata={"credential": True})
+    stage_tls_client_key: str | None = field(default=None, metadata={"credential": True})
+    # Mutual TLS between stages (see above).
+    stage_mtls: bool = False
 
 
 def _flag(name: str) -> str:
@@ -481,7 +535,8 @@ def _stage_tls_files(
         raise ValueError(
             "the gateway serves no stage port: --stage-tls-cert and --stage-tls-key are for the "
             "prefill, decode and draft workers (TLS on the gateway's own ports: --tls-cert and "
-            "--tls-key; to the workers: --stage-tls-ca)"
+            "--tls-key; to the workers: --stage-tls-ca, and with --stage-mtls "
+            "--stage-tls-client-cert and --stage-tls-client-key)"
         )
     root = pair = None
     if cfg.stage_tls_ca is not None:
@@ -495,20 +550,73 @@ def _stage_tls_files(
                 f"{_flag('stage_tls_ca')} file {cfg.stage_tls_ca!r} holds no PEM certificate: {e}"
             ) from None
     if cfg.stage_tls_cert is not None:
-        cert = _read_pem(cfg.stage_tls_cert, "stage_tls_cert")
-        key = _read_pem(cfg.stage_tls_key, "stage_tls_key")
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-                cfg.stage_tls_cert, cfg.stage_tls_key, password=_refuse_encrypted_key
-            )
-        except (ssl.SSLError, ValueError) as e:
-            raise ValueError(
-                f"{_flag('stage_tls_cert')} file {cfg.stage_tls_cert!r} and "
-                f"{_flag('stage_tls_key')} file {cfg.stage_tls_key!r} are not a PEM certificate "
-                f"and its unencrypted private key: {e}"
-            ) from None
-        pair = (key, cert)
+        pair = _key_and_cert(cfg, "stage_tls_cert", "stage_tls_key")
     return root, pair
+
+
+def _key_and_cert(cfg: StageTlsConfig, cert_name: str, key_name: str) -> tuple[bytes, bytes]:
+    """(private key, certificate chain), PEM, from the files of the settings `cert_name` and
+    `key_name`; ValueError naming both when they are unreadable or not a matching pair."""
+    import ssl
+
+    cert_path, key_path = getattr(cfg, cert_name), getattr(cfg, key_name)
+    cert = _read_pem(cert_path, cert_name)
+    key = _read_pem(key_path, key_name)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            cert_path, key_path, password=_refuse_encrypted_key
+        )
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(
+            f"{_flag(cert_name)} file {cert_path!r} and {_flag(key_name)} file {key_path!r} are "
+            f"not a PEM certificate and its unencrypted private key: {e}"
+        ) from None
+    return key, cert
+
+
+def _stage_tls_client(
+    cfg: StageTlsConfig, stage: str, pair: tuple[bytes, bytes] | None
+) -> tuple[bytes, bytes] | None:
+    """The client certificate (private key, certificate chain) of the `stage` process, None when
+    not given (a worker then presents its stage certificate `pair`). ValueError for a half-given pair, a client certificate without a CA, and mutual TLS asked
+    of a process that misses what it needs."""
+    if (cfg.stage_tls_client_cert is None) != (cfg.stage_tls_client_key is None):
+        given, missing = (
+            ("stage_tls_client_cert", "stage_tls_client_key")
+            if cfg.stage_tls_client_key is None
+            else ("stage_tls_client_key", "stage_tls_client_cert")
+        )
+        raise ValueError(
+            f"{_flag(given)} is given without {_flag(missing)}: a process presents its client "
+            "certificate with its key"
+        )
+    client = None
+    if cfg.stage_tls_client_cert is not None:
+        if cfg.stage_tls_ca is None:
+            raise ValueError(
+                f"{_flag('stage_tls_client_cert')} is presented over TLS, which needs "
+                f"{_flag('stage_tls_ca')}: the CA bundle that vouches for the stages called"
+            )
+        client = _key_and_cert(cfg, "stage_tls_client_cert", "stage_tls_client_key")
+    if cfg.stage_mtls:
+        if cfg.stage_tls_ca is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')} needs {_flag('stage_tls_ca')}: the CA bundle that signs "
+                "the certificates of the stages and of their callers"
+            )
+        if stage == "gateway" and client is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')}: the gateway presents a client certificate to the "
+                f"stages it calls; give {_flag('stage_tls_client_cert')} and "
+                f"{_flag('stage_tls_client_key')}, signed by the stage CA"
+            )
+        if stage != "gateway" and pair is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')} needs {_flag('stage_tls_cert')} and "
+                f"{_flag('stage_tls_key')}: a {stage} worker's port asks its callers for their "
+                "certificate over TLS"
+            )
+    return client
 
 
 def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
@@ -518,8 +626,16 @@ def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
     from tandem.rpc.auth import StageCredentials
 
     secret, gateway = dataclass_from_args(StageAuthConfig, args).credentials(stage)
-    root, pair = _stage_tls_files(dataclass_from_args(StageTlsConfig, args), stage)
-    return StageCredentials(secret=secret, gateway_secret=gateway, tls_root=root, tls_cert=pair)
+    tls = dataclass_from_args(StageTlsConfig, args)
+    root, pair = _stage_tls_files(tls, stage)
+    return StageCredentials(
+        secret=secret,
+        gateway_secret=gateway,
+        tls_root=root,
+        tls_cert=pair,
+        tls_client=_stage_tls_client(tls, stage, pair),
+        require_client_cert=tls.stage_mtls and stage != "gateway",
+    )
 
 
 def gateway_config_from_args(args: Any) -> GatewayConfig:
@@ -550,7 +666,8 @@ def add_stage_auth_args(parser: Any) -> None:
 
 
 def add_stage_tls_args(parser: Any) -> None:
-    """Add the stage TLS flags (`--stage-tls-cert`, `--stage-tls-key`, `--stage-tls-ca`)."""
+    """Add the stage TLS flags (`--stage-tls-cert`, `--stage-tls-key`, `--stage-tls-ca`, the
+    client certificate's and `--stage-mtls`)."""
     add_dataclass_args(parser, StageTlsConfig, "stage TLS:")
 
 
@@ -637,6 +754,7 @@ def stage_parser(stage: str) -> Any:
     add_engine_args(p)
     add_stage_auth_args(p)
     add_stage_tls_args(p)
+    add_metrics_auth_args(p)
     if stage == "prefill":
         p.add_argument(
             "--lease-ttl",

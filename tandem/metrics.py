@@ -5,21 +5,27 @@ state (running and waiting sequences, KV cache usage, preemptions) is read when 
 engine thread pays nothing for it. A worker on a GPU also exports the GPU's own gauges (NVML,
 read when scraped) and, on the decode worker, how close each decode step came to the memory
 roofline; on a CPU these series do not exist. The names are listed in the README
-("Observability").
+("Observability"). With a metrics token (`tandem.config.MetricsAuthConfig`) a scrape must carry
+it as `Authorization: Bearer <token>`; any other is answered 401.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import socket
+import socketserver
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -561,16 +567,83 @@ class DraftMetrics:
         )
 
 
-class MetricsServer:
-    """`/metrics` over HTTP on a thread of its own (prometheus_client's server)."""
+def require_bearer(app: Callable, token: bytes) -> Callable:
+    """The WSGI app `app` behind a bearer token: a request without `Authorization: Bearer
+    <token>` is answered 401 with `WWW-Authenticate: Bearer`."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int, stage: str) -> None:
+    def guarded(environ, start_response):
+        scheme, _, got = environ.get("HTTP_AUTHORIZATION", "").strip().partition(" ")
+        # Compared whatever the scheme: the time taken tells nothing of the token.
+        right = hmac.compare_digest(got.strip().encode("latin-1"), token)
+        if right and scheme.lower() == "bearer":
+            return app(environ, start_response)
+        what = "wrong" if got else "missing"
+        start_response(
+            "401 Unauthorized",
+            [
+                ("WWW-Authenticate", 'Bearer realm="metrics"'),
+                ("Content-Type", "text/plain; charset=utf-8"),
+            ],
+        )
+        return [
+            f"{what} metrics token: send Authorization: Bearer <token>, the token this process "
+            "reads from --metrics-token-file (TANDEM_METRICS_TOKEN_FILE) or "
+            "TANDEM_METRICS_TOKEN\n".encode()
+        ]
+
+    return guarded
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A scrape per thread, none of them keeping the process alive."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:
+        pass  # a line per scrape would drown the stage's own log
+
+
+class MetricsServer:
+    """`/metrics` over HTTP on a thread of its own (prometheus_client's WSGI app), behind a
+    bearer token when `token` is given."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        stage: str,
+        token: bytes | None = None,
+    ) -> None:
+        app = make_wsgi_app(registry)
+        if token is not None:
+            app = require_bearer(app, token)
+
         try:
-            self.httpd, self.thread = start_http_server(port, addr=host, registry=registry)
+            # The family of the address `host` names first, as prometheus_client chooses it.
+            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, addr = info[0][0], info[0][4][0]
+
+            class Server(_ThreadingWSGIServer):
+                address_family = family
+
+            self.httpd = make_server(addr, port, app, Server, handler_class=_QuietHandler)
         except OSError as e:
             raise OSError(f"{stage}: cannot serve metrics on {host}:{port}: {e}") from e
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, name=f"{stage}-metrics", daemon=True
+        )
+        self.thread.start()
         self.port = self.httpd.server_address[1]
-        log.info("%s metrics on http://%s:%d/metrics", stage, host, self.port)
+        log.info(
+            "%s metrics on http://%s:%d/metrics%s",
+            stage,
+            host,
+            self.port,
+            " (bearer token required)" if token is not None else "",
+        )
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -578,9 +651,14 @@ class MetricsServer:
 
 
 def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int | None, stage: str
+    registry: CollectorRegistry,
+    host: str,
+    port: int | None,
+    stage: str,
+    token: bytes | None = None,
 ) -> MetricsServer | None:
-    """Serve `registry` on host:port (None or a negative port: no metrics endpoint)."""
+    """Serve `registry` on host:port (None or a negative port: no metrics endpoint); with
+    `token`, only to scrapes that carry it as a bearer token."""
     if port is None or port < 0:
         return None
-    return MetricsServer(registry, host, port, stage)
+    return MetricsServer(registry, host, port, stage, token)

@@ -8,13 +8,15 @@ rest.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.chat import cmd_chat
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
@@ -87,18 +89,25 @@ def _die_with_parent() -> None:
 
 @dataclass(frozen=True)
 class Secrets:
-    """The stage credentials `tandem up` hands out: the workers' stage secret, the gateway's."""
+    """The credentials `tandem up` hands out: the workers' stage secret, the gateway's, the
+    metrics token (None: /metrics open) and, with `--stage-mtls auto`, each stage's TLS files
+    as its TANDEM_STAGE_TLS_* variables."""
 
     stage: str
     gateway: str
+    metrics_token: str | None = field(default=None, repr=False)
+    tls: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def env(self, stage: str) -> dict[str, str]:
         """The credentials of `stage`, as variables (a command line is public): every stage
-        gets the gateway secret (the workers check it), only the workers the stage secret."""
+        gets the gateway secret (the workers check it), only the workers the stage secret;
+        every stage the metrics token and its own TLS files."""
         env = {"TANDEM_GATEWAY_SECRET": self.gateway}
         if stage != "gateway":
             env["TANDEM_STAGE_SECRET"] = self.stage
-        return env
+        if self.metrics_token is not None:
+            env["TANDEM_METRICS_TOKEN"] = self.metrics_token
+        return {**env, **self.tls.get(stage, {})}
 
 
 def _spawn(
@@ -172,13 +181,16 @@ def _stage_env(stage: str) -> dict[str, str]:
     stage-TLS certificate and key exported for the workers' ports are not the gateway's, which
     serves no stage port (it would refuse them); it keeps the CA that checks the workers. The
     credentials come from `Secrets.env`, by value: the files or variables `tandem up` read them
-    from are not passed on (the gateway must never see the stage secret)."""
+    from are not passed on (the gateway must never see the stage secret), nor the metrics
+    token's."""
     env = dict(os.environ)
     for var in (
         "TANDEM_STAGE_SECRET",
         "TANDEM_STAGE_SECRET_FILE",
         "TANDEM_GATEWAY_SECRET",
         "TANDEM_GATEWAY_SECRET_FILE",
+        "TANDEM_METRICS_TOKEN",
+        "TANDEM_METRICS_TOKEN_FILE",
     ):
         env.pop(var, None)
     name = env.get("OTEL_SERVICE_NAME")
@@ -192,7 +204,13 @@ def _stage_env(stage: str) -> dict[str, str]:
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """`tandem up`'s own flags, then the settings it passes to the stages, grouped."""
-    from tandem.config import add_engine_args, add_gateway_args, add_stage_auth_args, stage_parser
+    from tandem.config import (
+        add_engine_args,
+        add_gateway_args,
+        add_metrics_auth_args,
+        add_stage_auth_args,
+        stage_parser,
+    )
 
     up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     up.add_argument(
@@ -253,6 +271,15 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         "self-int4:DIR or a model path",
     )
     up.add_argument("--draft-port", type=int, default=None, help="default: port+4")
+    up.add_argument(
+        "--stage-mtls",
+        choices=["auto"],
+        default=None,
+        help="auto: mutual TLS between the stages, with a CA and a certificate per stage made "
+        "at start into a private temporary folder and removed at exit; a stage port then takes "
+        "only callers presenting one of them (default: plaintext, or what the exported "
+        "TANDEM_STAGE_TLS_* and TANDEM_STAGE_MTLS variables set)",
+    )
     up.add_argument("--spec-k", type=int, default=None, help="fixed speculation length")
     up.add_argument(
         "--log-dir", default=None, help="where the stage logs go (default: a new temporary folder)"
@@ -287,6 +314,12 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         up.add_argument_group(
             "stage credentials (default: fresh random secrets at every start, or "
             "TANDEM_STAGE_SECRET and TANDEM_GATEWAY_SECRET)"
+        )
+    )
+    add_metrics_auth_args(
+        up.add_argument_group(
+            "metrics credential, for every stage's /metrics (default: none, or "
+            "TANDEM_METRICS_TOKEN)"
         )
     )
     for stage, flags in STAGE_FLAGS.items():
@@ -331,17 +364,40 @@ def _secrets(args: argparse.Namespace) -> Secrets:
     ones, so that no stage port is ever open and the gateway never holds a worker's key."""
     import secrets
 
-    from tandem.config import StageAuthConfig
+    from tandem.config import StageAuthConfig, metrics_token_from_args
     from tandem.config_options import dataclass_from_args
 
     cfg = dataclass_from_args(StageAuthConfig, args)
     stage, gateway = cfg.secret(), cfg.gateway()
+    metrics = metrics_token_from_args(args)
     out = Secrets(
         stage=stage.decode() if stage is not None else secrets.token_urlsafe(32),
         gateway=gateway.decode() if gateway is not None else secrets.token_urlsafe(32),
+        metrics_token=metrics.decode() if metrics is not None else None,
     )
     StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway).credentials("decode")
     return out
+
+
+def _auto_mtls(directory: str, stage_host: str) -> dict[str, dict[str, str]]:
+    """`--stage-mtls auto`: a throwaway CA and a certificate per stage in `directory` (private,
+    removed at exit), as each stage's TANDEM_STAGE_TLS_* variables. The workers serve theirs and
+    present it to the stages they call; the gateway presents a client certificate."""
+    from tandem.stage_certs import make_stage_certs
+
+    workers = ["prefill", "decode", "draft"]
+    hosts = ["127.0.0.1", "localhost", "::1", stage_host]
+    files = make_stage_certs(directory, workers, ["gateway"], hosts)
+    env = {}
+    for stage, f in files.items():
+        kind = "CLIENT_" if stage == "gateway" else ""
+        env[stage] = {
+            "TANDEM_STAGE_TLS_CA": f.ca,
+            f"TANDEM_STAGE_TLS_{kind}CERT": f.cert,
+            f"TANDEM_STAGE_TLS_{kind}KEY": f.key,
+            "TANDEM_STAGE_MTLS": "true",
+        }
+    return env
 
 
 def _then_chat_key(args: argparse.Namespace) -> str | None:
@@ -372,6 +428,25 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
         _secrets(args)
     except (TypeError, ValueError) as e:
         return str(e)
+    if args.stage_mtls == "auto":
+        from dataclasses import fields
+
+        from tandem.config import StageTlsConfig
+        from tandem.config_options import dataclass_from_args
+
+        try:
+            # The variables alone: `tandem up` has no stage TLS flags (its --stage-mtls is its own).
+            tls = dataclass_from_args(StageTlsConfig, argparse.Namespace())
+        except ValueError as e:
+            return str(e)
+        given = [f.name for f in fields(tls) if getattr(tls, f.name) not in (None, False)]
+        if given:
+            names = ", ".join(f"TANDEM_{n.upper()}" for n in given)
+            return (
+                f"--stage-mtls auto makes the stages' certificates itself, but {names} is set: "
+                "unset it, or leave out --stage-mtls auto to use your own certificates "
+                "(TANDEM_STAGE_TLS_* with TANDEM_STAGE_MTLS=true)"
+            )
     for host, port in ports:
         problem = _cannot_listen(host, port)
         if problem is not None:
@@ -477,6 +552,16 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cmd = [sys.executable, "-m", f"services.{stage}", *extra]
         children.append(Child(stage, None, os.path.join(log_dir, f"{stage}.log"), cmd))  # type: ignore[arg-type]
 
+    mtls_dir = None
+    if args.stage_mtls == "auto":
+        # mkdtemp's folder is this user's alone (0700); each file in it is 0600.
+        mtls_dir = tempfile.mkdtemp(prefix="tandem-stage-mtls-")
+        try:
+            credentials = dataclasses.replace(credentials, tls=_auto_mtls(mtls_dir, stage_host))
+        except BaseException:
+            shutil.rmtree(mtls_dir, ignore_errors=True)
+            raise
+
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
@@ -506,12 +591,19 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"  decode        {decode_addr}", flush=True)
         if args.draft:
             print(f"  draft         {draft_addr}   ({args.draft})", flush=True)
+        if mtls_dir is not None:
+            print(
+                f"  stage mTLS    client certificates required (a CA made for this start, in "
+                f"{mtls_dir}, removed at exit)",
+                flush=True,
+            )
         if metrics_ports["gateway"] >= 0:
             urls = "  ".join(
                 f"{s}=http://{host if s == 'gateway' else stage_host}:{metrics_ports[s]}/metrics"
                 for s in ("gateway", "prefill", "decode")
             )
-            print(f"  metrics       {urls}", flush=True)
+            token = "  (bearer token)" if credentials.metrics_token is not None else ""
+            print(f"  metrics       {urls}{token}", flush=True)
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT"
         )
@@ -543,6 +635,8 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     finally:
         _stop([c for c in children if c.proc is not None])
+        if mtls_dir is not None:
+            shutil.rmtree(mtls_dir, ignore_errors=True)
 
 
 def _supervise(children: list[Child], restart: bool, credentials: Secrets) -> int:

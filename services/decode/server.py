@@ -340,11 +340,13 @@ async def serve(
     kv_transfer_timeout_s: float = 10.0,
     prefill_wait_s: float = 300.0,
     stage_credentials: StageCredentials | None = None,
+    metrics_token: bytes | None = None,
 ) -> None:
     """Run the decode worker until cancelled; registers with the given prefill workers, the only
     ones whose KV it takes (waiting up to `prefill_wait_s` for them), before it reports SERVING.
 
-    Prometheus text is served on `metrics_port` (None: no metrics endpoint). With a stage secret
+    Prometheus text is served on `metrics_port` (None: no metrics endpoint), to scrapes that
+    carry `metrics_token` when given. With a stage secret
     in `stage_credentials`, every call but health checks must carry it (or, for Session and
     Stats, the gateway secret), every call to the prefill and draft workers sends it, and the
     prefill pools' lease keys are derived from it; with a certificate there, the port serves
@@ -375,4 +377,5 @@ async def serve(
         stage_credentials,
         before_serving=register,
         ready_message=lambda s, _: f"(model {s.model_name})",
+        metrics_token=metrics_token,
     )

@@ -14,7 +14,7 @@ from tandem.loop_lag import LoopLag
 from tandem.metrics import DraftMetrics, serve_metrics
 from tandem.model.info import load_model_info
 from tandem.rpc import stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server
+from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server, tls_words
 from tandem.rpc.health import add_health, set_serving
 from tandem.rpc.limits import draft_limits
 
@@ -121,6 +121,7 @@ async def serve(
     num_blocks: int | None = None,
     metrics_port: int | None = None,
     stage_credentials: StageCredentials | None = None,
+    metrics_token: bytes | None = None,
 ) -> None:
     """Run the draft worker until cancelled.
 
@@ -128,7 +129,8 @@ async def serve(
     a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
     With a stage secret in `stage_credentials`, every call but health checks must carry it (or,
     for Admit and Stats, the gateway secret); with a certificate there, the port serves TLS only
-    (tandem.rpc.auth).
+    (tandem.rpc.auth). Prometheus text on `metrics_port` (None: off), to scrapes that carry
+    `metrics_token` when given.
     """
     proposer = build_proposer(draft, config, num_blocks=num_blocks)
     creds = stage_credentials or StageCredentials()
@@ -147,7 +149,9 @@ async def serve(
         raise OSError(f"draft: cannot bind {host}:{port}")
     await server.start()
     try:
-        metrics = serve_metrics(service.metrics.registry, host, metrics_port, "draft")
+        metrics = serve_metrics(
+            service.metrics.registry, host, metrics_port, "draft", metrics_token
+        )
     except OSError:
         await server.stop(None)
         service.pool.shutdown(wait=False)
@@ -156,8 +160,7 @@ async def serve(
     lag.start()
     await set_serving(health, [SERVICE], True)
     progress.report("ready")
-    tls = " over TLS" if creds.tls_cert else ""
-    log.info("draft serving on %s:%d%s (proposer %s)", host, bound, tls, draft)
+    log.info("draft serving on %s:%d%s (proposer %s)", host, bound, tls_words(creds), draft)
     try:
         await server.wait_for_termination()
     finally:

@@ -162,7 +162,11 @@ class Worker:
         tls = self.credentials.tls_root is not None
         told = None  # a TLS mismatch is said once, not at every probe
         timeout = self.health_timeout_s
-        while (why := await probe(self.address, timeout, self.credentials.tls_root)) is not None:
+        while (
+            why := await probe(
+                self.address, timeout, self.credentials.tls_root, self.credentials.presented
+            )
+        ) is not None:
             hint = unreachable_hint(why, tls)
             if hint is not None and hint != told:
                 log.warning("%s worker %s is unreachable: %s", self.stage, self.address, hint)

@@ -52,8 +52,10 @@ async def serve(
     draft: list[str] | None = None,
     metrics_port: int | None = None,
     stage_credentials: StageCredentials | None = None,
+    metrics_token: bytes | None = None,
 ) -> None:
-    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off).
+    """Run the gateway until cancelled; Prometheus text on `metrics_port` (None: off), to scrapes
+    that carry `metrics_token` when given.
 
     `stage_credentials`: the stage secret sent on every call to the prefill, decode and draft
     workers, and the CA bundle that makes those calls (and the health probes) TLS."""
@@ -91,7 +93,7 @@ async def serve(
         tpot_slo_s=config.tpot_slo_ms / 1e3 if config.tpot_slo_ms else None,
     )
     gateway_metrics.watch(lambda: _admission_metrics(pipeline))
-    metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway")
+    metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway", metrics_token)
     lag = LoopLag(gateway_metrics.registry)
     lag.start()
 

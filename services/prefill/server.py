@@ -419,8 +419,10 @@ async def serve(
     metrics_port: int | None = None,
     stage_credentials: StageCredentials | None = None,
     max_leases_per_peer: int = 1024,
+    metrics_token: bytes | None = None,
 ) -> None:
-    """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off).
+    """Run the prefill worker until cancelled; Prometheus text on `metrics_port` (None: off), to
+    scrapes that carry `metrics_token` when given.
 
     With a stage secret in `stage_credentials`, every call but health checks must carry it (or,
     for Run, Release and Stats, the gateway secret), and the pool's lease key is derived from
@@ -436,4 +438,5 @@ async def serve(
         metrics_port,
         stage_credentials,
         ready_message=lambda s, _: f"(model {s.model_name}, pool {s.pool_id})",
+        metrics_token=metrics_token,
     )

@@ -1,5 +1,6 @@
 """The stage credentials, by role, in gRPC metadata; and TLS on the stage ports, which keeps them
-and the traffic from the network (`tandem.config.StageAuthConfig`, `StageTlsConfig`).
+and the traffic from the network (`tandem.config.StageAuthConfig`, `StageTlsConfig`), mutual
+when asked: the port then takes only callers whose certificate the stage CA signed.
 
 Two credentials, so that the process facing the internet holds the least:
 - the stage secret, the workers' own (prefill, decode, draft): it allows every stage method,
@@ -44,10 +45,11 @@ GATEWAY_METHODS = frozenset(
 @dataclass(frozen=True)
 class StageCredentials:
     """How a process takes part in the stage network: its credential, the CA bundle that vouches
-    for the stages it calls (TLS to them), and the certificate its own stage port serves (TLS
-    there). A worker holds the stage secret (`secret`), which its port requires and it sends,
-    and the gateway secret, which its port takes for `GATEWAY_METHODS`; the gateway holds only
-    the gateway secret, which it sends. None: plaintext, no credential."""
+    for the stages it calls (TLS to them), the certificate its own stage port serves (TLS
+    there), and the one it presents to the stages it calls (mutual TLS). A worker holds the
+    stage secret (`secret`), which its port requires and it sends, and the gateway secret, which
+    its port takes for `GATEWAY_METHODS`; the gateway holds only the gateway secret, which it
+    sends. None: plaintext, no credential."""
 
     secret: bytes | None = field(default=None, repr=False)
     gateway_secret: bytes | None = field(default=None, repr=False)
@@ -55,19 +57,58 @@ class StageCredentials:
     tls_root: bytes | None = field(default=None, repr=False)
     # (private key, certificate chain), PEM: this process's stage port serves TLS only.
     tls_cert: tuple[bytes, bytes] | None = field(default=None, repr=False)
+    # (private key, certificate chain), PEM: presented on every TLS call to a stage (a worker
+    # without one presents `tls_cert`).
+    tls_client: tuple[bytes, bytes] | None = field(default=None, repr=False)
+    # The stage port takes only callers presenting a certificate that `tls_root` vouches for.
+    require_client_cert: bool = False
 
     @property
     def sent(self) -> bytes | None:
         """The credential this process sends to the stages it calls."""
         return self.secret or self.gateway_secret
 
+    @property
+    def presented(self) -> tuple[bytes, bytes] | None:
+        """The (private key, certificate chain) this process presents to the stages it calls,
+        should they ask for one: its client certificate, else its stage certificate."""
+        return self.tls_client or self.tls_cert
+
 
 def add_stage_port(server, address: str, credentials: StageCredentials | None) -> int:
-    """Listen on `address` (TLS only when `credentials` carry a certificate); the port bound, or
-    0 when it cannot be bound."""
+    """Listen on `address` (TLS only when `credentials` carry a certificate; mutual, refusing at
+    the handshake a caller without a certificate of the stage CA, when they require one); the
+    port bound, or 0 when it cannot be bound."""
     if credentials is not None and credentials.tls_cert is not None:
-        return server.add_secure_port(address, grpc.ssl_server_credentials([credentials.tls_cert]))
+        if credentials.require_client_cert:
+            tls = grpc.ssl_server_credentials(
+                [credentials.tls_cert],
+                root_certificates=credentials.tls_root,
+                require_client_auth=True,
+            )
+        else:
+            tls = grpc.ssl_server_credentials([credentials.tls_cert])
+        return server.add_secure_port(address, tls)
     return server.add_insecure_port(address)
+
+
+def tls_words(credentials: StageCredentials) -> str:
+    """How a stage port serves, for its log line: "" (plaintext), " over TLS", or " over TLS
+    (client certificates required)"."""
+    if credentials.tls_cert is None:
+        return ""
+    if credentials.require_client_cert:
+        return " over TLS (client certificates required)"
+    return " over TLS"
+
+
+def channel_tls(credentials: StageCredentials | None) -> grpc.ChannelCredentials | None:
+    """The TLS of a channel to a stage (None: plaintext): the CA bundle of `credentials`, and the
+    certificate this process presents when it has one."""
+    if credentials is None or credentials.tls_root is None:
+        return None
+    key, chain = credentials.presented or (None, None)
+    return grpc.ssl_channel_credentials(credentials.tls_root, key, chain)
 
 
 def unreachable_hint(details: str, tls: bool) -> str | None:
@@ -85,6 +126,15 @@ def unreachable_hint(details: str, tls: bool) -> str | None:
         return (
             f"TLS with it failed ({details}): it must serve TLS (--stage-tls-cert) with a "
             "certificate that --stage-tls-ca vouches for and that names the host dialled"
+        )
+    if tls and "Socket closed" in details:
+        # A stage that requires a client certificate ends the handshake of a caller that
+        # presents none, or one its CA did not sign; the caller sees only the socket close.
+        return (
+            "it closed the connection during the TLS handshake: if it requires a client "
+            "certificate (--stage-mtls), give this process --stage-tls-client-cert and "
+            "--stage-tls-client-key (a worker may present its --stage-tls-cert), signed by the "
+            "CA the stage was given"
         )
     return None
 
@@ -210,13 +260,13 @@ def stage_channel(
 ) -> grpc.aio.Channel:
     """An asyncio channel to a stage that sends this process's credential (when it has one) on
     every call; TLS when `credentials` carry a CA bundle, the server's certificate checked for
-    the host part of `address`."""
+    the host part of `address`, and this process's certificate presented when it has one."""
     creds = credentials or StageCredentials()
     # grpc.aio files each interceptor under one kind of call only: one object per kind.
     kinds = (_SendSecretUU, _SendSecretUS, _SendSecretSU, _SendSecretSS)
     interceptors = [k(creds.sent) for k in kinds] if creds.sent else None
-    if creds.tls_root is not None:
-        tls = grpc.ssl_channel_credentials(creds.tls_root)
+    tls = channel_tls(creds)
+    if tls is not None:
         return grpc.aio.secure_channel(
             address, tls, options=list(options), interceptors=interceptors
         )
@@ -271,8 +321,9 @@ def stage_channel_sync(address: str, credentials: StageCredentials | None) -> gr
     """A blocking channel to a stage that sends this process's credential (when it has one) on
     every call; TLS when `credentials` carry a CA bundle (see `stage_channel`)."""
     creds = credentials or StageCredentials()
-    if creds.tls_root is not None:
-        ch = grpc.secure_channel(address, grpc.ssl_channel_credentials(creds.tls_root))
+    tls = channel_tls(creds)
+    if tls is not None:
+        ch = grpc.secure_channel(address, tls)
     else:
         ch = grpc.insecure_channel(address)
     return grpc.intercept_channel(ch, _SendSecretSync(creds.sent)) if creds.sent else ch

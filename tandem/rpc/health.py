@@ -31,17 +31,31 @@ async def set_serving(
         await servicer.set(name, status)
 
 
-async def check(address: str, timeout: float = 1.0, tls_root: bytes | None = None) -> bool:
+async def check(
+    address: str,
+    timeout: float = 1.0,
+    tls_root: bytes | None = None,
+    tls_client: tuple[bytes, bytes] | None = None,
+) -> bool:
     """True when the server at `address` answers SERVING; `tls_root` (PEM): the server speaks
-    TLS with a certificate that this root (or the certificate itself) vouches for."""
-    return await probe(address, timeout, tls_root) is None
+    TLS with a certificate that this root (or the certificate itself) vouches for;
+    `tls_client` (private key, certificate chain; PEM): presented to a server that asks for a
+    client certificate."""
+    return await probe(address, timeout, tls_root, tls_client) is None
 
 
-async def probe(address: str, timeout: float = 1.0, tls_root: bytes | None = None) -> str | None:
+async def probe(
+    address: str,
+    timeout: float = 1.0,
+    tls_root: bytes | None = None,
+    tls_client: tuple[bytes, bytes] | None = None,
+) -> str | None:
     """Why the server at `address` is not serving (None: it answers SERVING): its status, or the
-    code and details of the failed call. `tls_root` as for `check`."""
+    code and details of the failed call. `tls_root` and `tls_client` as for `check`."""
     if tls_root is not None:
-        channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(tls_root))
+        key, chain = tls_client or (None, None)
+        tls = grpc.ssl_channel_credentials(tls_root, key, chain)
+        channel = grpc.aio.secure_channel(address, tls)
     else:
         channel = grpc.aio.insecure_channel(address)
     async with channel as ch:

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
-from tandem.rpc.auth import StageCredentials, stage_channel_sync
+from tandem.rpc.auth import StageCredentials, channel_tls, stage_channel_sync
 from tests.integration.cluster import free_ports
 
 _STAT_STUBS = {
@@ -109,11 +109,27 @@ class Stage:
 
     @property
     def credentials(self) -> StageCredentials:
-        """What its peers call this stage with: its stage secret, and the CA bundle it was given
-        (TANDEM_STAGE_TLS_CA in its env), if any."""
-        ca = self.env.get("TANDEM_STAGE_TLS_CA")
-        root = open(ca, "rb").read() if ca else None  # noqa: SIM115 - a small file, read once
-        return StageCredentials(secret=self.secret, tls_root=root)
+        """What its peers call this stage with: its stage secret, the CA bundle it was given
+        (TANDEM_STAGE_TLS_CA in its env), if any, and the certificate it presents itself (its
+        client certificate, else its stage certificate), if any."""
+
+        def read(var: str) -> bytes | None:
+            path = self.env.get(var)
+            return open(path, "rb").read() if path else None  # noqa: SIM115 - small, read once
+
+        pairs = {}
+        for name in ("", "CLIENT_"):
+            if self.env.get(f"TANDEM_STAGE_TLS_{name}CERT"):
+                pairs[name] = (
+                    read(f"TANDEM_STAGE_TLS_{name}KEY"),
+                    read(f"TANDEM_STAGE_TLS_{name}CERT"),
+                )
+        return StageCredentials(
+            secret=self.secret,
+            tls_root=read("TANDEM_STAGE_TLS_CA"),
+            tls_cert=pairs.get(""),
+            tls_client=pairs.get("CLIENT_"),
+        )
 
     def channel(self) -> grpc.Channel:
         """A channel to this stage that sends its stage secret (over TLS when it was given a CA
@@ -168,8 +184,9 @@ class Stage:
 
     def _start(self, wait: bool, credentials) -> Stage:
         if credentials is None and self.env.get("TANDEM_STAGE_TLS_CERT"):
-            # Its port serves TLS only: probe its health with the CA bundle it was given.
-            credentials = grpc.ssl_channel_credentials(self.credentials.tls_root)
+            # Its port serves TLS only: probe its health with the CA bundle it was given (and,
+            # should it ask for one, its own certificate).
+            credentials = channel_tls(self.credentials)
         start_of_log = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         logf = open(self.log_path, "a")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(

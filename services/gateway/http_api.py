@@ -24,8 +24,7 @@ from services.gateway.openai_responses import ResponsesAPI
 from services.gateway.openai_tools import (
     ForcedCallStream,
     ToolRequest,
-    call_schema,
-    check_call_schema,
+    constrain_to_tools,
     may_be_tool_call,
     parse_tool_calls,
     parse_tools,
@@ -66,7 +65,6 @@ from services.gateway.pipeline import Finished, KeyedSessions, Session, TextDelt
 from services.gateway.router import Overloaded, StageUnavailable
 from services.gateway.tenants import TENANT_HEADER
 from tandem import telemetry
-from tandem.api.sampling_params import StructuredOutput
 from tandem.config import GatewayConfig
 
 log = logging.getLogger("tandem.gateway.http")
@@ -225,16 +223,7 @@ class OpenAIServer:
             rendered, template_tools = render_messages(msgs, tools, native)
             ids = await self.fe.chat_ids(rendered, template_tools)
             params = sampling_from_body(body, chat=True)
-            if tools is not None and tools.active and params.structured is not None:
-                raise RequestError(
-                    "response_format cannot be combined with tools (unless tool_choice is "
-                    "'none'): a reply is either a tool call or text in the format",
-                    "response_format",
-                )
-            if tools is not None and tools.forced:
-                # The reply is one call of the allowed function(s), its arguments their schema.
-                params.structured = StructuredOutput("json_schema", call_schema(tools))
-                check_call_schema(params.structured)
+            constrain_to_tools(params, tools, "response_format")
             n = n_from_body(body)
             self.fe.check(ids, params, _asked(body, ("max_completion_tokens", "max_tokens")))
             rt.tokenized(ids, params, body.get("model") or "")

@@ -29,8 +29,7 @@ from services.gateway.openai_tools import (
     ForcedCallStream,
     ToolError,
     ToolRequest,
-    call_schema,
-    check_call_schema,
+    constrain_to_tools,
     may_be_tool_call,
     parse_tool_calls,
     parse_tools,
@@ -49,7 +48,7 @@ from services.gateway.openai_wire import (
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.response_store import ResponseStore
 from services.gateway.router import Overloaded, StageUnavailable
-from tandem.api.sampling_params import SamplingParams, StructuredOutput
+from tandem.api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from services.gateway.http_api import OpenAIServer
@@ -528,16 +527,7 @@ class ResponsesAPI:
         params = sampling_from_body(chat, chat=True)
         rf = _format(body)
         params.structured = structured_from_body({"response_format": rf})
-        if tools is not None and tools.active and params.structured is not None:
-            raise RequestError(
-                "text.format cannot be combined with tools (unless tool_choice is 'none'): a "
-                "reply is either a function call or text in the format",
-                "text",
-            )
-        if tools is not None and tools.forced:
-            # The reply is one call of the allowed function(s), its arguments their schema.
-            params.structured = StructuredOutput("json_schema", call_schema(tools))
-            check_call_schema(params.structured)
+        constrain_to_tools(params, tools, "text")
         return params
 
     def _keep(

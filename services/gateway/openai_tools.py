@@ -132,6 +132,24 @@ def call_schema(req: ToolRequest) -> str:
     return json.dumps({**call, "$defs": defs})
 
 
+def constrain_to_tools(params: Any, tools: ToolRequest | None, format_field: str) -> None:
+    """Apply a request's tools to its sampling parameters: a forced choice's reply follows the
+    call grammar (`call_schema`); a structured format (named `format_field` in errors) beside
+    tools that may be called is refused, since a reply is either a tool call or text in that
+    format."""
+    if tools is None:
+        return
+    if tools.active and params.structured is not None:
+        raise ToolError(
+            f"{format_field} cannot be combined with tools (unless tool_choice is 'none'): a "
+            "reply is either a tool call or text in the format",
+            format_field,
+        )
+    if tools.forced:
+        params.structured = StructuredOutput("json_schema", call_schema(tools))
+        check_call_schema(params.structured)
+
+
 def check_call_schema(so: StructuredOutput) -> None:
     """Raise `ToolError` naming `tools` when the call grammar built from the functions'
     parameters schemas is not one the engine can follow."""

@@ -94,6 +94,7 @@ class Worker:
         # Answers that came from this worker (token messages, prefill answers): a worker whose
         # answers keep coming is alive, whatever a slow health check says.
         self.heard = 0
+        self._open()
 
     def watch(self) -> None:
         """Probe `grpc.health.v1` until the worker answers SERVING, route to it, and keep
@@ -204,16 +205,7 @@ class Worker:
 class PrefillClient(Worker):
     stage = "prefill"
     stub_class = stages_pb2_grpc.PrefillStub
-
-    def __init__(
-        self,
-        address: str,
-        credentials: StageCredentials | None = None,
-        health_timeout_s: float = HEALTH_TIMEOUT_S,
-    ) -> None:
-        super().__init__(address, credentials, health_timeout_s)
-        self._open()
-        self.inflight = 0
+    inflight = 0  # requests sent to it and not yet answered
 
     async def close(self) -> None:
         await self.channel.close()
@@ -225,14 +217,8 @@ class DecodeClient(Worker):
     stage = "decode"
     stub_class = stages_pb2_grpc.DecodeStub
 
-    def __init__(
-        self,
-        address: str,
-        credentials: StageCredentials | None = None,
-        health_timeout_s: float = HEALTH_TIMEOUT_S,
-    ) -> None:
-        super().__init__(address, credentials, health_timeout_s)
-        self._open()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.queues: dict[str, asyncio.Queue] = {}
         self._send: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None

@@ -264,22 +264,10 @@ def pipeline_stages(
         [*model_args, "--prefill", f"127.0.0.1:{pp}", *decode_args],
         os.path.join(tmp_dir, "decode.log"),
     )
-    gateway = Stage(
-        "gateway",
-        gp,
-        [
-            *model_args,
-            "--http-port",
-            str(hp),
-            "--prefill",
-            f"127.0.0.1:{pp}",
-            "--decode",
-            f"127.0.0.1:{dp}",
-            *gateway_args,
-        ],
-        os.path.join(tmp_dir, "gateway.log"),
-    )
-    gateway.http_port = hp  # type: ignore[attr-defined]
+    gateway = gateway_stage(
+        prefill, decode, [*model_args, *gateway_args], os.path.join(tmp_dir, "gateway.log"),
+        ports=(gp, hp),
+    )  # fmt: skip
     return prefill, decode, gateway
 
 
@@ -309,15 +297,22 @@ def speculative_stages(
 
 
 def gateway_stage(
-    prefill: Stage, decode: Stage, args: list[str], log_path: str, env: dict | None = None
+    prefill: Stage | str,
+    decode: Stage | str,
+    args: list[str],
+    log_path: str,
+    env: dict | None = None,
+    ports: tuple[int, int] | None = None,
 ) -> Stage:
-    """Another gateway (not started) on free ports in front of running `prefill` and `decode`,
-    with its own flags `args` (and environment `env`); its HTTP port is `.http_port`."""
-    gp, hp = free_ports(2)
+    """A gateway (not started) in front of `prefill` and `decode` (stages or addresses), with
+    its own flags `args` (and environment `env`), on `ports` (gRPC, HTTP; default: free ones);
+    its HTTP port is `.http_port`."""
+    gp, hp = ports or free_ports(2)
+    where = [getattr(s, "address", s) for s in (prefill, decode)]
     gateway = Stage(
         "gateway",
         gp,
-        ["--http-port", str(hp), "--prefill", prefill.address, "--decode", decode.address, *args],
+        ["--http-port", str(hp), "--prefill", where[0], "--decode", where[1], *args],
         log_path,
         env=env or {},
     )

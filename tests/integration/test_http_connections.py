@@ -20,36 +20,22 @@ import pytest
 
 from tests.conftest import self_signed_cert
 from tests.integration.cluster import free_ports
-from tests.integration.stages import Stage
+from tests.integration.stages import Stage, gateway_stage
 
 LIVEZ = b"GET /livez HTTP/1.1\r\nHost: gateway\r\n\r\n"
 
 
 def _gateway(tmp_path, args: list[str]) -> Stage:
     """A gateway alone with HTTP flags `args`, started and answering `/livez`."""
-    gp, hp, pp, dp = free_ports(4)
-    gw = Stage(
-        "gateway",
-        gp,
-        [
-            "--http-port",
-            str(hp),
-            "--prefill",
-            f"127.0.0.1:{pp}",
-            "--decode",
-            f"127.0.0.1:{dp}",
-            *args,
-        ],
-        str(tmp_path / "gateway.log"),
-    )
-    gw.http_port = hp  # type: ignore[attr-defined]
+    pp, dp = free_ports(2)  # nothing listens there: no worker is needed
+    gw = gateway_stage(f"127.0.0.1:{pp}", f"127.0.0.1:{dp}", args, str(tmp_path / "gateway.log"))
     gw.start(wait=False)
     deadline = time.monotonic() + 120
     while True:
         if gw.proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {gw.proc.returncode}:\n{gw.log()[-3000:]}")
         try:
-            with socket.create_connection(("127.0.0.1", hp), timeout=1.0):
+            with socket.create_connection(("127.0.0.1", gw.http_port), timeout=1.0):
                 return gw
         except OSError:
             if time.monotonic() > deadline:

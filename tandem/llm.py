@@ -117,7 +117,7 @@ class LLM:
             self.engine.validate_request(ids, sp)
         seqs: list = [None] * len(encoded)
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+            IncrementalDetokenizer(self.tokenizer, ids, sp.stop, min_tokens=sp.min_tokens)
             for ids, sp in zip(encoded, params, strict=True)
         ]
         by_id: dict[str, int] = {}
@@ -187,7 +187,7 @@ class LLM:
         sp = sampling or SamplingParams()
         ids = self.encode_prompt(prompt)
         seq = self.engine.add_request(ids, sp)
-        d = IncrementalDetokenizer(self.tokenizer, ids, sp.stop)
+        d = IncrementalDetokenizer(self.tokenizer, ids, sp.stop, min_tokens=sp.min_tokens)
         try:
             while True:
                 outs = [o for o in self._step() if o.seq is seq]

@@ -114,6 +114,40 @@ def test_stop_strings_cut_where_they_begin(smollm2, stop):
         assert stop in smollm2.decode(ids[:n]) and stop not in smollm2.decode(ids[: n - 1])
 
 
+def _min_tokens_reference(tok, ids: list[int], stop: str, m: int) -> tuple[str, int]:
+    """The output under `min_tokens=m` by brute force: the first id count k >= m whose text
+    holds `stop` ending past the text of the first m - 1 ids; the text up to that match, and k
+    (the whole text and len(ids) when none)."""
+    floor = len(tok.decode(ids[: max(0, m - 1)], skip_special_tokens=True))
+    for k in range(max(m, 1), len(ids) + 1):
+        text = tok.decode(ids[:k], skip_special_tokens=True)
+        i = text.find(stop, max(0, floor - len(stop) + 1))
+        if i != -1:
+            return text[:i], k
+    return tok.decode(ids, skip_special_tokens=True), len(ids)
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 9, 40])
+@pytest.mark.parametrize("seed", range(3))
+def test_min_tokens_holds_stop_strings_back(smollm2, m, seed):
+    """No stop string ends the output within the first min_tokens - 1 ids' text, whatever the
+    chunks the ids arrive in."""
+    text = "one, two, three, four, five, six, seven, eight, nine, ten, eleven"
+    ids = smollm2.encode(text, add_special_tokens=False)
+    want, k = _min_tokens_reference(smollm2, ids, ",", m)
+    rng = random.Random(seed)
+    d = IncrementalDetokenizer(smollm2, [], stop=[","], min_tokens=m)
+    got, pos, used = "", 0, 0
+    while pos < len(ids) and d.stopped_by is None:
+        step = rng.randint(1, 4)
+        delta, n = d.add_until_stop(ids[pos : pos + step])
+        got, used, pos = got + delta, used + n, pos + step
+    got += d.finish()
+    assert (got, used) == (want, k)
+    if m > 2:  # "one" "," " two" ...: the first comma is the second id
+        assert want.count(",") >= 1  # the test's stops really were held back
+
+
 def test_the_cost_of_an_id_does_not_grow_with_the_output(smollm2):
     """Ids decoded per added id stay bounded: a decode of the whole output at every step made
     a sequence of n ids cost n^2 / 2."""

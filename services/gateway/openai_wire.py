@@ -134,12 +134,13 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise RequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
-    if _num(body, "min_tokens", int, 0) != 0:
-        # Honouring it means masking the end-of-sequence tokens in every sampler (prefill,
-        # decode, speculative verification) and holding back stop strings: not served.
+    min_tokens = _num(body, "min_tokens", int, 0)
+    if min_tokens < 0:
+        raise RequestError(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    if min_tokens > max_tokens:
         raise RequestError(
-            "min_tokens is not supported (only 0, the default): the end of sequence and stop "
-            "strings cannot be held back",
+            f"min_tokens ({min_tokens}) must be at most the maximum tokens asked for "
+            f"({max_tokens})",
             "min_tokens",
         )
     try:
@@ -162,6 +163,7 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
         stop=stop,
         stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
+        min_tokens=min_tokens,
         logprobs=logprobs,
     )
 

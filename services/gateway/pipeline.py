@@ -116,6 +116,7 @@ def _continued(params: SamplingParams, out_ids: list[int]) -> SamplingParams:
     return replace(
         params,
         max_tokens=params.max_tokens - len(out_ids),
+        min_tokens=max(0, params.min_tokens - len(out_ids)),
         structured=structured,
         prompt_logprobs=None if out_ids else params.prompt_logprobs,
     )
@@ -295,7 +296,9 @@ class Pipeline:
     ) -> AsyncIterator[TextDelta | Finished]:
         t0 = time.monotonic()
         seq_id = uuid.uuid4().hex
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, min_tokens=params.min_tokens
+        )
         if trace is not None:  # spans of this request: parent context, timed detokenizer
             detok = trace.detokenizer(detok)
         draft = self.router.pick_draft()

@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -41,6 +42,10 @@ class IncrementalDetokenizer:
         self.output_ids: list[int] = []
         self.text = ""  # the text decided so far (what has been emitted)
         self.stopped_by: str | None = None  # the stop string that ended generation
+        # A stop string ends the output only where it ends past the text of the first
+        # `min_tokens - 1` ids (vLLM's rule: none is looked for before `min_tokens` ids).
+        self.min_tokens = min_tokens
+        self._stop_floor = 0  # characters of `_decoded` no stop string may end within
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -60,15 +65,24 @@ class IncrementalDetokenizer:
         """Append ids and return the new text; once a stop string is seen, `stopped_by` is set."""
         if self.stopped_by is not None:
             return ""
+        below = self.min_tokens - 1 - len(self.output_ids)  # ids still below the stop floor
+        if self.stop and 0 < below < len(token_ids):
+            # The ids cross `min_tokens`: the floor is the text of those before it.
+            head = self.add(token_ids[:below])
+            return head + self.add(token_ids[below:], final)
         self.output_ids.extend(token_ids)
         self._ids.extend(token_ids)
         self._advance(final)
         full = self._decoded
         if self.stop:
+            if len(self.output_ids) < self.min_tokens:
+                self._stop_floor = len(full)
             start = max(0, len(self.text) - self._holdback)
             best = -1
             for s in self.stop:
-                i = full.find(s, start)
+                if len(self.output_ids) < self.min_tokens:
+                    break
+                i = full.find(s, max(start, self._stop_floor - len(s) + 1))
                 if i != -1 and (best == -1 or i < best):
                     best, self.stopped_by = i, s
             if best != -1:
@@ -101,12 +115,12 @@ class IncrementalDetokenizer:
                 return delta, i + 1
         return delta, len(token_ids)
 
-    def _state(self) -> tuple[int, int, int, int, str, str]:
+    def _state(self) -> tuple[int, int, int, int, str, str, int]:
         return (len(self.output_ids), len(self._ids), self._prefix, self._read, self._decoded,
-                self.text)  # fmt: skip
+                self.text, self._stop_floor)  # fmt: skip
 
-    def _restore(self, state: tuple[int, int, int, int, str, str]) -> None:
-        n_out, n_ids, self._prefix, self._read, self._decoded, self.text = state
+    def _restore(self, state: tuple[int, int, int, int, str, str, int]) -> None:
+        n_out, n_ids, self._prefix, self._read, self._decoded, self.text, self._stop_floor = state
         del self.output_ids[n_out:], self._ids[n_ids:]
         self.stopped_by = None
 

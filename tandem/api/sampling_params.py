@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, cut from the text
     ignore_eos: bool = False
+    # vLLM's: the end-of-sequence and stop tokens are never sampled, and stop strings never end
+    # the output, before this many tokens were generated.
+    min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to report per token (0 = sampled only)
     # Score the prompt too: each prompt token after the first gets its logprob given the tokens
     # before it, with this many top alternatives (vLLM's prompt_logprobs; None: not computed).
@@ -80,6 +83,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+            )
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         _check_wire_float("temperature", self.temperature)

@@ -31,6 +31,7 @@ def sampling_from_proto(
         stop_token_ids=list(m.stop_token_ids),
         stop=list(m.stop),
         ignore_eos=m.ignore_eos,
+        min_tokens=m.min_tokens,
         logprobs=m.logprobs if m.HasField("logprobs") else None,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         presence_penalty=m.presence_penalty if m.HasField("presence_penalty") else 0.0,
@@ -55,6 +56,7 @@ def sampling_to_proto(p: SamplingParams) -> api_pb2.SamplingParams:
         stop_token_ids=p.stop_token_ids,
         stop=p.stop,
         ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         m.seed = p.seed

@@ -93,7 +93,8 @@ class HostTimes:
 
         self.t = {"step": 0.0, "wait": 0.0, "collect": 0.0, "masks": 0.0, "sample": 0.0}
         self.steps = 0
-        collect, masks, step, sample = engine._collect, engine._masks, engine.step, le.sample_ids
+        ahead, inputs = engine.async_step, engine.sample_inputs
+        collect, masks, step, sample = ahead.collect, inputs.masks, engine.step, le.sample_ids
 
         def timed(name, fn):
             def run(*a, **k):
@@ -119,8 +120,8 @@ class HostTimes:
             self.steps += 1
             return timed("step", step)()
 
-        engine._collect = collect_timed
-        engine._masks = timed("masks", masks)
+        ahead.collect = collect_timed
+        inputs.masks = timed("masks", masks)
         engine.step = step_timed
         le.sample_ids = timed("sample", sample)
 
@@ -342,7 +343,7 @@ def main() -> int:
                        "engine": "cuda_graphs, async_scheduling, bf16" if cuda else "cpu"}  # fmt: skip
 
     def xgr_check(ids: list[int]) -> None:
-        m = engine._grammars.matcher(so)
+        m = engine.sample_inputs.grammars.matcher(so)
         for t in ids:
             if not m.accept_token(int(t)):
                 raise AssertionError(f"token {t} is outside the grammar")
@@ -406,7 +407,7 @@ def main() -> int:
     for r in rows:
         if r["mode"] != "greedy":
             continue
-        g = grammar_strategies(engine._grammars, so, last_tokens[r["batch"]], threads)
+        g = grammar_strategies(engine.sample_inputs.grammars, so, last_tokens[r["batch"]], threads)
         res["grammar_host_ms_per_step"][str(r["batch"])] = g
         print(f"batch {r['batch']:>3}: " + "  ".join(f"{k} {v:.3f}" for k, v in g.items()))
     print(f"\n{'batch':>5} {'mode':<8} {'tokens/seq':>11} {'valid JSON':>10} "

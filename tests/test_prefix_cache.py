@@ -422,8 +422,8 @@ def test_queued_kv_is_given_up_when_nothing_else_can_free_blocks():
     held = _seq("held", 40, 40)  # imported, queued with 3 blocks
     held.block_table.ensure(pool, 41)
     head = _seq("head", 40, 0)  # needs 3 blocks: only 1 is free and nothing runs
-    sched.add(head)
-    sched.add(held)
+    sched.add_request(head)
+    sched.add_request(held)
     batch = sched.schedule()
     assert [s.seq_id for s, _ in batch.items] == ["head"]
     assert held.num_computed == 0 and not held.block_table.blocks
@@ -462,7 +462,7 @@ def test_tpot_target_bounds_the_batch_size():
     # Without decodes the whole budget goes to prompts.
     idle = Scheduler(BlockPool(256), 64, 4096, tpot_slo_s=0.030)
     idle.step_time = sched.step_time
-    idle.add(_seq("p", 500, 0))
+    idle.add_request(_seq("p", 500, 0))
     assert idle.schedule().num_tokens == 500
 
 
@@ -482,8 +482,8 @@ def test_tpot_target_paces_prompt_chunks_beside_decodes():
     time rounds left under the target covers what such steps lately overran it by; when decodes
     alone miss the target, prompts still get PROMPT_SHARE of the time."""
     sched = _two_decoding(tpot_slo_s=0.5)
-    sched.add(_seq("long", 500, 0))
-    sched.add(_seq("long2", 500, 0))
+    sched.add_request(_seq("long", 500, 0))
+    sched.add_request(_seq("long2", 500, 0))
 
     def sizes():
         return {s.seq_id: n for s, n in sched.schedule().items}
@@ -527,7 +527,7 @@ def test_tpot_pacing_owes_prompts_time_only_while_one_waits():
         assert len(sched.schedule().items) == 2
         sched.pace(0.75, False)
     assert not sched.prompts_wait
-    sched.add(_seq("late", 500, 0))
+    sched.add_request(_seq("late", 500, 0))
     for _ in range(26):
         assert {s.seq_id for s, _ in sched.schedule().items} == {"d0", "d1"}
         assert sched.prompts_wait

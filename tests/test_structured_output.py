@@ -144,13 +144,13 @@ def test_constrained_sequences_run_ahead(path):
     want = tandem.LLM(path, num_blocks=96).generate(prompts, params)
     run_ahead = tandem.LLM(path, num_blocks=96, async_scheduling=True)
     launched = []  # constrained sequences per batch launched ahead
-    launch = run_ahead.engine._launch
+    launch = run_ahead.engine.async_step.launch
 
     def counting_launch(items, prev):
         launched.append(sum(s.matcher is not None for s, _ in items))
         return launch(items, prev)
 
-    run_ahead.engine._launch = counting_launch
+    run_ahead.engine.async_step.launch = counting_launch
     got = run_ahead.generate(prompts, params)
     assert max(launched) == 4, launched  # the constrained decodes did run ahead
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -1,5 +1,12 @@
 """How a sequence joins the decode worker: its KV handed over from a prefill worker, or prefilled here.
 
+`Admission` is a part of `DecodeService` (services/decode/server.py), built with what it uses:
+the engine loop, the engine's `prepare_matcher`, the prefill peers, the telemetry, the maps it
+shares with the service (which gateway session owns a sequence, each sequence's KV handover
+and the GPU copies still running), and two callbacks (a finished message for a sequence, a
+refusal counted). It owns the state of sequences still on their way in (KV in transfer, grammar
+compiling) and its counters.
+
 An Admit naming a prefill worker goes through five steps, each a method below:
 1. `_verified_peer`: the registered peer (registering again when it restarted) and a check of
    the lease's signature against the prompt: the peer, not the caller, says which blocks hold it;
@@ -19,21 +26,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from services.decode.peers import PrefillPeer
+from services.decode.observe import DecodeTelemetry
+from services.decode.peers import PrefillPeer, PrefillPeers
 from tandem.api.sampling_params import SamplingParams
 from tandem.engine.llm_engine import LLMEngine
-from tandem.kv.lease import check_lease
+from tandem.kv.block_copy import DeviceCopy
+from tandem.kv.lease import SpentLeases, check_lease
 from tandem.kv.names import split_names
 from tandem.kv.transports import BlockSource, TransferError
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import sampling_from_proto, status_for
 from tandem.rpc.lease import release_until_acknowledged
+
+if TYPE_CHECKING:
+    from services.decode.server import Session
+    from tandem.engine.engine_loop import EngineLoop
 
 log = logging.getLogger("tandem.decode")
 
@@ -54,10 +68,53 @@ class _Request:
         return self.msg.seq_id
 
 
-class AdmissionMixin:
-    """The admission half of `DecodeService` (services/decode/server.py holds its state)."""
+class Admission:
+    """Admits sequences into the decode worker's engine; see the module docstring."""
 
-    async def admit(self, msg: stages_pb2.Admit, session) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        prepare_matcher: Callable[..., Awaitable[Any]],
+        peers: PrefillPeers,
+        obs: DecodeTelemetry,
+        owner: dict[str, Session],
+        transfer: dict[str, tuple[float, str]],
+        copies: dict[str, tuple[DeviceCopy, float]],
+        finished: Callable[[str, str], stages_pb2.SeqFinished],
+        refuse: Callable[[str], None],
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.prepare_matcher = prepare_matcher
+        self.peers = peers
+        self.obs = obs
+        # Shared with the service: the session each sequence streams to, each sequence's KV
+        # handover (ms, transport) until it finishes, and GPU copies of imported KV (seq id ->
+        # the copy, the Admit's arrival on the monotonic clock) until they ran.
+        self.owner = owner
+        self.transfer = transfer
+        self.copies = copies
+        self.finished = finished
+        self.refuse = refuse
+        # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
+        self.importing: dict[str, bool | None] = {}
+        # Sequences whose grammar is compiling, likewise (they are in no engine yet).
+        self.compiling: dict[str, bool | None] = {}
+        self.spent_leases = SpentLeases()  # lease tokens admitted, until they expire
+        self.transfer_failures = 0
+        self.imports_by_transport: dict[str, int] = {}
+        self.local_prefills = 0  # sequences admitted with prefill_here
+
+    def joining(self, sid: str, notify: bool) -> bool:
+        """Note the cancel of a sequence still on its way in (its KV in transfer, or its grammar
+        compiling): `admit` drops it when that ends (a READ may be writing into its blocks).
+        False when it is not on its way in."""
+        for pending in (self.importing, self.compiling):
+            if sid in pending:
+                pending[sid] = notify
+                return True
+        return False
+
+    async def admit(self, msg: stages_pb2.Admit, session: Session) -> None:
         rng = (
             torch.frombuffer(bytearray(msg.rng_state), dtype=torch.uint8) if msg.rng_state else None
         )
@@ -175,7 +232,7 @@ class AdmissionMixin:
         sid = req.sid
         self.compiling[sid] = None
         try:
-            req.matcher = await self.engine.prepare_matcher(req.ids, req.params, replay)
+            req.matcher = await self.prepare_matcher(req.ids, req.params, replay)
         finally:
             cancelled = self.compiling.pop(sid, None)
         if cancelled is None:
@@ -189,7 +246,7 @@ class AdmissionMixin:
         self.owner.pop(sid, None)
         self.obs.finished(sid, "abort")
         if notify:
-            session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
+            session.out.put_nowait(stages_pb2.DecodeOut(finished=[self.finished(sid, "abort")]))
 
     async def _read_reserved(
         self, source: BlockSource, req: _Request
@@ -305,11 +362,6 @@ class AdmissionMixin:
                 ]
             )
         )
-
-    def refuse(self, reason: str) -> None:
-        """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
-        self.refusals[reason] = self.refusals.get(reason, 0) + 1
-        self.obs.metrics.refusals.labels(reason).inc()
 
     async def _prefill_here(self, req: _Request, session) -> None:
         """Conditional disaggregation: this worker prefills the prompt itself (no KV transfer),

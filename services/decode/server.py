@@ -1,8 +1,9 @@
 """Decode worker: imports prefilled KV by handle and continuously batches every live sequence.
 
 This module holds the worker's state, the engine thread's hand-off of new tokens to the gateway
-streams, cancellation and the RPCs; admission is services/decode/admission.py, the prefill peers
-services/decode/peers.py.
+streams, cancellation and the RPCs. The service composes its parts: the engine and its loop, the
+prefill peers (services/decode/peers.py), the telemetry (observe.py) and the admission
+(admission.py: `Admission`, handed the maps it shares with the service).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.decode.admission import AdmissionMixin
+from services.decode.admission import Admission
 from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
@@ -26,7 +27,6 @@ from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.layout import PoolLayout
-from tandem.kv.lease import SpentLeases
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
@@ -46,7 +46,7 @@ class Session:
     closed: bool = False  # the gateway went away: admissions still on their way are dropped
 
 
-class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
+class DecodeService(stages_pb2_grpc.DecodeServicer):
     def __init__(
         self,
         config: EngineConfig,
@@ -74,12 +74,6 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             stage_credentials=stage_credentials,
             transfer_timeout_s=kv_transfer_timeout_s,
         )
-        # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
-        self.importing: dict[str, bool | None] = {}
-        # Sequences whose grammar is compiling, likewise (they are in no engine yet).
-        self.compiling: dict[str, bool | None] = {}
-        self.transfer_failures = 0
-        self.spent_leases = SpentLeases()  # lease tokens admitted, until they expire
         self.loop = asyncio.get_running_loop()
         self.refusals: dict[str, int] = {}  # admissions refused, by status code
         self.owner: dict[str, Session] = {}
@@ -87,11 +81,9 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         # GPU copies of imported KV (seq id -> the copy, the Admit's arrival on the monotonic
         # clock): the handover lasts until they ran.
         self.copies: dict[str, tuple[DeviceCopy, float]] = {}
-        self.imports_by_transport: dict[str, int] = {}
         # Per sequence, noted at its first step here: (prompt tokens found in the prefix cache,
         # queue ms, prefill ms); the last two only mean something for prefill_here sequences.
         self.prefill_info: dict[str, tuple[int, float, float]] = {}
-        self.local_prefills = 0  # sequences admitted with prefill_here
         self.obs = DecodeTelemetry(self.engine, self.loop, self.layout.block_bytes)
         self.draft = None
         self.speculator = None
@@ -112,11 +104,27 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             self.engine, self._on_outputs, self._on_error, speculator=self.speculator
         )
         self.obs.metrics.watch_engine_loop(self.engine_loop)
+        self.admission = Admission(
+            self.engine_loop,
+            self.engine.prepare_matcher,
+            self.peers,
+            self.obs,
+            self.owner,
+            self.transfer,
+            self.copies,
+            self._finished,
+            self.refuse,
+        )
         self.engine_loop.start()
 
     def close(self) -> None:
         self.engine_loop.stop()
         self.peers.close()
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        self.obs.metrics.refusals.labels(reason).inc()
 
     def receive_limits(self) -> dict[str, int]:
         """The largest request each method takes (tandem.rpc.limits)."""
@@ -235,7 +243,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
                     if kind == "admit":
-                        asyncio.ensure_future(self.admit(msg.admit, session))
+                        asyncio.ensure_future(self.admission.admit(msg.admit, session))
                     elif kind == "cancel":
                         # Not awaited: the abort waits for the engine's step to end, and the
                         # admissions and cancels behind it on this stream must not.
@@ -264,7 +272,7 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         for sid in list(session.seqs):
             session.seqs.discard(sid)
             # One on its way in is dropped by `admit` when its transfer or compile ends.
-            if not self._joining(sid, False) and self.owner.get(sid) is session:
+            if not self.admission.joining(sid, False) and self.owner.get(sid) is session:
                 self.owner.pop(sid, None)
                 ids.append(sid)
         if not ids:
@@ -285,18 +293,8 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
             self.copies.pop(sid, None)
             self.spec_totals.pop(sid, None)
 
-    def _joining(self, sid: str, notify: bool) -> bool:
-        """Note the cancel of a sequence still on its way in (its KV in transfer, or its grammar
-        compiling): `admit` drops it when that ends (a READ may be writing into its blocks).
-        False when it is not on its way in."""
-        for pending in (self.importing, self.compiling):
-            if sid in pending:
-                pending[sid] = notify
-                return True
-        return False
-
     async def _cancel(self, sid: str, session: Session, notify: bool = True) -> None:
-        if self._joining(sid, notify):
+        if self.admission.joining(sid, notify):
             return
         if self.owner.get(sid) is not session:
             return
@@ -314,14 +312,15 @@ class DecodeService(AdmissionMixin, stages_pb2_grpc.DecodeServicer):
         # The engine's figures come from its thread; this worker's own counters (changed by
         # the event loop) are read here, on the loop.
         st = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.stats()))
+        adm = self.admission
         return worker_stats(
             st,
             registered_peers=len(self.peers),
-            kv_imports=sum(self.imports_by_transport.values()),
-            imports_by_transport=self.imports_by_transport,
-            kv_transfer_failures=self.transfer_failures,
-            kv_transfers_in_flight=len(self.importing),
-            local_prefills=self.local_prefills,
+            kv_imports=sum(adm.imports_by_transport.values()),
+            imports_by_transport=adm.imports_by_transport,
+            kv_transfer_failures=adm.transfer_failures,
+            kv_transfers_in_flight=len(adm.importing),
+            local_prefills=adm.local_prefills,
             max_seq_tokens=st.max_seq_tokens,
             max_sequences=st.max_sequences,
             refusals=self.refusals,

@@ -4,7 +4,8 @@ bounded waiting queue, and sequences prefilled elsewhere, which join with their 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,36 +24,57 @@ PromptIds = list[int] | np.ndarray
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
-    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.sample_inputs import SampleInputs
+    from tandem.engine.scheduler_interface import SchedulerInterface
     from tandem.kv.block_pool import BlockPool
     from tandem.kv.prefix_cache import PrefixCache
-    from tandem.model.config import ModelConfig
 
 
 class QueueFull(RuntimeError):
     """The engine's waiting queue is at its bound; the request is refused, not queued."""
 
 
-class AdmissionMixin:
-    """Adding, admitting and aborting requests, for `LLMEngine`."""
+class Admission:
+    """Adding, admitting and aborting requests: the engine's way in.
 
-    config: EngineConfig
-    model_config: ModelConfig
-    max_model_len: int
-    device: torch.device
-    pool: BlockPool
-    prefix_cache: PrefixCache | None
-    scheduler: Scheduler
-    seqs: dict[str, Sequence]
-    tenant_refusals: dict[str, int]
-    _ids: Iterator[int]
+    Built with what it touches: the engine's settings (block size, queue bounds), the model's
+    vocabulary size and context length, the device sequences' generators live on, the pool, the
+    prefix cache and the scheduler it hands sequences to, the engine's map of live sequences
+    (`seqs`, which it adds to and removes from), the per-tenant refusal counts, and the sample
+    inputs that make grammar matchers.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        max_model_len: int,
+        device: torch.device,
+        pool: BlockPool,
+        prefix_cache: PrefixCache | None,
+        scheduler: SchedulerInterface,
+        seqs: dict[str, Sequence],
+        tenant_refusals: dict[str, int],
+        sample_inputs: SampleInputs,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.scheduler = scheduler
+        self.seqs = seqs
+        self.tenant_refusals = tenant_refusals
+        self.sample_inputs = sample_inputs
+        self._ids = itertools.count()
 
     def validate_request(
         self, prompt_token_ids: PromptIds, params: SamplingParams, tenant: str | None = None
     ) -> None:
         """Raise `ValueError` naming the field when a request cannot be served, and
         `TenantQuotaExceeded` when its tenant's KV quota could never hold its prompt."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         n = len(prompt_token_ids)
         bs = self.config.block_size
         need = (n + 1 + bs - 1) // bs
@@ -104,10 +126,10 @@ class AdmissionMixin:
             block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
             generator=None if params.greedy else make_generator(params.seed, self.device),
             prefill_only=prefill_only,
-            matcher=self._matcher(params, prepared=matcher),
+            matcher=self.sample_inputs.matcher(params, prepared=matcher),
         )
         self.seqs[rid] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add_request(seq)
         return seq
 
     def _prefilled_seq(
@@ -152,7 +174,7 @@ class AdmissionMixin:
             output_token_ids=[first_token],
             output_logprobs=[None],
             # The prefill worker sampled the first token under the grammar: replay it.
-            matcher=self._matcher(params, [first_token], prepared=matcher),
+            matcher=self.sample_inputs.matcher(params, [first_token], prepared=matcher),
         )
         n = len(prompt_token_ids)
         table = seq.block_table
@@ -173,7 +195,7 @@ class AdmissionMixin:
         if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
             seq, hit, fresh
         ):
-            self.scheduler.add(seq)
+            self.scheduler.add_request(seq)
             return seq, None
         if hit:
             table.adopt_cached(self.pool, hit, names)
@@ -230,7 +252,7 @@ class AdmissionMixin:
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)
         else:
-            self.scheduler.add(seq)  # joins when the batch has room; its KV stays here
+            self.scheduler.add_request(seq)  # joins when the batch has room; its KV stays here
         return seq, True
 
     def _check_queue(self) -> None:
@@ -250,7 +272,7 @@ class AdmissionMixin:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self.scheduler.finish_request(seq, "abort")
         return True
 
     # ---- KV imports that complete outside the engine thread (a network read) ----------------
@@ -317,7 +339,7 @@ class AdmissionMixin:
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)
         else:
-            self.scheduler.add(seq)
+            self.scheduler.add_request(seq)
         return True
 
 

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.reporting import decode_kv_tokens
 from tandem.engine.sampler import sample_ids
 from tandem.engine.sequence import Sequence
-from tandem.engine.step_output import StepOutput
+from tandem.engine.step_output import StepOutput, TokenRecorder
 
 if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.reporting import Reporting
+    from tandem.engine.sample_inputs import SampleInputs
+    from tandem.engine.scheduler_interface import SchedulerInterface
 
 
 @dataclass
@@ -40,52 +41,47 @@ class InFlightStep:
     queued_at: float | None = None
 
 
-class AsyncStepMixin:
-    """Launching decode steps ahead and collecting them, for `LLMEngine`."""
+class AsyncStep:
+    """Launching decode steps ahead and collecting them.
 
-    runner: ModelRunner
-    scheduler: Scheduler
-    seqs: dict[str, Sequence]
-    max_model_len: int
-    _inflight: InFlightStep | None
-    _ring: list[torch.Tensor]  # two pinned buffers of sampled ids: the step read, the one launched
-    _ring_next: int
-    _copy_stream: torch.cuda.Stream | None
-    _last_tokens: int
-    _mixed: bool
-    _read: tuple[int, float] | None
-    _step_started: float
-    _collected_at: float
-    blocked: bool
+    Built with what those steps touch: the model runner, the scheduler (which finishes
+    sequences), the engine's map of live sequences, the context length, the sample inputs
+    (grammar masks), the token recorder, and the reporting part (where a step's reads are
+    noted). It owns the step in flight and the pinned buffers its sampled ids are copied into.
+    """
 
-    def _step_async(self) -> list[StepOutput]:
-        """Launch the next decode step, then read the step in flight; returns its tokens.
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: SchedulerInterface,
+        seqs: dict[str, Sequence],
+        max_model_len: int,
+        sample_inputs: SampleInputs,
+        recorder: TokenRecorder,
+        reporting: Reporting,
+        max_num_seqs: int,
+        device: torch.device,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.seqs = seqs
+        self.max_model_len = max_model_len
+        self.sample_inputs = sample_inputs
+        self.recorder = recorder
+        self.reporting = reporting
+        self.inflight: InFlightStep | None = None
+        # Two pinned buffers of sampled ids: the step being read and the one just launched.
+        self._ring = [
+            torch.zeros(max_num_seqs, dtype=torch.long, pin_memory=device.type == "cuda")
+            for _ in range(2)
+        ]
+        self._ring_next = 0
+        # The ids go to the host on a stream of their own, so the next step's input copy and
+        # graph do not queue behind that copy.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.collected_at = 0.0  # perf_counter() when the latest step in flight was read
 
-        A batch that cannot run ahead (a prompt, draft tokens, logprobs, a repetition penalty)
-        first waits for the step in flight; it is then scheduled again by the next call.
-        """
-        prev, self._inflight = self._inflight, None
-        batch = self.scheduler.schedule()
-        # A sequence whose pending token is its last (length limit) needs no further step.
-        items = [(s, n) for s, n in batch.items if not (s.num_pending and self._ends_by_length(s))]
-        if items and self._can_run_ahead(items):
-            self._inflight, outs = self._launch(items, prev)
-            self._last_tokens = len(items)
-            return outs
-        if prev is not None:
-            return self._collect(prev)
-        self._last_tokens = batch.num_tokens
-        if not batch:
-            self.blocked = self._blocked(batch)
-            return []
-        self._mixed = self.scheduler.mixed
-        kv_tokens = decode_kv_tokens(batch.items)
-        outs = self._run_batch(batch.items)
-        if kv_tokens:
-            self._read = (kv_tokens, time.perf_counter() - self._step_started)
-        return outs
-
-    def _ends_by_length(self, seq: Sequence) -> bool:
+    def ends_by_length(self, seq: Sequence) -> bool:
         """True when the sequence is at its length limit once its pending tokens are read."""
         return (
             len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens
@@ -93,7 +89,7 @@ class AsyncStepMixin:
         )
 
     @staticmethod
-    def _can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
+    def can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
         return all(
             n == 1
             and not s.spec_tokens
@@ -103,7 +99,7 @@ class AsyncStepMixin:
             for s, n in items
         )
 
-    def _launch(
+    def launch(
         self, items: list[tuple[Sequence, int]], prev: InFlightStep | None
     ) -> tuple[InFlightStep, list[StepOutput]]:
         """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids;
@@ -128,11 +124,13 @@ class AsyncStepMixin:
         outs: list[StepOutput] = []
         bitmask, mask_rows = None, []
         if any(s.matcher is not None for s in seqs):
-            outs = self._collect(prev) if prev is not None else []
+            outs = self.collect(prev) if prev is not None else []
             prev = None
             # A sequence that finished with `prev` (its grammar complete) still has its row in
             # this step; its token is dropped on collection, so it needs no mask.
-            bitmask, mask_rows = self._masks([s for s in seqs if not s.is_finished], seqs)
+            bitmask, mask_rows = self.sample_inputs.masks(
+                [s for s in seqs if not s.is_finished], seqs
+            )
         ids = sample_ids(
             logits,
             params,
@@ -166,29 +164,30 @@ class AsyncStepMixin:
             items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens
         )
         if prev is not None:
-            outs = self._collect(prev)
+            outs = self.collect(prev)
         if event is None:  # a CPU step ran within this call: its time is the call's
-            self._read = (kv_tokens, time.perf_counter() - started)
+            self.reporting.read = (kv_tokens, time.perf_counter() - started)
         elif collects:  # `prev` was seen to end while this step was queued behind it
-            step.queued_at = self._collected_at
+            step.queued_at = self.collected_at
         return step, outs
 
-    def _collect(self, step: InFlightStep) -> list[StepOutput]:
+    def collect(self, step: InFlightStep) -> list[StepOutput]:
         """Wait for a launched step's tokens and apply them (stop checks, finishing)."""
         if step.event is not None:
             step.event.synchronize()
-        self._collected_at = time.perf_counter()
+        self.collected_at = time.perf_counter()
         if step.queued_at is not None:
-            self._read = (step.kv_tokens, self._collected_at - step.queued_at)
+            self.reporting.read = (step.kv_tokens, self.collected_at - step.queued_at)
         outs: list[StepOutput] = []
+        append = self.recorder.append
         for (seq, _), tok in zip(step.items, step.host.tolist(), strict=True):
             if seq.is_finished or seq.num_pending == 0:
                 continue  # finished (stop token, abort) while this step was in flight
             seq.num_pending -= 1
-            reason = self._append_token(seq, tok, None)
+            reason = append(seq, tok, None)
             if reason is not None:
                 seq.num_pending = 0  # a later step's token for it is dropped
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish_request(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, [tok], [None], reason is not None))
         return outs

@@ -1,36 +1,50 @@
 """The engine of one worker: schedule -> execute -> sample -> update, one step at a time.
 
-`LLMEngine.step` is the loop body; the rest of the engine is split by what it is about:
-`admission.py` (requests in: validation, queueing, sequences prefilled elsewhere),
-`sample_inputs.py` (grammar masks and penalty histories for sampling), `step_output.py`
-(a sampled token applied to its sequence), `async_step.py` (decode steps launched ahead),
-`spec_step.py` (draft tokens verified) and `reporting.py` (stats, tenants, step reads).
+`LLMEngine.step` is the loop body. The engine builds its parts and hands each what it uses
+(constructor arguments, nothing of the engine itself):
+
+- `scheduler` (`scheduler.py`, behind `SchedulerInterface`): who runs this step;
+- `runner` (`model_runner.py`): a scheduled batch packed and run through the model;
+- `admission` (`admission.py`): requests in: validation, queueing, sequences prefilled elsewhere;
+- `sample_inputs` (`sample_inputs.py`): grammar masks and penalty histories for sampling;
+- `recorder` (`step_output.py`): a sampled token applied to its sequence, stop checks;
+- `async_step` (`async_step.py`): decode steps launched ahead;
+- `spec_step` (`spec_step.py`): draft tokens verified;
+- `reporting` (`reporting.py`): stats, tenants, step reads.
+
+The parts share the engine's map of live sequences (`seqs`) and the KV pool, each given them
+explicitly. The methods services call (`add_request`, `abort`, `stats`, ...) stay here and
+hand over to the part that does the work.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
+from collections.abc import Callable
+from collections.abc import Sequence as Ids
+from typing import Any
 
+import numpy as np
 import torch
 
 from tandem import progress
+from tandem.api.sampling_params import SamplingParams
 from tandem.config import EngineConfig, set_kernel_config
-from tandem.engine.admission import AdmissionMixin
-from tandem.engine.async_step import AsyncStepMixin, InFlightStep
-from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.admission import Admission, PromptIds
+from tandem.engine.async_step import AsyncStep
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
-from tandem.engine.reporting import ReportingMixin, decode_kv_tokens
-from tandem.engine.roofline import kv_bytes_per_token, weight_bytes
-from tandem.engine.sample_inputs import SampleInputsMixin
+from tandem.engine.reporting import Reporting, decode_kv_tokens
+from tandem.engine.roofline import StepRead, kv_bytes_per_token, weight_bytes
+from tandem.engine.sample_inputs import SampleInputs
 from tandem.engine.sampler import sample
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.scheduler_interface import SchedulerInterface
 from tandem.engine.sequence import Sequence
-from tandem.engine.spec_step import SpeculativeStepMixin
-from tandem.engine.step_output import StepOutput, StepOutputMixin
+from tandem.engine.spec_step import SpeculativeStep
+from tandem.engine.stats import EngineStats
+from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
@@ -58,15 +72,8 @@ def use_cuda_device(device: torch.device) -> None:
     torch.cuda.set_device(idx)
 
 
-class LLMEngine(
-    AdmissionMixin,
-    SampleInputsMixin,
-    StepOutputMixin,
-    AsyncStepMixin,
-    SpeculativeStepMixin,
-    ReportingMixin,
-):
-    """Model, KV pool, scheduler and sampler of one worker."""
+class LLMEngine:
+    """Model, KV pool, scheduler and sampler of one worker, and the parts that use them."""
 
     def __init__(
         self,
@@ -129,7 +136,7 @@ class LLMEngine(
         )
         if self.runner.graphs is not None:
             progress.report("CUDA graphs captured")
-        self.scheduler = Scheduler(
+        self.scheduler: SchedulerInterface = Scheduler(
             self.pool,
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -138,31 +145,66 @@ class LLMEngine(
             tpot_slo_s=config.tpot_slo_ms / 1e3 if config.tpot_slo_ms else None,
         )
         self.device = device
+        # Every live sequence by id: admission adds them, the steps drop those that finish.
         self.seqs: dict[str, Sequence] = {}
-        self._ids = itertools.count()
         self.eos_token_ids = set(mc.eos_token_ids) | set(loaded.tokenizer.eos_token_ids)
-        # Asynchronous scheduling: the step in flight, and a pinned ring of sampled-id buffers
-        # (two: the step being read and the one just launched).
-        self._inflight: InFlightStep | None = None
-        self._ring = [
-            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=device.type == "cuda")
-            for _ in range(2)
-        ]
-        self._ring_next = 0
-        # The ids go to the host on a stream of their own, so the next step's input copy and
-        # graph do not queue behind that copy.
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.sample_inputs = SampleInputs(
+            loaded.tokenizer,
+            mc.vocab_size,
+            self.eos_token_ids,
+            self.max_model_len,
+            grammar_cache_bytes=config.grammar_cache_mb << 20,
+            grammar_compile_timeout_s=config.grammar_compile_timeout_s,
+            pin_memory=device.type == "cuda",
+        )
+        self.recorder = TokenRecorder(self.eos_token_ids, self.max_model_len)
+        self.admission = Admission(
+            config,
+            mc.vocab_size,
+            self.max_model_len,
+            device,
+            self.pool,
+            self.prefix_cache,
+            self.scheduler,
+            self.seqs,
+            self.tenant_refusals,
+            self.sample_inputs,
+        )
+        # Memory traffic of decode steps (tandem.engine.roofline): fixed bytes per step and KV
+        # bytes per token; the steps note what the latest one read in `reporting.read`.
+        self.reporting = Reporting(
+            config,
+            self.pool,
+            self.prefix_cache,
+            self.scheduler,
+            self.leases,
+            self.tenant_refusals,
+            weight_bytes(self.model),
+            kv_bytes_per_token(self.kv),
+        )
+        self.spec_step = SpeculativeStep(
+            self.runner,
+            self.scheduler,
+            self.seqs,
+            self.max_model_len,
+            self.sample_inputs,
+            self.recorder,
+        )
+        self.async_step = AsyncStep(
+            self.runner,
+            self.scheduler,
+            self.seqs,
+            self.max_model_len,
+            self.sample_inputs,
+            self.recorder,
+            self.reporting,
+            config.max_num_seqs,
+            device,
+        )
         self._last_tokens = 0  # tokens computed by the step being timed
         self._last_round: float | None = None  # when the latest round of decode tokens came
         self._mixed = False
-        # Memory traffic of decode steps (tandem.engine.roofline): fixed bytes per step, KV bytes
-        # per token, and what the latest step read (None: it was no decode step, or untimed).
-        self._weight_bytes = weight_bytes(self.model)
-        self._kv_token_bytes = kv_bytes_per_token(self.kv)
-        self._read: tuple[int, float] | None = None  # (KV tokens, seconds)
-        self._step_started = self._collected_at = 0.0  # perf_counter() readings
-        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self._grammars_lock = threading.Lock()  # that request may come from another thread
+        self._step_started = 0.0  # perf_counter() when the latest step() began
         # The latest step had nothing to run: no sequence runs or fits, none was preempted, no
         # step is in flight. Until blocks are freed from outside (a lease released or expired,
         # an import started or aborted) the next step would find the same.
@@ -204,10 +246,11 @@ class LLMEngine(
         (launched by the previous call), so the GPU already has the next step when Python waits.
         """
         t0 = self._step_started = time.perf_counter()
-        self._read = None
+        reporting = self.reporting
+        reporting.read = None
         self._mixed = False  # whether the step whose tokens this call returns had prompt tokens
         self.blocked = False
-        if self.async_scheduling or self._inflight is not None:
+        if self.async_scheduling or self.async_step.inflight is not None:
             outs = self._step_async()
         else:
             batch = self.scheduler.schedule()
@@ -219,13 +262,42 @@ class LLMEngine(
             kv_tokens = decode_kv_tokens(batch.items)
             outs = self._run_batch(batch.items)
             if kv_tokens:
-                self._read = (kv_tokens, time.perf_counter() - t0)
+                reporting.read = (kv_tokens, time.perf_counter() - t0)
         now = time.perf_counter()
         self.scheduler.step_time.observe(self._last_tokens, now - t0)
         self._last_tokens = 0
         self._pace(outs, now)
         if self.scheduler.outgrown:
             outs = self._outgrown() + outs
+        return outs
+
+    def _step_async(self) -> list[StepOutput]:
+        """Launch the next decode step, then read the step in flight; returns its tokens.
+
+        A batch that cannot run ahead (a prompt, draft tokens, logprobs, a repetition penalty)
+        first waits for the step in flight; it is then scheduled again by the next call.
+        """
+        ahead = self.async_step
+        prev, ahead.inflight = ahead.inflight, None
+        batch = self.scheduler.schedule()
+        # A sequence whose pending token is its last (length limit) needs no further step.
+        ends = ahead.ends_by_length
+        items = [(s, n) for s, n in batch.items if not (s.num_pending and ends(s))]
+        if items and ahead.can_run_ahead(items):
+            ahead.inflight, outs = ahead.launch(items, prev)
+            self._last_tokens = len(items)
+            return outs
+        if prev is not None:
+            return ahead.collect(prev)
+        self._last_tokens = batch.num_tokens
+        if not batch:
+            self.blocked = self._blocked(batch)
+            return []
+        self._mixed = self.scheduler.mixed
+        kv_tokens = decode_kv_tokens(batch.items)
+        outs = self._run_batch(batch.items)
+        if kv_tokens:
+            self.reporting.read = (kv_tokens, time.perf_counter() - self._step_started)
         return outs
 
     def _pace(self, outs: list[StepOutput], now: float) -> None:
@@ -247,7 +319,7 @@ class LLMEngine(
             self.scheduler.pace(now - self._last_round, self._mixed, tokens)
         if decoded:
             self._last_round = now
-        elif self._inflight is None:
+        elif self.async_step.inflight is None:
             self._last_round = None
 
     def _blocked(self, batch: ScheduledBatch) -> bool:
@@ -273,7 +345,7 @@ class LLMEngine(
         """Execute, sample and update one scheduled batch, step by step (no overlap)."""
         seqs = [s for s, _ in items]
         if any(s.spec_tokens for s in seqs):
-            return self._step_speculative(items)
+            return self.spec_step.step(items)
         scoring = plan_prompt_scoring(items)
         logits = self.runner.execute(items, scoring=scoring)
         if scoring is not None:
@@ -291,8 +363,9 @@ class LLMEngine(
             items = [it for _, it in done]
             seqs = [s for s, _ in items]
         # The forward is queued on the device; the masks are filled on the host meanwhile.
-        bitmask, mask_rows = self._masks(seqs)
-        hist, gen = self._sample_inputs(seqs)
+        inputs = self.sample_inputs
+        bitmask, mask_rows = inputs.masks(seqs)
+        hist, gen = inputs.histories(seqs)
         token_ids, logprobs = sample(
             logits,
             [s.params for s in seqs],
@@ -303,10 +376,11 @@ class LLMEngine(
             mask_rows,
         )
         outs: list[StepOutput] = []
+        append, prompt_scores = self.recorder.append, self.recorder.prompt_scores
         for (seq, n), tok, lp in zip(items, token_ids, logprobs, strict=True):
-            scored = self._prompt_scores(seq)
+            scored = prompt_scores(seq)
             seq.num_computed += n
-            reason = self._append_token(seq, tok, lp)
+            reason = append(seq, tok, lp)
             if seq.prefill_only:
                 # The prompt's KV (not the sampled token's, which is not computed yet) is leased
                 # to the decode worker, with the names its prefix cache gave the full blocks;
@@ -314,7 +388,7 @@ class LLMEngine(
                 self.scheduler.cache_blocks(seq)
                 full = seq.num_computed // seq.block_table.block_size
                 names = seq.block_table.hashes[:full]
-                blocks = self.scheduler.finish(seq, reason or "prefilled", keep_blocks=True)
+                blocks = self.scheduler.finish_request(seq, reason or "prefilled", keep_blocks=True)
                 seq.lease_id = self.leases.grant(
                     blocks,
                     seq.num_computed,
@@ -325,13 +399,140 @@ class LLMEngine(
                 self.seqs.pop(seq.seq_id, None)
                 reason = reason or "prefilled"
             elif reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish_request(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, [tok], [lp], reason is not None, scored))
         return outs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_unfinished()
+
+    # ---- requests in (admission) -----------------------------------------------------------
+    def validate_request(
+        self, prompt_token_ids: PromptIds, params: SamplingParams, tenant: str | None = None
+    ) -> None:
+        """Raise when a request cannot be served (`Admission.validate_request`)."""
+        self.admission.validate_request(prompt_token_ids, params, tenant)
+
+    def add_request(
+        self,
+        prompt_token_ids: PromptIds,
+        params: SamplingParams,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        tenant: str | None = None,
+        matcher: Any = None,
+    ) -> Sequence:
+        """Validate and queue a request (`Admission.add_request`)."""
+        return self.admission.add_request(
+            prompt_token_ids, params, request_id, prefill_only, tenant, matcher
+        )
+
+    def admit_prefilled(
+        self,
+        prompt_token_ids: PromptIds,
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        copy_in: Callable[[list[int], int], None],
+        rng_state: torch.Tensor | None = None,
+        tenant: str | None = None,
+        block_names: list[bytes] | None = None,
+        matcher: Any = None,
+    ) -> tuple[Sequence, bool]:
+        """Join a sequence prefilled elsewhere, its KV copied in now
+        (`Admission.admit_prefilled`)."""
+        return self.admission.admit_prefilled(
+            prompt_token_ids,
+            first_token,
+            params,
+            request_id,
+            copy_in,
+            rng_state,
+            tenant,
+            block_names,
+            matcher,
+        )
+
+    def reserve_prefilled(
+        self,
+        prompt_token_ids: PromptIds,
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        rng_state: torch.Tensor | None = None,
+        peer_blocks: list[int] | None = None,
+        tenant: str | None = None,
+        block_names: list[bytes] | None = None,
+        matcher: Any = None,
+    ) -> tuple[int, list[int]] | None:
+        """Blocks for a sequence prefilled elsewhere whose KV arrives later
+        (`Admission.reserve_prefilled`)."""
+        return self.admission.reserve_prefilled(
+            prompt_token_ids,
+            first_token,
+            params,
+            request_id,
+            rng_state,
+            peer_blocks,
+            tenant,
+            block_names,
+            matcher,
+        )
+
+    def start_prefilled(self, request_id: str) -> bool:
+        """A reserved sequence's KV is in: it joins (`Admission.start_prefilled`)."""
+        return self.admission.start_prefilled(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks; False when it is unknown."""
+        return self.admission.abort(request_id)
+
+    async def prepare_matcher(
+        self,
+        prompt_token_ids: Ids[int] | np.ndarray,
+        params: SamplingParams,
+        replay: Ids[int] = (),
+    ) -> Any:
+        """The grammar matcher of a constrained request (None when unconstrained), compiled on
+        the grammar pool's threads within its time and size budgets and replayed off the engine
+        thread, for a server to hand to `add_request`, `admit_prefilled` or
+        `reserve_prefilled` (`matcher=`): the running batch never waits for a grammar. Call it
+        from an event loop, on any thread but the engine's. The request is checked first (the
+        engine's own checks, but its pool's), so that nothing is compiled or replayed for one
+        that would be refused."""
+        return await self.sample_inputs.prepare_matcher(prompt_token_ids, params, replay)
+
+    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """Attach draft tokens to running sequences for the next step
+        (`SpeculativeStep.set_proposals`)."""
+        self.spec_step.set_proposals(proposals)
+
+    # ---- what the engine reports (reporting) ----------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (call it on the engine thread)."""
+        return self.reporting.stats()
+
+    def tenant_stats(self) -> list[dict[str, float | int | str]]:
+        """Per-tenant figures (`Reporting.tenant_stats`); safe from another thread."""
+        return self.reporting.tenant_stats()
+
+    def grammar_stats(self) -> dict[str, Any] | None:
+        """The grammar pool's figures; None before the first constrained request. Plain reads,
+        safe from another thread for metrics."""
+        return self.sample_inputs.grammar_stats()
+
+    def last_step_read(self) -> StepRead | None:
+        """Bytes and time of the latest decode step (`Reporting.last_step_read`)."""
+        return self.reporting.last_step_read()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     # ---- what services ask of the engine ------------------------------------------------
     def lease(self, lease_id: str | None) -> Lease | None:

@@ -11,26 +11,42 @@ from tandem.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
-    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.scheduler_interface import SchedulerInterface
     from tandem.kv.block_pool import BlockPool
     from tandem.kv.lease import LeaseTable
     from tandem.kv.prefix_cache import PrefixCache
 
 
-class ReportingMixin:
-    """Stats and step reads, for `LLMEngine`."""
+class Reporting:
+    """The engine's stats snapshot, per-tenant accounting and the latest decode step's reads.
 
-    config: EngineConfig
-    pool: BlockPool
-    prefix_cache: PrefixCache | None
-    scheduler: Scheduler
-    leases: LeaseTable
-    tenant_refusals: dict[str, int]
-    # Memory traffic of decode steps: fixed bytes per step, KV bytes per token, and what the
-    # latest step read (None: it was no decode step, or untimed).
-    _weight_bytes: int
-    _kv_token_bytes: int
-    _read: tuple[int, float] | None  # (KV tokens, seconds)
+    Built with what it reads: the pool, prefix cache, scheduler (its queues), lease table, the
+    per-tenant refusal counts admission keeps, the engine's settings, and the memory traffic of
+    a decode step (fixed bytes per step, KV bytes per token). The step loop writes `read`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        prefix_cache: PrefixCache | None,
+        scheduler: SchedulerInterface,
+        leases: LeaseTable,
+        tenant_refusals: dict[str, int],
+        weight_bytes: int,
+        kv_token_bytes: int,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.scheduler = scheduler
+        self.leases = leases
+        self.tenant_refusals = tenant_refusals
+        self.weight_bytes = weight_bytes
+        self.kv_token_bytes = kv_token_bytes
+        # What the latest step read: (KV tokens, seconds); None when it was no decode step, or
+        # one whose start is unknown.
+        self.read: tuple[int, float] | None = None
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state (call it on the engine thread)."""
@@ -78,10 +94,10 @@ class ReportingMixin:
         from its start on the device (the previous step's end, when the steps ran back to back)
         to its end as the host saw it, so host time that left the device idle counts. None
         when the latest `step()` ran no decode step, or none whose start is known."""
-        if self._read is None:
+        if self.read is None:
             return None
-        kv_tokens, seconds = self._read
-        return StepRead(self._weight_bytes + kv_tokens * self._kv_token_bytes, seconds)
+        kv_tokens, seconds = self.read
+        return StepRead(self.weight_bytes + kv_tokens * self.kv_token_bytes, seconds)
 
     @property
     def num_running(self) -> int:

@@ -62,7 +62,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set; allocates and frees their KV blocks."""
+    """Owns the waiting queue and the running set; allocates and frees their KV blocks.
+
+    Implements `SchedulerInterface` (scheduler_interface.py), what the engine's parts call."""
 
     # Under a time-per-output-token target, the least share of time prompts get beside decodes
     # (see `pace`).
@@ -97,10 +99,12 @@ class Scheduler:
         # Sequences finished because they outgrew the whole pool, until the engine reports them.
         self.outgrown: list[Sequence] = []
 
-    def add(self, seq: Sequence) -> None:
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins in arrival order when a step has room for it."""
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
+    def has_unfinished(self) -> bool:
+        """True while a sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     @staticmethod
@@ -137,7 +141,7 @@ class Scheduler:
                         i += 1  # its last tokens are still on the device: end it next step
                         continue
                     # Even an empty pool could not hold it: it ends here, at its length limit.
-                    self.finish(seq, "length")
+                    self.finish_request(seq, "length")
                     self.outgrown.append(seq)
                     break
                 # Even alone it cannot grow: preempt it too (it recomputes when blocks free up).
@@ -171,7 +175,7 @@ class Scheduler:
             seq = self.waiting[at]
             if self._outgrows_pool(seq, seq.num_tokens + 1) and seq.output_token_ids:
                 # Preempted after it grew too long to ever be scheduled again: it ends here.
-                self.finish(seq, "length")
+                self.finish_request(seq, "length")
                 self.outgrown.append(seq)
                 continue
             fit = self._allocate_for(seq)
@@ -265,7 +269,7 @@ class Scheduler:
         if self._quota_allows(seq, need):
             return False
         if self._outgrows_pool(seq, seq.num_tokens + len(seq.spec_tokens)) and not seq.num_pending:
-            self.finish(seq, "length")  # takes it out of the running set
+            self.finish_request(seq, "length")  # takes it out of the running set
             self.outgrown.append(seq)
         else:
             del self.running[i]
@@ -355,7 +359,7 @@ class Scheduler:
         """Another sequence may join the running set now (sequence limit, TPOT target)."""
         return len(self.running) < self._seq_limit()
 
-    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> list[int]:
+    def finish_request(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> list[int]:
         """Take a sequence out of the queues; free its blocks unless `keep_blocks` (returned).
 
         Its computed full blocks stay in the prefix cache either way.

@@ -13,25 +13,40 @@ from tandem.engine.prompt_logprobs import plan_prompt_scoring
 from tandem.engine.sampler import sample
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.spec_decode import accept_draft_tokens
-from tandem.engine.step_output import StepOutput
+from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
 
 if TYPE_CHECKING:
-    from tandem.engine.grammar import GrammarCompiler
     from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.sample_inputs import SampleInputs
+    from tandem.engine.scheduler_interface import SchedulerInterface
 
 
-class SpeculativeStepMixin:
-    """Draft tokens: attaching them to sequences and verifying them, for `LLMEngine`."""
+class SpeculativeStep:
+    """Draft tokens: attaching them to sequences and verifying them.
 
-    runner: ModelRunner
-    scheduler: Scheduler
-    seqs: dict[str, Sequence]
-    max_model_len: int
-    _grammars: GrammarCompiler | None
+    Built with what a verification step touches: the model runner, the scheduler (which
+    finishes sequences), the engine's map of live sequences, the context length, the sample
+    inputs (masks, penalty histories, grammars) and the token recorder.
+    """
 
-    def _step_speculative(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: SchedulerInterface,
+        seqs: dict[str, Sequence],
+        max_model_len: int,
+        sample_inputs: SampleInputs,
+        recorder: TokenRecorder,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.seqs = seqs
+        self.max_model_len = max_model_len
+        self.sample_inputs = sample_inputs
+        self.recorder = recorder
+
+    def step(self, items: list[tuple[Sequence, int]]) -> list[StepOutput]:
         """One target forward that also scores every sequence's draft tokens (k + 1 positions)."""
         counts = [1 + len(s.spec_tokens) for s, _ in items]
         scoring = plan_prompt_scoring(items)
@@ -52,8 +67,8 @@ class SpeculativeStepMixin:
         sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
         if plain:
             plain_seqs = [s for _, s in plain]
-            bitmask, mask_rows = self._masks(plain_seqs)
-            hist, gen = self._sample_inputs(plain_seqs)
+            bitmask, mask_rows = self.sample_inputs.masks(plain_seqs)
+            hist, gen = self.sample_inputs.histories(plain_seqs)
             toks, lps = sample(
                 logits[device_tensor(plain_rows, torch.long, logits.device)],
                 [s.params for s in plain_seqs],
@@ -65,6 +80,8 @@ class SpeculativeStepMixin:
             )
             sampled = {i: (t, lp) for (i, _), t, lp in zip(plain, toks, lps, strict=True)}
         row = 0
+        grammars = self.sample_inputs.grammars
+        append, prompt_scores = self.recorder.append, self.recorder.prompt_scores
         for i, ((seq, n), c) in enumerate(zip(items, counts, strict=True)):
             draft = seq.spec_tokens
             if i in partial:
@@ -74,8 +91,8 @@ class SpeculativeStepMixin:
             if draft:
                 masks = None
                 if seq.matcher is not None:
-                    assert self._grammars is not None
-                    masks = self._grammars.draft_masks(seq.matcher, draft)
+                    assert grammars is not None
+                    masks = grammars.draft_masks(seq.matcher, draft)
                 new, new_lps = accept_draft_tokens(
                     logits[row : row + c],
                     draft,
@@ -95,18 +112,18 @@ class SpeculativeStepMixin:
                 seq.num_computed += n
             row += c
             seq.spec_tokens = []
-            scored = self._prompt_scores(seq)
+            scored = prompt_scores(seq)
             reason = None
             emitted: list[int] = []
             emitted_lps: list[TokenLogprobs | None] = []
             for tok, lp in zip(new, new_lps, strict=True):
-                reason = self._append_token(seq, tok, lp)
+                reason = append(seq, tok, lp)
                 emitted.append(tok)
                 emitted_lps.append(lp)
                 if reason is not None:
                     break  # a stop inside the accepted run ends the sequence right there
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish_request(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
             outs.append(StepOutput(seq, emitted, emitted_lps, reason is not None, scored))
         return outs
@@ -125,6 +142,7 @@ class SpeculativeStepMixin:
             if seq.matcher is not None:
                 if seq.num_pending:
                     continue  # its grammar has not read the token in flight yet
-                assert self._grammars is not None
-                toks = self._grammars.draft_prefix(seq.matcher, toks)
+                grammars = self.sample_inputs.grammars
+                assert grammars is not None
+                toks = grammars.draft_prefix(seq.matcher, toks)
             seq.spec_tokens = toks

@@ -22,22 +22,24 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-class StepOutputMixin:
-    """Applying sampled tokens to sequences, for `LLMEngine`."""
+class TokenRecorder:
+    """Applies sampled tokens to their sequences: the grammar advanced, the token recorded, the
+    stop conditions checked against the model's end-of-sequence ids and context length."""
 
-    eos_token_ids: set[int]
-    max_model_len: int
+    def __init__(self, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
 
-    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> str | None:
+    def append(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> str | None:
         """Record a sampled token (and its logprobs) on its sequence; returns why the sequence
         ends with it ("stop", "length"), or None."""
-        self._accept(seq, tok)
+        self.accept(seq, tok)
         seq.output_token_ids.append(tok)
         seq.output_logprobs.append(lp)
-        return self._stop_reason(seq, tok)
+        return self.stop_reason(seq, tok)
 
     @staticmethod
-    def _prompt_scores(seq: Sequence) -> list[TokenLogprobs | None] | None:
+    def prompt_scores(seq: Sequence) -> list[TokenLogprobs | None] | None:
         """The prompt logprobs to report with the token this step samples for `seq`: the full
         list with its first token (called before that token is appended), else None."""
         if seq.params.prompt_logprobs is None or seq.output_token_ids:
@@ -45,13 +47,13 @@ class StepOutputMixin:
         return list(seq.prompt_logprobs)
 
     @staticmethod
-    def _accept(seq: Sequence, tok: int) -> None:
+    def accept(seq: Sequence, tok: int) -> None:
         """Advance the sequence's grammar by its new token (sampled under the grammar's mask)."""
         if seq.matcher is not None and not seq.matcher.is_terminated():
             if not seq.matcher.accept_token(tok):
                 raise RuntimeError(f"sampled token {tok} is outside the sequence's grammar")
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+    def stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"  # the grammar is complete: nothing may follow

@@ -89,6 +89,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
             )
+        if self.min_tokens and self.structured is not None:
+            # A complete grammar allows only the end of sequence, which min_tokens would forbid.
+            raise ValueError(
+                "min_tokens cannot be combined with structured output: the grammar decides where "
+                "the output ends"
+            )
         if not _finite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         _check_wire_float("temperature", self.temperature)

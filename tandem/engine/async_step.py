@@ -138,6 +138,7 @@ class AsyncStep:
             [()] * len(seqs),
             bitmask=bitmask,
             mask_rows=mask_rows,
+            banned=self.sample_inputs.bans(seqs),
         )
         kv_tokens = 0
         for seq in seqs:

@@ -374,6 +374,7 @@ class LLMEngine:
             gen,
             bitmask,
             mask_rows,
+            inputs.bans(seqs),
         )
         outs: list[StepOutput] = []
         append, prompt_scores = self.recorder.append, self.recorder.prompt_scores

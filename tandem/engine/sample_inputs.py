@@ -108,6 +108,24 @@ class SampleInputs:
         rows = [row_of[id(s)] for s in constrained]
         return self.grammars.bitmask([s.matcher for s in constrained], rows, len(batch)), rows
 
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """The ids that end a sequence of `params`: its stop tokens, and end of sequence unless
+        it ignores it. What `min_tokens` holds back."""
+        ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids += self.eos_token_ids
+        return ids
+
+    def bans(self, seqs: list[Sequence]) -> list[tuple[int, list[int]]]:
+        """(row, ids) for each sequence short of its `min_tokens` at the token about to be
+        sampled (tokens sampled and not yet collected, `num_pending`, count as generated): the
+        ids that would end it (`stop_ids`) are not sampled."""
+        return [
+            (i, self.stop_ids(s.params))
+            for i, s in enumerate(seqs)
+            if s.params.min_tokens and len(s.output_token_ids) + s.num_pending < s.params.min_tokens
+        ]
+
     @staticmethod
     def histories(seqs: list[Sequence]) -> tuple[list, list | None]:
         """Histories for the repetition penalty and generated tokens for OpenAI's penalties."""

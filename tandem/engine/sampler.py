@@ -129,6 +129,18 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return out
 
 
+def ban_tokens(logits: torch.Tensor, banned: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """Make each (row, token ids) of `banned` impossible (-inf); a new tensor, or `logits` when
+    nothing is banned."""
+    vocab = logits.shape[1]
+    lin = [r * vocab + t for r, ids in banned for t in ids if 0 <= t < vocab]
+    if not lin:
+        return logits
+    out = logits.clone(memory_format=torch.contiguous_format)
+    out.view(-1).index_fill_(0, device_tensor(lin, torch.long, logits.device), float("-inf"))
+    return out
+
+
 def process_logits(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -136,14 +148,18 @@ def process_logits(
     outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
     bitmask: torch.Tensor | None = None,
     mask_rows: Sequence[int] = (),
+    banned: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> torch.Tensor:
     """Every logits processor before temperature: repetition penalty (over `histories`,
-    prompt + output), frequency / presence penalties (over `outputs`), logit_bias, and the
+    prompt + output), frequency / presence penalties (over `outputs`), logit_bias, the tokens
+    `banned` per row (the stop tokens of a sequence short of its `min_tokens`), and the
     structured-output mask (`bitmask` row i constrains logits row i, for each i in `mask_rows`)."""
     x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
     if outputs is not None:
         x = apply_openai_penalties(x, params, outputs)
     x = apply_logit_bias(x, params)
+    if banned:
+        x = ban_tokens(x, banned)  # a copy when it bans anything
     if bitmask is not None and mask_rows:
         from tandem.engine.grammar import apply_token_bitmask
 
@@ -219,6 +235,7 @@ def sample_ids(
     outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
     bitmask: torch.Tensor | None = None,
     mask_rows: Sequence[int] = (),
+    banned: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> torch.Tensor:
     """Pick one token per row and return the ids as a [B] int64 tensor on `logits.device`.
 
@@ -228,7 +245,7 @@ def sample_ids(
     batch = _check_inputs(logits, params, generators, histories)
     if logits.dtype != torch.float32:
         logits = logits.float()
-    x = process_logits(logits, params, histories, outputs, bitmask, mask_rows)
+    x = process_logits(logits, params, histories, outputs, bitmask, mask_rows, banned)
     ids = argmax_rows(x)  # one Triton launch on CUDA, equal to x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -276,6 +293,7 @@ def sample(
     outputs: Sequence[Sequence[int] | torch.Tensor] | None = None,
     bitmask: torch.Tensor | None = None,
     mask_rows: Sequence[int] = (),
+    banned: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Pick the next token for every row and the logprobs each row asked for.
 
@@ -288,8 +306,9 @@ def sample(
     outputs: generated ids per row (frequency / presence penalties); None when no row has one.
     bitmask, mask_rows: structured output, `bitmask[i]` (xgrammar's packed int32 layout) holds
         the tokens row i may take, for each i in `mask_rows`.
+    banned: (row, token ids) that row may not take (`process_logits`).
     """
-    ids_t = sample_ids(logits, params, generators, histories, outputs, bitmask, mask_rows)
+    ids_t = sample_ids(logits, params, generators, histories, outputs, bitmask, mask_rows, banned)
     ids = ids_t.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(ids)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

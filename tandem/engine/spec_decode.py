@@ -28,6 +28,7 @@ def accept_draft_tokens(
     history: Sequence[int],  # the sequence's tokens before the drafts (repetition penalty)
     outputs: Sequence[int] = (),  # its generated tokens before the drafts (OpenAI penalties)
     bitmask: torch.Tensor | None = None,  # [k + 1, W]: structured output, a grammar mask a row
+    stop_ids: Sequence[int] = (),  # ids not taken while short of `params.min_tokens`
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Return the tokens to append: the accepted drafts, then one corrected or bonus token."""
     k = len(draft)
@@ -40,7 +41,8 @@ def accept_draft_tokens(
     for j in range(k + 1):
         # Each position's processors see the drafts accepted before it as history.
         mask = bitmask[j : j + 1] if bitmask is not None else None
-        row = process_logits(raw[j : j + 1], [params], [hist + out], [gen + out], mask, [0])
+        banned = [(0, stop_ids)] if len(gen) + len(out) < params.min_tokens else ()
+        row = process_logits(raw[j : j + 1], [params], [hist + out], [gen + out], mask, [0], banned)
         d = draft[j] if j < k else None
         if params.greedy:
             tok = int(row.argmax(dim=-1))

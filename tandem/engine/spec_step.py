@@ -77,6 +77,7 @@ class SpeculativeStep:
                 gen,
                 bitmask,
                 mask_rows,
+                self.sample_inputs.bans(plain_seqs),
             )
             sampled = {i: (t, lp) for (i, _), t, lp in zip(plain, toks, lps, strict=True)}
         row = 0
@@ -101,6 +102,7 @@ class SpeculativeStep:
                     seq.all_token_ids,
                     seq.output_token_ids,
                     masks,
+                    self.sample_inputs.stop_ids(seq.params) if seq.params.min_tokens else (),
                 )
                 seq.spec_proposed += len(draft)
                 seq.spec_accepted += len(new) - 1

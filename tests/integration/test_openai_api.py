@@ -795,18 +795,37 @@ def test_include_stop_str_in_output(client, stream):
     assert kept == cut + stop and text.startswith(kept), (text, cut, kept)
 
 
-def test_min_tokens_zero_accepted_more_refused(client):
-    msgs = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(
-        model="", messages=msgs, max_tokens=2, extra_body={"min_tokens": 0}
-    )
-    assert r.choices[0].message.content is not None
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
-            model="", messages=msgs, max_tokens=2, extra_body={"min_tokens": 4}
+def test_min_tokens_holds_the_end_back(client):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    kw = dict(model="", messages=msgs, max_tokens=60, temperature=0)
+    free = client.chat.completions.create(**kw)
+    assert free.choices[0].finish_reason == "stop"  # the model ends this reply by itself
+    n = free.usage.completion_tokens
+    r = client.chat.completions.create(**kw, extra_body={"min_tokens": n + 8})
+    assert r.usage.completion_tokens >= n + 8
+    assert r.choices[0].message.content.startswith(free.choices[0].message.content)
+    # Streamed, and a stop string that the free reply holds ends nothing before min_tokens.
+    words = free.choices[0].message.content.split()
+    stop = words[0]
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            **kw, stream=True, stop=[stop], extra_body={"min_tokens": n + 8}
         )
-    assert e.value.body["param"] == "min_tokens"
-    assert "min_tokens is not supported" in e.value.body["message"]
+        if c.choices
+    )
+    # The same tokens as the reply above, cut at a later stop: the first word, within the first
+    # min_tokens tokens, ended nothing (without min_tokens the text would be empty).
+    assert r.choices[0].message.content.startswith(text) and text.startswith(stop), (stop, text)
+    # Refused with the field named: more than max_tokens, or beside structured output.
+    for extra in (
+        {"min_tokens": 61},
+        {"min_tokens": -1},
+        {"min_tokens": 2, "response_format": {"type": "json_object"}},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**kw, extra_body=extra)
+        assert e.value.body["param"] == "min_tokens", (extra, e.value.body)
 
 
 def test_hint_fields_accepted_as_openai_documents_them(client):

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from tandem.config_kernels import ENGINE_FIELDS as KERNEL_ENGINE_FIELDS
 from tandem.config_kernels import KernelConfig
 from tandem.config_kernels import kernel_config as kernel_config  # re-exported: the settings API
 from tandem.config_kernels import set_kernel_config as set_kernel_config
@@ -120,11 +121,7 @@ class EngineConfig:
 
     def kernel_config(self) -> KernelConfig:
         """The kernel settings of this engine."""
-        return KernelConfig(
-            prefill_attention=self.prefill_attention,
-            deterministic=self.deterministic,
-            pdl=self.pdl,
-        )
+        return KernelConfig(**{name: getattr(self, name) for name in KERNEL_ENGINE_FIELDS})
 
     def resolved_device(self) -> torch.device:
         import torch

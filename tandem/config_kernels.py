@@ -8,6 +8,9 @@ from dataclasses import dataclass, field, fields
 from tandem.config_options import parse_value
 
 PREFILL_ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+# The fields that are also EngineConfig fields, of the same name and type: EngineConfig declares
+# their flags and TANDEM_* variables, and `from_env` reads those variables.
+ENGINE_FIELDS = ("prefill_attention", "deterministic", "pdl")
 
 
 def triton_interpreted() -> bool:
@@ -45,14 +48,11 @@ class KernelConfig:
     @classmethod
     def from_env(cls) -> KernelConfig:
         """The defaults, overridden by TANDEM_PREFILL_ATTENTION, TANDEM_DETERMINISTIC, TANDEM_PDL."""
-        from tandem.config import EngineConfig  # declares the TANDEM_* variables
-
-        known = {f.name: f for f in fields(EngineConfig)}
         opts = {}
         for f in fields(cls):
             env = os.environ.get(f"TANDEM_{f.name.upper()}")
-            if f.name in known and env is not None:
-                opts[f.name] = parse_value(env, known[f.name].type, f.name)
+            if f.name in ENGINE_FIELDS and env is not None:
+                opts[f.name] = parse_value(env, f.type, f.name)
         cfg = cls(**opts)
         cfg.validate()
         return cfg

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from tandem import config
 from tandem.config import EngineConfig, KernelConfig
+from tandem.config_kernels import ENGINE_FIELDS
 
 
 def test_defaults_and_environment(monkeypatch) -> None:
@@ -77,3 +80,10 @@ def test_engine_installs_its_kernel_settings() -> None:
     assert config.kernel_config() == llm.engine.config.kernel_config()
     assert config.kernel_config().deterministic and not config.kernel_config().pdl
     assert llm.engine.model.kernels is config.kernel_config()
+
+
+def test_engine_declares_the_kernel_variables() -> None:
+    # KernelConfig.from_env reads the variables of these EngineConfig fields by its own types.
+    engine = {f.name: str(f.type) for f in fields(EngineConfig)}
+    kernel = {f.name: str(f.type) for f in fields(KernelConfig)}
+    assert {n: kernel[n] for n in ENGINE_FIELDS} == {n: engine[n] for n in ENGINE_FIELDS}

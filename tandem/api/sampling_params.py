@@ -32,6 +32,23 @@ class StructuredOutput:
     accepted: list[int] = field(default_factory=list)
 
 
+def check_structured_fields(so: StructuredOutput, vocab_size: int | None = None) -> None:
+    """Raise `ValueError` when the kind is unknown or an accepted token is no token id; the
+    grammar itself is not parsed (see `tandem.api.structured.check_structured`)."""
+    if so.kind not in STRUCTURED_KINDS:
+        raise ValueError(
+            f"structured output (response_format) kind must be one of "
+            f"{', '.join(STRUCTURED_KINDS)}, got {so.kind!r}"
+        )
+    for t in so.accepted:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"structured output accepted tokens must be token ids, got {t!r}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(
+                f"structured output accepted holds {t}, outside the vocabulary [0, {vocab_size})"
+            )
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop. `temperature == 0` means greedy."""
@@ -172,9 +189,6 @@ class SamplingParams:
         if self.structured is not None:
             # Its fields only: the grammar is parsed where the request arrives (the gateway)
             # and compiled off the engine thread (the engine's grammar pool), not here, on it.
-            # Imported here: structured.py imports this module.
-            from tandem.api.structured import check_structured_fields
-
             check_structured_fields(self.structured, vocab_size)
 
 

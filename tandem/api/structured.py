@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.api.sampling_params import STRUCTURED_KINDS, StructuredOutput
+from tandem.api.sampling_params import StructuredOutput, check_structured_fields
 
 
 def load_xgrammar() -> Any:
@@ -49,23 +49,6 @@ def parse_choices(spec: str) -> list[str]:
             "non-empty strings"
         )
     return choices
-
-
-def check_structured_fields(so: StructuredOutput, vocab_size: int | None = None) -> None:
-    """Raise `ValueError` when the kind is unknown or an accepted token is no token id; the
-    grammar itself is not parsed (see `check_structured`)."""
-    if so.kind not in STRUCTURED_KINDS:
-        raise ValueError(
-            f"structured output (response_format) kind must be one of "
-            f"{', '.join(STRUCTURED_KINDS)}, got {so.kind!r}"
-        )
-    for t in so.accepted:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"structured output accepted tokens must be token ids, got {t!r}")
-        if vocab_size is not None and t >= vocab_size:
-            raise ValueError(
-                f"structured output accepted holds {t}, outside the vocabulary [0, {vocab_size})"
-            )
 
 
 def check_structured(so: StructuredOutput) -> None:

@@ -14,8 +14,12 @@ import tandem
 from tandem.api.sampling_params import SamplingParams, StructuredOutput
 from tandem.api.structured import check_structured
 from tandem.engine import spec_step
-from tandem.engine.grammar import apply_token_bitmask
-from tandem.engine.sampler import apply_logit_bias, apply_openai_penalties, sample
+from tandem.engine.sampler import (
+    apply_logit_bias,
+    apply_openai_penalties,
+    apply_token_bitmask,
+    sample,
+)
 from tandem.kv.block_copy import gather_copy
 
 xgr = pytest.importorskip("xgrammar")

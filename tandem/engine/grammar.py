@@ -2,11 +2,12 @@
 
 A constrained sequence owns one `xgrammar.GrammarMatcher` (`Sequence.matcher`). Each step, after
 the forward is launched, the host fills one bitmask row per constrained sequence (32 tokens per
-int32, bit set = allowed) while the device runs the forward;
-the sampler unpacks the rows on the logits' device and sets the disallowed logits to -inf; the
-sampled token is then accepted into the matcher. Under asynchronous scheduling a constrained
-decode step runs ahead like any other: its forward is enqueued, the previous step's tokens are
-read and accepted while the device runs it, and only its sampling waits for the masks.
+int32, bit set = allowed) while the device runs the forward; the sampler
+(`apply_token_bitmask` in `sampler.py`) unpacks the rows on the logits' device and sets the
+disallowed logits to -inf; the sampled token is then accepted into the matcher. Under
+asynchronous scheduling a constrained decode step runs ahead like any other: its forward is
+enqueued, the previous step's tokens are read and accepted while the device runs it, and only
+its sampling waits for the masks.
 
 The matcher's state is a function of the tokens it accepted, so a worker that takes a sequence
 over (the decode worker after the prefill worker's first token, or after a failover) replays
@@ -41,7 +42,6 @@ from tandem.api.structured import (
     xgrammar_error,
 )
 from tandem.engine.grammar_pool import GrammarPool
-from tandem.host_copy import device_tensor, to_device
 
 
 class GrammarCompiler:
@@ -166,25 +166,3 @@ class GrammarCompiler:
         for m, row in zip(matchers, rows, strict=True):
             m.fill_next_token_bitmask(mask, row)
         return mask
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set to -inf, in place, the logits of each row in `rows` whose bit in the same row of
-    `bitmask` is 0 (bit k of word w allows token 32 * w + k; ids past the mask are disallowed).
-
-    logits: [B, V] float on any device; bitmask: [B, W] int32 on the host (copied to the logits'
-    device without a synchronization). xgrammar's kernel: one Triton launch on a GPU, its C++
-    loop on a CPU.
-    """
-    if not rows:
-        return
-    vocab = logits.shape[1]
-    if bitmask.shape[1] * 32 < vocab:
-        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
-    device = logits.device
-    load_xgrammar().apply_token_bitmask_inplace(
-        logits,
-        to_device(bitmask, device),
-        vocab_size=vocab,
-        indices=device_tensor(list(rows), torch.int32, device),
-    )

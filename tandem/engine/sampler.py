@@ -17,6 +17,7 @@ import torch
 
 from tandem.api.logprobs import TokenLogprobs
 from tandem.api.sampling_params import SamplingParams
+from tandem.api.structured import load_xgrammar
 from tandem.host_copy import device_tensor, to_device
 from tandem.kernels.argmax import argmax_rows
 
@@ -161,12 +162,32 @@ def process_logits(
     if banned:
         x = ban_tokens(x, banned)  # a copy when it bans anything
     if bitmask is not None and mask_rows:
-        from tandem.engine.grammar import apply_token_bitmask
-
         if x is logits:
             x = logits.clone()
         apply_token_bitmask(x, bitmask, mask_rows)
     return x
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set to -inf, in place, the logits of each row in `rows` whose bit in the same row of
+    `bitmask` is 0 (bit k of word w allows token 32 * w + k; ids past the mask are disallowed).
+
+    logits: [B, V] float on any device; bitmask: [B, W] int32 on the host (copied to the logits'
+    device without a synchronization). xgrammar's kernel: one Triton launch on a GPU, its C++
+    loop on a CPU.
+    """
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1]} words cannot cover {vocab} tokens")
+    device = logits.device
+    load_xgrammar().apply_token_bitmask_inplace(
+        logits,
+        to_device(bitmask, device),
+        vocab_size=vocab,
+        indices=device_tensor(list(rows), torch.int32, device),
+    )
 
 
 def warp_logits(

@@ -29,48 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from launch import Launched
+from report import percentile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GAP_RATIO_LIMIT = 1.3  # threshold workload: the decode worker "loses" past this P99-gap ratio
-
-
-# ---- a random checkpoint ----------------------------------------------------------------------
-def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> str:
-    """A Hugging Face directory with random weights of `shape` (llama3-8b | smoke) and a
-    word-level tokenizer over its vocabulary; reused when it already exists (it is written
-    beside `path` and renamed into place, so an interrupted write leaves no partial one)."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ValueError(f"{path!r} exists and is no checkpoint: give a new or empty directory")
-    import shutil
-
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from bench.llama_random import LLAMA3_8B, SMOKE, build_hf_model
-
-    dims = {"llama3-8b": LLAMA3_8B, "smoke": SMOKE}[shape]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = build_hf_model(dims, device, getattr(torch, dtype))
-    partial = f"{path.rstrip(os.sep)}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    model.save_pretrained(partial)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the stages that load it need the memory more than we do
-    vocab = dims["vocab_size"]
-    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w2", bos_token="w1").save_pretrained(
-        partial
-    )
-    if os.path.isdir(path):
-        os.rmdir(path)  # empty (checked above)
-    os.rename(partial, path)
-    return path
 
 
 # ---- one request --------------------------------------------------------------------------------
@@ -142,15 +105,11 @@ def gaps(recs: list[Rec], since: float = 0.0, until: float = float("inf")) -> li
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    from serve import percentile
-
     v = percentile(xs, q)
     return None if v is None else v * 1e3
 
 
-def _launch(args: Any, extra: list[str]) -> Any:
-    from serve import Launched
-
+def _launch(args: Any, extra: list[str]) -> Launched:
     up = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if args.model:
         up += ["--model", args.model]
@@ -438,6 +397,8 @@ def run(args: Any) -> dict:
     from tandem.model.info import load_model_info
 
     if args.random_llama:
+        from llama_random import write_random_checkpoint  # torch, only for a random model
+
         args.model = write_random_checkpoint(args.random_llama, args.random_shape)
     mc, _, model_path = load_model_info(args.model)
     vocab = mc.vocab_size

@@ -125,6 +125,42 @@ def build_hf_model(shape: dict[str, Any], device: str, dtype: torch.dtype):
     return model.eval()
 
 
+def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> str:
+    """A Hugging Face directory with random weights of `shape` (llama3-8b | smoke) and a
+    word-level tokenizer over its vocabulary; reused when it already exists (it is written
+    beside `path` and renamed into place, so an interrupted write leaves no partial one)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"{path!r} exists and is no checkpoint: give a new or empty directory")
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    dims = {"llama3-8b": LLAMA3_8B, "smoke": SMOKE}[shape]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = build_hf_model(dims, device, getattr(torch, dtype))
+    partial = f"{path.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    model.save_pretrained(partial)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the stages that load it need the memory more than we do
+    vocab = dims["vocab_size"]
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w2", bos_token="w1").save_pretrained(
+        partial
+    )
+    if os.path.isdir(path):
+        os.rmdir(path)  # empty (checked above)
+    os.rename(partial, path)
+    return path
+
+
 class _NoTokenizer:
     """The engine reads only `eos_token_ids` from a tokenizer; benchmarks pass token ids."""
 

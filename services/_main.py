@@ -14,9 +14,9 @@ from tandem.config import (
     gateway_config_from_args,
     metrics_port_of,
     metrics_token_from_args,
-    stage_credentials_from_args,
     stage_parser,
 )
+from tandem.rpc.auth import stage_credentials_from_args
 
 
 def run_stage(

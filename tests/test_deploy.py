@@ -23,6 +23,7 @@ import yaml
 
 from tandem import cli, config
 from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, EngineConfig, stage_parser
+from tandem.rpc.auth import stage_credentials_from_args
 from tests.conftest import run_healthcheck, self_signed_cert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,7 +431,7 @@ def test_compose_stages_get_generated_credentials_by_role(compose, stage, monkey
     for var, p in written.items():
         assert open(p).read() == first[var] and len(first[var]) >= 32
         assert os.stat(p).st_mode & 0o777 == 0o600
-    creds = config.stage_credentials_from_args(parse_stage_command(svc["command"])[1], stage)
+    creds = stage_credentials_from_args(parse_stage_command(svc["command"])[1], stage)
     sent = "TANDEM_GATEWAY_SECRET_FILE" if stage == "gateway" else "TANDEM_STAGE_SECRET_FILE"
     assert creds.sent == first[sent].encode()
 
@@ -880,7 +881,7 @@ def test_k8s_stage_tls_component(tmp_path, with_spec, monkeypatch):
                 m.delenv(name, raising=False)
             for name, value in local.items():
                 m.setenv(name, value)
-            creds = config.stage_credentials_from_args(_stage_args(docs, stage), stage)
+            creds = stage_credentials_from_args(_stage_args(docs, stage), stage)
         assert creds.tls_root == cert.read_bytes(), stage
         if stage == "gateway":
             # It calls the stages; the private key stays out of its pod.

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
-from tandem.config import stage_credentials_from_args, stage_parser
-from tandem.rpc.auth import StageCredentials, add_stage_port, tls_words
+from tandem.config import stage_parser
+from tandem.rpc.auth import StageCredentials, add_stage_port, stage_credentials_from_args, tls_words
 from tandem.rpc.health import probe
 from tandem.stage_certs import make_stage_certs
 

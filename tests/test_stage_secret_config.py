@@ -7,10 +7,10 @@ import pytest
 
 from tandem.config import (
     gateway_config_from_args,
-    stage_credentials_from_args,
     stage_parser,
     stage_secret_from_args,
 )
+from tandem.rpc.auth import stage_credentials_from_args
 from tandem.up import Secrets, _stage_env
 
 

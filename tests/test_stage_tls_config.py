@@ -10,8 +10,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.config import stage_credentials_from_args, stage_parser
-from tandem.rpc.auth import StageCredentials, add_stage_port, stage_channel, unreachable_hint
+from tandem.config import stage_parser
+from tandem.rpc.auth import (
+    StageCredentials,
+    add_stage_port,
+    stage_channel,
+    stage_credentials_from_args,
+    unreachable_hint,
+)
 from tandem.rpc.health import probe
 from tests.conftest import self_signed_cert
 

@@ -17,11 +17,15 @@ open for probes.
 from __future__ import annotations
 
 import hmac
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from tandem.config import StageAuthConfig, StageTlsConfig
+from tandem.config_options import dataclass_from_args
 from tandem.rpc.limits import ReceiveLimitInterceptor, method_name, server_options
 
 # The metadata key every call between stages carries its credential under.
@@ -327,3 +331,139 @@ def stage_channel_sync(address: str, credentials: StageCredentials | None) -> gr
     else:
         ch = grpc.insecure_channel(address)
     return grpc.intercept_channel(ch, _SendSecretSync(creds.sent)) if creds.sent else ch
+
+
+# ---- credentials from the declared settings --------------------------------------------------
+def _flag(name: str) -> str:
+    """How a user names a setting: its flag and its variable."""
+    return f"--{name.replace('_', '-')} (TANDEM_{name.upper()})"
+
+
+def _read_pem(path: str, name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{_flag(name)} file {path!r} cannot be read: {e.strerror}") from e
+
+
+def _refuse_encrypted_key() -> bytes:
+    raise ValueError("the key is encrypted")
+
+
+def _stage_tls_files(
+    cfg: StageTlsConfig, stage: str
+) -> tuple[bytes | None, tuple[bytes, bytes] | None]:
+    """(CA bundle, (private key, certificate chain)) read from `cfg`'s files, PEM, each None when
+    not set; every mistake (a missing or unreadable file, a key without its certificate, files
+    that are not PEM or do not match) is a ValueError naming the setting and the file."""
+    if (cfg.stage_tls_cert is None) != (cfg.stage_tls_key is None):
+        given, missing = (
+            ("stage_tls_cert", "stage_tls_key")
+            if cfg.stage_tls_key is None
+            else ("stage_tls_key", "stage_tls_cert")
+        )
+        raise ValueError(
+            f"{_flag(given)} is given without {_flag(missing)}: a stage serves TLS with both"
+        )
+    if cfg.stage_tls_cert is not None and stage == "gateway":
+        raise ValueError(
+            "the gateway serves no stage port: --stage-tls-cert and --stage-tls-key are for the "
+            "prefill, decode and draft workers (TLS on the gateway's own ports: --tls-cert and "
+            "--tls-key; to the workers: --stage-tls-ca, and with --stage-mtls "
+            "--stage-tls-client-cert and --stage-tls-client-key)"
+        )
+    root = pair = None
+    if cfg.stage_tls_ca is not None:
+        root = _read_pem(cfg.stage_tls_ca, "stage_tls_ca")
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(
+                cadata=root.decode("ascii", "replace")
+            )
+        except (ssl.SSLError, ValueError) as e:
+            raise ValueError(
+                f"{_flag('stage_tls_ca')} file {cfg.stage_tls_ca!r} holds no PEM certificate: {e}"
+            ) from None
+    if cfg.stage_tls_cert is not None:
+        pair = _key_and_cert(cfg, "stage_tls_cert", "stage_tls_key")
+    return root, pair
+
+
+def _key_and_cert(cfg: StageTlsConfig, cert_name: str, key_name: str) -> tuple[bytes, bytes]:
+    """(private key, certificate chain), PEM, from the files of the settings `cert_name` and
+    `key_name`; ValueError naming both when they are unreadable or not a matching pair."""
+    cert_path, key_path = getattr(cfg, cert_name), getattr(cfg, key_name)
+    cert = _read_pem(cert_path, cert_name)
+    key = _read_pem(key_path, key_name)
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+            cert_path, key_path, password=_refuse_encrypted_key
+        )
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(
+            f"{_flag(cert_name)} file {cert_path!r} and {_flag(key_name)} file {key_path!r} are "
+            f"not a PEM certificate and its unencrypted private key: {e}"
+        ) from None
+    return key, cert
+
+
+def _stage_tls_client(
+    cfg: StageTlsConfig, stage: str, pair: tuple[bytes, bytes] | None
+) -> tuple[bytes, bytes] | None:
+    """The client certificate (private key, certificate chain) of the `stage` process, None when
+    not given (a worker then presents its stage certificate `pair`). ValueError for a half-given pair, a client certificate without a CA, and mutual TLS asked
+    of a process that misses what it needs."""
+    if (cfg.stage_tls_client_cert is None) != (cfg.stage_tls_client_key is None):
+        given, missing = (
+            ("stage_tls_client_cert", "stage_tls_client_key")
+            if cfg.stage_tls_client_key is None
+            else ("stage_tls_client_key", "stage_tls_client_cert")
+        )
+        raise ValueError(
+            f"{_flag(given)} is given without {_flag(missing)}: a process presents its client "
+            "certificate with its key"
+        )
+    client = None
+    if cfg.stage_tls_client_cert is not None:
+        if cfg.stage_tls_ca is None:
+            raise ValueError(
+                f"{_flag('stage_tls_client_cert')} is presented over TLS, which needs "
+                f"{_flag('stage_tls_ca')}: the CA bundle that vouches for the stages called"
+            )
+        client = _key_and_cert(cfg, "stage_tls_client_cert", "stage_tls_client_key")
+    if cfg.stage_mtls:
+        if cfg.stage_tls_ca is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')} needs {_flag('stage_tls_ca')}: the CA bundle that signs "
+                "the certificates of the stages and of their callers"
+            )
+        if stage == "gateway" and client is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')}: the gateway presents a client certificate to the "
+                f"stages it calls; give {_flag('stage_tls_client_cert')} and "
+                f"{_flag('stage_tls_client_key')}, signed by the stage CA"
+            )
+        if stage != "gateway" and pair is None:
+            raise ValueError(
+                f"{_flag('stage_mtls')} needs {_flag('stage_tls_cert')} and "
+                f"{_flag('stage_tls_key')}: a {stage} worker's port asks its callers for their "
+                "certificate over TLS"
+            )
+    return client
+
+
+def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
+    """How the `stage` process (gateway, prefill, decode, draft) takes part in the stage network:
+    its credentials and TLS files (StageAuthConfig, StageTlsConfig), from parsed flags, then
+    TANDEM_* variables. Raises ValueError naming what is wrong."""
+    secret, gateway = dataclass_from_args(StageAuthConfig, args).credentials(stage)
+    tls = dataclass_from_args(StageTlsConfig, args)
+    root, pair = _stage_tls_files(tls, stage)
+    return StageCredentials(
+        secret=secret,
+        gateway_secret=gateway,
+        tls_root=root,
+        tls_cert=pair,
+        tls_client=_stage_tls_client(tls, stage, pair),
+        require_client_cert=tls.stage_mtls and stage != "gateway",
+    )

@@ -136,3 +136,24 @@ def test_generate_decodes_text_once_unless_a_stop_string_needs_it(llm, monkeypat
     stop = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True, stop=["zzz"])
     assert [o.text for o in llm.generate(prompts, stop)] == [o.text for o in outs]
     assert len(calls) >= 16 * len(prompts)
+
+
+def test_engine_parts_are_given_what_they_use_not_the_engine(llm):
+    """Each part of the engine holds what its constructor was given, never the engine itself,
+    and the parts share the engine's map of live sequences and its pool."""
+    eng = llm.engine
+    parts = [
+        eng.admission,
+        eng.sample_inputs,
+        eng.recorder,
+        eng.async_step,
+        eng.spec_step,
+        eng.reporting,
+        eng.scheduler,
+        eng.runner,
+    ]
+    for part in parts:
+        assert all(v is not eng for v in vars(part).values()), type(part).__name__
+    assert eng.admission.seqs is eng.seqs and eng.async_step.seqs is eng.seqs
+    assert eng.spec_step.seqs is eng.seqs
+    assert eng.admission.pool is eng.pool and eng.reporting.pool is eng.pool

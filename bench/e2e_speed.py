@@ -45,9 +45,9 @@ def build(shape: dict, device: str, seed: int = 0):
     """(float weights, RTN INT4 g128 weights, config) of a random Llama of `shape`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tandem.formats.weight import quantize_weights
     from tandem.model.config import ModelConfig
     from tandem.quant.recipe import Recipe, resolve_specs
-    from tandem.quant.weights import quantize_weights
 
     torch.manual_seed(seed)
     hf_cfg = LlamaConfig(**shape)

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
 
+from tandem.formats.weight import QuantizedWeight, pack  # noqa: E402
 from tandem.quant.external import load_external  # noqa: E402
-from tandem.quant.format import QuantizedWeight, pack  # noqa: E402
 
 GROUP = 128
 TOLERANCE = 0.03

@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tandem.formats.weight import QuantizedWeight, quantize_rtn  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
-from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
 
 COPIES = 16
 

@@ -28,10 +28,10 @@ def int4_engine(hf, **opts):
     """The engine over the same weights, every linear layer RTN-quantized to INT4 g128."""
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
+    from tandem.formats.weight import LayerSpec, quantize_weights
     from tandem.model.config import ModelConfig
+    from tandem.model.layer_names import linear_layer_names
     from tandem.model.loader import LoadedModel
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
 
     cfg = ModelConfig.from_hf(hf.config.to_dict(), name="random-llama-int4")
     specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}

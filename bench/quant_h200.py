@@ -52,6 +52,7 @@ for path in (ROOT, os.path.join(ROOT, "bench")):  # tandem, and llama_random bes
 import llama_random as lr  # noqa: E402
 
 from tandem import config  # noqa: E402
+from tandem.formats.weight import QuantizedWeight, quantize_rtn  # noqa: E402
 from tandem.kernels.w4a16 import (  # noqa: E402
     GemmConfig,
     GemvConfig,
@@ -62,7 +63,6 @@ from tandem.kernels.w4a16 import (  # noqa: E402
     n_major,
     w4a16_matmul_triton,
 )
-from tandem.quant.format import QuantizedWeight, quantize_rtn  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 LLAMA3_8B = dict(
@@ -486,11 +486,11 @@ def decode_section(dev: str, smoke: bool, results: dict) -> None:
     """Rows: weights (bf16; int4 = every decoder linear INT4 g128, LM head and embedding bf16;
     int4_all = also the LM head INT4 g128 and the embedding INT8 g128) x KV dtype x PDL on/off.
     The PDL rows differ only in the `pdl` kernel setting (same weights, same run)."""
+    from tandem.formats.weight import LayerSpec, quantize_weights
     from tandem.kernels import pdl
     from tandem.kv.cache import KVCache
+    from tandem.model.layer_names import linear_layer_names
     from tandem.model.llama import AttentionMetadata, LlamaModel
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
 
     cfg = llama_config(smoke)
     dtype = torch.bfloat16
@@ -688,9 +688,9 @@ def e2e_section(dev: str, smoke: bool, results: dict) -> None:
 
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
+    from tandem.formats.weight import LayerSpec, quantize_weights
+    from tandem.model.layer_names import linear_layer_names
     from tandem.model.loader import LoadedModel
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
 
     modes = {"default": {}, "deterministic": {"TANDEM_DETERMINISTIC": "1"}}
     modes.update(json.loads(os.environ.get("QUANT_H200_MODES", "{}")))  # as the decode rows'

@@ -81,12 +81,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tandem.formats.weight import LayerSpec, QuantizedWeight, dequantize_weights  # noqa: E402
+from tandem.model.gguf_loader import load_gguf_q4_1  # noqa: E402
 from tandem.model.info import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
 from tandem.quant.checkpoint import info_of, read_quantization, save_quantized  # noqa: E402
 from tandem.quant.eval import perplexity  # noqa: E402
-from tandem.quant.format import QuantizedWeight  # noqa: E402
 from tandem.quant.pipeline import (  # noqa: E402
     default_calibration_path,
     on_device,
@@ -94,8 +95,7 @@ from tandem.quant.pipeline import (  # noqa: E402
     tune_end_to_end,
 )
 from tandem.quant.profile import profile_weights, suggest_recipe  # noqa: E402
-from tandem.quant.recipe import LayerSpec, Recipe  # noqa: E402
-from tandem.quant.weights import dequantize_weights, load_gguf_q4_1  # noqa: E402
+from tandem.quant.recipe import Recipe  # noqa: E402
 
 CALIBRATED = (
     "awq",

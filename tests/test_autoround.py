@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 
+from tandem.formats.weight import LayerSpec, quantize_rtn
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import cos_sin_table
 from tandem.quant.autoround import LearnedWeight, check_options, decoder_layer, tune_layer
-from tandem.quant.format import quantize_rtn
-from tandem.quant.recipe import LayerSpec
 
 SEQS, LEN = 8, 32
 PROJ = (
@@ -169,9 +168,9 @@ def test_bad_options_are_refused(iters, lr, batch, message) -> None:
 def test_quantize_autoround_round_trips(model_factory, tmp_path) -> None:
     """`quantize_model(method="awq-autoround")` on a small Llama writes INT4 g128 weights that
     load back bit for bit, and bad options stop it before any work with a clear error."""
+    from tandem.formats.weight import QuantizedWeight
     from tandem.model.loader import load_model
     from tandem.quant.checkpoint import save_quantized
-    from tandem.quant.format import QuantizedWeight
     from tandem.quant.pipeline import quantize_model
     from tandem.quant.recipe import Recipe
 

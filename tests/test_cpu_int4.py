@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.formats.gguf import q8_0_to_quantized
+from tandem.formats.weight import quantize_rtn
 from tandem.kernels import cpu_int4
 from tandem.layers.linear import cpu_linear, pack_cpu_weight
-from tandem.quant.format import quantize_rtn
-from tandem.quant.weights import q8_0_to_quantized
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import torch
 import tandem
 from tandem.config import EngineConfig
 from tandem.engine.draft_models import int4_weights, load_draft_model
+from tandem.formats.weight import QuantizedWeight
 from tandem.model.loader import load_model
-from tandem.quant.format import QuantizedWeight
 from tests.conftest import build_random_model
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import QuantizedWeight, dequantize_weights
 from tandem.model.rotary import cos_sin_table
 from tandem.quant.e2e import check_options, e2e_tune, forward_logits
-from tandem.quant.format import QuantizedWeight
-from tandem.quant.weights import dequantize_weights
 
 
 def _calib_file(tmp_path, words: int, seed: int):

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import tandem
+from tandem.formats.weight import QuantizedWeight
 from tandem.quant.external import UnsupportedQuantization, check_quantization_config
-from tandem.quant.format import QuantizedWeight
 
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ GEMM, 4 bits
 

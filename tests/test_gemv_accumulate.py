@@ -17,13 +17,13 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from conftest import require_interpreter  # noqa: E402
 
+from tandem.formats.weight import quantize_rtn  # noqa: E402
 from tandem.kernels import activation as act  # noqa: E402
 from tandem.kernels import rmsnorm as rn  # noqa: E402
 from tandem.kernels import rotary as rot  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
 from tandem.model.config import ModelConfig  # noqa: E402
 from tandem.model.rotary import cos_sin_table  # noqa: E402
-from tandem.quant.format import quantize_rtn  # noqa: E402
 
 DT = torch.float16  # the activation dtype here (the interpreter has no bfloat16)
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import tandem
-from tandem.quant.format import quantize_rtn
+from tandem.formats.weight import LayerSpec, quantize_rtn
 from tandem.quant.gptq import gptq_layer
-from tandem.quant.recipe import LayerSpec
 
 
 def _correlated_inputs(t: int, k: int, seed: int) -> torch.Tensor:
@@ -80,8 +79,8 @@ def test_quantize_gptq_checkpoint_loads(model_factory, tmp_path) -> None:
     """`tandem quantize --method gptq` writes a checkpoint tandem.LLM loads, holding the weights
     GPTQ made."""
     from tandem.cli import main
+    from tandem.formats.weight import QuantizedWeight
     from tandem.model.loader import load_model
-    from tandem.quant.format import QuantizedWeight
 
     _, path = model_factory("llama")
     calib = tmp_path / "calib.txt"

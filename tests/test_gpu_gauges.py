@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem import nvml
 from tandem.engine.roofline import StepRead, kv_bytes_per_token, tensor_bytes, weight_bytes
+from tandem.formats.weight import quantize_rtn
 from tandem.metrics import DecodeMetrics, watch_gpu
-from tandem.quant.format import quantize_rtn
 
 # Small Llama: hidden 64, 2 layers, 4 query heads and 2 KV heads of 16, MLP 160, vocab 512.
 SHAPE = dict(
@@ -277,7 +277,7 @@ def test_int4_weight_bytes_by_hand():
 
 
 def test_packed_int4_weight_bytes_by_hand():
-    # The GPU layout (tandem.quant.format): int32 words of eight 4-bit codes, float16 scales and
+    # The GPU layout (tandem.formats.weight): int32 words of eight 4-bit codes, float16 scales and
     # zero points per group of 128; K = 160 is padded to 256.
     w = quantize_rtn(torch.randn(96, 160), bits=4, group_size=128)
     assert tensor_bytes(w) == 96 * 256 // 2 + 2 * 96 * 2 * 2

@@ -45,14 +45,8 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         "stage_certs needs cryptography, optional; the rest: lazy, no loop; not yet examined whether it can move to the top",
     ),
     "tandem.engine.draft_models": (
-        (
-            "tandem.quant.checkpoint",
-            "tandem.quant.format",
-            "tandem.quant.pipeline",
-            "tandem.quant.recipe",
-            "tandem.quant.weights",
-        ),
-        "self-int4 drafts run the quantization tool at start-up, only when asked",
+        ("tandem.quant.checkpoint",),
+        "self-int4:DIR checks that DIR is a `tandem quantize` checkpoint, only when asked",
     ),
     "tandem.engine.engine_loop": (
         ("tandem.engine.llm_engine",),
@@ -65,10 +59,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     "tandem.engine.proposers": (
         ("tandem.engine.draft_models",),
         "a draft model (torch, weights) only for the model proposers",
-    ),
-    "tandem.kernels.rotary": (
-        ("tandem.quant.kv",),
-        "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "tandem.kv.transports": (
         (
@@ -101,9 +91,9 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "tandem.quant.cli": (
         (
+            "tandem.formats.weight",
             "tandem.model.loader",
             "tandem.quant.checkpoint",
-            "tandem.quant.format",
             "tandem.quant.profile",
             "tandem.quant.recipe",
         ),
@@ -115,18 +105,14 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "tandem.quant.pipeline": (
         (
+            "tandem.formats.weight",
             "tandem.quant.autoround",
             "tandem.quant.awq",
             "tandem.quant.e2e",
             "tandem.quant.gptq",
             "tandem.quant.recipe",
-            "tandem.quant.weights",
         ),
         "one calibration method loaded per recipe step",
-    ),
-    "tandem.quant.weights": (
-        ("tandem.model.gguf_loader", "tandem.model.gguf_meta"),
-        "GGUF reading only for a GGUF model",
     ),
     "tandem.rpc.convert": (
         ("tandem.engine.admission", "tandem.kv.block_pool", "tandem.kv.layout", "tandem.tenants"),
@@ -137,7 +123,7 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "bench.e2e_speed": (
-        ("tandem.model.config", "tandem.quant.e2e", "tandem.quant.recipe", "tandem.quant.weights"),
+        ("tandem.formats.weight", "tandem.model.config", "tandem.quant.e2e", "tandem.quant.recipe"),
         "benchmark: torch and the model loaded for the run, not for --help",
     ),
     "bench.engine_cpu": (
@@ -161,10 +147,10 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
             "tandem",
             "tandem.config",
             "tandem.engine.llm_engine",
+            "tandem.formats.weight",
             "tandem.model.config",
+            "tandem.model.layer_names",
             "tandem.model.loader",
-            "tandem.quant.recipe",
-            "tandem.quant.weights",
         ),
         "each gate row loads its benchmark (after putting bench/ on sys.path) when run",
     ),
@@ -204,10 +190,10 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         (
             "tandem.config",
             "tandem.engine.llm_engine",
+            "tandem.formats.weight",
             "tandem.model.config",
+            "tandem.model.layer_names",
             "tandem.model.loader",
-            "tandem.quant.recipe",
-            "tandem.quant.weights",
         ),
         "benchmark: torch and the model loaded for the run, not for --help",
     ),
@@ -215,15 +201,15 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         (
             "tandem.config",
             "tandem.engine.llm_engine",
+            "tandem.formats.weight",
             "tandem.kernels.argmax",
             "tandem.kernels.pdl",
             "tandem.kv.cache",
             "tandem.model.config",
+            "tandem.model.layer_names",
             "tandem.model.llama",
             "tandem.model.loader",
             "tandem.model.synthetic",
-            "tandem.quant.recipe",
-            "tandem.quant.weights",
         ),
         "benchmark: each measurement loads what it runs",
     ),
@@ -268,15 +254,16 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     ),
 }
 
-# Serving-path packages that must not import the offline quantization tool at module level. They
-# read the run-time formats that still live in tandem/quant/ (QUANT_FORMATS); the rest of
-# tandem/quant/ (calibration, recipes, checkpoints, its CLI) sits above the model.
-BELOW_QUANT = ("tandem.kernels", "tandem.kv", "tandem.layers", "tandem.model", "tandem.engine")
-QUANT_FORMATS = (
-    "tandem.quant.format",
-    "tandem.quant.kv",
-    "tandem.quant.linear",
-    "tandem.quant.weights",
+# Serving-path packages: they read the run-time formats (tandem/formats/) and import nothing of
+# the offline quantization tool (tandem/quant/: calibration, recipes, checkpoints, its CLI) at
+# module level; it sits above the model.
+BELOW_QUANT = (
+    "tandem.kernels",
+    "tandem.kv",
+    "tandem.layers",
+    "tandem.model",
+    "tandem.engine",
+    "tandem.formats",
 )
 
 
@@ -445,9 +432,17 @@ def test_serving_path_does_not_import_quant_tool() -> None:
         if not i.in_function
         and i.importer.startswith(BELOW_QUANT)
         and (i.target == "tandem.quant" or i.target.startswith("tandem.quant."))
-        and i.target not in QUANT_FORMATS
     ]
     assert not up, "module-level import of tandem.quant below it:\n  " + "\n  ".join(up)
+
+
+def test_formats_are_at_the_bottom() -> None:
+    up = [
+        f"{os.path.relpath(MODULES[i.importer], ROOT)}:{i.line} imports {i.target}"
+        for i in ALL_IMPORTS
+        if i.importer.startswith("tandem.formats") and not i.target.startswith("tandem.formats")
+    ]
+    assert not up, "tandem/formats/ imports the rest of tandem:\n  " + "\n  ".join(up)
 
 
 def test_config_imports_no_rpc() -> None:

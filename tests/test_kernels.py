@@ -331,9 +331,9 @@ def test_embedding_lookup_of_a_quantized_table_equals_torch_dequantize(bits, gro
     path's rows bit for bit (gather, code * scale, + min, cast), row-major or N-major codes, a
     row width that is not a multiple of the block, repeated ids; ids past the table give zero
     rows; bad inputs are named."""
+    from tandem.formats.weight import permute_rows, quantize_rtn
     from tandem.kernels.embedding import embed_dequant_triton
     from tandem.kernels.w4a16 import n_major as to_n_major
-    from tandem.quant.format import permute_rows, quantize_rtn
 
     g = torch.Generator().manual_seed(bits + group)
     w = quantize_rtn(torch.randn(50, 1216, generator=g), bits, group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import quantize_rtn
 from tandem.kv.cache import KVCache
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention import Attention, AttentionMetadata
@@ -13,7 +14,6 @@ from tandem.layers.linear import InOrder, Linear, QuantLinear, linear_layer
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryKVWrite
 from tandem.layers.step import Step
-from tandem.quant.format import quantize_rtn
 
 H, HQ, HKV, D, BS = 64, 4, 2, 16, 4
 GEN = torch.Generator().manual_seed(0)

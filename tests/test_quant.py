@@ -13,13 +13,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import tandem  # noqa: E402
+from tandem.formats.kv import write_kv_block_scaled  # noqa: E402
+from tandem.formats.weight import (  # noqa: E402
+    LayerSpec,  # noqa: E402
+    pack,
+    quantize_rtn,
+    unpack,
+)
 from tandem.kernels import paged_attention as pa  # noqa: E402
 from tandem.kernels import paged_attention_ref as pa_ref  # noqa: E402
 from tandem.kernels import w4a16 as wk  # noqa: E402
 from tandem.kernels.arrival import arrival_counters  # noqa: E402
-from tandem.quant.format import pack, quantize_rtn, unpack  # noqa: E402
-from tandem.quant.kv import write_kv_block_scaled  # noqa: E402
-from tandem.quant.recipe import LayerSpec, Recipe, RecipeError, resolve_specs  # noqa: E402
+from tandem.quant.recipe import Recipe, RecipeError, resolve_specs  # noqa: E402
 from tests.engine_checks import (  # noqa: E402
     assert_equal_up_to_a_near_tie,
     run_to_completion,
@@ -64,7 +69,7 @@ def test_rtn_error_within_half_a_step(bits: int, group: int, zero_point: bool) -
 def test_q4_1_blocks_load_bit_exact() -> None:
     import gguf
 
-    from tandem.quant.weights import q4_1_to_quantized
+    from tandem.formats.gguf import q4_1_to_quantized
 
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((48, 320)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
@@ -80,9 +85,9 @@ def test_default_gguf_q4_1_loads_bit_exact() -> None:
     import gguf
 
     from tandem.model import gguf_loader as gl
+    from tandem.model.gguf_loader import q4_1_tensor
     from tandem.model.gguf_meta import Metadata, config_from_metadata, open_reader
     from tandem.model.info import default_model_path
-    from tandem.quant.weights import q4_1_tensor
 
     path = default_model_path()
     reader = open_reader(path)
@@ -325,8 +330,8 @@ def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -
     model's greedy tokens on the dequantized weights, up to a near-tie (`NEAR_TIE`)."""
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
-    from tandem.model.loader import LoadedModel, load_model
-    from tandem.quant.weights import dequantize_weights, prepare_weights
+    from tandem.formats.weight import dequantize_weights
+    from tandem.model.loader import LoadedModel, load_model, prepare_weights
 
     _, path = model_factory("qwen2")  # q/k/v biases too
     loaded = load_model(path)
@@ -346,8 +351,8 @@ def test_int4_engine_equals_float_engine_on_dequantized_weights(model_factory) -
 def test_quantize_checkpoint_round_trip(model_factory, tmp_path) -> None:
     """`tandem quantize --method awq` writes a directory tandem.LLM loads, with the same weights."""
     from tandem.cli import main
+    from tandem.formats.weight import QuantizedWeight
     from tandem.model.loader import load_model
-    from tandem.quant.format import QuantizedWeight
 
     _, path = model_factory("llama")
     calib = tmp_path / "calib.txt"

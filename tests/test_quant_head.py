@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tandem
-from tandem.quant.format import QuantizedWeight
-from tandem.quant.recipe import LayerSpec, Recipe, RecipeError, head_specs, resolve_specs
+from tandem.formats.weight import LayerSpec, QuantizedWeight
+from tandem.quant.recipe import Recipe, RecipeError, head_specs, resolve_specs
 from tests.engine_checks import assert_equal_up_to_a_near_tie, run_to_completion
 
 
@@ -57,9 +57,9 @@ def test_quantized_head_and_embedding_equal_dequantized_float(model_factory, tmp
     them as QuantizedWeights, and the model's logits equal a float model's on the dequantized
     weights (on CPU up to the INT4 kernel's bfloat16 rounding, the best logits exactly)."""
     from tandem.cli import main
+    from tandem.formats.weight import dequantize_weights
     from tandem.model.llama import LlamaModel
     from tandem.model.loader import LoadedModel, load_model
-    from tandem.quant.weights import dequantize_weights
 
     _, path = model_factory(kind)
     recipe = tmp_path / "r.json"

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
+from tandem.formats.weight import LayerSpec, QuantizedWeight, dequantize_weights, quantize_weights
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
 from tandem.model.info import load_model_info
+from tandem.model.layer_names import linear_layer_names
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.tokenizer import Tokenizer
@@ -96,8 +98,6 @@ def runnable_weights(weights: dict[str, Any], device: torch.device, dtype: torch
     """
     if device.type == "cuda":
         return weights
-    from tandem.quant.weights import dequantize_weights
-
     return dequantize_weights(weights, dtype)
 
 
@@ -106,15 +106,12 @@ def int4_weights(target: LoadedModel) -> dict[str, Any]:
 
     A target that already holds quantized layers (a `tandem quantize` checkpoint) is used as is.
     """
-    from tandem.quant.format import QuantizedWeight
-    from tandem.quant.pipeline import quantize_model
-    from tandem.quant.recipe import Recipe
-
     if any(isinstance(w, QuantizedWeight) for w in target.weights.values()):
         log.info("self-int4: the target checkpoint is already quantized; drafting with it as is")
         return target.weights
-    weights, _ = quantize_model(target, Recipe(), method="rtn", log=log.info)
-    return weights
+    spec = LayerSpec(bits=4, group_size=128, zero_point=True)
+    names = linear_layer_names(target.config.num_layers)
+    return quantize_weights(target.weights, {n: spec for n in names})
 
 
 def _architecture(cfg: ModelConfig) -> dict[str, Any]:

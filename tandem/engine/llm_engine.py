@@ -51,8 +51,7 @@ from tandem.kv.cache import KVCache
 from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import LoadedModel
-from tandem.quant.weights import prepare_weights
+from tandem.model.loader import LoadedModel, prepare_weights
 from tandem.tenants import quota_blocks
 
 log = logging.getLogger("tandem.engine")

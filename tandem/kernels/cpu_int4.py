@@ -8,7 +8,7 @@ PyTorch's CPU INT4 kernel (`aten._weight_int4pack_mm_for_cpu`) takes codes packe
 in float32 from bfloat16 scales and zeros, with bfloat16 activations and output and a float32
 accumulator. Only its bfloat16 form is vectorized: float32 activations run a scalar loop, ~30x
 slower (measured on a 2-core Xeon VM). A `QuantizedWeight`'s grid
-(w = q * scale + min, see `tandem.quant.format`) maps onto it as zero = min + 8 * scale; the codes
+(w = q * scale + min, see `tandem.formats.weight`) maps onto it as zero = min + 8 * scale; the codes
 are kept as they are, the FP16 scales and zero points are rounded to bfloat16.
 
 8-bit codes (GGUF Q8_0, the tied embedding / LM head of the default model) are split into two
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.quant.format import QuantizedWeight
+from tandem.formats.weight import QuantizedWeight
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel accepts
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
-from tandem.quant.format import QuantizedWeight
 
 
 @triton.jit

@@ -4,7 +4,7 @@
 Cache layout per layer: k_cache, v_cache are [num_blocks, block_size, kv_heads, head_dim].
 A sequence's logical block i lives in pool block block_tables[seq, i]. An FP8 / INT8 cache comes
 with k_scale, v_scale [num_blocks, kv_heads] float32: a value is code * scale of its block and
-head (`tandem.quant.kv`); every path here dequantizes as it reads.
+head (`tandem.formats.kv`); every path here dequantizes as it reads.
 
 The Triton decode kernel (split-K / "flash decoding" over the paged cache) runs in two stages:
 1. one program per (sequence, kv head, partition of the context) reads the block table itself,

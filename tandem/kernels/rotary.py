@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import kernel_config
+from tandem.formats import kv as kv_format
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
 from tandem.model.rotary import apply_rotary
@@ -417,8 +418,6 @@ def rope_cache_write_scaled_ref(
     qkv, positions, cos_sin, slot_mapping, k_cache, v_cache, k_scale, v_scale, hq, hkv
 ) -> torch.Tensor:
     """The eager path the kernel replaces (decode: every token in its own block)."""
-    from tandem.quant.kv import write_kv_block_scaled
-
     t, d = _check(qkv, k_cache, hq, hkv)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     cs = cos_sin.index_select(0, positions).to(qkv.dtype)
@@ -427,8 +426,10 @@ def rope_cache_write_scaled_ref(
     k = apply_rotary(k.reshape(t, hkv, d), cos, sin)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    write_kv_block_scaled(k_cache, k_scale, slots, k[keep], unique_blocks=True)
-    write_kv_block_scaled(v_cache, v_scale, slots, v.reshape(t, hkv, d)[keep], unique_blocks=True)
+    kv_format.write_kv_block_scaled(k_cache, k_scale, slots, k[keep], unique_blocks=True)
+    kv_format.write_kv_block_scaled(
+        v_cache, v_scale, slots, v.reshape(t, hkv, d)[keep], unique_blocks=True
+    )
     return q
 
 
@@ -448,8 +449,6 @@ def rope_cache_write_scaled(
 
     Replaces apply_rotary twice plus `write_kv_block_scaled` twice (about 80 small launches per
     layer). Codes and scales equal the eager path's (`rope_cache_write_scaled_ref`)."""
-    from tandem.quant.kv import QMAX, SCALE_TARGET
-
     t, d = _check(qkv, k_cache, num_q_heads, num_kv_heads)
     if d < 2 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of 2, got {d}")
@@ -477,8 +476,8 @@ def rope_cache_write_scaled(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=triton.next_power_of_2(num_q_heads),
         BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        INV_TARGET=1.0 / SCALE_TARGET[k_cache.dtype],
-        QMAX=QMAX[k_cache.dtype],
+        INV_TARGET=1.0 / kv_format.SCALE_TARGET[k_cache.dtype],
+        QMAX=kv_format.QMAX[k_cache.dtype],
         IS_INT8=k_cache.dtype == torch.int8,
         RINT=compiled,
         num_warps=4,

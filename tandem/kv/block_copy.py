@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.formats.kv import is_quantized_kv
 from tandem.host_copy import to_device
 from tandem.kernels.kv_gather import gather_block_pairs
 from tandem.kv.cache import KVCache
 from tandem.kv.layout import LayoutMismatch
-from tandem.quant.kv import is_quantized_kv
 
 
 def block_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.quant.kv import is_quantized_kv, write_kv_block_scaled
+from tandem.formats.kv import is_quantized_kv, write_kv_block_scaled
 
 # Bumped whenever the pool layout changes; peers compare it at registration.
 # 2: FP8 / INT8 pools carry per-(block, kv head) float32 scales after the codes.
@@ -18,7 +18,7 @@ class KVCache:
     """`data` is [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim].
 
     For an FP8 / INT8 pool, `scales` is [layers, 2, num_blocks, kv_heads] float32: the value of
-    a code is code * scale of its block and head (see `tandem.quant.kv`).
+    a code is code * scale of its block and head (see `tandem.formats.kv`).
     """
 
     data: torch.Tensor

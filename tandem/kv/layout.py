@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.formats.kv import is_quantized_kv
 from tandem.kv.cache import LAYOUT_VERSION, KVCache
-from tandem.quant.kv import is_quantized_kv
 
 DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
-    # Quantized pools: codes plus per-(block, kv head) float32 scales (tandem.quant.kv).
+    # Quantized pools: codes plus per-(block, kv head) float32 scales (tandem.formats.kv).
     torch.float8_e4m3fn: "float8_e4m3fn",
     torch.int8: "int8",
 }

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import QuantizedWeight, permute_rows
 from tandem.kernels.cpu_int4 import CpuInt4Weight
 from tandem.kernels.embedding import embed_dequant_triton
 from tandem.kernels.gemv import linear_rows
 from tandem.kernels.w4a16 import n_major, w4a16_matmul
 from tandem.layers.linear import CpuWeight, cpu_linear, pack_cpu_weight
-from tandem.quant.format import QuantizedWeight, permute_rows
 
 Table = torch.Tensor | QuantizedWeight
 

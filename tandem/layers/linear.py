@@ -15,7 +15,7 @@ On a CPU each weight is packed once at load into the form its kernel reads:
   by PyTorch's CPU INT4 kernel (`tandem.kernels.cpu_int4`). On a 2-core Xeon VM,
   one thread, one row, SmolLM2-135M's Q4_1 layers take 6.5 ms of CPU time a
   token and its Q8_0 LM head 4.1 ms, against 20 + 10.5 ms in float32 through oneDNN.
-- anything else (other dtypes, other group sizes): `tandem.quant.linear.linear`.
+- anything else (other dtypes, other group sizes): `linear`.
 
 Hand-offs with the neighbouring layers (both decided here, by the linear):
 - its input: the layer before it (RMSNorm, SiluAndMul) asks `gemv_x_form` whether to write x in
@@ -31,17 +31,37 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels.cpu_int4 import CpuInt4Weight, can_pack, int4_linear_cpu, pack_int4_cpu
 from tandem.kernels.gemv import linear_rows
-from tandem.kernels.w4a16 import GemvX, gemv_x_group, h2_weight, n_major
+from tandem.kernels.w4a16 import GemvX, gemv_x_group, h2_weight, n_major, w4a16_matmul
 from tandem.layers.step import Step
-from tandem.quant.format import QuantizedWeight
-from tandem.quant.linear import linear
 
 CPU_PACKED_LINEAR = torch.backends.mkldnn.is_available()
 
 CpuWeight = torch.Tensor | QuantizedWeight | CpuInt4Weight
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    xq: GemvX | None = None,
+    accumulate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias) for a float weight [N, K] or a per-group integer one (`xq`:
+    x's GemvX form, written by its producer for the INT4 GEMV; `accumulate`: a zeroed float32
+    row the INT4 GEMV adds into, see `tandem.kernels.w4a16.gemv_accumulates`)."""
+    if isinstance(w, torch.Tensor):
+        if accumulate is not None:
+            raise ValueError("accumulate is for quantized weights")
+        return F.linear(x, w, bias)
+    if accumulate is not None and bias is not None:
+        raise ValueError("accumulate takes no bias (the reader adds nothing)")
+    y = w4a16_matmul(x, w, xq, accumulate)
+    return y if bias is None else y + bias
 
 
 def pack_cpu_weight(w: CpuWeight) -> CpuWeight:
@@ -157,7 +177,7 @@ class Linear:
 
 
 class QuantLinear(Linear):
-    """y = x @ W^T (+ bias) for a per-group integer weight (`tandem.quant.format`)."""
+    """y = x @ W^T (+ bias) for a per-group integer weight (`tandem.formats.weight`)."""
 
     quantized = True
 

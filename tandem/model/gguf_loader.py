@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from tandem.formats.gguf import q4_1_to_quantized, q8_0_to_quantized
+from tandem.formats.weight import QuantizedWeight, permute_rows
 from tandem.model.config import ModelConfig, UnsupportedModelError
 from tandem.model.gguf_meta import Metadata, config_from_metadata, load_tokenizer, open_reader
 from tandem.model.tokenizer import Tokenizer
@@ -140,3 +142,44 @@ def _expected_names(config: ModelConfig) -> set[str]:
         if config.attention_bias:
             names |= {f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"}
     return names
+
+
+def q4_1_tensor(t: Any, cfg: ModelConfig, permuted: bool) -> tuple[str, QuantizedWeight]:
+    """One GGUF Q4_1 (or Q8_0) tensor (a GGUFReader tensor) as (HF name, QuantizedWeight).
+
+    `permuted`: the file's architecture reorders q/k rows for llama.cpp's rotary layout; they
+    are put back in HF order, as the float loader does.
+    """
+    hf = _hf_name(t.name)
+    cols, rows = (int(d) for d in t.shape.tolist())  # ggml order: fastest dimension first
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        qw = q8_0_to_quantized(t.data, rows, cols)
+    else:
+        qw = q4_1_to_quantized(t.data, rows, cols)
+    if permuted and ".attn_q." in t.name:
+        qw = permute_rows(qw, _unpermute(torch.arange(rows), cfg.num_heads))
+    elif permuted and ".attn_k." in t.name:
+        qw = permute_rows(qw, _unpermute(torch.arange(rows), cfg.num_kv_heads))
+    return hf, qw
+
+
+def load_gguf_q4_1(path: str, cfg: ModelConfig, heads: bool = False) -> dict[str, QuantizedWeight]:
+    """The Q4_1 linear weights of a GGUF file as QuantizedWeights under HF names; with `heads`
+    also the token embedding and LM head when they are Q4_1 or Q8_0."""
+    reader = open_reader(path)
+    meta = Metadata(reader, path)
+    permuted = meta.architecture in _PERMUTED_QK
+    types = (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)
+    out: dict[str, QuantizedWeight] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in types:
+            continue
+        hf = _hf_name(t.name)
+        if hf is None or not hf.endswith(".weight"):
+            continue
+        layer = ".layers." in hf
+        if not (layer and t.tensor_type == types[0]) and not (heads and not layer):
+            continue  # without `heads`, embeddings and lm_head stay in float
+        name, qw = q4_1_tensor(t, cfg, permuted)
+        out[name] = qw
+    return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.config import KernelConfig, kernel_config
+from tandem.formats.weight import QuantizedWeight, cat_rows, permute_rows
 from tandem.kv.cache import KVCache
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention import (  # noqa: F401 (model users import them from here)
@@ -27,7 +28,6 @@ from tandem.layers.rotary import RotaryKVWrite
 from tandem.layers.step import Step
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import cos_sin_table
-from tandem.quant.format import QuantizedWeight, cat_rows, permute_rows
 
 
 @dataclass

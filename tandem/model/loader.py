@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from tandem.formats.weight import LayerSpec, dequantize_weights, quantize_weights
 from tandem.model.config import ModelConfig
 from tandem.model.info import read_hf_config, resolve_model_path
+from tandem.model.layer_names import linear_layer_names
 from tandem.model.tokenizer import Tokenizer
 from tandem.progress import Percent
 
@@ -99,3 +101,37 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         weights = load_external(weights, external, path, dtype)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)
+
+
+def prepare_weights(
+    loaded: Any, mode: str, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """The weights an engine runs for `EngineConfig.quantization` = mode (auto | int4 | none).
+
+    "auto" on CPU keeps a GGUF file's Q4_1 and Q8_0 tensors (the token embedding / LM head
+    too) as they are stored: the CPU kernels read the codes (`tandem.kernels.cpu_int4`), a
+    quarter of the float32 bytes a decode step would read. Elsewhere "auto" is the checkpoint's
+    own weights (a GGUF file dequantized to float)."""
+    if mode == "auto":
+        if torch.device(device).type == "cpu" and str(loaded.path).endswith(".gguf"):
+            from tandem.model.gguf_loader import load_gguf_q4_1
+
+            return {**loaded.weights, **load_gguf_q4_1(loaded.path, loaded.config, heads=True)}
+        return loaded.weights
+    if mode == "none":
+        return dequantize_weights(loaded.weights, dtype)
+    if mode != "int4":
+        raise ValueError(f"quantization must be one of auto, int4, none; got {mode!r}")
+    weights = dict(loaded.weights)
+    group = 128
+    if str(loaded.path).endswith(".gguf"):
+        from tandem.model.gguf_loader import load_gguf_q4_1
+
+        native = load_gguf_q4_1(loaded.path, loaded.config)
+        weights.update(native)
+        # Layers stored in other GGUF types are quantized at Q4_1's group size, so fused
+        # q/k/v and gate/up parts agree.
+        group = 32
+    spec = LayerSpec(bits=4, group_size=group, zero_point=True)
+    names = linear_layer_names(loaded.config.num_layers)
+    return quantize_weights(weights, {n: spec for n in names})

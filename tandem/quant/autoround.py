@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import LayerSpec, QuantizedWeight, fp16_grid, pack
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import apply_rotary, cos_sin_table
-from tandem.quant.format import QuantizedWeight, fp16_grid, pack
-from tandem.quant.recipe import LayerSpec
 from tandem.quant.walk import _rms_norm
 
 CLIP_MIN = 0.5  # the range factors stay in [CLIP_MIN, 1]

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import LayerSpec, quantize_rtn
 from tandem.model.config import ModelConfig
-from tandem.quant.format import quantize_rtn
-from tandem.quant.recipe import LayerSpec
 from tandem.quant.walk import LayerGroup, walk_groups
 
 

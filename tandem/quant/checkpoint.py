@@ -2,7 +2,7 @@
 
 Layout (loadable by `tandem.LLM(DIR)`, the services' `--model DIR`, and `load_model`):
     model.safetensors   float tensors under their HF names; each quantized layer X as
-                        X.qweight (int32), X.scales (fp16), X.mins (fp16) — see tandem.quant.format
+                        X.qweight (int32), X.scales (fp16), X.mins (fp16) — see tandem.formats.weight
     quantization.json   {"format": "tandem-groupwise-int", "version": 1, "layers": {X: {bits,
                         group_size, zero_point, in_features}}, plus how it was made}
     config.json         Hugging Face form of the model's ModelConfig
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from tandem.formats.weight import QuantizedWeight
 from tandem.model.config import ModelConfig
-from tandem.quant.format import QuantizedWeight
 
 QUANT_FILE = "quantization.json"
 FORMAT = "tandem-groupwise-int"

@@ -252,9 +252,9 @@ def _tune_again(args: argparse.Namespace, loaded):
 def run_quantize(args: argparse.Namespace) -> int:
     import torch
 
+    from tandem.formats.weight import QuantizedWeight
     from tandem.model.loader import load_model
     from tandem.quant.checkpoint import save_quantized
-    from tandem.quant.format import QuantizedWeight
     from tandem.quant.profile import format_table, profile_weights, suggest_recipe
     from tandem.quant.recipe import Recipe, RecipeError
 

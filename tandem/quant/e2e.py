@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import QuantizedWeight, pack
 from tandem.model.config import ModelConfig
 from tandem.model.rotary import cos_sin_table
 from tandem.quant.autoround import decoder_layer
-from tandem.quant.format import QuantizedWeight, pack
 from tandem.quant.walk import _rms_norm
 
 _GRAPH_WARMUP_STEPS = 3  # eager steps before the training step is captured as a CUDA graph

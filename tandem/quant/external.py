@@ -2,7 +2,7 @@
 
 A Hugging Face directory whose config.json has a `quantization_config` is read here: each
 quantized layer's codes, zero points and scales are repacked (never re-quantized) into a
-`QuantizedWeight` (see `tandem.quant.format`). All three formats store the same grid,
+`QuantizedWeight` (see `tandem.formats.weight`). All three formats store the same grid,
 
     w[n, k] = (q[n, k] - z[n, g]) * s[n, g],   g = the group of input channel k,
 
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tandem.quant.format import SUPPORTED_GROUP_SIZES, QuantizedWeight, pack
+from tandem.formats.weight import SUPPORTED_GROUP_SIZES, QuantizedWeight, pack
 
 # AutoAWQ GEMM packs output columns (c0..c7) into a word as c0 c2 c4 c6 c1 c3 c5 c7, lowest first.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -6,7 +6,7 @@ at a time and, after each, spreads that column's rounding error over the columns
 quantized, in the direction that H says cancels it best (the row of the inverse Hessian's
 Cholesky factor). Updates are applied lazily, one quantization group at a time.
 
-Fitting the packed format (`tandem.quant.format`) unchanged:
+Fitting the packed format (`tandem.formats.weight`) unchanged:
 - groups are contiguous runs of `group_size` input columns, so a group's FP16 scale and zero
   point are computed when GPTQ reaches the group, from its columns as they are by then (already
   carrying the error of earlier groups);
@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.formats.weight import LayerSpec, QuantizedWeight, fp16_grid, pack, quantize_rtn
 from tandem.model.config import ModelConfig
-from tandem.quant.format import QuantizedWeight, fp16_grid, pack, quantize_rtn
-from tandem.quant.recipe import LayerSpec
 from tandem.quant.walk import LayerGroup, walk_groups
 
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(8))  # 1.0 down to 0.65

@@ -69,9 +69,9 @@ def quantize_model(
     LM head where the recipe names them (`recipe.head_specs`), round-to-nearest; then, with
     `e2e_steps` > 0, the decoder's scales and zero points tuned end to end (`tune_end_to_end`).
     """
+    from tandem.formats.weight import quantize_weights
     from tandem.quant.e2e import check_options
     from tandem.quant.recipe import head_specs
-    from tandem.quant.weights import quantize_weights
 
     if e2e_steps:
         check_options(e2e_steps, e2e_lr, e2e_batch, e2e_val_seqs, e2e_eval_every, e2e_generated)
@@ -130,8 +130,8 @@ def tune_end_to_end(
     on the calibration text; returns (weights, `info` with an "e2e" entry)."""
     import torch
 
+    from tandem.formats.weight import dequantize_weights
     from tandem.quant.e2e import check_options, e2e_tune, sample_sequences, tf32_matmuls
-    from tandem.quant.weights import dequantize_weights
 
     check_options(steps, lr, batch, val_seqs, eval_every, generated)
     calib_path = calib_path or default_calibration_path()
@@ -228,8 +228,8 @@ def _quantize_decoder(
     """
     import torch
 
+    from tandem.formats.weight import dequantize_weights, quantize_weights
     from tandem.quant.recipe import resolve_specs
-    from tandem.quant.weights import dequantize_weights, quantize_weights
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")

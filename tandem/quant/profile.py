@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.quant.format import quantize_rtn
-from tandem.quant.recipe import FUSED_GROUPS, LayerSpec, Recipe, linear_layer_names
+from tandem.formats.weight import LayerSpec, quantize_rtn
+from tandem.model.layer_names import FUSED_GROUPS, linear_layer_names
+from tandem.quant.recipe import Recipe
 
 OUTLIER_SIGMAS = 6.0
 

@@ -22,7 +22,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tandem.quant.format import SUPPORTED_GROUP_SIZES
+from tandem.formats.weight import SUPPORTED_GROUP_SIZES, LayerSpec
+from tandem.model.layer_names import FUSED_GROUPS, linear_layer_names
 
 SPEC_KEYS = ("bits", "group_size", "zero_point")
 SUPPORTED_RECIPE_BITS = (4, 8, 16)
@@ -30,21 +31,6 @@ SUPPORTED_RECIPE_BITS = (4, 8, 16)
 
 class RecipeError(ValueError):
     """A recipe file or dict that cannot be used; the message names the file and the key."""
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    bits: int = 4  # 4 or 8: per-group integers; 16: left in floating point
-    group_size: int = 128
-    zero_point: bool = True  # asymmetric groups (scale + zero point); False: symmetric
-
-    @property
-    def quantized(self) -> bool:
-        return self.bits != 16
-
-    def precision_key(self) -> tuple[int, int, bool]:
-        """Larger is more precise: more bits, then smaller groups, then a zero point."""
-        return (self.bits, -self.group_size, self.zero_point)
 
 
 @dataclass
@@ -151,25 +137,6 @@ def _spec(raw: Any, base: LayerSpec, where: str) -> LayerSpec:
     if not isinstance(spec.zero_point, bool):
         raise RecipeError(f"{where}.zero_point must be true or false, got {spec.zero_point!r}")
     return spec
-
-
-# Linear layers of one decoder layer, by the fused weight they feed (see LlamaModel).
-FUSED_GROUPS = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
-}
-
-
-def linear_layer_names(num_layers: int) -> list[str]:
-    """Every quantizable layer name of a Llama-family model, in order."""
-    return [
-        f"model.layers.{i}.{part}"
-        for i in range(num_layers)
-        for parts in FUSED_GROUPS.values()
-        for part in parts
-    ]
 
 
 # The token embedding and the LM head: quantized only where an override names them.

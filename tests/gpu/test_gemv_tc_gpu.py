@@ -27,7 +27,7 @@ def wk() -> ModuleType:
 
 
 def _weight(wk, n: int, k: int, group: int, seed: int):
-    from tandem.quant.format import quantize_rtn
+    from tandem.formats.weight import quantize_rtn
 
     g = torch.Generator(device=DEV).manual_seed(seed)
     return wk.n_major(quantize_rtn(torch.randn(n, k, generator=g, device=DEV) * 0.05, 4, group))

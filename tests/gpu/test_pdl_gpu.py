@@ -48,8 +48,8 @@ def _weights(cfg, dtype, dev) -> dict[str, torch.Tensor]:
 
 
 def _quantized(weights, cfg):
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
+    from tandem.formats.weight import LayerSpec, quantize_weights
+    from tandem.model.layer_names import linear_layer_names
 
     specs = {n: LayerSpec(4, 128, True) for n in linear_layer_names(cfg.num_layers)}
     specs["lm_head"] = LayerSpec(4, 128, True)
@@ -217,10 +217,9 @@ def test_int4_gemvs_adding_into_float32_rows(pdl, kv_dtype, monkeypatch) -> None
 def test_quantized_head_and_embedding_match_cpu_float() -> None:
     """INT4 LM head (N-major GEMV) and INT8 embedding on CUDA against a float32 CPU model holding
     the dequantized weights: the bf16 model's logits within bf16 error."""
+    from tandem.formats.weight import QuantizedWeight, dequantize_weights
     from tandem.kv.cache import KVCache
     from tandem.model.llama import AttentionMetadata, LlamaModel
-    from tandem.quant.format import QuantizedWeight
-    from tandem.quant.weights import dequantize_weights
 
     cfg = _cfg()
     q = _quantized(_weights(cfg, torch.float32, "cpu"), cfg)

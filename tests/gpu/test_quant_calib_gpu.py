@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tandem.quant.format import QuantizedWeight
+from tandem.formats.weight import QuantizedWeight
 from tests.test_e2e import _calib_file
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,10 +23,10 @@ def test_block_wise_calibration_on_cuda_matches_cpu(model_factory, tmp_path) -> 
     """AWQ + autoround on the GPU fits as well as on the CPU. The codes themselves need not agree:
     autoround's signed-gradient steps turn last-bit differences of the sums into other roundings,
     so the comparison is the quantized model's KL to the float model on the calibration text."""
+    from tandem.formats.weight import dequantize_weights
     from tandem.model.loader import load_model
     from tandem.quant.pipeline import calibration_batch, on_device, quantize_model
     from tandem.quant.recipe import Recipe
-    from tandem.quant.weights import dequantize_weights
     from tests.test_e2e import _kl
 
     _, path = model_factory("llama")
@@ -52,11 +52,11 @@ def test_block_wise_calibration_on_cuda_matches_cpu(model_factory, tmp_path) -> 
 
 
 def test_sampling_and_e2e_on_cuda(model_factory, tmp_path) -> None:
+    from tandem.formats.weight import dequantize_weights
     from tandem.model.loader import load_model
     from tandem.quant.e2e import e2e_tune, sample_sequences
     from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
-    from tandem.quant.weights import dequantize_weights
 
     _, path = model_factory("llama")
     loaded = load_model(path, torch.float32)
@@ -89,11 +89,11 @@ def test_e2e_cuda_graph_steps_equal_eager(model_factory, tmp_path) -> None:
     the same held-out KL after every evaluation (FP32 matmuls, no TF32), past the warm-up steps
     and the capture, with the cosine schedule setting the learning rates in place, and the same
     packed codes, scales and zero points at the end."""
+    from tandem.formats.weight import dequantize_weights
     from tandem.model.loader import load_model
     from tandem.quant.e2e import e2e_tune
     from tandem.quant.pipeline import calibration_batch, quantize_model
     from tandem.quant.recipe import Recipe
-    from tandem.quant.weights import dequantize_weights
 
     _, path = model_factory("llama")
     loaded = load_model(path, torch.float32)

@@ -31,7 +31,7 @@ def pa() -> ModuleType:
 
 
 def _weight(n: int, k: int, bits: int, group: int, seed: int):
-    from tandem.quant.format import quantize_rtn
+    from tandem.formats.weight import quantize_rtn
 
     g = torch.Generator(device=DEV).manual_seed(seed)
     w = torch.randn(n, k, generator=g, device=DEV) * 0.05
@@ -232,12 +232,12 @@ def test_decode_step_with_gemv_x_matches_f64(monkeypatch, act_order: bool) -> No
     from dataclasses import replace
 
     from tandem import config, config_kernels
+    from tandem.formats.weight import LayerSpec, quantize_weights
     from tandem.kv.cache import KVCache
     from tandem.model.config import ModelConfig
+    from tandem.model.layer_names import linear_layer_names
     from tandem.model.llama import AttentionMetadata, LlamaModel
     from tandem.model.synthetic import random_llama_weights
-    from tandem.quant.recipe import LayerSpec, linear_layer_names
-    from tandem.quant.weights import quantize_weights
 
     cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=512,
                       intermediate_size=1536, num_layers=3, num_heads=8, num_kv_heads=2,
@@ -319,7 +319,7 @@ def test_w4a16_in_cuda_graph(wk: ModuleType) -> None:
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("hq, hkv, d", [(32, 8, 128), (9, 3, 64)])
 def test_quantized_kv_decode_matches_f64(pa: ModuleType, kv_dtype, hq: int, hkv: int, d: int):
-    from tandem.quant.kv import write_kv_block_scaled
+    from tandem.formats.kv import write_kv_block_scaled
 
     lens = [1, 17, 600, 1500, 33]
     bs = 16
@@ -399,8 +399,8 @@ def test_engine_int4_fp8_kv_on_cuda(model_factory) -> None:
 def test_quantized_embedding_lookup_on_cuda(wk, bits: int, group: int) -> None:
     """The one-launch lookup of a quantized embedding, compiled: bf16 rows bit-equal to the torch
     gather-and-dequantize path, from row-major and N-major codes."""
+    from tandem.formats.weight import permute_rows
     from tandem.kernels.embedding import embed_dequant_triton
-    from tandem.quant.format import permute_rows
 
     w = _weight(1000, 4096, bits, group, seed=bits)
     ids = torch.tensor([7, 999, 0, 7], device=DEV)

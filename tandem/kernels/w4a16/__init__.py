@@ -1,6 +1,6 @@
 """W4A16 / W8A16 matrix multiply: Triton kernels (CUDA) beside the torch reference (CPU).
 
-y[M, N] = x[M, K] @ W^T with W held as per-group integer codes (see `tandem.quant.format`):
+y[M, N] = x[M, K] @ W^T with W held as per-group integer codes (see `tandem.formats.weight`):
     W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]
 
 Five kernels, all dequantizing in registers (the weight is read from memory once, packed):

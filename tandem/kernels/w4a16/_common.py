@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import kernel_config
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels._triton import tl, triton
 from tandem.kernels.arrival import arrival_counters
-from tandem.quant.format import QuantizedWeight
 
 
 def w4a16_matmul_ref(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

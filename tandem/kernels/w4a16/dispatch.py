@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem.config import kernel_config
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels._triton import triton
 from tandem.kernels.w4a16._common import _num_sms, is_n_major, w4a16_matmul_ref
 from tandem.kernels.w4a16.gemm import GemmConfig, _gemm_kernel
@@ -13,7 +14,6 @@ from tandem.kernels.w4a16.gemv import GemvConfig, GemvNConfig, _gemv_kernel, lau
 from tandem.kernels.w4a16.gemv_h2 import GemvH2Config, launch_gemv_h2
 from tandem.kernels.w4a16.gemv_tc import GemvTCConfig, launch_gemv_tc
 from tandem.kernels.w4a16.gemv_x import GemvX
-from tandem.quant.format import QuantizedWeight
 
 
 def gemv_x_group(w: QuantizedWeight | torch.Tensor, x_dtype: torch.dtype) -> int | None:

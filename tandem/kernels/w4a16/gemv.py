@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
 from tandem.kernels.w4a16._common import (
@@ -19,7 +20,6 @@ from tandem.kernels.w4a16._common import (
     _scales_of_group,
     _split_launch,
 )
-from tandem.quant.format import QuantizedWeight
 
 
 @triton.jit

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.formats.weight import QuantizedWeight
 from tandem.kernels import pdl
 from tandem.kernels._triton import tl, triton
 from tandem.kernels.w4a16._common import _compiled_cuda, _split_launch
-from tandem.quant.format import QuantizedWeight
 
 
 @triton.jit

@@ -19,6 +19,7 @@ act on `qweight`, `scales` and `mins` alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -224,3 +225,49 @@ def permute_rows(w: QuantizedWeight, index: torch.Tensor) -> QuantizedWeight:
         w.in_features,
         w.zero_point,
     )
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    bits: int = 4  # 4 or 8: per-group integers; 16: left in floating point
+    group_size: int = 128
+    zero_point: bool = True  # asymmetric groups (scale + zero point); False: symmetric
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 16
+
+    def precision_key(self) -> tuple[int, int, bool]:
+        """Larger is more precise: more bits, then smaller groups, then a zero point."""
+        return (self.bits, -self.group_size, self.zero_point)
+
+
+def quantize_weights(
+    weights: dict[str, Any],
+    specs: dict[str, LayerSpec],
+    clips: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """RTN-quantize the layers `specs` marks as quantized (with per-group clipping ratios where
+    `clips` has them); other tensors pass through."""
+    out = dict(weights)
+    clips = clips or {}
+    for name, spec in specs.items():
+        key = name + ".weight"
+        w = out.get(key)
+        if spec.quantized and isinstance(w, torch.Tensor):
+            c = clips.get(name)
+            out[key] = quantize_rtn(
+                w,
+                spec.bits,
+                spec.group_size,
+                spec.zero_point,
+                None if c is None else c.to(w.device),
+            )
+    return out
+
+
+def dequantize_weights(weights: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every quantized weight replaced by its float value in `dtype`."""
+    return {
+        k: v.dequantize(dtype) if isinstance(v, QuantizedWeight) else v for k, v in weights.items()
+    }

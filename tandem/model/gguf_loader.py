@@ -1,7 +1,8 @@
 """Load a llama.cpp GGUF checkpoint as a ModelConfig, an HF-named state dict and a Tokenizer.
 
 Weights are dequantized to plain float tensors on load (Tandem does its own INT4 packing in
-`tandem.quant`); the result is laid out exactly as transformers' GGUF loader lays it out, so the
+`tandem.formats`); `load_gguf_q4_1` instead keeps Q4_1 and Q8_0 tensors as they are stored
+(`tandem/formats/gguf.py`). The float result is laid out exactly as transformers' GGUF loader lays it out, so the
 same forward pass serves safetensors and GGUF checkpoints. The header (config and tokenizer) is
 read by `gguf_meta.py`.
 """

@@ -1,5 +1,5 @@
-"""Quantization: INT4/INT8 per-group weights (format, recipes, AWQ calibration, the
-`tandem quantize` tool) and the FP8/INT8 KV cache.
+"""`tandem quantize`, the offline quantization tool: recipes, calibration (AWQ, GPTQ, AutoRound,
+end-to-end tuning), checkpoints. The formats it writes are in `tandem.formats`.
 
 Submodules are imported where used; this package imports nothing heavy on its own.
 """

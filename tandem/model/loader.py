@@ -20,7 +20,7 @@ from tandem.progress import Percent
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    # Float tensors, and tandem.quant QuantizedWeights for a `tandem quantize` checkpoint.
+    # Float tensors, and QuantizedWeights (tandem.formats) for a quantized checkpoint.
     weights: dict[str, Any]
     tokenizer: Tokenizer
     path: str

@@ -28,10 +28,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         ("tandem.quant.cli",),
         "`tandem quantize`: the offline tool, above the model, loaded on demand",
     ),
-    "tandem.config": (
-        ("tandem.tenants",),
-        "lazy, no loop; not yet examined whether it can move to the top",
-    ),
     "tandem.llm": (
         ("tandem.engine.proposers", "tandem.engine.speculator"),
         "speculation loaded only when a proposer is asked for",
@@ -41,8 +37,8 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         "NVML only where a GPU gauge is read",
     ),
     "tandem.up": (
-        ("tandem.config", "tandem.config_options", "tandem.stage_certs", "tandem.tenants"),
-        "stage_certs needs cryptography, optional; the rest: lazy, no loop; not yet examined whether it can move to the top",
+        ("tandem.stage_certs",),
+        "stage_certs needs cryptography, optional: loaded for --stage-mtls auto only",
     ),
     "tandem.engine.draft_models": (
         (

@@ -28,20 +28,6 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
-# OpenMP (torch's CPU threads) sleeps between parallel regions instead of spinning. libgomp spins
-# ~300k iterations after each region; when another process holds a core, the spinning thread
-# takes the core the working one needs. Measured on a 2-core Xeon VM with other
-# work running, SmolLM2-135M batch-1 decode, 2 threads: 2-4 tok/s spinning, 20-47 sleeping
-# (1 thread: 13-33 either way). Read by OpenMP when torch loads, so it is put in the process
-# environment when `tandem` is imported (before torch); a value set there already wins.
-OPENMP_WAIT_POLICY = "PASSIVE"
-
-
-def set_openmp_defaults() -> None:
-    """Give OpenMP Tandem's wait policy unless the environment sets one (see above)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
-
-
 @dataclass
 class EngineConfig:
     """Settings of one engine (in-process `LLM`, a prefill worker or a decode worker)."""

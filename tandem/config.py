@@ -7,7 +7,6 @@ stage's command line (its flags, the settings read from them) is `stage_args.py`
 
 from __future__ import annotations
 
-import hmac
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -308,18 +307,6 @@ class GatewayConfig:
                 raise ValueError(f"{name} file {path!r} does not exist")
 
 
-def read_secret(path: str, what: str) -> str:
-    """The first line of a secret file, stripped; a missing or empty file is an error."""
-    try:
-        with open(path) as f:
-            value = f.readline().strip()
-    except OSError as e:
-        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from e
-    if not value:
-        raise ValueError(f"{what} {path!r} is empty")
-    return value
-
-
 @dataclass
 class StageAuthConfig:
     """The credentials of the ports between stages (prefill, decode, draft gRPC), by role.
@@ -345,55 +332,6 @@ class StageAuthConfig:
         default=None, metadata={"env_only": True, "credential": True}
     )
 
-    def secret(self) -> bytes | None:
-        """The stage secret; None when none is configured."""
-        return _one_secret(self.stage_secret_file, self.stage_secret, "stage_secret")
-
-    def gateway(self) -> bytes | None:
-        """The gateway secret; None when none is configured."""
-        return _one_secret(self.gateway_secret_file, self.gateway_secret, "gateway_secret")
-
-    def credentials(self, stage: str) -> tuple[bytes | None, bytes | None]:
-        """(stage secret, gateway secret) of the `stage` process; ValueError when they do not
-        fit its role."""
-        secret, gateway = self.secret(), self.gateway()
-        if stage == "gateway":
-            if secret is not None:
-                raise ValueError(
-                    "the gateway takes no stage secret (it would let the process facing the "
-                    "internet sign KV leases and register as a worker): give it the gateway "
-                    "secret instead, TANDEM_GATEWAY_SECRET or --gateway-secret-file, and the "
-                    "workers both"
-                )
-            return None, gateway
-        if gateway is not None and secret is None:
-            raise ValueError(
-                "a gateway secret is checked only by a worker that has a stage secret: set "
-                "TANDEM_STAGE_SECRET or --stage-secret-file too (without it the port is open)"
-            )
-        if gateway is not None and hmac.compare_digest(gateway, secret):
-            raise ValueError(
-                "the gateway secret must differ from the stage secret: the gateway's "
-                "credential would otherwise allow everything a worker's does"
-            )
-        return secret, gateway
-
-
-def _one_secret(path: str | None, value: str | None, name: str) -> bytes | None:
-    """A secret given by file (`<name>_file`) or by TANDEM_<NAME>, once; None when neither."""
-    if path is not None:
-        if value is not None:
-            raise ValueError(
-                f"give the {name.replace('_', ' ')} once: TANDEM_{name.upper()} or "
-                f"{name}_file, not both"
-            )
-        return read_secret(path, f"{name}_file").encode()
-    if value is not None:
-        if not value.strip():
-            raise ValueError(f"TANDEM_{name.upper()} is set but empty")
-        return value.strip().encode()
-    return None
-
 
 @dataclass
 class MetricsAuthConfig:
@@ -407,22 +345,6 @@ class MetricsAuthConfig:
     metrics_token_file: str | None = field(default=None, metadata={"credential": True})
     # Only from the environment (TANDEM_METRICS_TOKEN).
     metrics_token: str | None = field(default=None, metadata={"env_only": True, "credential": True})
-
-    def token(self) -> bytes | None:
-        """The metrics token; None when none is configured. ValueError when it could never be
-        sent in an HTTP header (a bearer token is printable ASCII without spaces)."""
-        token = _one_secret(self.metrics_token_file, self.metrics_token, "metrics_token")
-        if token is not None and not re.fullmatch(rb"[\x21-\x7e]+", token):
-            where = (
-                f"--metrics-token-file {self.metrics_token_file!r}"
-                if self.metrics_token_file is not None
-                else "TANDEM_METRICS_TOKEN"
-            )
-            raise ValueError(
-                f"the metrics token ({where}) must be printable ASCII without spaces: a scraper "
-                "sends it in an HTTP header"
-            )
-        return token
 
 
 @dataclass

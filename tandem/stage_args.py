@@ -14,9 +14,9 @@ from tandem.config import (
     MetricsAuthConfig,
     StageAuthConfig,
     StageTlsConfig,
-    read_secret,
 )
 from tandem.config_options import add_dataclass_args, dataclass_from_args
+from tandem.credentials import metrics_token, read_secret, stage_secret
 from tandem.tenants import load_api_keys
 
 DEFAULT_GATEWAY_PORT = 50051
@@ -223,7 +223,7 @@ def engine_config_from_args(args: Any) -> EngineConfig:
 
 def metrics_token_from_args(args: Any) -> bytes | None:
     """The metrics token from parsed flags, then TANDEM_* variables; None when none is set."""
-    return dataclass_from_args(MetricsAuthConfig, args).token()
+    return metrics_token(dataclass_from_args(MetricsAuthConfig, args))
 
 
 def add_metrics_auth_args(parser: Any) -> None:
@@ -233,4 +233,4 @@ def add_metrics_auth_args(parser: Any) -> None:
 
 def stage_secret_from_args(args: Any) -> bytes | None:
     """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
-    return dataclass_from_args(StageAuthConfig, args).secret()
+    return stage_secret(dataclass_from_args(StageAuthConfig, args))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from tandem.chat import cmd_chat
 from tandem.config import EngineConfig, GatewayConfig, StageAuthConfig, StageTlsConfig
 from tandem.config_options import dataclass_from_args
+from tandem.credentials import gateway_secret, role_secrets, stage_secret
 from tandem.progress import LOGGER as PROGRESS_LOGGER
 from tandem.stage_args import (
     DEFAULT_GATEWAY_PORT,
@@ -369,14 +370,14 @@ def _secrets(args: argparse.Namespace) -> Secrets:
     import secrets
 
     cfg = dataclass_from_args(StageAuthConfig, args)
-    stage, gateway = cfg.secret(), cfg.gateway()
+    stage, gateway = stage_secret(cfg), gateway_secret(cfg)
     metrics = metrics_token_from_args(args)
     out = Secrets(
         stage=stage.decode() if stage is not None else secrets.token_urlsafe(32),
         gateway=gateway.decode() if gateway is not None else secrets.token_urlsafe(32),
         metrics_token=metrics.decode() if metrics is not None else None,
     )
-    StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway).credentials("decode")
+    role_secrets(StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway), "decode")
     return out
 
 

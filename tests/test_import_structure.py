@@ -21,7 +21,7 @@ PACKAGES = ("tandem", "services", "bench")
 # inside a function, and why they are not imported at the top.
 FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     "tandem.chat": (
-        ("tandem.config", "tandem.rpc.api_pb2", "tandem.rpc.api_pb2_grpc"),
+        ("tandem.credentials", "tandem.rpc.api_pb2", "tandem.rpc.api_pb2_grpc"),
         "`tandem chat` subcommand: gRPC stubs loaded when it runs",
     ),
     "tandem.cli": (

@@ -381,6 +381,12 @@ class StageTlsConfig:
     stage_mtls: bool = False
 
 
+def host_group() -> str | None:
+    """TANDEM_HOST_ID: the name of processes that share memory though their hostnames differ
+    (containers of one IPC namespace), used in place of the hostname; None when unset or empty."""
+    return os.environ.get("TANDEM_HOST_ID") or None
+
+
 def cache_dir() -> str | None:
     """Where Tandem keeps what it derives from a model and may reuse at the next start (the
     tokenizer built from a GGUF file): TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else

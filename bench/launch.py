@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from tandem.config import EngineConfig, MetricsAuthConfig
+from tandem.credentials import metrics_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,10 +71,12 @@ def engine_flags(options: dict[str, Any]) -> list[str]:
 
 def _metrics_token(env: dict[str, str] | os._Environ) -> str | None:
     """The /metrics token `tandem up` reads from the environment `env` it is started with."""
-    token = MetricsAuthConfig(
-        metrics_token_file=env.get("TANDEM_METRICS_TOKEN_FILE"),
-        metrics_token=env.get("TANDEM_METRICS_TOKEN"),
-    ).token()
+    token = metrics_token(
+        MetricsAuthConfig(
+            metrics_token_file=env.get("TANDEM_METRICS_TOKEN_FILE"),
+            metrics_token=env.get("TANDEM_METRICS_TOKEN"),
+        )
+    )
     return token.decode() if token is not None else None
 
 

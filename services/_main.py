@@ -9,14 +9,14 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from tandem import telemetry
-from tandem.config import (
+from tandem.rpc.auth import stage_credentials_from_args
+from tandem.stage_args import (
     engine_config_from_args,
     gateway_config_from_args,
     metrics_port_of,
     metrics_token_from_args,
     stage_parser,
 )
-from tandem.rpc.auth import stage_credentials_from_args
 
 
 def run_stage(

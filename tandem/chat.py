@@ -27,7 +27,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     metadata: list[tuple[str, str]] = []
     api_key = getattr(args, "api_key", None)
     if getattr(args, "api_key_file", None):
-        from tandem.config import read_secret
+        from tandem.credentials import read_secret
 
         try:
             api_key = read_secret(args.api_key_file, "--api-key-file")

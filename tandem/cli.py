@@ -12,7 +12,7 @@ import sys
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tandem.chat import cmd_chat  # noqa: E402
-from tandem.config import DEFAULT_GATEWAY_PORT  # noqa: E402
+from tandem.stage_args import DEFAULT_GATEWAY_PORT  # noqa: E402
 from tandem.up import STAGES, add_up_args, cmd_up, exec_stage  # noqa: E402
 
 

@@ -1,13 +1,12 @@
 """Every Tandem setting, typed, in one place. Services and the CLI read settings from here.
 
 The kernel settings (`KernelConfig`) are declared in `config_kernels.py` and importable from
-here; how a field becomes a `--flag` and a TANDEM_* variable is `config_options.py`.
+here; how a field becomes a `--flag` and a TANDEM_* variable is `config_options.py`, and each
+stage's command line (its flags, the settings read from them) is `stage_args.py`.
 """
 
 from __future__ import annotations
 
-import argparse
-import hmac
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -17,11 +16,8 @@ from tandem.config_kernels import ENGINE_FIELDS as KERNEL_ENGINE_FIELDS
 from tandem.config_kernels import KernelConfig
 from tandem.config_kernels import kernel_config as kernel_config  # re-exported: the settings API
 from tandem.config_kernels import set_kernel_config as set_kernel_config
-from tandem.config_options import (
-    add_dataclass_args,
-    dataclass_from_args,
-    parse_value,
-)
+from tandem.config_options import parse_value
+from tandem.tenants import parse_tenant_quotas
 
 if TYPE_CHECKING:
     import torch
@@ -29,20 +25,6 @@ if TYPE_CHECKING:
 
 # torch is imported where a setting is resolved, so that the command line starts without it.
 _DTYPES = ("float32", "float16", "bfloat16")
-
-
-# OpenMP (torch's CPU threads) sleeps between parallel regions instead of spinning. libgomp spins
-# ~300k iterations after each region; when another process holds a core, the spinning thread
-# takes the core the working one needs. Measured on a 2-core Xeon VM with other
-# work running, SmolLM2-135M batch-1 decode, 2 threads: 2-4 tok/s spinning, 20-47 sleeping
-# (1 thread: 13-33 either way). Read by OpenMP when torch loads, so it is put in the process
-# environment when `tandem` is imported (before torch); a value set there already wins.
-OPENMP_WAIT_POLICY = "PASSIVE"
-
-
-def set_openmp_defaults() -> None:
-    """Give OpenMP Tandem's wait policy unless the environment sets one (see above)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
 
 
 @dataclass
@@ -105,8 +87,6 @@ class EngineConfig:
 
     def tenant_quotas(self) -> dict[str, float]:
         """{tenant: fraction of the KV pool} from tenant_quota ({} when unset)."""
-        from tandem.tenants import parse_tenant_quotas
-
         return parse_tenant_quotas([self.tenant_quota]) if self.tenant_quota else {}
 
     # Kernel settings (see KernelConfig; they hold for the whole process). Multi-token attention
@@ -327,18 +307,6 @@ class GatewayConfig:
                 raise ValueError(f"{name} file {path!r} does not exist")
 
 
-def read_secret(path: str, what: str) -> str:
-    """The first line of a secret file, stripped; a missing or empty file is an error."""
-    try:
-        with open(path) as f:
-            value = f.readline().strip()
-    except OSError as e:
-        raise ValueError(f"{what} {path!r} cannot be read: {e.strerror}") from e
-    if not value:
-        raise ValueError(f"{what} {path!r} is empty")
-    return value
-
-
 @dataclass
 class StageAuthConfig:
     """The credentials of the ports between stages (prefill, decode, draft gRPC), by role.
@@ -364,55 +332,6 @@ class StageAuthConfig:
         default=None, metadata={"env_only": True, "credential": True}
     )
 
-    def secret(self) -> bytes | None:
-        """The stage secret; None when none is configured."""
-        return _one_secret(self.stage_secret_file, self.stage_secret, "stage_secret")
-
-    def gateway(self) -> bytes | None:
-        """The gateway secret; None when none is configured."""
-        return _one_secret(self.gateway_secret_file, self.gateway_secret, "gateway_secret")
-
-    def credentials(self, stage: str) -> tuple[bytes | None, bytes | None]:
-        """(stage secret, gateway secret) of the `stage` process; ValueError when they do not
-        fit its role."""
-        secret, gateway = self.secret(), self.gateway()
-        if stage == "gateway":
-            if secret is not None:
-                raise ValueError(
-                    "the gateway takes no stage secret (it would let the process facing the "
-                    "internet sign KV leases and register as a worker): give it the gateway "
-                    "secret instead, TANDEM_GATEWAY_SECRET or --gateway-secret-file, and the "
-                    "workers both"
-                )
-            return None, gateway
-        if gateway is not None and secret is None:
-            raise ValueError(
-                "a gateway secret is checked only by a worker that has a stage secret: set "
-                "TANDEM_STAGE_SECRET or --stage-secret-file too (without it the port is open)"
-            )
-        if gateway is not None and hmac.compare_digest(gateway, secret):
-            raise ValueError(
-                "the gateway secret must differ from the stage secret: the gateway's "
-                "credential would otherwise allow everything a worker's does"
-            )
-        return secret, gateway
-
-
-def _one_secret(path: str | None, value: str | None, name: str) -> bytes | None:
-    """A secret given by file (`<name>_file`) or by TANDEM_<NAME>, once; None when neither."""
-    if path is not None:
-        if value is not None:
-            raise ValueError(
-                f"give the {name.replace('_', ' ')} once: TANDEM_{name.upper()} or "
-                f"{name}_file, not both"
-            )
-        return read_secret(path, f"{name}_file").encode()
-    if value is not None:
-        if not value.strip():
-            raise ValueError(f"TANDEM_{name.upper()} is set but empty")
-        return value.strip().encode()
-    return None
-
 
 @dataclass
 class MetricsAuthConfig:
@@ -426,37 +345,6 @@ class MetricsAuthConfig:
     metrics_token_file: str | None = field(default=None, metadata={"credential": True})
     # Only from the environment (TANDEM_METRICS_TOKEN).
     metrics_token: str | None = field(default=None, metadata={"env_only": True, "credential": True})
-
-    def token(self) -> bytes | None:
-        """The metrics token; None when none is configured. ValueError when it could never be
-        sent in an HTTP header (a bearer token is printable ASCII without spaces)."""
-        token = _one_secret(self.metrics_token_file, self.metrics_token, "metrics_token")
-        if token is not None and not re.fullmatch(rb"[\x21-\x7e]+", token):
-            where = (
-                f"--metrics-token-file {self.metrics_token_file!r}"
-                if self.metrics_token_file is not None
-                else "TANDEM_METRICS_TOKEN"
-            )
-            raise ValueError(
-                f"the metrics token ({where}) must be printable ASCII without spaces: a scraper "
-                "sends it in an HTTP header"
-            )
-        return token
-
-
-def metrics_token_from_args(args: Any) -> bytes | None:
-    """The metrics token from parsed flags, then TANDEM_* variables; None when none is set."""
-    return dataclass_from_args(MetricsAuthConfig, args).token()
-
-
-def add_metrics_auth_args(parser: Any) -> None:
-    """Add the metrics credential's flag (`--metrics-token-file`) to a parser or group."""
-    add_dataclass_args(parser, MetricsAuthConfig, "metrics credential:")
-
-
-def stage_secret_from_args(args: Any) -> bytes | None:
-    """The stage secret from parsed flags, then TANDEM_* variables; None when none is set."""
-    return dataclass_from_args(StageAuthConfig, args).secret()
 
 
 @dataclass
@@ -493,52 +381,10 @@ class StageTlsConfig:
     stage_mtls: bool = False
 
 
-def gateway_config_from_args(args: Any) -> GatewayConfig:
-    """GatewayConfig from parsed flags, then TANDEM_* variables, then defaults."""
-    cfg = dataclass_from_args(GatewayConfig, args)
-    if cfg.api_key_file is not None:
-        if cfg.api_key is not None:
-            raise ValueError("give the API key once: api_key or api_key_file, not both")
-        cfg.api_key = read_secret(cfg.api_key_file, "api_key_file")
-    cfg.validate()
-    if cfg.api_keys is not None:
-        from tandem.tenants import load_api_keys
-
-        load_api_keys(cfg.api_keys)  # its mistakes are start-up errors
-    return cfg
-
-
-def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
-    """Add a `--flag` for every `EngineConfig` field (but `skip`) to an argparse parser or
-    group (default: unset)."""
-    add_dataclass_args(parser, EngineConfig, "engine", skip)
-
-
-def add_stage_auth_args(parser: Any) -> None:
-    """Add the stage credentials' flags (`--stage-secret-file`, `--gateway-secret-file`) to a
-    parser or group."""
-    add_dataclass_args(parser, StageAuthConfig, "stage credential:")
-
-
-def add_stage_tls_args(parser: Any) -> None:
-    """Add the stage TLS flags (`--stage-tls-cert`, `--stage-tls-key`, `--stage-tls-ca`, the
-    client certificate's and `--stage-mtls`)."""
-    add_dataclass_args(parser, StageTlsConfig, "stage TLS:")
-
-
-def add_gateway_args(parser: Any) -> None:
-    """Add a `--flag` for every `GatewayConfig` field to an argparse parser (default: unset)."""
-    add_dataclass_args(parser, GatewayConfig, "gateway")
-
-
-def engine_config_from_args(args: Any) -> EngineConfig:
-    """EngineConfig from parsed flags; unset flags fall back to TANDEM_* variables, then defaults."""
-    opts = {
-        f.name: getattr(args, f.name)
-        for f in fields(EngineConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    return EngineConfig.from_options(**opts)
+def host_group() -> str | None:
+    """TANDEM_HOST_ID: the name of processes that share memory though their hostnames differ
+    (containers of one IPC namespace), used in place of the hostname; None when unset or empty."""
+    return os.environ.get("TANDEM_HOST_ID") or None
 
 
 def cache_dir() -> str | None:
@@ -550,162 +396,3 @@ def cache_dir() -> str | None:
         return None if value.strip().lower() in ("", "none", "off") else os.path.expanduser(value)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     return os.path.join(base, "tandem")
-
-
-# ---- service command lines ------------------------------------------------------------------
-DEFAULT_GATEWAY_PORT = 50051
-DEFAULT_HTTP_PORT = 8000
-
-
-METRICS_PORT_OFFSET = 1000  # a stage's /metrics port defaults to its gRPC port + this
-
-
-def metrics_port_of(args: Any) -> int | None:
-    """The /metrics port a stage's parsed flags ask for; None when disabled."""
-    port = args.metrics_port
-    if port is None:
-        port = args.port + METRICS_PORT_OFFSET
-        if args.port <= 0 or port > 65535:
-            return None
-    return None if port < 0 else port
-
-
-# How KV moves from prefill to decode (tandem/kv/transports: accept_kinds says what auto picks).
-KV_TRANSPORTS = ("auto", "cuda_ipc", "shm", "nixl", "inline")
-
-
-def _addresses(value: str) -> list[str]:
-    return [a.strip() for a in value.split(",") if a.strip()]
-
-
-def stage_parser(stage: str) -> Any:
-    """The argument parser of one stage (`gateway`, `prefill`, `decode`, `draft`): every flag."""
-
-    p = argparse.ArgumentParser(
-        prog=f"tandem {stage}", description=f"Run the Tandem {stage} service."
-    )
-    p.add_argument(
-        "--host",
-        default=os.environ.get("TANDEM_HOST", "127.0.0.1"),
-        help="address to bind (default 127.0.0.1: never public unless asked)",
-    )
-    default_port = {
-        "gateway": DEFAULT_GATEWAY_PORT,
-        "prefill": DEFAULT_GATEWAY_PORT + 1,
-        "decode": DEFAULT_GATEWAY_PORT + 2,
-        "draft": DEFAULT_GATEWAY_PORT + 4,
-    }[stage]
-    p.add_argument(
-        "--port", type=int, default=default_port, help=f"gRPC port (default {default_port})"
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help=f"Prometheus /metrics HTTP port (default: gRPC port + {METRICS_PORT_OFFSET}; "
-        "-1 disables)",
-    )
-    p.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
-    add_engine_args(p)
-    add_stage_auth_args(p)
-    add_stage_tls_args(p)
-    add_metrics_auth_args(p)
-    if stage == "prefill":
-        p.add_argument(
-            "--lease-ttl",
-            type=float,
-            default=30.0,
-            help="seconds a leased KV block waits for its decode worker (default 30)",
-        )
-        p.add_argument(
-            "--max-leases-per-peer",
-            type=int,
-            default=int(os.environ.get("TANDEM_MAX_LEASES_PER_PEER", "1024")),
-            help="KV leases (prefilled prompts not yet taken by a decode worker) one client "
-            "host may hold; more Prefill.Run calls are refused with RESOURCE_EXHAUSTED "
-            "(default 1024)",
-        )
-    if stage == "decode":
-        p.add_argument(
-            "--prefill",
-            type=_addresses,
-            default=[],
-            help="prefill addresses to register with at start (comma separated)",
-        )
-        p.add_argument(
-            "--kv-transport",
-            choices=list(KV_TRANSPORTS),
-            default=os.environ.get("TANDEM_KV_TRANSPORT", "auto"),
-            help="how KV reaches this worker: auto (CUDA IPC or shared memory when prefill is on "
-            "this host, NIXL when it is not, inline gRPC bytes when NIXL is not installed), or "
-            "exactly one of cuda_ipc, shm, nixl, inline",
-        )
-        p.add_argument(
-            "--prefill-wait",
-            type=float,
-            default=300.0,
-            help="seconds to wait at start for the --prefill workers to answer before giving up "
-            "(default 300)",
-        )
-        p.add_argument(
-            "--kv-transfer-timeout",
-            type=float,
-            default=10.0,
-            help="seconds one NIXL read of a request's KV may take before the request fails "
-            "(default 10)",
-        )
-    if stage == "decode":
-        p.add_argument(
-            "--draft",
-            type=_addresses,
-            default=[],
-            help="draft worker address: speculate with its proposals (default: no speculation)",
-        )
-        p.add_argument(
-            "--spec-k", type=int, default=None, help="fixed speculation length (default: adaptive)"
-        )
-        p.add_argument("--spec-k-min", type=int, default=1, help="adaptive k lower bound (1)")
-        p.add_argument("--spec-k-max", type=int, default=8, help="adaptive k upper bound (8)")
-        p.add_argument(
-            "--draft-timeout-ms",
-            type=float,
-            default=200.0,
-            help="wait this long for proposals, then decode without them for that step",
-        )
-    if stage == "draft":
-        p.add_argument(
-            "--draft",
-            default="ngram",
-            help="proposer: ngram (prompt lookup), self:N (the target's first N layers), "
-            "self-int4 (the whole target quantized to INT4 g128 at start-up), self-int4:DIR (a "
-            "`tandem quantize` checkpoint of the target) or a path to a smaller model with the "
-            "target's tokenizer",
-        )
-        p.add_argument(
-            "--draft-blocks",
-            type=int,
-            default=None,
-            help="KV blocks of a draft model's pool (default: --num-blocks, else sized from "
-            "--kv-cache-memory-gb like a target worker's pool)",
-        )
-    if stage == "gateway":
-        p.add_argument(
-            "--draft",
-            type=_addresses,
-            default=[],
-            help="draft workers to admit sequences to, concurrently with prefill (optional)",
-        )
-        p.add_argument(
-            "--http-port",
-            type=int,
-            default=DEFAULT_HTTP_PORT,
-            help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; -1 disables)",
-        )
-        add_dataclass_args(p, GatewayConfig, "gateway")
-        p.add_argument(
-            "--prefill", type=_addresses, required=True, help="prefill addresses, comma separated"
-        )
-        p.add_argument(
-            "--decode", type=_addresses, required=True, help="decode addresses, comma separated"
-        )
-    return p

@@ -19,8 +19,23 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.chat import cmd_chat
-from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT
+from tandem.config import EngineConfig, GatewayConfig, StageAuthConfig, StageTlsConfig
+from tandem.config_options import dataclass_from_args
+from tandem.credentials import gateway_secret, role_secrets, stage_secret
 from tandem.progress import LOGGER as PROGRESS_LOGGER
+from tandem.stage_args import (
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_HTTP_PORT,
+    add_engine_args,
+    add_gateway_args,
+    add_metrics_auth_args,
+    add_stage_auth_args,
+    engine_config_from_args,
+    gateway_config_from_args,
+    metrics_token_from_args,
+    stage_parser,
+)
+from tandem.tenants import load_api_keys
 
 STAGES = ("prefill", "decode", "gateway", "draft")
 
@@ -32,7 +47,7 @@ def exec_stage(stage: str, argv: list[str]) -> None:
 
 
 # Flags of `tandem up` that go to one stage only, beside the engine settings every stage takes and
-# the gateway's own (GatewayConfig). Each is declared once, in the stage parsers (config.py).
+# the gateway's own (GatewayConfig). Each is declared once, in the stage parsers (stage_args.py).
 STAGE_FLAGS = {
     "prefill": ["--lease-ttl", "--max-leases-per-peer"],
     "decode": [
@@ -204,14 +219,6 @@ def _stage_env(stage: str) -> dict[str, str]:
 
 def add_up_args(up: argparse.ArgumentParser) -> None:
     """`tandem up`'s own flags, then the settings it passes to the stages, grouped."""
-    from tandem.config import (
-        add_engine_args,
-        add_gateway_args,
-        add_metrics_auth_args,
-        add_stage_auth_args,
-        stage_parser,
-    )
-
     up.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
     up.add_argument(
         "--host",
@@ -333,8 +340,6 @@ def _stage_argv(args: argparse.Namespace) -> dict[str, list[str]]:
     """The flags each stage gets from `tandem up`'s parsed settings (only those given)."""
     from dataclasses import fields
 
-    from tandem.config import EngineConfig, GatewayConfig
-
     def flag(name: str, value) -> list[str]:
         return ["--" + name.replace("_", "-"), str(value)]
 
@@ -364,18 +369,15 @@ def _secrets(args: argparse.Namespace) -> Secrets:
     ones, so that no stage port is ever open and the gateway never holds a worker's key."""
     import secrets
 
-    from tandem.config import StageAuthConfig, metrics_token_from_args
-    from tandem.config_options import dataclass_from_args
-
     cfg = dataclass_from_args(StageAuthConfig, args)
-    stage, gateway = cfg.secret(), cfg.gateway()
+    stage, gateway = stage_secret(cfg), gateway_secret(cfg)
     metrics = metrics_token_from_args(args)
     out = Secrets(
         stage=stage.decode() if stage is not None else secrets.token_urlsafe(32),
         gateway=gateway.decode() if gateway is not None else secrets.token_urlsafe(32),
         metrics_token=metrics.decode() if metrics is not None else None,
     )
-    StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway).credentials("decode")
+    role_secrets(StageAuthConfig(stage_secret=out.stage, gateway_secret=out.gateway), "decode")
     return out
 
 
@@ -402,9 +404,6 @@ def _auto_mtls(directory: str, stage_host: str) -> dict[str, dict[str, str]]:
 
 def _then_chat_key(args: argparse.Namespace) -> str | None:
     """An API key the gateway accepts (--then-chat's reply must pass its check), or None."""
-    from tandem.config import gateway_config_from_args
-    from tandem.tenants import load_api_keys
-
     cfg = gateway_config_from_args(args)
     if cfg.api_key:
         return cfg.api_key
@@ -418,8 +417,6 @@ def _dial(host: str) -> str:
 
 def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str | None:
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
-    from tandem.config import engine_config_from_args, gateway_config_from_args
-
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         return f"--model {args.model}: no such file or directory"
     try:
@@ -430,9 +427,6 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
         return str(e)
     if args.stage_mtls == "auto":
         from dataclasses import fields
-
-        from tandem.config import StageTlsConfig
-        from tandem.config_options import dataclass_from_args
 
         try:
             # The variables alone: `tandem up` has no stage TLS flags (its --stage-mtls is its own).

@@ -96,7 +96,7 @@ def test_up_passes_each_setting_to_the_stages_that_take_it():
     assert "--disagg-threshold" in argv["gateway"] and "--disagg-threshold" not in argv["decode"]
     assert "--lease-ttl" in argv["prefill"] and "--lease-ttl" not in argv["decode"]
     # Each stage's own parser accepts what it is given.
-    from tandem.config import stage_parser
+    from tandem.stage_args import stage_parser
 
     for stage, args in argv.items():
         extra = ["--prefill", "a:1", "--decode", "b:2"] if stage == "gateway" else []

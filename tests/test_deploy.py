@@ -3,7 +3,7 @@
 Nothing here starts a container. compose files are checked against the Compose Specification's
 JSON schema (../shared/compose-spec.json) and Kubernetes manifests against the Kubernetes
 OpenAPI schemas (kubernetes-validate); every stage command must be accepted by the CLI
-(`tandem.config.stage_parser`, what `tandem <stage> --help` describes), with the ports, peers,
+(`tandem.stage_args.stage_parser`, what `tandem <stage> --help` describes), with the ports, peers,
 health checks, probes and environment that the CLI's defaults imply.
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tandem import cli, config
-from tandem.config import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, EngineConfig, stage_parser
+from tandem import cli, config, stage_args
+from tandem.config import EngineConfig
 from tandem.rpc.auth import stage_credentials_from_args
+from tandem.stage_args import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, stage_parser
 from tests.conftest import run_healthcheck, self_signed_cert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,9 +363,9 @@ def _settings(stage: str, argv: list[str], env: dict[str, str], monkeypatch):
         monkeypatch.setenv(k, v)
     # Parsers read TANDEM_HOST / TANDEM_LOG_LEVEL when built: build them under this environment.
     _, args = parse_stage_command(argv)
-    out = {"engine": config.engine_config_from_args(args), "log_level": args.log_level}
-    if stage == "gateway" and hasattr(config, "gateway_config_from_args"):
-        out["gateway"] = config.gateway_config_from_args(args)
+    out = {"engine": stage_args.engine_config_from_args(args), "log_level": args.log_level}
+    if stage == "gateway" and hasattr(stage_args, "gateway_config_from_args"):
+        out["gateway"] = stage_args.gateway_config_from_args(args)
     return out
 
 

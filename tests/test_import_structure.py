@@ -21,16 +21,12 @@ PACKAGES = ("tandem", "services", "bench")
 # inside a function, and why they are not imported at the top.
 FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     "tandem.chat": (
-        ("tandem.config", "tandem.rpc.api_pb2", "tandem.rpc.api_pb2_grpc"),
+        ("tandem.credentials", "tandem.rpc.api_pb2", "tandem.rpc.api_pb2_grpc"),
         "`tandem chat` subcommand: gRPC stubs loaded when it runs",
     ),
     "tandem.cli": (
         ("tandem.quant.cli",),
         "`tandem quantize`: the offline tool, above the model, loaded on demand",
-    ),
-    "tandem.config": (
-        ("tandem.tenants",),
-        "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "tandem.llm": (
         ("tandem.engine.proposers", "tandem.engine.speculator"),
@@ -41,8 +37,8 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         "NVML only where a GPU gauge is read",
     ),
     "tandem.up": (
-        ("tandem.config", "tandem.config_options", "tandem.stage_certs", "tandem.tenants"),
-        "stage_certs needs cryptography, optional; the rest: lazy, no loop; not yet examined whether it can move to the top",
+        ("tandem.stage_certs",),
+        "stage_certs needs cryptography, optional: loaded for --stage-mtls auto only",
     ),
     "tandem.engine.draft_models": (
         ("tandem.quant.checkpoint",),

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 from prometheus_client import Counter
 
-from tandem.config import metrics_token_from_args, stage_parser
 from tandem.metrics import new_registry, serve_metrics
+from tandem.stage_args import metrics_token_from_args, stage_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "m3tr1cs-t0ken"

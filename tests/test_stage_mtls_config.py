@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
-from tandem.config import stage_parser
 from tandem.rpc.auth import StageCredentials, add_stage_port, stage_credentials_from_args, tls_words
 from tandem.rpc.health import probe
+from tandem.stage_args import stage_parser
 from tandem.stage_certs import make_stage_certs
 
 GATEWAY = ["--prefill", "p:1", "--decode", "d:1"]

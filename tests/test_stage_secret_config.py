@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.config import (
+from tandem.rpc.auth import stage_credentials_from_args
+from tandem.stage_args import (
     gateway_config_from_args,
     stage_parser,
     stage_secret_from_args,
 )
-from tandem.rpc.auth import stage_credentials_from_args
 from tandem.up import Secrets, _stage_env
 
 

@@ -10,7 +10,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.config import stage_parser
 from tandem.rpc.auth import (
     StageCredentials,
     add_stage_port,
@@ -19,6 +18,7 @@ from tandem.rpc.auth import (
     unreachable_hint,
 )
 from tandem.rpc.health import probe
+from tandem.stage_args import stage_parser
 from tests.conftest import self_signed_cert
 
 GATEWAY = ["--prefill", "p:1", "--decode", "d:1"]

@@ -14,8 +14,8 @@ from services.gateway.observe import GatewayTelemetry
 from services.gateway.pipeline import Finished, TextDelta
 from tandem import telemetry
 from tandem.api.sampling_params import SamplingParams
-from tandem.config import metrics_port_of
 from tandem.metrics import DecodeMetrics, GatewayMetrics
+from tandem.stage_args import metrics_port_of
 
 
 def _samples(registry) -> dict[tuple[str, tuple], float]:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import tandem
-from tandem.config import EngineConfig, stage_parser
+from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv.block_pool import BlockPool
 from tandem.model.loader import load_model
+from tandem.stage_args import stage_parser
 from tandem.tenants import (
     TenantQuotaExceeded,
     check_tenant_name,
@@ -131,7 +132,7 @@ def test_quota_parsing_errors(specs, error):
 
 
 def test_tenant_quota_flag_repeats_and_is_validated(monkeypatch):
-    from tandem.config import engine_config_from_args
+    from tandem.stage_args import engine_config_from_args
 
     monkeypatch.delenv("TANDEM_TENANT_QUOTA", raising=False)
     p = stage_parser("decode")

@@ -7,12 +7,12 @@ once at peer registration).
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 
 import torch
 
+from tandem.config import host_group
 from tandem.formats.kv import is_quantized_kv
 from tandem.kv.cache import LAYOUT_VERSION, KVCache
 
@@ -95,7 +95,7 @@ def host_id() -> str:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{os.environ.get('TANDEM_HOST_ID') or socket.gethostname()}/{boot}"
+    return f"{host_group() or socket.gethostname()}/{boot}"
 
 
 def numel(shape: tuple[int, ...]) -> int:

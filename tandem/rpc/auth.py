@@ -26,6 +26,7 @@ import grpc
 
 from tandem.config import StageAuthConfig, StageTlsConfig
 from tandem.config_options import dataclass_from_args
+from tandem.credentials import role_secrets
 from tandem.rpc.limits import ReceiveLimitInterceptor, method_name, server_options
 
 # The metadata key every call between stages carries its credential under.
@@ -456,7 +457,7 @@ def stage_credentials_from_args(args: Any, stage: str) -> StageCredentials:
     """How the `stage` process (gateway, prefill, decode, draft) takes part in the stage network:
     its credentials and TLS files (StageAuthConfig, StageTlsConfig), from parsed flags, then
     TANDEM_* variables. Raises ValueError naming what is wrong."""
-    secret, gateway = dataclass_from_args(StageAuthConfig, args).credentials(stage)
+    secret, gateway = role_secrets(dataclass_from_args(StageAuthConfig, args), stage)
     tls = dataclass_from_args(StageTlsConfig, args)
     root, pair = _stage_tls_files(tls, stage)
     return StageCredentials(

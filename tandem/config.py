@@ -1,8 +1,8 @@
 """Every Tandem setting, typed, in one place. Services and the CLI read settings from here.
 
 The kernel settings (`KernelConfig`) are declared in `config_kernels.py` and importable from
-here; how a field becomes a `--flag` and a TANDEM_* variable is `config_options.py`, and each
-stage's command line (its flags, the settings read from them) is `stage_args.py`.
+here; `config_options.py` turns a field into a `--flag` and a TANDEM_* variable, `stage_args.py`
+builds each stage's command line, and `device.py` resolves the torch device and dtypes named.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.config_kernels import ENGINE_FIELDS as KERNEL_ENGINE_FIELDS
 from tandem.config_kernels import KernelConfig
@@ -19,12 +19,7 @@ from tandem.config_kernels import set_kernel_config as set_kernel_config
 from tandem.config_options import parse_value
 from tandem.tenants import parse_tenant_quotas
 
-if TYPE_CHECKING:
-    import torch
-
-
-# torch is imported where a setting is resolved, so that the command line starts without it.
-_DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -46,24 +41,21 @@ class EngineConfig:
     kv_dtype: str = "auto"
     # Linear weights: "auto" (as the checkpoint stores them: a `tandem quantize` output loads
     # quantized; a GGUF file keeps its Q4_1 / Q8_0 codes on CPU, the embedding and LM head too,
-    # and is dequantized to float on CUDA), "int4" (GGUF Q4_1 tensors load natively as
-    # INT4 g32, float weights are quantized at load to INT4 g128 by round-to-nearest) or "none"
-    # (everything dequantized to float).
+    # and is dequantized to float on CUDA), "int4" (GGUF Q4_1 tensors load natively as INT4 g32,
+    # float weights are quantized at load to INT4 g128 by round-to-nearest) or "none" (all float).
     quantization: str = "auto"
     # CUDA only: replay captured CUDA graphs for decode batches of up to max_num_seqs sequences
     # (buckets 1, 2, 4, ... 256), except with an FP8 / INT8 KV pool.
     cuda_graphs: bool = True
     # Launch step t+1 before reading step t's sampled tokens, so the GPU never waits for Python
     # (plain decode batches without logprobs or repetition penalty; others run step by step).
-    # Finished sequences are noticed one step late and the extra step's token is dropped.
-    # None: on for a CUDA device; off on CPU, where a step runs while Python waits for it and
-    # there is nothing to overlap.
+    # Finished sequences are noticed one step late and the extra token dropped. None: on for a
+    # CUDA device; off on CPU, where Python waits for each step and there is nothing to overlap.
     async_scheduling: bool | None = field(
         default=None, metadata={"default_help": "on for a CUDA device, off on CPU"}
     )
     # Prefix caching: full KV blocks are kept by content after their sequence ends and shared by
-    # later sequences with the same prefix, which compute only the rest; evicted least recently
-    # used when blocks run out.
+    # later sequences with the same prefix (which compute only the rest); LRU-evicted when full.
     enable_prefix_cache: bool = True
     # Most prompt tokens one sequence computes per step (chunked prefill: longer prompts take
     # several steps, mixed with decodes); None: the step budget, max_num_batched_tokens.
@@ -71,17 +63,15 @@ class EngineConfig:
     # Time-per-output-token target in ms: while sequences decode, a step takes only as many
     # tokens (prompt chunks, joining sequences) as the measured step time says fit. None: off.
     tpot_slo_ms: float | None = None
-    # Tenant KV quotas, "NAME=FRACTION" items (the flag repeats; commas also separate them): a
-    # tenant's running sequences, leases and cached prefix blocks hold at most that fraction of
-    # the pool; "NAME" alone: an equal share of what the fractions leave. Requests of a tenant
-    # without a quota are refused; cached blocks are evicted LRU-2 within each tenant. None: no
-    # tenants (one pool, least recently used eviction). See tandem/tenants.py.
+    # Tenant KV quotas (tandem/tenants.py), "NAME=FRACTION" items (the flag repeats; commas also
+    # separate them): a tenant's running sequences, leases and cached prefix blocks hold at most
+    # that fraction of the pool; "NAME" alone: an equal share of what the fractions leave. Other
+    # tenants are refused; cached blocks are evicted LRU-2 per tenant. None: one pool, plain LRU.
     tenant_quota: str | None = field(default=None, metadata={"repeatable": True})
-    # Structured output: compiled grammars are kept for reuse, by content, least recently used
-    # evicted past this many MiB (one grammar that alone compiles larger is refused); each
-    # grammar compiles on a worker thread, never the engine's, and may take this many seconds
-    # (its request then fails naming the setting; others are not held up). The default stays
-    # under the prefill worker's lease TTL (30 s), which a decode worker's compile counts against.
+    # Structured output: compiled grammars are cached by content, LRU-evicted past this many MiB
+    # (one that alone compiles larger is refused); each compiles off the engine's thread, for at
+    # most this many seconds (then its request fails naming the setting; others go on). The
+    # default is under the 30 s prefill lease TTL, which a decode worker's compile counts against.
     grammar_cache_mb: int = 256
     grammar_compile_timeout_s: float = 20.0
 
@@ -101,39 +91,6 @@ class EngineConfig:
     def kernel_config(self) -> KernelConfig:
         """The kernel settings of this engine."""
         return KernelConfig(**{name: getattr(self, name) for name in KERNEL_ENGINE_FIELDS})
-
-    def resolved_device(self) -> torch.device:
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def context_length(self, max_position_embeddings: int) -> int:
-        """The most tokens (prompt and output) one sequence may have, for a model of
-        `max_position_embeddings` positions: max_model_len, never more than the model's."""
-        return min(self.max_model_len or max_position_embeddings, max_position_embeddings)
-
-    def resolved_dtype(self) -> torch.dtype:
-        import torch
-
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        return getattr(torch, self.dtype)
-
-    def resolved_kv_dtype(self) -> torch.dtype:
-        """The KV pool's storage dtype."""
-        import torch
-
-        if self.kv_dtype == "auto":
-            return self.resolved_dtype()
-        if self.kv_dtype == "fp8":
-            return torch.float8_e4m3fn
-        if self.kv_dtype == "int8":
-            return torch.int8
-        raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
 
     def validate(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_seqs"):
@@ -164,8 +121,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.dtype not in ("auto", *_DTYPES):
-            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.kv_dtype not in ("auto", "fp8", "int8"):
             raise ValueError(f"kv_dtype must be one of auto, fp8, int8; got {self.kv_dtype!r}")
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
@@ -224,33 +181,29 @@ class GatewayConfig:
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
     # The HTTP listener (services/gateway/http_limits.py): open connections at most (at the cap
-    # a newcomer takes the place of an idle one, else it is refused with 503), connections one
-    # client address may hold (429 beyond), seconds a request's headers may take (the first
-    # request's from the connection's start, its TLS handshake included), seconds a request's
-    # body may take, and seconds a keep-alive connection may wait idle for its next request.
+    # a newcomer takes the place of an idle one, else gets 503), connections one client address
+    # may hold (429 beyond), seconds for a request's headers (the first request's counted from
+    # connect, TLS handshake included), for its body, and for a keep-alive connection's idle wait.
     http_max_connections: int = 1024
     http_max_connections_per_client: int = 256
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_keepalive_timeout_s: float = 75.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
-    # than this many tokens is prefilled there (no KV transfer); longer ones go to a prefill
-    # worker. 0: always a prefill worker. Default measured on CPU (bench/results/
-    # goodput_cpu.json, "threshold"); re-measure on a GPU host.
+    # than this many tokens is prefilled there (no KV transfer); longer ones, and all with 0, on a
+    # prefill worker. Measured on CPU (bench/results/goodput_cpu.json, "threshold"): redo on GPU.
     disagg_threshold: int = 128
     # Time-to-first-token target in ms: requests are estimated against it at arrival (queued
     # prompt tokens ahead of them, measured prefill speed); with shed_load those that cannot meet
     # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
     ttft_slo_ms: float | None = None
     shed_load: bool = False
-    # Seconds a stream whose decode worker died may wait for a live (or restarted) one, which
-    # then continues it from the prompt and the tokens already streamed; the client sees a
-    # pause. Past it, or with 0, the stream ends with an error.
+    # Seconds a stream whose decode worker died may wait for a live (or restarted) one to resume
+    # it from the prompt and the tokens streamed (the client sees a pause); past it, or 0: error.
     resume_budget_s: float = 60.0
     # Seconds a worker may take to answer a health check (asked every half second) before it is
-    # taken for stopped, a frozen process or a blocked event loop: no request is routed to it,
-    # readiness says so when no decode worker is left, and its streams resume elsewhere, until
-    # it answers again.
+    # taken for stopped (a frozen process, a blocked event loop): until it answers, no request is
+    # routed to it, its streams resume elsewhere, and readiness fails if no decode worker is left.
     stage_health_timeout_s: float = 2.0
     # Responses (POST /v1/responses) kept in memory for `previous_response_id`, the most
     # recent this many (LRU); a request with `store: false` is not kept.
@@ -313,12 +266,12 @@ class StageAuthConfig:
 
     The stage secret is the workers' (prefill, decode, draft): a worker given it requires it, in
     gRPC metadata, on every call but grpc.health.v1, sends it to the workers it calls, and
-    derives the keys of its KV leases from it. The gateway secret is the gateway's: the gateway
-    sends it, and a worker given it too takes it for the calls that route a request (Prefill.Run
-    and Release, Decode.Session, Draft.Admit, Stats) and nothing else (tandem.rpc.auth). The
-    gateway, facing the internet, never holds the stage secret. Each is read from a file or from
-    its TANDEM_* variable, never from a command line (`ps` shows those). No stage secret: the
-    stage ports are open to anyone who reaches them, as on a loopback-only host.
+    derives its KV lease keys from it. The gateway secret is the gateway's: the gateway sends it,
+    and a worker given it too takes it for the calls that route a request (Prefill.Run and
+    Release, Decode.Session, Draft.Admit, Stats) and nothing else (tandem.rpc.auth). The gateway,
+    facing the internet, never holds the stage secret. Each is read from a file or its TANDEM_*
+    variable, never a command line (`ps` shows those). No stage secret: the stage ports are open
+    to anyone who reaches them, as on a loopback-only host.
     """
 
     # A file whose first line is the stage secret (workers only).
@@ -335,11 +288,10 @@ class StageAuthConfig:
 
 @dataclass
 class MetricsAuthConfig:
-    """The credential of the Prometheus `/metrics` endpoint every process serves. Given, a
-    scrape must carry it (`Authorization: Bearer <token>`) and any other is answered 401; unset,
-    `/metrics` is open to whoever reaches its port. Read from a file (its first line) or from
-    TANDEM_METRICS_TOKEN, never from a command line.
-    """
+    """The credential of the Prometheus `/metrics` endpoint every process serves. Given, a scrape
+    must carry it (`Authorization: Bearer <token>`; any other is answered 401); unset, `/metrics`
+    is open to whoever reaches its port. Read from a file (its first line) or TANDEM_METRICS_TOKEN,
+    never from a command line."""
 
     # A file whose first line is the metrics token.
     metrics_token_file: str | None = field(default=None, metadata={"credential": True})
@@ -353,25 +305,23 @@ class StageTlsConfig:
 
     A worker given a certificate and its key serves its stage port over TLS only. A process given
     a CA bundle calls every stage over TLS and checks that the stage's certificate names the host
-    part of the address it dials (`prefill`, `decode`, `draft` as Kubernetes Services;
-    `127.0.0.1` or `localhost` on one host): certificates carry those names as SANs. The stage
-    secret still authenticates callers; TLS keeps it, and prompts, tokens and KV bytes, from the
-    network. Unset: plaintext. Each is a PEM file; an empty TANDEM_* variable is an error, as
-    for a credential, rather than TLS silently off.
+    part of the address it dials (`prefill`, `decode`, `draft` as Kubernetes Services; `127.0.0.1`
+    or `localhost` on one host): certificates carry those names as SANs. The stage secret still
+    authenticates callers; TLS keeps it, and prompts, tokens and KV bytes, from the network.
+    Unset: plaintext. Each is a PEM file; an empty TANDEM_* variable is an error, as for a
+    credential, rather than TLS silently off.
 
-    Mutual TLS (`stage_mtls`): a worker's port then takes only callers that present a
-    certificate signed by its CA bundle, refusing the others at the handshake, and every process
-    presents one on its calls to stages: its client certificate, or a worker's own stage
-    certificate when it has no other (that certificate must then allow client use, as one
-    without an extended key usage does). The gateway, which serves no stage port, needs a
-    client certificate.
+    Mutual TLS (`stage_mtls`): a worker's port then takes only callers presenting a certificate
+    signed by its CA bundle (others are refused at the handshake), and every process presents one
+    on its calls to stages: its client certificate, else a worker's own stage certificate (which
+    must then allow client use, as one without an extended key usage does). The gateway, which
+    serves no stage port, needs a client certificate.
     """
 
     # This worker's certificate chain and its (unencrypted) private key: given together.
     stage_tls_cert: str | None = field(default=None, metadata={"credential": True})
     stage_tls_key: str | None = field(default=None, metadata={"credential": True})
-    # The CA bundle that vouches for the stages this process calls (and, with stage_mtls, for
-    # the callers of this worker's port).
+    # The CA bundle vouching for the stages called (and, with stage_mtls, this port's callers).
     stage_tls_ca: str | None = field(default=None, metadata={"credential": True})
     # The certificate chain and (unencrypted) private key this process presents to the stages
     # it calls: given together, with stage_tls_ca.

@@ -10,6 +10,7 @@ from tandem.api.detokenizer import IncrementalDetokenizer
 from tandem.api.logprobs import TokenLogprobs
 from tandem.api.sampling_params import SamplingParams
 from tandem.config import EngineConfig
+from tandem.device import resolved_dtype
 from tandem.engine.llm_engine import LLMEngine
 from tandem.model.loader import load_model
 
@@ -57,7 +58,7 @@ class LLM:
         `tandem quantize` checkpoint of it) or the path of a smaller model with the same tokenizer.
         A draft model's KV pool gets as many blocks as the target's."""
         self.config = EngineConfig.from_options(model=model, **engine_options)
-        loaded = load_model(self.config.model, self.config.resolved_dtype())
+        loaded = load_model(self.config.model, resolved_dtype(self.config))
         self.engine = LLMEngine(loaded, self.config)
         self.tokenizer = loaded.tokenizer
         self.speculator = None

@@ -514,7 +514,9 @@ def test_cpu_override(compose_raw, monkeypatch):
     svc = merged["services"]["prefill"]
     with monkeypatch.context() as m:
         settings = _settings("prefill", svc["command"], _environment(svc), m)
-    assert settings["engine"].resolved_device().type == "cpu"
+    from tandem.device import resolved_device
+
+    assert resolved_device(settings["engine"]).type == "cpu"
 
 
 def test_multi_gpu_override(compose_raw):

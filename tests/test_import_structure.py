@@ -448,3 +448,11 @@ def test_config_imports_no_rpc() -> None:
         if i.importer == "tandem.config" and i.target.startswith("tandem.rpc")
     ]
     assert not rpc, f"tandem/config.py imports {sorted({i.target for i in rpc})}"
+
+
+def test_config_holds_declarations_only() -> None:
+    # What turns a setting into something else (a torch device, a context length) lives with
+    # its users; config.py stays a list of settings a reader can take in.
+    with open(MODULES["tandem.config"], encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    assert lines < 350, f"tandem/config.py has {lines} lines; keep it under 350"

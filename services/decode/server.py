@@ -21,12 +21,14 @@ from services.decode.peers import PrefillPeers
 from services.worker import run_worker, worker_stats
 from tandem import telemetry as tel
 from tandem.config import EngineConfig
+from tandem.device import resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.layout import PoolLayout
+from tandem.model.info import context_length
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
@@ -60,9 +62,11 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         transports.check_requested(kv_transport)  # fails here, before the model loads
         if kv_transfer_timeout_s <= 0:
             raise ValueError(f"--kv-transfer-timeout must be > 0, got {kv_transfer_timeout_s}")
-        loaded = load_model(config.model, config.resolved_dtype())
+        loaded = load_model(config.model, resolved_dtype(config))
         self.model_name = loaded.config.name
-        self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
+        self.max_model_len = context_length(
+            config.max_model_len, loaded.config.max_position_embeddings
+        )
         self.engine = LLMEngine(loaded, config)
         self.layout = PoolLayout.of(self.engine.kv)
         self.peers = PrefillPeers(

@@ -12,7 +12,7 @@ from tandem.config import EngineConfig
 from tandem.engine.proposers import build_proposer
 from tandem.loop_lag import LoopLag
 from tandem.metrics import DraftMetrics, serve_metrics
-from tandem.model.info import load_model_info
+from tandem.model.info import context_length, load_model_info
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, add_stage_port, stage_server, tls_words
 from tandem.rpc.health import add_health, set_serving
@@ -136,7 +136,9 @@ async def serve(
     creds = stage_credentials or StageCredentials()
     service = DraftService(proposer, draft)
     # The prompts are the target's: its context length bounds every sequence proposed for.
-    max_len = config.context_length(load_model_info(config.model)[0].max_position_embeddings)
+    max_len = context_length(
+        config.max_model_len, load_model_info(config.model)[0].max_position_embeddings
+    )
     server = stage_server(
         creds,
         draft_limits(max_len, config.max_num_seqs),

@@ -32,7 +32,7 @@ from tandem import progress
 from tandem.config import EngineConfig, GatewayConfig
 from tandem.loop_lag import LoopLag
 from tandem.metrics import GatewayMetrics, serve_metrics
-from tandem.model.info import load_model_info
+from tandem.model.info import context_length, load_model_info
 from tandem.rpc import api_pb2
 from tandem.rpc.auth import StageCredentials
 from tandem.rpc.health import add_health, set_serving
@@ -61,7 +61,7 @@ async def serve(
     workers, and the CA bundle that makes those calls (and the health probes) TLS."""
     gc = gateway_config or GatewayConfig()
     mc, tokenizer, _ = load_model_info(config.model)
-    max_len = config.context_length(mc.max_position_embeddings)
+    max_len = context_length(config.max_model_len, mc.max_position_embeddings)
     # Block names must match the workers' (same --block-size); a mismatch only costs cache hits.
     router = Router(
         prefill,

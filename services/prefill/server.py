@@ -15,6 +15,7 @@ import numpy as np
 from services.prefill.observe import PrefillTelemetry
 from services.worker import run_worker, worker_stats
 from tandem.config import EngineConfig
+from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
@@ -23,6 +24,7 @@ from tandem.kv.lease import lease_key, sign_lease
 from tandem.kv.transports import PeerRequest, TransportKind
 from tandem.kv.transports.inline import InlineTransport
 from tandem.kv.transports.shm import SharedPool
+from tandem.model.info import context_length
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
@@ -89,10 +91,12 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.run_owner: dict[str, str] = {}
         self.runs_by_owner: dict[str, int] = {}
         self.refusals: dict[str, int] = {}
-        loaded = load_model(config.model, config.resolved_dtype())
+        loaded = load_model(config.model, resolved_dtype(config))
         self.model_name = loaded.config.name
-        self.max_model_len = config.context_length(loaded.config.max_position_embeddings)
-        device = config.resolved_device()
+        self.max_model_len = context_length(
+            config.max_model_len, loaded.config.max_position_embeddings
+        )
+        device = resolved_device(config)
         self.pool_id = f"prefill-{uuid.uuid4().hex[:8]}"
         # Signs every lease of this pool (KvRef.lease_signature). With a stage secret it is
         # derived from it, and each decode worker derives it too: it never travels, and only a

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
+from tandem.device import resolved_device, resolved_dtype
 from tandem.formats.weight import LayerSpec, QuantizedWeight, dequantize_weights, quantize_weights
 from tandem.kv.cache import KVCache
 from tandem.model.config import ModelConfig
@@ -126,7 +127,7 @@ def load_draft_model(spec: str, config: EngineConfig, target: LoadedModel | None
     `target` is the loaded target when the caller has it; otherwise it is loaded when the draft
     is built from its weights (self:N, self-int4), and only its config and tokenizer otherwise.
     """
-    dtype, device = config.resolved_dtype(), config.resolved_device()
+    dtype, device = resolved_dtype(config), resolved_device(config)
     if spec.startswith("self:"):
         try:
             n = int(spec.split(":", 1)[1])

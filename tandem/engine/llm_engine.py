@@ -31,6 +31,7 @@ import torch
 from tandem import progress
 from tandem.api.sampling_params import SamplingParams
 from tandem.config import EngineConfig, set_kernel_config
+from tandem.device import resolved_device, resolved_dtype, resolved_kv_dtype
 from tandem.engine.admission import Admission, PromptIds
 from tandem.engine.async_step import AsyncStep
 from tandem.engine.model_runner import ModelRunner
@@ -50,6 +51,7 @@ from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
 from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
+from tandem.model.info import context_length
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, prepare_weights
 from tandem.tenants import quota_blocks
@@ -84,11 +86,11 @@ class LLMEngine:
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        device = config.resolved_device()
+        device = resolved_device(config)
         use_cuda_device(device)
-        dtype = config.resolved_dtype()
+        dtype = resolved_dtype(config)
         mc = loaded.config
-        self.max_model_len = config.context_length(mc.max_position_embeddings)
+        self.max_model_len = context_length(config.max_model_len, mc.max_position_embeddings)
         progress.report(
             f"building the model ({dtype}, quantization {config.quantization}) on {device}"
         )
@@ -107,7 +109,7 @@ class LLMEngine:
                 config.block_size,
                 mc.num_kv_heads,
                 mc.head_dim,
-                config.resolved_kv_dtype(),
+                resolved_kv_dtype(config),
                 device,
             )
         self.kv = kv
@@ -215,7 +217,7 @@ class LLMEngine:
         from tandem.kv.layout import DTYPE_NAMES, PoolLayout
 
         mc = loaded.config
-        dtype = config.resolved_kv_dtype()
+        dtype = resolved_kv_dtype(config)
         num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = KVCache.bytes_per_block(

@@ -68,3 +68,9 @@ def load_model_info(path: str | None = None) -> tuple[ModelConfig, Tokenizer, st
     name = os.path.basename(os.path.normpath(path))
     cfg = ModelConfig.from_hf(read_hf_config(path), name=name)
     return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), path
+
+
+def context_length(max_model_len: int | None, max_position_embeddings: int) -> int:
+    """The most tokens (prompt and output) one sequence may have, for a model of
+    `max_position_embeddings` positions: max_model_len, never more than the model's."""
+    return min(max_model_len or max_position_embeddings, max_position_embeddings)

@@ -3,7 +3,7 @@
 One random INT4 g128 grid (codes, scales, zero points) per linear layer of a Llama-3-8B shape is
 built on the GPU and written in each format's tensors (AutoAWQ GEMM, GPTQ without and with
 act-order, compressed-tensors pack-quantized) and in Tandem's own (`tandem quantize`'s
-QuantizedWeight). Each goes through the loader's repacking (`tandem.quant.external`, the same
+QuantizedWeight). Each goes through the loader's repacking (`tandem.model.external_quant`, the same
 function a checkpoint directory goes through after its safetensors are read; the tensors stay on
 the GPU and nothing touches the disk), then one LLMEngine decodes a single stream. Nothing is
 downloaded. Rows:
@@ -14,7 +14,7 @@ downloaded. Rows:
 
 AWQ, GPTQ and compressed-tensors load as the very grid Tandem's format stores, so they run the
 same kernels. Act-order layers read their input permuted, written so by the kernels that produce
-it (see `tandem.quant.external`).
+it (see `tandem.model.external_quant`).
 
     python bench/external_quant.py          # writes bench/results/h200_external_quant.json
     python bench/external_quant.py --smoke  # tiny model; CPU or GPU, checks the script runs
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
 
 from tandem.formats.weight import QuantizedWeight, pack  # noqa: E402
-from tandem.quant.external import load_external  # noqa: E402
+from tandem.model.external_quant import load_external  # noqa: E402
 
 GROUP = 128
 TOLERANCE = 0.03
@@ -65,7 +65,7 @@ def random_grid(n: int, k: int, gen: torch.Generator, dev: str, sym: bool):
 
 
 def layer_tensors(fmt: str, codes, zeros, scales, g_idx) -> dict[str, torch.Tensor]:
-    """One layer's tensors as format `fmt` stores them (see tandem.quant.external)."""
+    """One layer's tensors as format `fmt` stores them (see tandem.model.external_quant)."""
     if fmt == "awq":
         return {"qweight": words(codes.t(), AWQ_ORDER), "qzeros": words(zeros.t(), AWQ_ORDER),
                 "scales": scales.t().half().contiguous()}  # fmt: skip

@@ -86,7 +86,8 @@ from tandem.model.gguf_loader import load_gguf_q4_1  # noqa: E402
 from tandem.model.info import default_model_path  # noqa: E402
 from tandem.model.llama import LlamaModel  # noqa: E402
 from tandem.model.loader import load_model  # noqa: E402
-from tandem.quant.checkpoint import info_of, read_quantization, save_quantized  # noqa: E402
+from tandem.model.quantized_checkpoint import read_quantization  # noqa: E402
+from tandem.quant.checkpoint import info_of, save_quantized  # noqa: E402
 from tandem.quant.eval import perplexity  # noqa: E402
 from tandem.quant.pipeline import (  # noqa: E402
     default_calibration_path,

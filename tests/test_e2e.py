@@ -413,7 +413,8 @@ def test_second_round_keeps_the_first(model_factory, tmp_path) -> None:
     import os
 
     from tandem.model.loader import load_model
-    from tandem.quant.checkpoint import info_of, read_quantization, save_quantized
+    from tandem.model.quantized_checkpoint import read_quantization
+    from tandem.quant.checkpoint import info_of, save_quantized
     from tandem.quant.pipeline import quantize_model, tune_end_to_end
     from tandem.quant.recipe import Recipe
 

@@ -1,4 +1,4 @@
-"""AWQ, GPTQ and compressed-tensors checkpoints (tandem.quant.external) against independent packers.
+"""AWQ, GPTQ and compressed-tensors checkpoints (tandem.model.external_quant) against independent packers.
 
 The AWQ and GPTQ packers below follow the writers' own packing loops (AutoAWQ's
 `WQLinear_GEMM.from_linear`, AutoGPTQ's `QuantLinear.pack`) in numpy, word by word; the
@@ -18,7 +18,7 @@ import torch
 
 import tandem
 from tandem.formats.weight import QuantizedWeight
-from tandem.quant.external import UnsupportedQuantization, check_quantization_config
+from tandem.model.external_quant import UnsupportedQuantization, check_quantization_config
 
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ GEMM, 4 bits
 
@@ -215,7 +215,7 @@ def grid_for(fmt: str, w: torch.Tensor, bits: int, g: int, gen: torch.Generator)
 
 
 def _load(weights: dict, qc: dict, path: str = "ckpt"):
-    from tandem.quant.external import load_external
+    from tandem.model.external_quant import load_external
 
     return load_external(weights, qc, path, torch.float32)
 

@@ -40,10 +40,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         ("tandem.stage_certs",),
         "stage_certs needs cryptography, optional: loaded for --stage-mtls auto only",
     ),
-    "tandem.engine.draft_models": (
-        ("tandem.quant.checkpoint",),
-        "self-int4:DIR checks that DIR is a `tandem quantize` checkpoint, only when asked",
-    ),
     "tandem.engine.engine_loop": (
         ("tandem.engine.llm_engine",),
         "lazy, no loop; not yet examined whether it can move to the top",
@@ -82,13 +78,14 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         "GGUF reading only for a GGUF model",
     ),
     "tandem.model.loader": (
-        ("tandem.model.gguf_loader", "tandem.quant.checkpoint", "tandem.quant.external"),
-        "format-specific loaders, each only for its checkpoint format",
+        ("tandem.model.gguf_loader",),
+        "GGUF reading (the gguf package) only for a GGUF file",
     ),
     "tandem.quant.cli": (
         (
             "tandem.formats.weight",
             "tandem.model.loader",
+            "tandem.model.quantized_checkpoint",
             "tandem.quant.checkpoint",
             "tandem.quant.profile",
             "tandem.quant.recipe",
@@ -251,7 +248,7 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 # Serving-path packages: they read the run-time formats (tandem/formats/) and import nothing of
-# the offline quantization tool (tandem/quant/: calibration, recipes, checkpoints, its CLI) at
+# the offline quantization tool (tandem/quant/: calibration, recipes, checkpoint writing, its CLI) at
 # module level; it sits above the model.
 BELOW_QUANT = (
     "tandem.kernels",

@@ -27,6 +27,7 @@ from tandem.model.info import load_model_info
 from tandem.model.layer_names import linear_layer_names
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model
+from tandem.model.quantized_checkpoint import read_quantization
 from tandem.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.draft")
@@ -155,8 +156,6 @@ def load_draft_model(spec: str, config: EngineConfig, target: LoadedModel | None
     draft = load_model(path, dtype)
     check_alignment(spec, target_cfg, target_tok, draft.config, draft.tokenizer)
     if path != spec:
-        from tandem.quant.checkpoint import read_quantization
-
         if read_quantization(os.path.expanduser(path)) is None:
             raise ValueError(
                 f"draft {spec!r}: {path!r} is not a `tandem quantize` checkpoint (it has no "

@@ -133,7 +133,7 @@ class Linear:
     ) -> None:
         self.weight: CpuWeight = weight
         self.bias = bias
-        # Act-order checkpoints (`tandem.quant.external`): weight columns stored grouped, the
+        # Act-order checkpoints (`tandem.model.external_quant`): weight columns stored grouped, the
         # input read in this order [K] (None: in order). Producers that can write x in that
         # order take it as int32: `input_order` (x[perm], gathered) or `input_places` (where
         # each element of x goes, the inverse, scattered).

@@ -11,8 +11,14 @@ import torch
 
 from tandem.formats.weight import LayerSpec, dequantize_weights, quantize_weights
 from tandem.model.config import ModelConfig
+from tandem.model.external_quant import check_quantization_config, load_external
 from tandem.model.info import read_hf_config, resolve_model_path
 from tandem.model.layer_names import linear_layer_names
+from tandem.model.quantized_checkpoint import (
+    assemble_quantized,
+    is_quantized_part,
+    read_quantization,
+)
 from tandem.model.tokenizer import Tokenizer
 from tandem.progress import Percent
 
@@ -48,19 +54,15 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     A directory written by `tandem quantize` (it holds quantization.json) loads its quantized
     layers as QuantizedWeights; their codes, scales and zero points keep their stored dtypes.
     So does a directory whose config.json has a `quantization_config` (AWQ, GPTQ,
-    compressed-tensors: repacked by `tandem.quant.external`, which refuses what it cannot load).
+    compressed-tensors: repacked by `tandem.model.external_quant`, which refuses what it cannot load).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from tandem.quant.checkpoint import assemble_quantized, is_quantized_part, read_quantization
 
     hf = read_hf_config(path)
     cfg = ModelConfig.from_hf(hf, name=os.path.basename(os.path.normpath(path)))
     external = hf.get("quantization_config")
     if external is not None:
-        from tandem.quant.external import check_quantization_config
-
         check_quantization_config(external, path)  # refuse before reading gigabytes
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -96,8 +98,6 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if quant:
         weights = assemble_quantized(weights, quant, path)
     elif external is not None:
-        from tandem.quant.external import load_external
-
         weights = load_external(weights, external, path, dtype)
     tok = Tokenizer.from_dir(path, cfg.eos_token_ids)
     return LoadedModel(cfg, weights, tok, path)

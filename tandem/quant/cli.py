@@ -213,7 +213,8 @@ def _tune_again(args: argparse.Namespace, loaded):
     import torch
 
     from tandem.model.loader import load_model
-    from tandem.quant.checkpoint import info_of, read_quantization
+    from tandem.model.quantized_checkpoint import read_quantization
+    from tandem.quant.checkpoint import info_of
 
     if not args.e2e_steps:
         raise ValueError("--from tunes a checkpoint again: give --e2e-steps N (> 0)")

@@ -134,15 +134,7 @@ def sampling_from_body(body: dict, chat: bool) -> SamplingParams:
     ignore_eos = body.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise RequestError(f"ignore_eos must be a boolean, got {ignore_eos!r}", "ignore_eos")
-    min_tokens = _num(body, "min_tokens", int, 0)
-    if min_tokens < 0:
-        raise RequestError(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
-    if min_tokens > max_tokens:
-        raise RequestError(
-            f"min_tokens ({min_tokens}) must be at most the maximum tokens asked for "
-            f"({max_tokens})",
-            "min_tokens",
-        )
+    min_tokens = _num(body, "min_tokens", int, 0)  # its range: SamplingParams.validate
     try:
         structured = structured_from_body(body)
         logit_bias = logit_bias_from_body(body)

@@ -604,7 +604,9 @@ def main() -> int:
     ap.add_argument(
         "--base",
         default=None,
-        help="a checkout to compare with on this machine instead of the baseline file",
+        help="a checkout to compare with on this machine instead of the baseline file (a copy "
+        "without its history, e.g. from `git archive`, names its revision in a file REVISION; "
+        "TANDEM_GIT_REV names this tree's)",
     )
     ap.add_argument("--rounds", type=int, default=2,
                     help="--base: runs of each tree, alternated (default 2)")  # fmt: skip
@@ -680,6 +682,28 @@ def save(res: dict, verdicts: list[dict[str, Any]], out: str) -> None:
         f.write("\n")
 
 
+def tree_revision(tree: str) -> str:
+    """The revision a tree's results name: the file REVISION at its top when there is one (a
+    copy made with `git archive`, or any copy whose history stays elsewhere), else git's HEAD
+    when the tree is the top of a checkout of its own, else "unknown" (never the revision of a
+    checkout it merely sits inside)."""
+    marker = os.path.join(tree, "REVISION")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            return f.read().strip() or "unknown"
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=tree, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    try:
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(tree):
+            return "unknown"
+        return git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def against_base(rows: list[str], args) -> int:
     """The rows measured in this tree and in the checkout `args.base`, alternately (this, base,
     this, base...: `args.rounds` gate runs of each, every one a process of its own importing its
@@ -708,6 +732,8 @@ def against_base(rows: list[str], args) -> int:
             if args.services_checkpoint:
                 cmd += ["--services-checkpoint", args.services_checkpoint]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, *inherited]))
+            if side == "base" or "TANDEM_GIT_REV" not in os.environ:
+                env["TANDEM_GIT_REV"] = tree_revision(tree)  # what its results will name
             print(f"round {i + 1} of {args.rounds}: {side} ({tree})", flush=True)
             proc = subprocess.run(cmd, cwd=tree, env=env)
             if not os.path.exists(out):

@@ -220,3 +220,24 @@ def test_against_a_base_checkout_each_tree_runs_its_own_code(tmp_path) -> None:
          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "not a checkout of Tandem" in bad.stderr
+
+
+def test_a_tree_names_its_own_revision_or_none(tmp_path) -> None:
+    """A base copied out of its history names the revision its REVISION file gives, and a
+    folder inside another checkout is not taken for that checkout's revision."""
+    import subprocess
+
+    tree_revision = gate.tree_revision
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    assert tree_revision(str(repo)) == head
+    inner = repo / "copy"
+    inner.mkdir()
+    assert tree_revision(str(inner)) == "unknown"
+    (inner / "REVISION").write_text("5e1e26a\n")
+    assert tree_revision(str(inner)) == "5e1e26a"

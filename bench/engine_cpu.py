@@ -24,11 +24,8 @@ processes used. Results go to bench/results/engine_cpu.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -38,47 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from meta import run_metadata  # noqa: E402
+
 QUESTION = "What is the capital of France? Answer briefly."  # 40 tokens with the chat template
 TARGETS = {"decode_ratio": 0.5, "ttft_ratio": 2.0, "busy_over_quiet": 0.4}  # from the issue
-
-
-# ---- run metadata (kept in this file so each benchmark stands alone) -------------------------
-def git_revision() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        rev = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return rev + (" (uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def run_metadata() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "git_revision": git_revision(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu,
-        "torch_num_threads": torch.get_num_threads(),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
 
 
 def median(xs: list[float]) -> float:

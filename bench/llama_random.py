@@ -10,7 +10,6 @@ import datetime as dt
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from meta import revision
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -52,23 +52,7 @@ SMOKE = dict(
 
 def run_info(argv: list[str]) -> dict[str, Any]:
     """The command, revision, device and library versions a result was produced with."""
-    rev = os.environ.get("TANDEM_GIT_REV")
-    if not rev:
-        try:
-            rev = subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            rev = "unknown"
-    try:  # changes on top of that revision (a copy of the tree on another machine has them)
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=ROOT, capture_output=True, text=True, check=True,
-            ).stdout.strip()
-        )  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        dirty = None
+    rev, dirty = revision()
     import transformers
     import triton
 

@@ -70,7 +70,6 @@ import math
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +79,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from meta import git_revision  # noqa: E402
 
 from tandem.formats.weight import LayerSpec, QuantizedWeight, dequantize_weights  # noqa: E402
 from tandem.model.gguf_loader import load_gguf_q4_1  # noqa: E402
@@ -236,17 +237,6 @@ def eval_text(path: str | None = None) -> tuple[str, str]:
     text = "\n\n".join(topics.topics[k] for k in keys)
     src = f"pydoc_data.topics of Python {platform.python_version()} ({len(keys)} topics, sorted)"
     return text, src
-
-
-def git_rev() -> str:
-    try:
-        return (
-            subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT)
-            .decode()
-            .strip()
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def read_checkpoint_args(pairs: list[str], keys: tuple[str, ...]) -> dict[str, str]:
@@ -474,7 +464,7 @@ def main() -> int:
     selection["chosen"] = chosen
     selection["command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     selection["date"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    selection["git"] = git_rev()
+    selection["git"] = git_revision()
     print(f"chosen: {chosen}", flush=True)
     if args.select:
         previous = {}
@@ -650,7 +640,7 @@ def main() -> int:
         "benchmark": "quant_quality",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "git": git_rev(),
+        "git": git_revision(),
         "host": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

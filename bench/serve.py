@@ -39,14 +39,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime as dt
 import json
 import os
 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
-import platform
 import random
-import shlex
 import signal
 import subprocess
 import sys
@@ -61,57 +58,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from launch import Launched, die_with_parent, engine_flags  # noqa: E402
+from meta import run_metadata  # noqa: E402
 from report import percentile, print_table  # noqa: E402
 
 TARGET_TPOT_OVERHEAD = 1.15
 
 
-# ---- run metadata and CPU accounting (kept in this file so each benchmark stands alone) ------
-def git_revision() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        rev = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return rev + (" (uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def run_metadata() -> dict[str, Any]:
-    import torch
-
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:
-        tf_version = None
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "git_revision": git_revision(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu,
-        "torch_num_threads": torch.get_num_threads(),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-
-
+# ---- CPU accounting -------------------------------------------------------------------------
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 

@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks stages; see tandem/cli.py
 import platform
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,8 @@ import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from meta import git_revision  # noqa: E402
 
 from tandem.rpc import api_pb2, api_pb2_grpc  # noqa: E402
 from tests.integration.cluster import rss_mb, start_cluster  # noqa: E402
@@ -238,9 +239,7 @@ def main() -> int:
     args = ap.parse_args()
     res = run(args.duration, args.concurrency, args.seed, args.kill)
     res["command"] = "python " + " ".join(sys.argv)
-    res["git_revision"] = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    res["git_revision"] = git_revision()
     res["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
     r = res["requests"]
     print(f"{'requests sent':<24}{r['sent']}")

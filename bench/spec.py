@@ -22,7 +22,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from meta import git_revision  # noqa: E402
 
 import tandem  # noqa: E402
 
@@ -50,20 +50,6 @@ CHATS = [
     "Explain what a hash table is to a beginner.",
 ]
 NGRAM_TARGET = 2.5  # mean accepted length on the rewrite prompt, from the issue
-
-
-def git_revision() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        rev = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return rev + (" (uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def timed(llm: tandem.LLM, prompts: list[list[int]], sp: tandem.SamplingParams):

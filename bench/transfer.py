@@ -63,6 +63,7 @@ if ROOT not in sys.path:
 import grpc  # noqa: E402
 import torch  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from meta import cpu_model, git_revision  # noqa: E402
 
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc  # noqa: E402
 
@@ -350,31 +351,10 @@ def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any
     return rows
 
 
-def git_revision() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-
-    try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return git("rev-parse", "HEAD") + (" (uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def host_info(device: str, loadavg_at_start: list[float]) -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
     info = {
         "hostname": socket.gethostname(),
-        "cpu_model": cpu,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "loadavg_at_start": loadavg_at_start,
         "python": platform.python_version(),

@@ -79,6 +79,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however it is loaded
 
 from meta import git_revision  # noqa: E402
 

@@ -56,6 +56,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however it is loaded
 
 from launch import Launched, die_with_parent, engine_flags  # noqa: E402
 from meta import run_metadata  # noqa: E402

@@ -31,6 +31,7 @@ import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules, however it is loaded
 
 from meta import git_revision  # noqa: E402
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules, however it is loaded
 # libgomp's spin-wait holds a core the working thread needs when other processes compete for the
 # cores (bench/README.md, "Measuring on a shared CPU host"): set before torch loads, for every engine alike.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

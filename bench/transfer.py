@@ -59,6 +59,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however it is loaded
 
 import grpc  # noqa: E402
 import torch  # noqa: E402

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules, however it is lo
 from meta import git_revision  # noqa: E402
 
 from tandem.rpc import api_pb2, api_pb2_grpc  # noqa: E402
+from tandem.rpc.health import check  # noqa: E402
 from tests.integration.cluster import rss_mb, start_cluster  # noqa: E402
 
 EXPECTED = {
@@ -139,8 +140,6 @@ def worker_stats(cluster) -> dict:
 
 def kill_and_wait(cluster, stage: str, windows: list[list[float]], timeout: float = 300) -> dict:
     """SIGKILL one stage, wait until `tandem up` has it serving again; returns the timings."""
-    from tandem.rpc.health import check
-
     old = cluster.pids()[stage]
     address = {
         "prefill": f"127.0.0.1:{cluster.prefill_port}",

@@ -15,12 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from tandem.errors import ResourceExhausted
+
 DEFAULT_TENANT = "default"
 MAX_TENANT_NAME = 64
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class TenantQuotaExceeded(RuntimeError):
+class TenantQuotaExceeded(ResourceExhausted):
     """A request that its tenant's KV quota could never hold (answered RESOURCE_EXHAUSTED /
     HTTP 429): the message names the tenant, its quota and what the request needs."""
 

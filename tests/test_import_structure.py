@@ -40,14 +40,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
         ("tandem.stage_certs",),
         "stage_certs needs cryptography, optional: loaded for --stage-mtls auto only",
     ),
-    "tandem.engine.engine_loop": (
-        ("tandem.engine.llm_engine",),
-        "lazy, no loop; not yet examined whether it can move to the top",
-    ),
-    "tandem.engine.llm_engine": (
-        ("tandem.kv.layout",),
-        "lazy, no loop; not yet examined whether it can move to the top",
-    ),
     "tandem.engine.proposers": (
         ("tandem.engine.draft_models",),
         "a draft model (torch, weights) only for the model proposers",
@@ -60,18 +52,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
             "tandem.kv.transports.shm",
         ),
         "each kind (NIXL optional) loaded only when configured",
-    ),
-    "tandem.kv.transports.inline": (
-        ("tandem.rpc.stages_pb2",),
-        "lazy, no loop; not yet examined whether it can move to the top",
-    ),
-    "tandem.kv.transports.nixl": (
-        ("tandem.kv.layout",),
-        "lazy, no loop; not yet examined whether it can move to the top",
-    ),
-    "tandem.model.gguf_meta": (
-        ("tandem.config",),
-        "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "tandem.model.info": (
         ("tandem.model.gguf_meta",),
@@ -106,14 +86,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
             "tandem.quant.recipe",
         ),
         "one calibration method loaded per recipe step",
-    ),
-    "tandem.rpc.convert": (
-        ("tandem.engine.admission", "tandem.kv.block_pool", "tandem.kv.layout", "tandem.tenants"),
-        "up the stack (rpc -> engine, kv): lazy, no loop; not yet examined whether it can move to the top",
-    ),
-    "services.gateway.router": (
-        ("tandem.rpc.health",),
-        "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "bench.e2e_speed": (
         ("tandem.formats.weight", "tandem.model.config", "tandem.quant.e2e", "tandem.quant.recipe"),
@@ -216,10 +188,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
             "tandem.rpc.api_pb2_grpc",
         ),
         "--workload subcommand (goodput) and torch / the engine only for the paths that run them",
-    ),
-    "bench.soak": (
-        ("tandem.rpc.health",),
-        "lazy, no loop; not yet examined whether it can move to the top",
     ),
     "bench.structured": (
         (

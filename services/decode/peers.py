@@ -23,7 +23,7 @@ from tandem.kv.lease import lease_key
 from tandem.kv.transports import KVTransport, PeerLink, PeerPool, TransportKind
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
-from tandem.rpc.convert import layout_from_proto, layout_to_proto
+from tandem.rpc.convert import layout_to_proto
 from tandem.rpc.limits import fetch_channel_options
 
 log = logging.getLogger("tandem.decode")
@@ -179,7 +179,7 @@ class PrefillPeers:
     async def _register_once(self, address: str, ch, stub, kinds) -> PrefillPeer:
         req = self._request(kinds)
         resp = await stub.Register(req, timeout=10)
-        layout = layout_from_proto(resp.handle.layout)
+        layout = PoolLayout.from_proto(resp.handle.layout)
         self.layout.check_compatible(layout)
         kind = transports.handle_kind(resp.handle)
         if kind not in kinds:

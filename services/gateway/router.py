@@ -20,6 +20,7 @@ from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
+from tandem.rpc.health import probe
 from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.gateway")
@@ -158,8 +159,6 @@ class Worker:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     async def _probe_until_up(self) -> None:
-        from tandem.rpc.health import probe
-
         tls = self.credentials.tls_root is not None
         told = None  # a TLS mismatch is said once, not at every probe
         timeout = self.health_timeout_s

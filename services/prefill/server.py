@@ -29,7 +29,6 @@ from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
 from tandem.rpc.convert import (
-    layout_from_proto,
     layout_to_proto,
     logprob_to_proto,
     prompt_logprobs_to_proto,
@@ -215,7 +214,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def Register(self, request, context):
-        peer_layout = layout_from_proto(request.layout)
+        peer_layout = PoolLayout.from_proto(request.layout)
         try:
             self.layout.check_compatible(peer_layout)
         except LayoutMismatch as e:

@@ -15,6 +15,7 @@ from tandem.api.sampling_params import SamplingParams
 from tandem.api.validation import validate_request
 from tandem.engine.sampler import make_generator
 from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.errors import ResourceExhausted
 from tandem.kv.block_table import BlockTable
 from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from tandem.kv.prefix_cache import PrefixCache
 
 
-class QueueFull(RuntimeError):
+class QueueFull(ResourceExhausted):
     """The engine's waiting queue is at its bound; the request is refused, not queued."""
 
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.engine.llm_engine import LLMEngine, StepOutput, use_cuda_device
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,8 +93,6 @@ class EngineLoop:
     def _run(self) -> None:
         eng = self.engine
         if eng.device.type == "cuda":  # the current device is per thread
-            from tandem.engine.llm_engine import use_cuda_device
-
             use_cuda_device(eng.device)
         while True:
             with self._cond:

@@ -49,6 +49,7 @@ from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
+from tandem.kv.layout import DTYPE_NAMES, PoolLayout
 from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
 from tandem.model.info import context_length
@@ -214,8 +215,6 @@ class LLMEngine:
     @staticmethod
     def pool_layout(loaded: LoadedModel, config: EngineConfig):
         """The layout `__init__` would give this worker's KV pool (to allocate it elsewhere)."""
-        from tandem.kv.layout import DTYPE_NAMES, PoolLayout
-
         mc = loaded.config
         dtype = resolved_kv_dtype(config)
         num_blocks = config.num_blocks

@@ -38,10 +38,12 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+from tandem.errors import ResourceExhausted
+
 _NONE = ""  # the one account of a pool without tenants
 
 
-class OutOfBlocks(RuntimeError):
+class OutOfBlocks(ResourceExhausted):
     """The pool has fewer free blocks than were asked for."""
 
     def __init__(self, wanted: int, free: int) -> None:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.config import host_group
 from tandem.formats.kv import is_quantized_kv
 from tandem.kv.cache import LAYOUT_VERSION, KVCache
+
+if TYPE_CHECKING:
+    from tandem.rpc import stages_pb2
 
 DTYPE_NAMES = {
     torch.float32: "float32",
@@ -53,6 +57,20 @@ class PoolLayout:
     def of(cls, kv: KVCache) -> PoolLayout:
         n_layers, _, n_blocks, bs, heads, dim = kv.data.shape
         return cls(n_layers, n_blocks, bs, heads, dim, DTYPE_NAMES[kv.data.dtype])
+
+    @classmethod
+    def from_proto(cls, m: stages_pb2.PoolLayout) -> PoolLayout:
+        """The layout a peer sent at registration (its fields read off the message, so this
+        module loads no protobuf; `tandem.rpc.convert.layout_to_proto` writes it)."""
+        return cls(
+            m.num_layers,
+            m.num_blocks,
+            m.block_size,
+            m.kv_heads,
+            m.head_dim,
+            m.dtype,
+            m.layout_version,
+        )
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.config import cache_dir
 from tandem.model.config import ModelConfig, UnsupportedModelError
 from tandem.model.gguf_file import Field as GGUFField
 from tandem.model.gguf_file import open_gguf
@@ -259,8 +260,6 @@ def _tokenizer_cache(path: str) -> str | None:
     import hashlib
 
     import transformers
-
-    from tandem.config import cache_dir
 
     root = cache_dir()
     if root is None:

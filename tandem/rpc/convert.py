@@ -8,6 +8,7 @@ import grpc
 
 from tandem.api.logprobs import TokenLogprobs
 from tandem.api.sampling_params import SamplingParams, StructuredOutput
+from tandem.errors import ResourceExhausted
 from tandem.rpc import api_pb2, stages_pb2
 
 if TYPE_CHECKING:
@@ -102,14 +103,9 @@ def prompt_logprobs_from_proto(ms) -> list[TokenLogprobs | None]:
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a Tandem exception maps to."""
-    from tandem.kv.block_pool import OutOfBlocks
-
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    from tandem.engine.admission import QueueFull
-    from tandem.tenants import TenantQuotaExceeded
-
-    if isinstance(exc, OutOfBlocks | QueueFull | TenantQuotaExceeded):
+    if isinstance(exc, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
@@ -117,12 +113,5 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 
 def layout_to_proto(layout: PoolLayout) -> stages_pb2.PoolLayout:
+    """A pool's layout on the wire (read back by `PoolLayout.from_proto`)."""
     return stages_pb2.PoolLayout(**layout.__dict__)
-
-
-def layout_from_proto(m: stages_pb2.PoolLayout) -> PoolLayout:
-    from tandem.kv.layout import PoolLayout
-
-    return PoolLayout(
-        m.num_layers, m.num_blocks, m.block_size, m.kv_heads, m.head_dim, m.dtype, m.layout_version
-    )

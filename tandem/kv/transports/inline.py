@@ -15,6 +15,7 @@ import torch
 from tandem.kv.cache import KVCache
 from tandem.kv.layout import DTYPES, LayoutMismatch, PoolLayout, numel
 from tandem.kv.transports.base import PeerLink, PeerRequest, TransportKind
+from tandem.rpc import stages_pb2
 
 FETCH_TIMEOUT_S = 30.0
 
@@ -74,8 +75,6 @@ class InlinePeerPool:
     reads_into_reserved_blocks: bool = False
 
     async def fetch(self, kv_ref: Any) -> InlineSource:
-        from tandem.rpc import stages_pb2
-
         lay = self.layout
         n = len(kv_ref.block_ids)
         staging = torch.empty(

@@ -32,10 +32,11 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
 from tandem.kv.block_copy import block_runs
 from tandem.kv.cache import KVCache
-from tandem.kv.layout import PoolLayout
+from tandem.kv.layout import DTYPES, PoolLayout
 from tandem.kv.transports.base import (
     PeerLink,
     PeerRequest,
@@ -170,10 +171,6 @@ def _run_descs(
 
 
 def _elt(layout: PoolLayout) -> int:
-    import torch
-
-    from tandem.kv.layout import DTYPES
-
     return torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
 
 

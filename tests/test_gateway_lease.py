@@ -43,6 +43,7 @@ class FakeRouter:
         self.prefill = SimpleNamespace(
             stub=FakePrefillStub(),
             inflight=0,
+            heard=0,
             address="prefill:0",
             mark_down=lambda r: None,
             lost=lambda: asyncio.get_running_loop().create_future(),  # it never stops answering

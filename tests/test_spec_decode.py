@@ -228,7 +228,9 @@ def test_speculative_sampling_matches_target_distribution(tiny_vocab):
 def test_broken_acceptance_rule_fails_the_same_test(tiny_vocab, monkeypatch):
     hf, path = tiny_vocab
 
-    def always_accept(logits, draft, params, generator, history, outputs=(), bitmask=None):
+    def always_accept(
+        logits, draft, params, generator, history, outputs=(), bitmask=None, stop_ids=()
+    ):
         bonus = int(
             torch.multinomial(logits[len(draft)].float().softmax(-1), 1, generator=generator)
         )

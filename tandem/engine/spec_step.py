@@ -102,7 +102,9 @@ class SpeculativeStep:
                     seq.all_token_ids,
                     seq.output_token_ids,
                     masks,
-                    self.sample_inputs.stop_ids(seq.params) if seq.params.min_tokens else (),
+                    stop_ids=(
+                        self.sample_inputs.stop_ids(seq.params) if seq.params.min_tokens else ()
+                    ),
                 )
                 seq.spec_proposed += len(draft)
                 seq.spec_accepted += len(new) - 1

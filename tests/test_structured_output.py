@@ -224,8 +224,8 @@ def test_drafts_under_a_grammar_are_cut_to_what_it_allows(path, monkeypatch):
     accepted = []
     verify = spec_step.accept_draft_tokens
 
-    def counting(logits, draft, *a):
-        new, lps = verify(logits, draft, *a)
+    def counting(logits, draft, *a, **kw):
+        new, lps = verify(logits, draft, *a, **kw)
         accepted.append(len(new) - 1)
         return new, lps
 

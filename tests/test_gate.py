@@ -65,6 +65,25 @@ def test_noise_is_capped() -> None:
     assert _verdict([x * 0.98 for x in wild], wild)["verdict"] == "same"
 
 
+def test_rows_that_differ_between_runs_take_that_spread_as_their_noise() -> None:
+    """A handover row: repeats within 1% in each run, runs of one tree 30% apart. Judged by the
+    spread between runs (capped), not by the repeats alone; a row without run values on both
+    sides keeps the repeats' tolerance."""
+    quiet = [100.0, 100.5, 101.0, 99.5]
+    base = {"value": 115.0, "repeats": quiet, "run_values": [100.0, 130.0]}
+    slower = {"value": 100.0, "repeats": quiet, "run_values": [95.0, 105.0]}
+    (v,) = gate.compare({"h": slower}, {"h": base})
+    assert v["verdict"] == "same" and v["tolerance"] == pytest.approx(30 / 115)
+    much_slower = {"value": 60.0, "repeats": quiet, "run_values": [58.0, 62.0]}
+    (v,) = gate.compare({"h": much_slower}, {"h": base})
+    assert v["verdict"] == "fail"
+    wild = {"value": 100.0, "repeats": quiet, "run_values": [20.0, 180.0]}
+    assert gate.row_tolerance(wild, base) == gate.PROCESS_NOISE_CAP
+    one_run = {"value": 100.0, "repeats": quiet, "run_values": [100.0]}
+    (v,) = gate.compare({"h": one_run}, {"h": base})
+    assert v["verdict"] == "fail" and v["tolerance"] == gate.NOISE_FLOOR
+
+
 def test_errors_fail_and_new_rows_do_not() -> None:
     cur = {"a": {"error": "RuntimeError('out of memory')"}, "b": _row([1.0, 1.0])}
     verdicts = gate.compare(cur, {"a": _row([1.0, 1.0])})
@@ -182,7 +201,7 @@ def test_pooled_rows_take_every_run_and_the_rows_statistic() -> None:
     d = gate.pooled(runs, "d")
     assert d["repeats"] == [9, 10, 11, 19, 20] and d["value"] == 11
     h = gate.pooled(runs, "h")
-    assert h["repeats"] == [4, 5, 7, 1] and h["value"] == 7
+    assert h["repeats"] == [4, 5, 7, 1] and h["run_values"] == [5, 7] and h["value"] == 6
     f = gate.pooled(runs, "f")
     assert f["fraction_repeats"] == [0.5, 0.1] and f["fraction_of_roofline"] == pytest.approx(0.3)
     assert gate.pooled(runs, "e") == {"error": "boom"}

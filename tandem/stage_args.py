@@ -38,6 +38,21 @@ def metrics_port_of(args: Any) -> int | None:
 KV_TRANSPORTS = ("auto", "cuda_ipc", "shm", "nixl", "inline")
 
 
+def env_default(name: str, default: Any, typ: type = str, choices: tuple | None = None) -> Any:
+    """A flag's default from the variable `name` when it is set, checked as the flag's own value
+    would be (argparse checks neither the type nor the choices of a default)."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = typ(raw.strip())
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a valid {typ.__name__}") from None
+    if choices is not None and value not in choices:
+        raise SystemExit(f"{name}={raw!r}: choose one of {', '.join(choices)}")
+    return value
+
+
 def _addresses(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
@@ -84,7 +99,7 @@ def stage_parser(stage: str) -> Any:
         p.add_argument(
             "--max-leases-per-peer",
             type=int,
-            default=int(os.environ.get("TANDEM_MAX_LEASES_PER_PEER", "1024")),
+            default=env_default("TANDEM_MAX_LEASES_PER_PEER", 1024, int),
             help="KV leases (prefilled prompts not yet taken by a decode worker) one client "
             "host may hold; more Prefill.Run calls are refused with RESOURCE_EXHAUSTED "
             "(default 1024)",
@@ -99,7 +114,7 @@ def stage_parser(stage: str) -> Any:
         p.add_argument(
             "--kv-transport",
             choices=list(KV_TRANSPORTS),
-            default=os.environ.get("TANDEM_KV_TRANSPORT", "auto"),
+            default=env_default("TANDEM_KV_TRANSPORT", "auto", choices=KV_TRANSPORTS),
             help="how KV reaches this worker: auto (CUDA IPC or shared memory when prefill is on "
             "this host, NIXL when it is not, inline gRPC bytes when NIXL is not installed), or "
             "exactly one of cuda_ipc, shm, nixl, inline",

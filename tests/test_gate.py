@@ -208,6 +208,24 @@ def test_pooled_rows_take_every_run_and_the_rows_statistic() -> None:
     assert gate.pooled(runs, "missing") == {"error": "not measured"}
 
 
+def test_sharegpt_rows_are_one_value_per_run_and_the_services_a_fraction_of_the_engine() -> None:
+    runs = [
+        {"rows": {"sharegpt_services": {"value": 50.0, "statistic": "run", "repeats": [50.0],
+                                        "fraction_of_engine": 0.5}}},
+        {"rows": {"sharegpt_services": {"value": 70.0, "statistic": "run", "repeats": [70.0],
+                                        "fraction_of_engine": 0.7}}},
+        {"rows": {"sharegpt_services": {"value": 60.0, "statistic": "run", "repeats": [60.0],
+                                        "fraction_of_engine": 0.6}}},
+    ]  # fmt: skip
+    row = gate.pooled(runs, "sharegpt_services")
+    assert row["run_values"] == [50.0, 70.0, 60.0] and row["value"] == 60.0
+    assert gate.fraction(row) == 0.6  # the last run's
+    # Judged by the spread between runs: 20 / 60 here.
+    slower = {**row, "value": 45.0, "run_values": [44.0, 45.0, 46.0]}
+    (v,) = gate.compare({"sharegpt_services": slower}, {"sharegpt_services": row})
+    assert v["tolerance"] == pytest.approx(20 / 60) and v["verdict"] == "same"
+
+
 def test_against_a_base_checkout_each_tree_runs_its_own_code(tmp_path) -> None:
     """`--base`: the rows measured alternately in this tree and in another checkout, each run
     importing its own tree's `tandem`, and judged against the other tree's pooled repeats."""

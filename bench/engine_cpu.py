@@ -37,6 +37,7 @@ if ROOT not in sys.path:
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however it is loaded
 
 from meta import run_metadata  # noqa: E402
+from report import print_table, write_json  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer briefly."  # 40 tokens with the chat template
 TARGETS = {"decode_ratio": 0.5, "ttft_ratio": 2.0, "busy_over_quiet": 0.4}  # from the issue
@@ -46,21 +47,6 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def print_table(headers: list[str], rows: list[list[Any]]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-        return str(v)
-
-    cells = [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    head = "  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
-    print(head)
-    print("-" * len(head))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
 
 
 # ---- the engines ----------------------------------------------------------------------------
@@ -370,11 +356,7 @@ def main() -> int:
             "/proc/stat.",
         ],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(args.out)}")
+    write_json(args.out, data)
     return 0
 
 

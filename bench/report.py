@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 
@@ -30,3 +32,12 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     print("-" * len(head))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """A results file: `data` as indented JSON at `path` (its folder made), and a line saying so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    print(f"wrote {os.path.relpath(path)}")

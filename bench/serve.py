@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however 
 
 from launch import Launched, die_with_parent, engine_flags  # noqa: E402
 from meta import run_metadata  # noqa: E402
-from report import percentile, print_table  # noqa: E402
+from report import percentile, print_table, write_json  # noqa: E402
 
 TARGET_TPOT_OVERHEAD = 1.15
 
@@ -863,11 +863,7 @@ def main() -> int:
             "cpu_ms_per_output_token: their CPU time per output token.",
         ],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    print(f"wrote {os.path.relpath(args.out)}")
+    write_json(args.out, data)
     return 0
 
 

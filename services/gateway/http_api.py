@@ -58,6 +58,7 @@ from services.gateway.openai_wire import (
     retry_after,
     sampling_from_body,
     stop_str_in_output,
+    stream_error,
     stream_from_body,
     with_stop_strings,
 )
@@ -563,15 +564,7 @@ class OpenAIServer:
     async def _end_stream_with_error(self, resp, e, rid, chunk_obj, created, model, chat) -> None:
         """After the 200 of a stream, a failure is an error event, then a last chunk whose
         finish_reason is `error`, then `[DONE]`: every client sees the stream end."""
-        if isinstance(e, Overloaded):
-            kind, message = "rate_limit_exceeded", str(e)
-        elif isinstance(e, StageUnavailable):
-            kind, message = "service_unavailable", str(e)
-        elif isinstance(e, ValueError):
-            kind, message = "invalid_request_error", str(e)
-        else:
-            log.exception("HTTP stream failed", exc_info=e)
-            kind, message = "server_error", "internal error"
+        kind, message = stream_error(e)
         error = {"error": {"message": message, "type": kind, "param": None, "code": None}}
         part = {"delta": {}} if chat else {"text": ""}
         try:

@@ -44,6 +44,7 @@ from services.gateway.openai_wire import (
     _usage,
     error_response,
     sampling_from_body,
+    stream_error,
 )
 from services.gateway.pipeline import Finished, TextDelta
 from services.gateway.response_store import ResponseStore
@@ -619,15 +620,7 @@ class ResponsesAPI:
         self, resp: web.StreamResponse, head: dict, out: OutputItems, e: Exception
     ) -> None:
         """After the 200 of a stream, a failure is an `error` event, then `response.failed`."""
-        if isinstance(e, Overloaded):
-            code, message = "rate_limit_exceeded", str(e)
-        elif isinstance(e, StageUnavailable):
-            code, message = "service_unavailable", str(e)
-        elif isinstance(e, ValueError):
-            code, message = "invalid_request_error", str(e)
-        else:
-            log.exception("HTTP stream failed", exc_info=e)
-            code, message = "server_error", "internal error"
+        code, message = stream_error(e)
         out.events = []
         out.event("error", code=code, message=message, param=None)
         failed = self._response(head, out, None, "failed")

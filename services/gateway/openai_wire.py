@@ -456,6 +456,19 @@ def _error_for(e: Exception) -> web.Response:
     return refusal(e)
 
 
+def stream_error(e: Exception) -> tuple[str, str]:
+    """(OpenAI error type, message) of a failure after a stream's 200: what the client may be
+    told (an unexpected error is logged here and told only that it was internal)."""
+    if isinstance(e, Overloaded):
+        return "rate_limit_exceeded", str(e)
+    if isinstance(e, StageUnavailable):
+        return "service_unavailable", str(e)
+    if isinstance(e, ValueError):
+        return "invalid_request_error", str(e)
+    log.exception("HTTP stream failed", exc_info=e)
+    return "server_error", "internal error"
+
+
 async def _after(first, events):
     """`first` (unless None), then the rest of `events`."""
     if first is not None:

@@ -286,6 +286,7 @@ class Scheduler:
         table = seq.block_table
         hit: list[int] = []
         names: list[bytes] = []
+        restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
         # A sequence queued with its KV (imported while the batch was full) has its blocks. One
         # that still needs prompt logprobs computes its whole prompt: a cached prefix would skip
         # the forward of positions it must score (tandem/engine/prompt_logprobs.py).
@@ -294,18 +295,24 @@ class Scheduler:
             # At least the last token is computed (its logits give the next token), so a fully
             # cached sequence still leaves its last block to be written privately.
             hit, names = cache.match(seq.all_token_ids, seq.num_tokens - 1)
+            if cache.host is not None:  # the prefix may go on in the host tier
+                restore = cache.host_match(seq.all_token_ids, seq.num_tokens - 1, names)
         fresh = table.blocks_needed(seq.num_tokens + 1) - len(hit)
         if not table.blocks and not self.fits_quota(seq, hit, fresh):
             return "quota"
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         if not self.pool.can_allocate(fresh + revived):
             return "pool"
-        if hit:
+        if restore:
+            prefix = cache.adopt(table, hit, names, restore, seq.num_tokens)
+            seq.num_computed = prefix * table.block_size
+        elif hit:
             table.adopt_cached(self.pool, hit, names)
             seq.num_computed = len(hit) * table.block_size
         if cache is not None and seq.first_scheduled_time is None:
-            cache.count(seq.num_tokens, len(hit) * table.block_size, table.tenant)
-            seq.num_cached_tokens = len(hit) * table.block_size
+            found = (len(hit) + len(restore)) * table.block_size
+            cache.count(seq.num_tokens, found, table.tenant, len(restore) * table.block_size)
+            seq.num_cached_tokens = found
         table.ensure(self.pool, seq.num_tokens)
         return "ok"
 

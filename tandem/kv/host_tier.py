@@ -1,0 +1,306 @@
+"""The host-memory tier of the prefix cache: cached blocks the KV pool evicts are copied here
+instead of dropped, and copied back into fresh pool blocks when a prompt's prefix finds them.
+
+Invariants:
+- A slot holds the KV of one block hash (the prefix-cache name the pool used), complete and
+  never written again while it holds that hash; `lookup` finds it by the hash.
+- Eviction is LRU per account (the pool's accounts: one without tenants, one per tenant with
+  quotas). A tenant holds at most its quota of slots: the same fraction of the tier as of the
+  pool (each tier has its own quota; a host slot never counts against the pool's). Storing
+  for a tenant at its quota drops its own least recent slot; storing into a full tier drops the
+  least recent slot of the tenant furthest over its quota. A slot locked for a restore in
+  progress is never dropped.
+- Inclusive: a restored block stays here too, so evicting it again from the pool costs no copy.
+
+Copies (`offload`, `restore`) on CUDA run on a copy stream of their own: it first waits for the
+compute stream (the pool blocks' KV is written, or their last readers have run), and the compute
+stream then waits for the copy's event, so the forward that follows neither overwrites a block
+being saved nor reads one being restored, and Python never waits. Slots are reused in copy-stream
+order, so a later offload into a slot runs after an earlier restore read it. On CPU the copies
+are plain and synchronous. The host memory is pinned on CUDA (copies are then asynchronous DMA).
+
+Nothing here outlives the process: a restarted worker starts with an empty tier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict, deque
+
+import torch
+
+from tandem.host_copy import device_tensor
+from tandem.kv.block_pool import BlockPool
+from tandem.kv.cache import KVCache
+
+
+class HostTier:
+    """`num_slots` block-sized slots of host memory behind `pool` (whose KV is `kv`)."""
+
+    def __init__(
+        self, kv: KVCache, pool: BlockPool, num_slots: int, quotas: list[int | None] | None = None
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+        self.kv = kv
+        self.pool = pool
+        self.num_slots = num_slots
+        device = kv.data.device
+        cuda = device.type == "cuda"
+        # [slots, layers, 2, block_size, kv_heads, head_dim]: one slot is contiguous, so runs of
+        # adjacent slots move in one copy.
+        shape = (num_slots, *kv.data.shape[:2], *kv.data.shape[3:])
+        self.data = torch.zeros(shape, dtype=kv.data.dtype, pin_memory=cuda)
+        self.scales = None
+        if kv.scales is not None:  # [slots, layers, 2, kv_heads]
+            sshape = (num_slots, *kv.scales.shape[:2], kv.scales.shape[3])
+            self.scales = torch.zeros(sshape, dtype=kv.scales.dtype, pin_memory=cuda)
+        self.block_bytes = self.data[0].numel() * self.data.element_size()
+        if self.scales is not None:
+            self.block_bytes += self.scales[0].numel() * self.scales.element_size()
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        nt = len(pool.tenants)
+        self.quota: list[int | None] = list(quotas) if quotas is not None else [None] * nt
+        if len(self.quota) != nt:
+            raise ValueError(f"{len(self.quota)} host-tier quotas for {nt} pool accounts")
+        self._free: deque[int] = deque(range(num_slots))
+        self._slot_of: dict[bytes, int] = {}
+        self._lru: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(nt)]
+        self._account_of: dict[bytes, int] = {}
+        self._locked: dict[int, int] = {}  # slot -> restores in progress reading it
+        # Counters (plain ints and floats: read from another thread for metrics).
+        self.blocks_to_host = 0
+        self.blocks_to_device = 0
+        self.dropped = 0  # slots given up for newer blocks
+        self.copy_bytes = 0  # bytes of finished copies whose time is known
+        self.copy_seconds = 0.0
+        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
+        pool.spill = self.offload
+
+    @classmethod
+    def sized(
+        cls, kv: KVCache, pool: BlockPool, gib: float, fractions: dict[str, float] | None = None
+    ) -> HostTier:
+        """A tier of `gib` GiB; with tenant `fractions`, each tenant's quota is its fraction."""
+        per = KVCache.bytes_per_block(
+            kv.num_layers, kv.block_size, kv.data.shape[4], kv.data.shape[5], kv.data.dtype
+        )
+        slots = int(gib * 2**30) // per
+        if slots < 1:
+            raise ValueError(
+                f"kv_host_cache_gb={gib} holds no KV block: one block takes {per} bytes "
+                f"({per / 2**30:.6f} GiB); raise it or set it to 0"
+            )
+        quotas = None
+        if fractions:
+            quotas = [int(fractions[t] * slots + 1e-9) for t in pool.tenants]
+        return cls(kv, pool, slots, quotas)
+
+    # ---- counts ---------------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        """Slots holding a block."""
+        return len(self._slot_of)
+
+    @property
+    def num_locked(self) -> int:
+        """Slots a restore in progress reads."""
+        return len(self._locked)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second of the copies timed so far (0 before the first)."""
+        return self.copy_bytes / self.copy_seconds if self.copy_seconds > 0 else 0.0
+
+    def charged(self, account: int) -> int:
+        """Slots held for pool account `account`."""
+        return len(self._lru[account])
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The slot holding `block_hash`, or None."""
+        return self._slot_of.get(block_hash)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slot_of
+
+    # ---- device -> host -------------------------------------------------------------------
+    def offload(self, blocks: list[int], accounts: list[int], hashes: list[bytes]) -> None:
+        """Save evicted pool blocks (complete, their hashes just dropped from the pool) before
+        they are reused. One call per allocation; blocks already here only become recent."""
+        dst_blocks: list[int] = []
+        slots: list[int] = []
+        stored: list[bytes] = []
+        dropped: list[bytes] = []
+        for b, t, h in zip(blocks, accounts, hashes, strict=True):
+            slot = self._slot_of.get(h)
+            if slot is not None:
+                self._lru[self._account_of[h]].move_to_end(h)
+                continue
+            slot = self._take_slot(t, dropped)
+            if slot is None:
+                continue  # no room this tenant may use: the block is dropped as before
+            self._slot_of[h] = slot
+            self._account_of[h] = t
+            self._lru[t][h] = slot
+            dst_blocks.append(b)
+            slots.append(slot)
+            stored.append(h)
+        if dropped:
+            self.pool.emit("removed", "host", dropped)
+        if not slots:
+            return
+        self._copy_to_host(dst_blocks, slots)
+        self.blocks_to_host += len(slots)
+        self.pool.emit("stored", "host", stored)
+
+    def _take_slot(self, t: int, dropped: list[bytes]) -> int | None:
+        """A slot for account `t`: its own least recent one at its quota, a free one, else the
+        least recent of the account furthest over its quota; None when none may be taken."""
+        quota = self.quota[t]
+        if quota is not None and len(self._lru[t]) >= quota:
+            return self._drop(t, dropped)
+        if self._free:
+            return self._free.popleft()
+        best, excess = -1, None
+        for a, lru in enumerate(self._lru):
+            if not lru:
+                continue
+            q = self.quota[a]
+            e = len(lru) - (q if q is not None else 0)
+            if excess is None or e > excess:
+                best, excess = a, e
+        return self._drop(best, dropped) if best >= 0 else None
+
+    def _drop(self, t: int, dropped: list[bytes]) -> int | None:
+        """Free account `t`'s least recent slot that no restore reads; returns it (or None)."""
+        h = next((h for h, slot in self._lru[t].items() if slot not in self._locked), None)
+        if h is None:
+            return None
+        slot = self._lru[t][h]
+        del self._lru[t][h]
+        del self._slot_of[h]
+        del self._account_of[h]
+        self.dropped += 1
+        dropped.append(h)
+        return slot
+
+    # ---- host -> device -------------------------------------------------------------------
+    def lock(self, hashes: list[bytes]) -> list[int]:
+        """The slots of `hashes` (all present: from `lookup`), kept until `restore` has read
+        them (or `unlock`): an allocation in between may offload but never drops them."""
+        slots = [self._slot_of[h] for h in hashes]
+        for h, s in zip(hashes, slots, strict=True):
+            self._locked[s] = self._locked.get(s, 0) + 1
+            self._lru[self._account_of[h]].move_to_end(h)
+        return slots
+
+    def unlock(self, slots: list[int]) -> None:
+        for s in slots:
+            n = self._locked[s] - 1
+            if n:
+                self._locked[s] = n
+            else:
+                del self._locked[s]
+
+    def restore(self, slots: list[int], blocks: list[int]) -> None:
+        """Copy locked `slots` into pool `blocks` (fresh, held by the caller) and unlock them.
+        On CUDA the step that follows waits for the copy on the device, not in Python."""
+        try:
+            self._copy_to_device(slots, blocks)
+        finally:
+            self.unlock(slots)
+        self.blocks_to_device += len(blocks)
+
+    # ---- copies ---------------------------------------------------------------------------
+    def _copy_to_host(self, blocks: list[int], slots: list[int]) -> None:
+        kv = self.kv
+        with self._on_copy_stream() as timing:
+            idx = device_tensor(blocks, torch.long, kv.data.device)
+            # [n, layers, 2, block_size, kv_heads, head_dim], contiguous on the pool's device.
+            src = kv.data.index_select(2, idx).movedim(2, 0).contiguous()
+            for j, s, k in _runs(slots):
+                self.data[s : s + k].copy_(src[j : j + k], non_blocking=True)
+            if self.scales is not None and kv.scales is not None:
+                ssrc = kv.scales.index_select(2, idx).movedim(2, 0).contiguous()
+                for j, s, k in _runs(slots):
+                    self.scales[s : s + k].copy_(ssrc[j : j + k], non_blocking=True)
+            timing.append(len(slots) * self.block_bytes)
+
+    def _copy_to_device(self, slots: list[int], blocks: list[int]) -> None:
+        kv = self.kv
+        dev = kv.data.device
+        with self._on_copy_stream() as timing:
+            idx = device_tensor(blocks, torch.long, dev)
+            staged = torch.empty(
+                (len(slots), *self.data.shape[1:]), dtype=kv.data.dtype, device=dev
+            )
+            for j, s, k in _runs(slots):
+                staged[j : j + k].copy_(self.data[s : s + k], non_blocking=True)
+            kv.data.index_copy_(2, idx, staged.movedim(0, 2))
+            if self.scales is not None and kv.scales is not None:
+                sc = torch.empty(
+                    (len(slots), *self.scales.shape[1:]), dtype=kv.scales.dtype, device=dev
+                )
+                for j, s, k in _runs(slots):
+                    sc[j : j + k].copy_(self.scales[s : s + k], non_blocking=True)
+                kv.scales.index_copy_(2, idx, sc.movedim(0, 2))
+            timing.append(len(slots) * self.block_bytes)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self):
+        """Run a copy on the copy stream, ordered after the compute stream's work so far and
+        before its work to come; yields a list the copy appends its byte count to."""
+        sizes: list[int] = []
+        if self.stream is None:
+            t0 = time.perf_counter()
+            yield sizes
+            self.copy_seconds += time.perf_counter() - t0
+            self.copy_bytes += sum(sizes)
+            return
+        compute = torch.cuda.current_stream(self.kv.data.device)
+        self.stream.wait_stream(compute)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            yield sizes
+            end.record(self.stream)
+        # The temporaries were made on the copy stream, so the allocator reuses their memory
+        # only in its order; the compute stream waits for the copy before its next kernel.
+        compute.wait_event(end)
+        self._timings.append((start, end, sum(sizes)))
+        self._collect_timings()
+
+    def _collect_timings(self) -> None:
+        """Add the copies that have finished to the bandwidth figures (never waits)."""
+        while self._timings and self._timings[0][1].query():
+            start, end, n = self._timings.popleft()
+            self.copy_seconds += start.elapsed_time(end) / 1e3
+            self.copy_bytes += n
+
+    def stats(self) -> dict[str, float | int]:
+        """The tier's figures (plain reads; safe from another thread for metrics)."""
+        return {
+            "slots": self.num_slots,
+            "blocks": self.num_used,
+            "block_bytes": self.block_bytes,
+            "blocks_to_host": self.blocks_to_host,
+            "blocks_to_device": self.blocks_to_device,
+            "dropped": self.dropped,
+            "copy_bytes": self.copy_bytes,
+            "copy_seconds": self.copy_seconds,
+        }
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index in `slots`, first slot, length) of each run of consecutive slots."""
+    out: list[tuple[int, int, int]] = []
+    j = 0
+    while j < len(slots):
+        k = 1
+        while j + k < len(slots) and slots[j + k] == slots[j] + k:
+            k += 1
+        out.append((j, slots[j], k))
+        j += k
+    return out

@@ -19,13 +19,14 @@ from tandem.config import EngineConfig
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
 from tandem.kv.host_tier import HostTier
+from tandem.metrics import WorkerMetrics
 from tandem.stage_args import engine_config_from_args, stage_parser
 from tandem.up import _stage_argv, add_up_args
 from tests.engine_checks import rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BS = 16
-# A tier of this many GiB holds 42 blocks of the test model (3 layers, 2 KV heads of 16, fp32:
+# A tier of this many GiB holds 43 blocks of the test model (3 layers, 2 KV heads of 16, fp32:
 # 12 KiB a block).
 TIER_GB = 0.0005
 
@@ -238,6 +239,39 @@ def test_preempted_sequences_come_back_through_the_tier(model_factory):
     assert eng.scheduler.num_preemptions > 0, "the pool was small enough to preempt"
     assert eng.host_tier.blocks_to_host > 0
     _engine_consistent(eng)
+
+
+def test_metrics_count_hits_and_moves_per_tier(model_factory):
+    _, path = model_factory("llama")
+    a = rand_ids(50, 1)
+    llm = tandem.LLM(path, num_blocks=16, max_num_seqs=2, kv_host_cache_gb=TIER_GB)
+    eng = llm.engine
+    reg = WorkerMetrics(eng).registry
+    llm.generate([a], GREEDY)
+    llm.generate([a], GREEDY)  # a device hit
+    _flood(llm, 4, 100)
+    llm.generate([a], GREEDY)  # a host hit
+    tier = eng.host_tier
+    get = reg.get_sample_value
+    assert get("tandem_prefix_cache_hits_tokens_total", {"tier": "device"}) == 3 * BS
+    assert get("tandem_prefix_cache_hits_tokens_total", {"tier": "host"}) == 3 * BS
+    moved = {
+        d: get("tandem_kv_tier_moved_blocks_total", {"direction": d})
+        for d in ("to_host", "to_device")
+    }
+    assert moved == {"to_host": tier.blocks_to_host, "to_device": 3} and moved["to_host"] > 0
+    assert (
+        get("tandem_kv_tier_moved_bytes_total", {"direction": "to_device"}) == 3 * tier.block_bytes
+    )
+    assert get("tandem_kv_host_tier_blocks") == tier.num_used > 0
+    assert get("tandem_kv_host_tier_capacity_blocks") == tier.num_slots == 43
+    assert get("tandem_kv_tier_copy_bandwidth_bytes_per_second") > 0
+    # Without a tier there are no tier families, and every hit is a device hit.
+    off = tandem.LLM(path, num_blocks=16)
+    reg = WorkerMetrics(off.engine).registry
+    off.generate([a, a], GREEDY)
+    assert reg.get_sample_value("tandem_kv_host_tier_blocks") is None
+    assert reg.get_sample_value("tandem_prefix_cache_hits_tokens_total", {"tier": "host"}) == 0
 
 
 # ---- the setting ------------------------------------------------------------------------------

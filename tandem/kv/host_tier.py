@@ -12,12 +12,15 @@ Invariants:
   progress is never dropped.
 - Inclusive: a restored block stays here too, so evicting it again from the pool costs no copy.
 
-Copies (`offload`, `restore`) on CUDA run on a copy stream of their own: it first waits for the
-compute stream (the pool blocks' KV is written, or their last readers have run), and the compute
-stream then waits for the copy's event, so the forward that follows neither overwrites a block
-being saved nor reads one being restored, and Python never waits. Slots are reused in copy-stream
-order, so a later offload into a slot runs after an earlier restore read it. On CPU the copies
-are plain and synchronous. The host memory is pinned on CUDA (copies are then asynchronous DMA).
+Copies on CUDA: the host link is crossed on a copy stream of the tier's own, the pool's blocks
+are touched on the compute stream, and events order the two; Python never waits. An offload
+gathers the evicted blocks on the compute stream (after the step in flight, before the next
+step overwrites them) and copies them to the host on the copy stream while the next step runs.
+A restore copies the slots into a device staging buffer on the copy stream while the step in
+flight runs, and the compute stream, waiting for that copy's event, scatters them into the
+sequence's blocks before its next step. Slots are written and read only on the copy stream, so
+a later offload into a slot runs after an earlier restore read it. The host memory is pinned
+(asynchronous DMA). On CPU the copies are plain and synchronous.
 
 Nothing here outlives the process: a restarted worker starts with an empty tier.
 """
@@ -214,43 +217,58 @@ class HostTier:
 
     # ---- copies ---------------------------------------------------------------------------
     def _copy_to_host(self, blocks: list[int], slots: list[int]) -> None:
+        """Pool `blocks` into host `slots`. The gather runs on the compute stream (after the step
+        in flight, before the next one writes the blocks); the copy to the host on the copy
+        stream, overlapping the next step, which need not wait for it."""
         kv = self.kv
-        with self._on_copy_stream() as timing:
-            idx = device_tensor(blocks, torch.long, kv.data.device)
-            # [n, layers, 2, block_size, kv_heads, head_dim], contiguous on the pool's device.
-            src = kv.data.index_select(2, idx).movedim(2, 0).contiguous()
+        idx = device_tensor(blocks, torch.long, kv.data.device)
+        # [n, layers, 2, block_size, kv_heads, head_dim], contiguous on the pool's device.
+        src = kv.data.index_select(2, idx).movedim(2, 0).contiguous()
+        ssrc = None
+        if self.scales is not None and kv.scales is not None:
+            ssrc = kv.scales.index_select(2, idx).movedim(2, 0).contiguous()
+        with self._on_copy_stream(after_compute=True, keep=(src, ssrc)) as timing:
             for j, s, k in _runs(slots):
                 self.data[s : s + k].copy_(src[j : j + k], non_blocking=True)
-            if self.scales is not None and kv.scales is not None:
-                ssrc = kv.scales.index_select(2, idx).movedim(2, 0).contiguous()
-                for j, s, k in _runs(slots):
+                if ssrc is not None:
                     self.scales[s : s + k].copy_(ssrc[j : j + k], non_blocking=True)
             timing.append(len(slots) * self.block_bytes)
 
     def _copy_to_device(self, slots: list[int], blocks: list[int]) -> None:
+        """Host `slots` into pool `blocks`. The copy from the host runs on the copy stream into a
+        staging buffer, overlapping the step in flight; the scatter into the blocks on the compute
+        stream, once that copy is done (the blocks' previous users have run by then)."""
         kv = self.kv
         dev = kv.data.device
-        with self._on_copy_stream() as timing:
-            idx = device_tensor(blocks, torch.long, dev)
+        staged_scales = None
+        with self._on_copy_stream(after_compute=False) as timing:
             staged = torch.empty(
                 (len(slots), *self.data.shape[1:]), dtype=kv.data.dtype, device=dev
             )
+            if self.scales is not None and kv.scales is not None:
+                shape = (len(slots), *self.scales.shape[1:])
+                staged_scales = torch.empty(shape, dtype=kv.scales.dtype, device=dev)
             for j, s, k in _runs(slots):
                 staged[j : j + k].copy_(self.data[s : s + k], non_blocking=True)
-            kv.data.index_copy_(2, idx, staged.movedim(0, 2))
-            if self.scales is not None and kv.scales is not None:
-                sc = torch.empty(
-                    (len(slots), *self.scales.shape[1:]), dtype=kv.scales.dtype, device=dev
-                )
-                for j, s, k in _runs(slots):
-                    sc[j : j + k].copy_(self.scales[s : s + k], non_blocking=True)
-                kv.scales.index_copy_(2, idx, sc.movedim(0, 2))
+                if staged_scales is not None:
+                    staged_scales[j : j + k].copy_(self.scales[s : s + k], non_blocking=True)
             timing.append(len(slots) * self.block_bytes)
+        if self.stream is not None:  # the staging buffers are read on the compute stream too
+            compute = torch.cuda.current_stream(dev)
+            compute.wait_event(self._timings[-1][1])
+            staged.record_stream(compute)
+            if staged_scales is not None:
+                staged_scales.record_stream(compute)
+        idx = device_tensor(blocks, torch.long, dev)
+        kv.data.index_copy_(2, idx, staged.movedim(0, 2))
+        if staged_scales is not None:
+            kv.scales.index_copy_(2, idx, staged_scales.movedim(0, 2))
 
     @contextlib.contextmanager
-    def _on_copy_stream(self):
-        """Run a copy on the copy stream, ordered after the compute stream's work so far and
-        before its work to come; yields a list the copy appends its byte count to."""
+    def _on_copy_stream(self, after_compute: bool, keep: tuple = ()):
+        """Run a copy on the copy stream (after the compute stream's work so far when
+        `after_compute`; `keep`: tensors of the compute stream it reads, kept until it ran);
+        yields a list the copy appends its byte count to. On CPU: a timed plain copy."""
         sizes: list[int] = []
         if self.stream is None:
             t0 = time.perf_counter()
@@ -258,23 +276,24 @@ class HostTier:
             self.copy_seconds += time.perf_counter() - t0
             self.copy_bytes += sum(sizes)
             return
-        compute = torch.cuda.current_stream(self.kv.data.device)
-        self.stream.wait_stream(compute)
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.kv.data.device))
+        for t in keep:
+            if t is not None:
+                t.record_stream(self.stream)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
             yield sizes
             end.record(self.stream)
-        # The temporaries were made on the copy stream, so the allocator reuses their memory
-        # only in its order; the compute stream waits for the copy before its next kernel.
-        compute.wait_event(end)
         self._timings.append((start, end, sum(sizes)))
         self._collect_timings()
 
     def _collect_timings(self) -> None:
-        """Add the copies that have finished to the bandwidth figures (never waits)."""
-        while self._timings and self._timings[0][1].query():
+        """Add the copies that have finished to the bandwidth figures (never waits); the
+        latest copy's events stay (a restore's scatter waits for its end)."""
+        while len(self._timings) > 1 and self._timings[0][1].query():
             start, end, n = self._timings.popleft()
             self.copy_seconds += start.elapsed_time(end) / 1e3
             self.copy_bytes += n

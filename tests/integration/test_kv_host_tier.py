@@ -1,0 +1,85 @@
+"""The host-memory KV tier through real processes: prefill and decode workers with small pools
+and `--kv-host-cache-gb`, behind a gateway that prefills every prompt on the prefill worker.
+
+A prompt is served, other prompts push its blocks out of both pools, and the prompt again
+gives the same completion with its prefix copied back from the workers' host tiers (their
+/metrics count host-tier hits and the blocks moved each way); no KV block is left held.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.stages import pipeline_stages, running
+
+WORKER = ["--num-blocks", "24", "--kv-host-cache-gb", "0.02"]
+PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
+OTHERS = [list(range(1000 + 100 * i, 1100 + 100 * i)) for i in range(4)]  # 7 blocks each
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("host-tier"))
+    stages = pipeline_stages(
+        d, [], gateway_args=["--disagg-threshold", "0"], prefill_args=WORKER, decode_args=WORKER
+    )
+    with running(*stages):
+        yield stages
+
+
+def _complete(gw, prompt: list[int]) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=120)
+    try:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        payload = json.loads(resp.read())
+        assert resp.status == 200, payload
+        return payload["choices"][0]["text"]
+    finally:
+        conn.close()
+
+
+def _metrics(stage) -> dict[tuple[str, tuple], float]:
+    url = f"http://127.0.0.1:{stage.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def test_a_prefix_pushed_out_of_both_pools_comes_back_from_the_host_tiers(stack):
+    prefill, decode, gateway = stack
+    first = _complete(gateway, PROMPT)
+    for p in OTHERS:
+        _complete(gateway, p)
+    again = _complete(gateway, PROMPT)
+    assert again == first
+    for stage in (prefill, decode):
+        m = _metrics(stage)
+        host_hits = m[("tandem_prefix_cache_hits_tokens_total", (("tier", "host"),))]
+        to_device = m[("tandem_kv_tier_moved_blocks_total", (("direction", "to_device"),))]
+        to_host = m[("tandem_kv_tier_moved_blocks_total", (("direction", "to_host"),))]
+        assert host_hits == 6 * 16, (stage.name, host_hits)
+        assert to_device == 6 and to_host >= 6, (stage.name, to_device, to_host)
+        assert m[("tandem_kv_host_tier_blocks", ())] > 0
+    # Nothing is left held on either worker (cached blocks nobody holds are free).
+    deadline = time.monotonic() + 20
+    for stage in (prefill, decode):
+        while True:
+            used = _metrics(stage)[("tandem_kv_cache_usage_ratio", ())]
+            if used == 0.0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert used == 0.0, stage.name

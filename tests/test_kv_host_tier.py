@@ -22,7 +22,8 @@ from tandem.kv.host_tier import HostTier
 from tandem.metrics import WorkerMetrics
 from tandem.stage_args import engine_config_from_args, stage_parser
 from tandem.up import _stage_argv, add_up_args
-from tests.engine_checks import rand_ids
+from tandem.kv.block_copy import gather_copy
+from tests.engine_checks import prefill_only, rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 BS = 16
@@ -227,6 +228,39 @@ def test_abort_right_after_a_restore_leaks_nothing_and_corrupts_nothing(model_fa
     _engine_consistent(eng)
 
 
+def test_an_import_reads_only_what_neither_tier_holds_and_abort_frees_it(model_factory):
+    """A decode worker whose host tier holds a prompt's first 3 blocks reserves only the rest
+    for the read from the prefill worker; aborted before the read, nothing leaks; read, the
+    sequence generates what the prompt gives without tiers."""
+    _, path = model_factory("llama")
+    a = rand_ids(60, 3)  # 3 full blocks and 12 tokens
+    want = tandem.LLM(path, num_blocks=128).generate([a], GREEDY)[0].token_ids
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec_llm = tandem.LLM(path, num_blocks=16, max_num_seqs=2, kv_host_cache_gb=TIER_GB)
+    dec = dec_llm.engine
+    dec_llm.generate([a], GREEDY)
+    _flood(dec_llm, 4, 100)
+    assert dec.prefix_cache.match(a, 60) == ([], [])
+    start_free = dec.pool.num_free
+    first, src = prefill_only(pre, a, "r", GREEDY)
+    skip, blocks = dec.reserve_prefilled(a, first, GREEDY, "r", peer_blocks=src)
+    assert skip == 3 and len(blocks) == 1, "the 3 full blocks came from the host tier"
+    assert dec.abort("r")
+    assert dec.pool.num_free == start_free
+    _engine_consistent(dec)
+    skip, blocks = dec.reserve_prefilled(a, first, GREEDY, "r2", peer_blocks=src)
+    assert skip == 3  # a device hit now: the restored blocks stayed cached
+    gather_copy(dec.kv, blocks, pre.kv, src[skip : skip + len(blocks)])
+    pre.leases.release("r")
+    assert dec.start_prefilled("r2")
+    seq = dec.seqs["r2"]
+    while dec.has_unfinished():
+        dec.step()
+    assert seq.output_token_ids == want
+    assert dec.prefix_cache.host_hit_tokens == 3 * BS and dec.host_tier.blocks_to_device == 3
+    _engine_consistent(dec)
+
+
 def test_preempted_sequences_come_back_through_the_tier(model_factory):
     _, path = model_factory("llama")
     prompts = [rand_ids(40, 20 + i) for i in range(4)]
@@ -237,7 +271,7 @@ def test_preempted_sequences_come_back_through_the_tier(model_factory):
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert eng.scheduler.num_preemptions > 0, "the pool was small enough to preempt"
-    assert eng.host_tier.blocks_to_host > 0
+    assert eng.host_tier.blocks_to_host > 0 and eng.host_tier.blocks_to_device > 0
     _engine_consistent(eng)
 
 

@@ -16,13 +16,13 @@ import torch
 
 import tandem
 from tandem.config import EngineConfig
+from tandem.kv.block_copy import gather_copy
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
 from tandem.kv.host_tier import HostTier
 from tandem.metrics import WorkerMetrics
 from tandem.stage_args import engine_config_from_args, stage_parser
 from tandem.up import _stage_argv, add_up_args
-from tandem.kv.block_copy import gather_copy
 from tests.engine_checks import prefill_only, rand_ids
 
 GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -137,6 +137,10 @@ def test_sizing_refuses_a_tier_that_holds_no_block():
     kv = _kv(4)
     with pytest.raises(ValueError, match="kv_host_cache_gb=1e-09 holds no KV block"):
         HostTier.sized(kv, BlockPool(4), 1e-9)
+    with pytest.raises(
+        ValueError, match=r"kv_host_cache_gb=1000000 asks for .* GiB of host memory"
+    ):
+        HostTier.sized(kv, BlockPool(4), 10**6)
     per = kv.data[:, :, 0].numel() * 4  # fp32 bytes of one block: 1 KiB
     assert HostTier.sized(kv, BlockPool(4), 2**-14).num_slots == 2**16 // per == 64
 

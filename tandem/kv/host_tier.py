@@ -28,6 +28,7 @@ Nothing here outlives the process: a restarted worker starts with an empty tier.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import OrderedDict, deque
 
@@ -95,10 +96,23 @@ class HostTier:
                 f"kv_host_cache_gb={gib} holds no KV block: one block takes {per} bytes "
                 f"({per / 2**30:.6f} GiB); raise it or set it to 0"
             )
+        want = slots * per
+        ram = _physical_memory()
+        if ram is not None and want > ram:
+            raise ValueError(
+                f"kv_host_cache_gb={gib} asks for {want / 2**30:.1f} GiB of host memory; this "
+                f"machine has {ram / 2**30:.1f} GiB in all (lower it, leaving room for the rest)"
+            )
         quotas = None
         if fractions:
             quotas = [int(fractions[t] * slots + 1e-9) for t in pool.tenants]
-        return cls(kv, pool, slots, quotas)
+        try:
+            return cls(kv, pool, slots, quotas)
+        except (RuntimeError, MemoryError) as e:
+            raise ValueError(
+                f"kv_host_cache_gb={gib}: {want / 2**30:.1f} GiB of host memory could not be "
+                f"allocated ({e}); lower it"
+            ) from e
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -310,6 +324,14 @@ class HostTier:
             "copy_bytes": self.copy_bytes,
             "copy_seconds": self.copy_seconds,
         }
+
+
+def _physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:

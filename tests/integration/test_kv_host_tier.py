@@ -3,20 +3,27 @@ and `--kv-host-cache-gb`, behind a gateway that prefills every prompt on the pre
 
 A prompt is served, other prompts push its blocks out of both pools, and the prompt again
 gives the same completion with its prefix copied back from the workers' host tiers (their
-/metrics count host-tier hits and the blocks moved each way); no KV block is left held.
+/metrics count host-tier hits and the blocks moved each way); no KV block is left held. Under
+`tandem up --restart`, a decode worker killed while preemptions move blocks between its tiers
+is restarted and every stream resumes there token for token.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.cluster import start_cluster
 from tests.integration.stages import pipeline_stages, running
+from tests.integration.test_resume import MAX_TOKENS, PROMPTS, _req, _Stream, _tokens
+from tests.integration.test_up_restart import _stage_pids
 
 WORKER = ["--num-blocks", "24", "--kv-host-cache-gb", "0.02"]
 PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
@@ -49,14 +56,7 @@ def _complete(gw, prompt: list[int]) -> str:
 
 
 def _metrics(stage) -> dict[tuple[str, tuple], float]:
-    url = f"http://127.0.0.1:{stage.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
+    return _metrics_at(f"http://127.0.0.1:{stage.metrics_port}/metrics")
 
 
 def test_a_prefix_pushed_out_of_both_pools_comes_back_from_the_host_tiers(stack):
@@ -83,3 +83,51 @@ def test_a_prefix_pushed_out_of_both_pools_comes_back_from_the_host_tiers(stack)
                 break
             time.sleep(0.2)
         assert used == 0.0, stage.name
+
+
+def test_streams_survive_a_decode_worker_killed_while_it_moves_blocks(model_factory):
+    """Four long greedy streams in a pool that holds only two of them: the decode worker
+    preempts, its host tier takes the preempted blocks and gives them back. Killed mid-run
+    (copies between the tiers under way), it is restarted with an empty tier, the gateway
+    resumes every stream there, and each ends with the tokens it gives alone."""
+    _, path = model_factory("llama")
+    tier = ["--num-blocks", "64", "--kv-host-cache-gb", "0.002", "--max-num-seqs", "4"]
+    c = start_cluster(["--model", path, *tier, "--restart"])
+    try:
+        stub = c.gateway()
+        want = [_tokens(stub.Generate(_req(p), timeout=120))[0] for p in PROMPTS]
+        streams = [_Stream(stub, p) for p in PROMPTS]
+        for s in streams:
+            s.start()
+        deadline = time.monotonic() + 120
+        moved = 0.0
+        while moved == 0.0 and time.monotonic() < deadline:
+            m = _metrics_at(c.metrics_url("decode"))
+            moved = m.get(("tandem_kv_tier_moved_blocks_total", (("direction", "to_device"),)), 0)
+            time.sleep(0.05)
+        assert moved > 0, "the decode worker never copied a block back from its host tier"
+        decode_pid = _stage_pids(c.proc.pid)["decode"]
+        os.kill(decode_pid, signal.SIGKILL)
+        at_kill = [len(s.tokens) for s in streams]
+        for s in streams:
+            s.join(300)
+        assert _stage_pids(c.proc.pid)["decode"] != decode_pid, "not restarted"
+        assert any(n < MAX_TOKENS for n in at_kill), at_kill
+        for i, s in enumerate(streams):
+            assert s.error is None, (i, s.error)
+            assert s.finish is not None and s.finish.finish_reason == "length", (i, s.finish)
+            assert s.tokens == want[i], f"stream {i} differs after resuming"
+        st = c.wait_decode_idle(30)
+        assert st.used_blocks == 0 and st.running == 0
+    finally:
+        c.stop()
+
+
+def _metrics_at(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }

@@ -304,12 +304,16 @@ def test_metrics_count_hits_and_moves_per_tier(model_factory):
     assert get("tandem_kv_host_tier_blocks") == tier.num_used > 0
     assert get("tandem_kv_host_tier_capacity_blocks") == tier.num_slots == 43
     assert get("tandem_kv_tier_copy_bandwidth_bytes_per_second") > 0
+    st = eng.stats()
+    assert (st.prefix_host_hit_tokens, st.host_tier_capacity_blocks) == (3 * BS, 43)
+    assert st.host_tier_blocks == tier.num_used
     # Without a tier there are no tier families, and every hit is a device hit.
     off = tandem.LLM(path, num_blocks=16)
     reg = WorkerMetrics(off.engine).registry
     off.generate([a, a], GREEDY)
     assert reg.get_sample_value("tandem_kv_host_tier_blocks") is None
     assert reg.get_sample_value("tandem_prefix_cache_hits_tokens_total", {"tier": "host"}) == 0
+    assert off.engine.stats().host_tier_capacity_blocks == 0
 
 
 # ---- the setting ------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Reporting:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state (call it on the engine thread)."""
         pc, pool, cfg = self.prefix_cache, self.pool, self.config
+        host = pc.host if pc else None
         return EngineStats(
             running=self.num_running,
             waiting=self.num_waiting,
@@ -64,6 +65,9 @@ class Reporting:
             block_size=cfg.block_size,
             max_sequences=cfg.max_num_seqs + cfg.max_queued_seqs,
             max_seq_tokens=pool.num_blocks * cfg.block_size,
+            prefix_host_hit_tokens=pc.host_hit_tokens if pc else 0,
+            host_tier_blocks=host.num_used if host else 0,
+            host_tier_capacity_blocks=host.num_slots if host else 0,
         )
 
     def tenant_stats(self) -> list[dict[str, float | int | str]]:

@@ -74,6 +74,9 @@ def test_a_prefix_pushed_out_of_both_pools_comes_back_from_the_host_tiers(stack)
         assert host_hits == 6 * 16, (stage.name, host_hits)
         assert to_device == 6 and to_host >= 6, (stage.name, to_device, to_host)
         assert m[("tandem_kv_host_tier_blocks", ())] > 0
+        st = stage.stats()
+        assert st.prefix_host_hit_tokens == 6 * 16 and st.prefix_hit_tokens >= 6 * 16
+        assert 0 < st.host_tier_blocks <= st.host_tier_capacity_blocks
     # Nothing is left held on either worker (cached blocks nobody holds are free).
     deadline = time.monotonic() + 20
     for stage in (prefill, decode):

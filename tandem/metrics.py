@@ -428,8 +428,22 @@ def _tenant_families(e: Any) -> Iterator[Any]:
             labels=["tenant"],
         ),
     }
+    if "host_blocks" in stats[0]:  # a host tier: each tenant's share of it too
+        fams["host_blocks"] = GaugeMetricFamily(
+            "tandem_tenant_kv_host_blocks",
+            "Blocks of a tenant's the host tier holds.",
+            labels=["tenant"],
+        )
+        fams["host_quota_blocks"] = GaugeMetricFamily(
+            "tandem_tenant_kv_host_quota_blocks",
+            "Blocks of the host tier a tenant may hold (its tenant_quota fraction of the tier).",
+            labels=["tenant"],
+        )
     for s in stats:
         t = [str(s["tenant"])]
+        if "host_blocks" in s:
+            fams["host_blocks"].add_metric(t, s["host_blocks"])
+            fams["host_quota_blocks"].add_metric(t, s["host_quota_blocks"])
         q = s["prefix_query_tokens"]
         fams["blocks"].add_metric(t, s["blocks"])
         fams["quota_blocks"].add_metric(t, s["quota_blocks"])

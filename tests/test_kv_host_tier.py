@@ -205,6 +205,11 @@ def test_tenant_quotas_hold_in_both_tiers(model_factory):
                 assert tier.charged(eng.pool.account(t)) <= tier.quota[eng.pool.account(t)]
     assert tier.charged(eng.pool.account("a")) == qa, "a's flood filled its share of the tier"
     assert all(s.num_cached_tokens == 48 for s in b_seqs[1:]), "b's prefix stayed cached"
+    reg = WorkerMetrics(eng).registry
+    for t in ("a", "b"):
+        got = reg.get_sample_value("tandem_tenant_kv_host_blocks", {"tenant": t})
+        assert got == tier.charged(eng.pool.account(t))
+        assert reg.get_sample_value("tandem_tenant_kv_host_quota_blocks", {"tenant": t}) == qa
     _engine_consistent(eng)
 
 

@@ -72,10 +72,11 @@ class Reporting:
 
     def tenant_stats(self) -> list[dict[str, float | int | str]]:
         """Per tenant (with tenant quotas; else empty): blocks charged and quota, prefix-cache
-        hit ratio, evictions and refusals. Plain reads, safe from another thread for metrics."""
+        hit ratio, evictions and refusals; with a host tier, its blocks there and quota there. Plain reads, safe from another thread for metrics."""
         pool, cache = self.pool, self.prefix_cache
         if not pool.has_quotas:
             return []
+        host = cache.host if cache is not None else None
         out = []
         for i, t in enumerate(pool.tenants):
             queried, hit = cache.by_tenant.get(t, (0, 0)) if cache is not None else (0, 0)
@@ -91,6 +92,9 @@ class Reporting:
                     "refusals": self.tenant_refusals.get(t, 0),
                 }
             )
+            if host is not None:
+                out[-1]["host_blocks"] = host.charged(i)
+                out[-1]["host_quota_blocks"] = host.quota[i] or 0
         return out
 
     def last_step_read(self) -> StepRead | None:

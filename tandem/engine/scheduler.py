@@ -3,7 +3,9 @@
 Every step, in this order, within a token budget:
 1. each running sequence in decode gets its next token (plus draft tokens to verify); when the
    pool cannot hold them, the newest running sequence is preempted: its blocks are freed and it
-   waits at the head of the queue to be recomputed. A sequence that would need more blocks than
+   waits at the head of the queue to be recomputed. Its full computed blocks stay cached (with a
+   host tier, those the pool then evicts go there), so the recompute takes them back as a
+   prefix hit and computes only its last, partial block. A sequence that would need more blocks than
    the whole pool has can never continue: it is finished (`length`, in `outgrown`) instead of
    preempted, so it never waits for room that cannot come while everyone queues behind it;
 2. running sequences still in their prompt get their next chunk (chunked prefill: a long prompt

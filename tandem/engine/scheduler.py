@@ -6,8 +6,9 @@ Every step, in this order, within a token budget:
    waits at the head of the queue to be recomputed. Its full computed blocks stay cached (with a
    host tier, those the pool then evicts go there), so the recompute takes them back as a
    prefix hit and computes little more than its last block. A sequence that would need more
-   blocks than the whole pool has can never continue: it is finished (`length`, in `outgrown`) instead of
-   preempted, so it never waits for room that cannot come while everyone queues behind it;
+   blocks than the whole pool has can never continue: it is finished (`length`, in `outgrown`)
+   instead of preempted, so it never waits for room that cannot come while everyone queues
+   behind it;
 2. running sequences still in their prompt get their next chunk (chunked prefill: a long prompt
    is computed over several steps, mixed with the decodes, never all at once);
 3. waiting sequences join in arrival order while the budget, the sequence limit and the pool

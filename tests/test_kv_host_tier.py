@@ -10,6 +10,7 @@ flag is parsed and refused like every setting.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tandem.config import EngineConfig
 from tandem.kv.block_copy import gather_copy
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
-from tandem.kv.host_tier import HostTier
+from tandem.kv.host_tier import HostTier, _host_buffer
 from tandem.metrics import WorkerMetrics
 from tandem.stage_args import engine_config_from_args, stage_parser
 from tandem.up import _stage_argv, add_up_args
@@ -143,6 +144,36 @@ def test_sizing_refuses_a_tier_that_holds_no_block():
         HostTier.sized(kv, BlockPool(4), 10**6)
     per = kv.data[:, :, 0].numel() * 4  # fp32 bytes of one block: 1 KiB
     assert HostTier.sized(kv, BlockPool(4), 2**-14).num_slots == 2**16 // per == 64
+
+
+def test_pinning_registers_exactly_the_buffer_and_unregisters_it(monkeypatch):
+    """On CUDA the tier's memory is page-locked by registering it: exactly its bytes (torch's
+    pinned allocator would round them up to a power of two), unregistered when freed."""
+    calls: list[tuple] = []
+
+    class Cudart:
+        def __init__(self, err: int) -> None:
+            self.err = err
+
+        def cudaHostRegister(self, ptr, n, flags):  # noqa: N802 - the CUDA runtime's name
+            calls.append(("register", ptr, n, flags))
+            return self.err
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart(0))
+    t = _host_buffer((3, 5), torch.float32, pin=True)
+    ptr = t.data_ptr()
+    assert calls == [("register", ptr, 60, 0)] and not t.any()
+    del t
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart(2))
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 60 bytes: 2"):
+        _host_buffer((3, 5), torch.float32, pin=True)
 
 
 # ---- in the engine ----------------------------------------------------------------------------

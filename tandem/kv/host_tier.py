@@ -20,7 +20,7 @@ A restore copies the slots into a device staging buffer on the copy stream while
 flight runs, and the compute stream, waiting for that copy's event, scatters them into the
 sequence's blocks before its next step. Slots are written and read only on the copy stream, so
 a later offload into a slot runs after an earlier restore read it. The host memory is pinned
-(asynchronous DMA). On CPU the copies are plain and synchronous.
+(asynchronous DMA), exactly the size asked for. On CPU the copies are plain and synchronous.
 
 Nothing here outlives the process: a restarted worker starts with an empty tier.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections import OrderedDict, deque
 
 import torch
@@ -55,11 +56,11 @@ class HostTier:
         # [slots, layers, 2, block_size, kv_heads, head_dim]: one slot is contiguous, so runs of
         # adjacent slots move in one copy.
         shape = (num_slots, *kv.data.shape[:2], *kv.data.shape[3:])
-        self.data = torch.zeros(shape, dtype=kv.data.dtype, pin_memory=cuda)
+        self.data = _host_buffer(shape, kv.data.dtype, pin=cuda)
         self.scales = None
         if kv.scales is not None:  # [slots, layers, 2, kv_heads]
             sshape = (num_slots, *kv.scales.shape[:2], kv.scales.shape[3])
-            self.scales = torch.zeros(sshape, dtype=kv.scales.dtype, pin_memory=cuda)
+            self.scales = _host_buffer(sshape, kv.scales.dtype, pin=cuda)
         self.block_bytes = self.data[0].numel() * self.data.element_size()
         if self.scales is not None:
             self.block_bytes += self.scales[0].numel() * self.scales.element_size()
@@ -324,6 +325,27 @@ class HostTier:
             "copy_bytes": self.copy_bytes,
             "copy_seconds": self.copy_seconds,
         }
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Zeroed host memory (every page touched now); `pin`: page-locked for the GPU. Pinned by
+    registering it rather than with `pin_memory=True`, whose caching allocator rounds a
+    request up to a power of two (a 40 GiB tier would lock 64 GiB)."""
+    t = torch.zeros(shape, dtype=dtype)
+    if pin:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes: {err}")
+        # Unregistered before its memory is freed (never at exit: the process frees it all).
+        weakref.finalize(t, _unpin, t.data_ptr()).atexit = False
+    return t
+
+
+def _unpin(ptr: int) -> None:
+    """Unregister pinned host memory once no copy in flight reads or writes it."""
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 def _physical_memory() -> int | None:

@@ -35,6 +35,9 @@ def worker_stats(st, **stage_fields: Any) -> stages_pb2.WorkerStats:
         prefix_query_tokens=st.prefix_query_tokens,
         prefix_hit_tokens=st.prefix_hit_tokens,
         block_size=st.block_size,
+        prefix_host_hit_tokens=st.prefix_host_hit_tokens,
+        host_tier_blocks=st.host_tier_blocks,
+        host_tier_capacity_blocks=st.host_tier_capacity_blocks,
         **stage_fields,
     )
 

@@ -1,8 +1,8 @@
 """Every Tandem setting, typed, in one place. Services and the CLI read settings from here.
 
-The kernel settings (`KernelConfig`) are declared in `config_kernels.py` and importable from
-here; `config_options.py` turns a field into a `--flag` and a TANDEM_* variable, `stage_args.py`
-builds each stage's command line, and `device.py` resolves the torch device and dtypes named.
+Kernel settings live in `config_kernels.py` (importable from here), the host KV tier's in
+`config_host_tier.py`; `config_options.py` makes a field a `--flag` and a TANDEM_* variable,
+`stage_args.py` builds each stage's command line, `device.py` resolves the device and dtypes.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tandem.config_host_tier import HostTierSettings
 from tandem.config_kernels import ENGINE_FIELDS as KERNEL_ENGINE_FIELDS
 from tandem.config_kernels import KernelConfig
 from tandem.config_kernels import kernel_config as kernel_config  # re-exported: the settings API
@@ -23,7 +24,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(HostTierSettings):
     """Settings of one engine (in-process `LLM`, a prefill worker or a decode worker)."""
 
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct GGUF)
@@ -128,10 +129,9 @@ class EngineConfig:
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps; got {self.device!r}")
         self.tenant_quotas()  # raises naming what is wrong
+        self.validate_host_tier()
         if self.quantization not in ("auto", "int4", "none"):
-            raise ValueError(
-                f"quantization must be one of auto, int4, none; got {self.quantization!r}"
-            )
+            raise ValueError(f"quantization must be auto, int4 or none; got {self.quantization!r}")
         self.kernel_config().validate()
 
     @classmethod

@@ -273,11 +273,15 @@ class _EngineCollector(Collector):
                 "Prompt tokens looked up in the prefix cache when their sequence joined.",
                 value=cache.query_tokens,
             )
-            yield CounterMetricFamily(
+            hits = CounterMetricFamily(
                 "tandem_prefix_cache_hits_tokens",
-                "Prompt tokens whose KV came from the prefix cache.",
-                value=cache.hit_tokens,
+                "Prompt tokens whose KV came from the prefix cache, by the tier that held it "
+                "(device: shared from the KV pool; host: copied back from the host tier).",
+                labels=["tier"],
             )
+            hits.add_metric(["device"], cache.hit_tokens - cache.host_hit_tokens)
+            hits.add_metric(["host"], cache.host_hit_tokens)
+            yield hits
             yield GaugeMetricFamily(
                 "tandem_kv_cache_cached_free_blocks",
                 "Blocks nobody holds that keep their KV for prefix hits (evicted when needed).",
@@ -288,6 +292,7 @@ class _EngineCollector(Collector):
                 "Cached blocks evicted to make room.",
                 value=pool.num_evictions,
             )
+        yield from _host_tier_families(getattr(e, "host_tier", None))
         leases = getattr(e, "leases", None)
         if leases is not None:
             yield GaugeMetricFamily(
@@ -314,6 +319,48 @@ class _EngineCollector(Collector):
             )
         if self.extra is not None:
             yield from self.extra()
+
+
+def _host_tier_families(tier: Any) -> Iterator[Any]:
+    """The prefix cache's host-memory tier (none without one): what it holds and what moved."""
+    if tier is None:
+        return
+    s = tier.stats()
+    yield GaugeMetricFamily(
+        "tandem_kv_host_tier_blocks", "KV blocks the host tier holds.", value=s["blocks"]
+    )
+    yield GaugeMetricFamily(
+        "tandem_kv_host_tier_capacity_blocks",
+        "KV blocks the host tier can hold (kv_host_cache_gb).",
+        value=s["slots"],
+    )
+    moved = CounterMetricFamily(
+        "tandem_kv_tier_moved_blocks",
+        "KV blocks copied between the pool and the host tier (to_host: evicted from the pool; "
+        "to_device: a prefix hit in the host tier).",
+        labels=["direction"],
+    )
+    moved_bytes = CounterMetricFamily(
+        "tandem_kv_tier_moved_bytes",
+        "Bytes of KV copied between the pool and the host tier.",
+        labels=["direction"],
+    )
+    for direction, n in (("to_host", s["blocks_to_host"]), ("to_device", s["blocks_to_device"])):
+        moved.add_metric([direction], n)
+        moved_bytes.add_metric([direction], n * s["block_bytes"])
+    yield moved
+    yield moved_bytes
+    yield CounterMetricFamily(
+        "tandem_kv_host_tier_dropped_blocks",
+        "Blocks the host tier gave up for newer ones (their prefixes are recomputed).",
+        value=s["dropped"],
+    )
+    seconds = s["copy_seconds"]
+    yield GaugeMetricFamily(
+        "tandem_kv_tier_copy_bandwidth_bytes_per_second",
+        "Bytes per second of the copies between the pool and the host tier, since start.",
+        value=s["copy_bytes"] / seconds if seconds > 0 else 0.0,
+    )
 
 
 def _grammar_families(e: Any) -> Iterator[Any]:
@@ -381,8 +428,22 @@ def _tenant_families(e: Any) -> Iterator[Any]:
             labels=["tenant"],
         ),
     }
+    if "host_blocks" in stats[0]:  # a host tier: each tenant's share of it too
+        fams["host_blocks"] = GaugeMetricFamily(
+            "tandem_tenant_kv_host_blocks",
+            "Blocks of a tenant's the host tier holds.",
+            labels=["tenant"],
+        )
+        fams["host_quota_blocks"] = GaugeMetricFamily(
+            "tandem_tenant_kv_host_quota_blocks",
+            "Blocks of the host tier a tenant may hold (its tenant_quota fraction of the tier).",
+            labels=["tenant"],
+        )
     for s in stats:
         t = [str(s["tenant"])]
+        if "host_blocks" in s:
+            fams["host_blocks"].add_metric(t, s["host_blocks"])
+            fams["host_quota_blocks"].add_metric(t, s["host_quota_blocks"])
         q = s["prefix_query_tokens"]
         fams["blocks"].add_metric(t, s["blocks"])
         fams["quota_blocks"].add_metric(t, s["quota_blocks"])

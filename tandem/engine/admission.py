@@ -188,8 +188,12 @@ class Admission:
             table.known_names = list(block_names)
         hit: list[int] = []
         names: list[bytes] = []
-        if self.prefix_cache is not None:
-            hit, names = self.prefix_cache.match(prompt, n, table.known_names)
+        restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
+        cache = self.prefix_cache
+        if cache is not None:
+            hit, names = cache.match(prompt, n, table.known_names)
+            if cache.host is not None:
+                restore = cache.host_match(prompt, n, names, table.known_names)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         self.seqs[request_id] = seq
         fresh = table.blocks_needed(n + 1) - len(hit)
@@ -198,6 +202,11 @@ class Admission:
         ):
             self.scheduler.add_request(seq)
             return seq, None
+        if restore:
+            # Copied back from the host tier rather than from the worker that prefilled it.
+            first = cache.adopt(table, hit, names, restore, n)
+            cache.host_hit_tokens += len(restore) * table.block_size
+            return seq, first
         if hit:
             table.adopt_cached(self.pool, hit, names)
         table.ensure(self.pool, n)

@@ -49,6 +49,7 @@ from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.cache import KVCache
+from tandem.kv.host_tier import HostTier
 from tandem.kv.layout import DTYPE_NAMES, PoolLayout
 from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
@@ -128,6 +129,15 @@ class LLMEngine:
         self.prefix_cache = (
             PrefixCache(self.pool, config.block_size) if config.enable_prefix_cache else None
         )
+        # Host-memory tier behind the prefix cache: none unless kv_host_cache_gb is set.
+        self.host_tier: HostTier | None = None
+        if config.kv_host_cache_gb > 0 and self.prefix_cache is not None:
+            self.host_tier = HostTier.sized(self.kv, self.pool, config.kv_host_cache_gb, fractions)
+            self.prefix_cache.host = self.host_tier
+            progress.report(
+                f"KV host tier: {self.host_tier.num_slots} blocks "
+                f"({self.host_tier.num_slots * self.host_tier.block_bytes / 2**20:.0f} MiB)"
+            )
         self.leases = LeaseTable(self.pool, lease_ttl_s)
         self.runner = ModelRunner(
             self.model,

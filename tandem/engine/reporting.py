@@ -51,6 +51,7 @@ class Reporting:
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state (call it on the engine thread)."""
         pc, pool, cfg = self.prefix_cache, self.pool, self.config
+        host = pc.host if pc else None
         return EngineStats(
             running=self.num_running,
             waiting=self.num_waiting,
@@ -64,14 +65,18 @@ class Reporting:
             block_size=cfg.block_size,
             max_sequences=cfg.max_num_seqs + cfg.max_queued_seqs,
             max_seq_tokens=pool.num_blocks * cfg.block_size,
+            prefix_host_hit_tokens=pc.host_hit_tokens if pc else 0,
+            host_tier_blocks=host.num_used if host else 0,
+            host_tier_capacity_blocks=host.num_slots if host else 0,
         )
 
     def tenant_stats(self) -> list[dict[str, float | int | str]]:
         """Per tenant (with tenant quotas; else empty): blocks charged and quota, prefix-cache
-        hit ratio, evictions and refusals. Plain reads, safe from another thread for metrics."""
+        hit ratio, evictions and refusals; with a host tier, its blocks there and quota there. Plain reads, safe from another thread for metrics."""
         pool, cache = self.pool, self.prefix_cache
         if not pool.has_quotas:
             return []
+        host = cache.host if cache is not None else None
         out = []
         for i, t in enumerate(pool.tenants):
             queried, hit = cache.by_tenant.get(t, (0, 0)) if cache is not None else (0, 0)
@@ -87,6 +92,9 @@ class Reporting:
                     "refusals": self.tenant_refusals.get(t, 0),
                 }
             )
+            if host is not None:
+                out[-1]["host_blocks"] = host.charged(i)
+                out[-1]["host_quota_blocks"] = host.quota[i] or 0
         return out
 
     def last_step_read(self) -> StepRead | None:

@@ -3,9 +3,12 @@
 Every step, in this order, within a token budget:
 1. each running sequence in decode gets its next token (plus draft tokens to verify); when the
    pool cannot hold them, the newest running sequence is preempted: its blocks are freed and it
-   waits at the head of the queue to be recomputed. A sequence that would need more blocks than
-   the whole pool has can never continue: it is finished (`length`, in `outgrown`) instead of
-   preempted, so it never waits for room that cannot come while everyone queues behind it;
+   waits at the head of the queue to be recomputed. Its full computed blocks stay cached (with a
+   host tier, those the pool then evicts go there), so the recompute takes them back as a
+   prefix hit and computes little more than its last block. A sequence that would need more
+   blocks than the whole pool has can never continue: it is finished (`length`, in `outgrown`)
+   instead of preempted, so it never waits for room that cannot come while everyone queues
+   behind it;
 2. running sequences still in their prompt get their next chunk (chunked prefill: a long prompt
    is computed over several steps, mixed with the decodes, never all at once);
 3. waiting sequences join in arrival order while the budget, the sequence limit and the pool
@@ -286,6 +289,7 @@ class Scheduler:
         table = seq.block_table
         hit: list[int] = []
         names: list[bytes] = []
+        restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
         # A sequence queued with its KV (imported while the batch was full) has its blocks. One
         # that still needs prompt logprobs computes its whole prompt: a cached prefix would skip
         # the forward of positions it must score (tandem/engine/prompt_logprobs.py).
@@ -294,18 +298,24 @@ class Scheduler:
             # At least the last token is computed (its logits give the next token), so a fully
             # cached sequence still leaves its last block to be written privately.
             hit, names = cache.match(seq.all_token_ids, seq.num_tokens - 1)
+            if cache.host is not None:  # the prefix may go on in the host tier
+                restore = cache.host_match(seq.all_token_ids, seq.num_tokens - 1, names)
         fresh = table.blocks_needed(seq.num_tokens + 1) - len(hit)
         if not table.blocks and not self.fits_quota(seq, hit, fresh):
             return "quota"
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         if not self.pool.can_allocate(fresh + revived):
             return "pool"
-        if hit:
+        if restore:
+            prefix = cache.adopt(table, hit, names, restore, seq.num_tokens)
+            seq.num_computed = prefix * table.block_size
+        elif hit:
             table.adopt_cached(self.pool, hit, names)
             seq.num_computed = len(hit) * table.block_size
         if cache is not None and seq.first_scheduled_time is None:
-            cache.count(seq.num_tokens, len(hit) * table.block_size, table.tenant)
-            seq.num_cached_tokens = len(hit) * table.block_size
+            found = (len(hit) + len(restore)) * table.block_size
+            cache.count(seq.num_tokens, found, table.tenant, len(restore) * table.block_size)
+            seq.num_cached_tokens = found
         table.ensure(self.pool, seq.num_tokens)
         return "ok"
 

@@ -21,3 +21,7 @@ class EngineStats:
     block_size: int
     max_sequences: int  # running plus queued sequences the engine takes
     max_seq_tokens: int  # tokens of KV the whole pool holds
+    # The prefix cache's host tier (0 without one): hit tokens copied back, blocks, capacity.
+    prefix_host_hit_tokens: int = 0
+    host_tier_blocks: int = 0
+    host_tier_capacity_blocks: int = 0

@@ -30,13 +30,18 @@ Costs: allocate, free and acquire are O(1) per block with K = 1 (the evictable b
 account, in an insertion-ordered map, are already in eviction order: a use ends at a later clock
 than every use before it) and O(log n) with K = 2 (one heap per tenant, stale entries skipped and
 compacted); nothing scans the pool.
+
+Events (`listeners`, `emit`): callables told ("stored" | "removed", "device" | "host", block
+hashes), one call per operation. Spilling (`spill`, set by `tandem.kv.host_tier`): when set,
+`allocate` hands it the cached blocks it evicted (ids, accounts, hashes) before returning them,
+once per call, while their KV is still intact; unset (the default) eviction is unchanged.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tandem.errors import ResourceExhausted
 
@@ -87,6 +92,16 @@ class BlockPool:
         self._key: dict[int, tuple[int, ...]] = {}
         # K = 1: per account its evictable blocks in eviction order (no heap).
         self._fifo: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(nt)]
+        # KV events: each listener gets (kind, tier, hashes) per operation (see `emit`).
+        self.listeners: list[Callable[[str, str, list[bytes]], None]] = []
+        # Where evicted cached blocks go before reuse (a host tier); None: they are dropped.
+        self.spill: Callable[[list[int], list[int], list[bytes]], None] | None = None
+        self._spilled: list[tuple[int, int, bytes]] = []
+
+    def emit(self, kind: str, tier: str, hashes: list[bytes]) -> None:
+        """Tell every listener that blocks `hashes` were "stored" in or "removed" from `tier`."""
+        for listener in self.listeners:
+            listener(kind, tier, hashes)
 
     # ---- counts ---------------------------------------------------------------------------
     @property
@@ -175,7 +190,15 @@ class BlockPool:
             self._charged[t] += 1
             self._last[b] = self._prev[b] = -1
             out.append(b)
+        if self._spilled:
+            self._flush_spilled()
         return out
+
+    def _flush_spilled(self) -> None:
+        """Hand the blocks evicted by one `allocate` to `spill` (their KV is still intact)."""
+        spilled, self._spilled = self._spilled, []
+        blocks, accounts, hashes = (list(x) for x in zip(*spilled, strict=True))
+        self.spill(blocks, accounts, hashes)
 
     def _allocate_one_account(self, n: int) -> list[int]:
         """`allocate` without tenants: the free list first, then the cached blocks nobody holds
@@ -191,6 +214,8 @@ class BlockPool:
             owner[b] = 0
             last[b] = prev[b] = -1
         self._charged[0] += n
+        if self._spilled:
+            self._flush_spilled()
         return out
 
     def _victim(self) -> int:
@@ -219,7 +244,10 @@ class BlockPool:
         self._n_evictable[t] -= 1
         self._charged[t] -= 1
         self._owner[b] = -1
-        del self._by_hash[self._hash_of.pop(b)]
+        h = self._hash_of.pop(b)
+        del self._by_hash[h]
+        if self.spill is not None:
+            self._spilled.append((b, t, h))
         self.evictions[t] += 1
         return b
 
@@ -230,10 +258,14 @@ class BlockPool:
         pop = self._fifo[t].popitem
         out = [pop(last=False)[0] for _ in range(n)]
         key, owner, by_hash, hash_of = self._key, self._owner, self._by_hash, self._hash_of
+        spilled = self._spilled if self.spill is not None else None
         for b in out:
             del key[b]
             owner[b] = -1
-            del by_hash[hash_of.pop(b)]
+            h = hash_of.pop(b)
+            del by_hash[h]
+            if spilled is not None:
+                spilled.append((b, t, h))
         self._n_evictable[t] -= n
         self._charged[t] -= n
         self.evictions[t] += n

@@ -190,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens", "max_sequences")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens", "max_sequences", "prefix_host_hit_tokens", "host_tier_blocks", "host_tier_capacity_blocks")
     class ImportsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,9 @@ class WorkerStats(_message.Message):
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     used_blocks: int
@@ -245,7 +248,10 @@ class WorkerStats(_message.Message):
     refusals: _containers.ScalarMap[str, int]
     max_seq_tokens: int
     max_sequences: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
+    prefix_host_hit_tokens: int
+    host_tier_blocks: int
+    host_tier_capacity_blocks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here", "tenant")

@@ -15,9 +15,11 @@ with round robin (every healthy worker in turn). Round robin is no gateway setti
 choose: the bench starts that gateway with `Router.policy = "round_robin"` set before it runs.
 The decode workers' pools are small (--decode-blocks) so that what each holds matters.
 
-Reported per mode, from the workers' own Stats: prefix tokens looked up and found cached on
-each decode worker and on the prefill worker, the hit ratios (decode workers together, and the
-prefill worker), the gateway's routing counters (tandem_gateway_route_*_tokens_total, what it
+Reported per mode: the prefix hit ratio, cached prompt tokens over prompt tokens, the cached
+ones as the worker that prefilled each request reported them (its Finish.usage); from the
+workers' own Stats, prefix tokens looked up and found cached on each decode worker and on the
+prefill worker (a decode worker also looks up the prompts whose KV it imports: a hit there is a
+smaller copy), their hit ratios; the gateway's routing counters (tandem_gateway_route_*_tokens_total, what it
 believed the chosen worker held) and the wall time. JSON goes to --out with the command, the
 git revision and the host (bench/meta.py).
 
@@ -202,13 +204,13 @@ async def run_load(args: argparse.Namespace, gateway: str, vocab: int) -> dict[s
     sessions = workload(args, vocab)
     order = random.Random(args.seed + 1)
     sem = asyncio.Semaphore(args.concurrency)
-    sent = prompt_tokens = 0
+    sent = prompt_tokens = cached_tokens = 0
 
     async with grpc.aio.insecure_channel(gateway) as ch:
         stub = api_pb2_grpc.GatewayStub(ch)
 
         async def turn(s: dict[str, Any]) -> None:
-            nonlocal sent, prompt_tokens
+            nonlocal sent, prompt_tokens, cached_tokens
             user = [s["rng"].randrange(3, vocab) for _ in range(args.user_tokens)]
             ids = [*s["doc"], *s["history"], *user]
             req = api_pb2.GenerateRequest(
@@ -222,6 +224,8 @@ async def run_load(args: argparse.Namespace, gateway: str, vocab: int) -> dict[s
                 async for r in stub.Generate(req, timeout=300):
                     if r.HasField("chunk"):
                         reply.extend(r.chunk.token_ids)
+                    else:
+                        cached_tokens += r.finish.usage.cached_prompt_tokens
             s["history"] += [*user, *reply]
             sent += 1
             prompt_tokens += len(ids)
@@ -232,7 +236,13 @@ async def run_load(args: argparse.Namespace, gateway: str, vocab: int) -> dict[s
             order.shuffle(batch)
             await asyncio.gather(*(turn(s) for s in batch))
         wall = time.perf_counter() - t0
-    return {"requests": sent, "prompt_tokens": prompt_tokens, "wall_s": round(wall, 2)}
+    return {
+        "requests": sent,
+        "prompt_tokens": prompt_tokens,
+        "cached_prompt_tokens": cached_tokens,
+        "prefix_hit_ratio": ratio(cached_tokens, prompt_tokens),
+        "wall_s": round(wall, 2),
+    }
 
 
 def ratio(hit: int, query: int) -> float:
@@ -266,13 +276,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "tandem-smoke"))
     ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--sessions", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--doc-tokens", type=int, default=256)
-    ap.add_argument("--user-tokens", type=int, default=24)
-    ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--user-tokens", type=int, default=64)
+    ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--decode-blocks", type=int, default=160, help="KV blocks per decode worker")
+    ap.add_argument("--decode-blocks", type=int, default=256, help="KV blocks per decode worker")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kv_routing_cpu.json"))
     ap.add_argument("--smoke", action="store_true", help="a tiny load; nothing written")
@@ -285,11 +295,15 @@ def main() -> None:
     model = write_random_checkpoint(args.model_dir, "smoke", dtype="float32")
     log_dir = tempfile.mkdtemp(prefix="tandem-kv-routing-")
     runs = [measure(args, model, policy, log_dir) for policy in ("kv", "round_robin")]
-    print(f"{'routing':<12} {'requests':>8} {'decode hit':>10} {'prefill hit':>11} {'wall s':>7}")
+    print(
+        f"{'routing':<12} {'requests':>8} {'hit ratio':>9} {'decode Stats':>12} "
+        f"{'prefill Stats':>13} {'wall s':>7}"
+    )
     for r in runs:
         print(
-            f"{r['policy']:<12} {r['requests']:>8} {r['decode_prefix_hit_ratio']:>10.3f} "
-            f"{r['prefill_prefix_hit_ratio']:>11.3f} {r['wall_s']:>7.1f}"
+            f"{r['policy']:<12} {r['requests']:>8} {r['prefix_hit_ratio']:>9.3f} "
+            f"{r['decode_prefix_hit_ratio']:>12.3f} {r['prefill_prefix_hit_ratio']:>13.3f} "
+            f"{r['wall_s']:>7.1f}"
         )
     result = {
         **run_metadata(),

@@ -10,8 +10,11 @@ Turns are interleaved: every round sends each session's next turn in a shuffled 
 --concurrency at a time. Requests are plain Generate calls (no Chat session, no
 prompt_cache_key), so only the router's choice keeps a prefix on the worker that holds it.
 
-The load runs twice on fresh processes: with the gateway's KV-aware routing (the default) and
-with round robin (every healthy worker in turn). Round robin is no gateway setting a user would
+The load runs on fresh processes with the gateway's KV-aware routing (the default) and with
+round robin (every healthy worker in turn), for each --thresholds value of the gateway's
+--disagg-threshold: 128 (its default: a prompt whose uncached part on its decode worker is that
+long goes to the prefill worker, whose cache sees every prompt) and one no prompt reaches (the
+decode workers prefill everything, so their caches alone decide what is computed again). Round robin is no gateway setting a user would
 choose: the bench starts that gateway with `Router.policy = "round_robin"` set before it runs.
 The decode workers' pools are small (--decode-blocks) so that what each holds matters.
 
@@ -51,6 +54,9 @@ for p in (ROOT, HERE):
 
 from meta import run_metadata  # noqa: E402
 
+# A --disagg-threshold no prompt reaches: every prompt is prefilled on its decode worker, whose
+# prefix cache alone then decides what is computed again.
+LOCAL = 1 << 20
 # The gateway of the round-robin run: the module's own entry point, the router's policy set first.
 ROUND_ROBIN_GATEWAY = (
     "import runpy; from services.gateway.router import Router; Router.policy = 'round_robin'; "
@@ -94,7 +100,9 @@ def wait_serving(address: str, proc: subprocess.Popen, log: str, timeout: float 
 class Cluster:
     """prefill, decode x2 and gateway processes (`policy`: the gateway's routing)."""
 
-    def __init__(self, model: str, policy: str, decode_blocks: int, log_dir: str) -> None:
+    def __init__(
+        self, model: str, policy: str, decode_blocks: int, threshold: int, log_dir: str
+    ) -> None:
         pp, d0, d1, gp, gm = free_ports(5)
         engine = ["--model", model, "--device", "cpu", "--dtype", "float32"]
         self.decode = [f"127.0.0.1:{d0}", f"127.0.0.1:{d1}"]
@@ -118,7 +126,8 @@ class Cluster:
             (
                 "gateway",
                 [*gateway, "--port", str(gp), "--http-port", "-1", "--metrics-port", str(gm)]
-                + [*engine, "--prefill", self.prefill, "--decode", ",".join(self.decode)],
+                + [*engine, "--prefill", self.prefill, "--decode", ",".join(self.decode)]
+                + ["--disagg-threshold", str(threshold)],
             ),
         ]
         self.procs: list[subprocess.Popen] = []
@@ -127,7 +136,7 @@ class Cluster:
             for name, cmd in specs:
                 if name != "gateway":
                     cmd += ["--metrics-port", "-1"]
-                log = os.path.join(log_dir, f"{policy}-{name}.log")
+                log = os.path.join(log_dir, f"{policy}-{threshold}-{name}.log")
                 self.commands[name] = shlex.join(cmd)
                 with open(log, "w") as f:
                     proc = subprocess.Popen(
@@ -249,8 +258,10 @@ def ratio(hit: int, query: int) -> float:
     return round(hit / query, 4) if query else 0.0
 
 
-def measure(args: argparse.Namespace, model: str, policy: str, log_dir: str) -> dict[str, Any]:
-    cluster = Cluster(model, policy, args.decode_blocks, log_dir)
+def measure(
+    args: argparse.Namespace, model: str, policy: str, threshold: int, log_dir: str
+) -> dict[str, Any]:
+    cluster = Cluster(model, policy, args.decode_blocks, threshold, log_dir)
     try:
         load = asyncio.run(run_load(args, cluster.gateway, args.vocab))
         time.sleep(0.5)  # the last requests' counters
@@ -263,6 +274,7 @@ def measure(args: argparse.Namespace, model: str, policy: str, log_dir: str) -> 
     p = stats["prefill"]
     return {
         "policy": policy,
+        "disagg_threshold": threshold,
         **load,
         "decode_prefix_hit_ratio": ratio(dh, dq),
         "prefill_prefix_hit_ratio": ratio(p["prefix_hit_tokens"], p["prefix_query_tokens"]),
@@ -284,6 +296,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--decode-blocks", type=int, default=256, help="KV blocks per decode worker")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--thresholds",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[128, LOCAL],
+        help="the gateway's --disagg-threshold of each pair of runs (default: 128, its default, "
+        f"and {LOCAL}: every prompt prefilled on its decode worker)",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kv_routing_cpu.json"))
     ap.add_argument("--smoke", action="store_true", help="a tiny load; nothing written")
     args = ap.parse_args()
@@ -294,14 +313,19 @@ def main() -> None:
     args.vocab = SMOKE["vocab_size"]
     model = write_random_checkpoint(args.model_dir, "smoke", dtype="float32")
     log_dir = tempfile.mkdtemp(prefix="tandem-kv-routing-")
-    runs = [measure(args, model, policy, log_dir) for policy in ("kv", "round_robin")]
+    runs = [
+        measure(args, model, policy, threshold, log_dir)
+        for threshold in args.thresholds
+        for policy in ("kv", "round_robin")
+    ]
     print(
-        f"{'routing':<12} {'requests':>8} {'hit ratio':>9} {'decode Stats':>12} "
+        f"{'routing':<12} {'threshold':>9} {'requests':>8} {'hit ratio':>9} {'decode Stats':>12} "
         f"{'prefill Stats':>13} {'wall s':>7}"
     )
     for r in runs:
         print(
-            f"{r['policy']:<12} {r['requests']:>8} {r['prefix_hit_ratio']:>9.3f} "
+            f"{r['policy']:<12} {r['disagg_threshold']:>9} {r['requests']:>8} "
+            f"{r['prefix_hit_ratio']:>9.3f} "
             f"{r['decode_prefix_hit_ratio']:>12.3f} {r['prefill_prefix_hit_ratio']:>13.3f} "
             f"{r['wall_s']:>7.1f}"
         )

@@ -16,7 +16,9 @@ import pytest
 
 from tandem.kv.names import block_hashes, split_names
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
-from tests.integration.cluster import free_ports
+from tandem.rpc.auth import StageCredentials, stage_channel_sync
+from tandem.up import WORKER_PORT_STRIDE
+from tests.integration.cluster import free_ports, start_cluster
 from tests.integration.stages import Stage, gateway_stage, running
 from tests.integration.streams import admit_one
 
@@ -132,3 +134,33 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(stack):
         if line.startswith('tandem_gateway_route_prefix_hit_tokens_total{stage="decode"}')
     ]
     assert hits and hits[0] >= 6 * PREFIX
+
+
+def test_tandem_up_starts_two_decode_workers_and_routes_to_both(model_factory):
+    _, path = model_factory("llama")
+    c = start_cluster(
+        ["--model", path, "--num-blocks", "64", "--decode-workers", "2", "--disagg-threshold", "0"]
+    )
+    try:
+        creds = StageCredentials(secret=c.stage_secret)
+        second = f"127.0.0.1:{c.decode_port + WORKER_PORT_STRIDE}"
+        stub = stages_pb2_grpc.DecodeStub(stage_channel_sync(second, creds))
+        assert stub.Stats(stages_pb2.StatsRequest(), timeout=10).total_blocks == 64
+        # A prefix cached on the second worker only: the gateway (told of both) sends the
+        # requests sharing it there.
+        a = _tokens(4)
+        admit = stages_pb2.Admit(
+            seq_id=uuid.uuid4().hex, prompt_token_ids=[*a, 7], sampling=SAMPLING, prefill_here=True
+        )
+        admit_one(stub, admit)
+        time.sleep(1.0)  # its KV events reach the gateway
+        before = stub.Stats(stages_pb2.StatsRequest(), timeout=10).prefix_hit_tokens
+        req = api_pb2.GenerateRequest(
+            prompt_token_ids=api_pb2.TokenIds(ids=[*a, 9, 10]), sampling=SAMPLING
+        )
+        assert list(c.gateway().Generate(req, timeout=60))[-1].finish.usage.completion_tokens == 4
+        after = stub.Stats(stages_pb2.StatsRequest(), timeout=10).prefix_hit_tokens
+        assert after - before >= PREFIX
+        assert c.decode_stats().prefix_query_tokens == 0  # the first worker saw none of it
+    finally:
+        c.stop()

@@ -52,7 +52,12 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from llama_random import SMOKE, write_random_checkpoint  # noqa: E402
 from meta import run_metadata  # noqa: E402
+
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc  # noqa: E402
 
 # A --disagg-threshold no prompt reaches: every prompt is prefilled on its decode worker, whose
 # prefix cache alone then decides what is computed again.
@@ -76,9 +81,6 @@ def free_ports(n: int) -> list[int]:
 
 
 def wait_serving(address: str, proc: subprocess.Popen, log: str, timeout: float = 300) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -154,10 +156,6 @@ class Cluster:
             raise
 
     def stats(self) -> dict[str, Any]:
-        import grpc
-
-        from tandem.rpc import stages_pb2, stages_pb2_grpc
-
         out = {}
         for name, address, stub_class in [
             ("prefill", self.prefill, stages_pb2_grpc.PrefillStub),
@@ -206,10 +204,6 @@ def workload(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
 
 
 async def run_load(args: argparse.Namespace, gateway: str, vocab: int) -> dict[str, Any]:
-    import grpc
-
-    from tandem.rpc import api_pb2, api_pb2_grpc
-
     sessions = workload(args, vocab)
     order = random.Random(args.seed + 1)
     sem = asyncio.Semaphore(args.concurrency)
@@ -308,8 +302,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         args.sessions, args.turns, args.groups = 4, 2, 2
-    from llama_random import SMOKE, write_random_checkpoint
-
     args.vocab = SMOKE["vocab_size"]
     model = write_random_checkpoint(args.model_dir, "smoke", dtype="float32")
     log_dir = tempfile.mkdtemp(prefix="tandem-kv-routing-")

@@ -4,6 +4,8 @@ gateway's per-worker index and the choice it drives (no processes)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import random
 
 import pytest
 
@@ -11,6 +13,7 @@ from services.gateway.kv_index import HOST_WEIGHT, WorkerKv
 from services.gateway.pipeline import Pipeline
 from services.gateway.prefix_index import PrefixIndex
 from services.gateway.router import LOAD_PENALTY_TOKENS, Router
+from services.worker import kv_event_stream
 from tandem.errors import ResourceExhausted
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.events import KvEventFeed
@@ -198,3 +201,80 @@ def test_round_robin_ignores_prefixes_and_sessions():
     r.decode[0].kv.apply(_batch(1, _stored(names), reset=True))
     picked = [r.pick_decode(names, affinity=r.decode[0].address) for _ in range(4)]
     assert picked == [r.decode[1], r.decode[0], r.decode[1], r.decode[0]]
+
+
+class _EngineThread:
+    """`EngineLoop.submit` run at once on the caller's thread, over a real pool."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def submit(self, fn):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(fn(self))
+        return fut
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.pool.cached_hashes()
+
+
+def test_the_event_stream_keeps_the_gateway_in_step_with_a_churning_pool():
+    """Blocks cached and evicted at random, read by the gateway's index through the worker's
+    stream, with the reader stalling past the queue's bound now and then: the index always ends
+    equal to what the pool holds, and the worker never queues more than the bound."""
+
+    async def run():
+        pool = BlockPool(32)
+        feed = KvEventFeed(max_pending=40)
+        pool.listeners.append(feed.on_event)
+        engine = _EngineThread(pool)
+        stream = kv_event_stream(feed, engine, BS, pool.num_blocks, context=None)
+        kv = WorkerKv()
+        got: list = []
+        reading = asyncio.Event()
+
+        async def gateway() -> None:
+            async for batch in stream:
+                await reading.wait()  # a stalled gateway: the worker's yield waits meanwhile
+                got.append(batch)
+
+        reader = asyncio.ensure_future(gateway())
+        rng = random.Random(7)
+        held: list[list[int]] = []
+        resets = 0
+        for round_ in range(60):
+            reading.set()
+            for _ in range(10):  # let the stream deliver what is queued
+                await asyncio.sleep(0.002)
+            for batch in got:
+                resets += batch.reset
+                kv.apply(batch)
+            got.clear()
+            assert kv.synced and kv.tiers["device"] == set(pool.cached_hashes())
+            if round_ % 10 == 9:
+                reading.clear()  # the next round's churn meets a gateway that does not read
+            # Churn: sequences of random prefixes come (cached) and go (evictable, then evicted).
+            for _ in range(rng.randint(1, 4)):
+                if held and (rng.random() < 0.5 or pool.num_free < 4):
+                    pool.free(reversed(held.pop(rng.randrange(len(held)))))
+                n = rng.randint(1, 4)
+                if pool.num_free >= n:
+                    blocks = pool.allocate(n)
+                    pool.cache_many(blocks, _names(n, base=rng.randrange(8) * 1000))
+                    held.append(blocks)
+            if not reading.is_set():
+                for _ in range(40):  # far more than the queue holds, while nobody reads
+                    if not pool.num_free:
+                        pool.free(reversed(held.pop()))
+                    blocks = pool.allocate(1)
+                    pool.cache_many(blocks, _names(1, base=rng.randrange(10**6)))
+                    pool.free(blocks)
+            for sub in feed._subs:
+                assert sub.pending <= feed.max_pending
+        assert resets > 1  # the stalls overflowed the queue and were answered with snapshots
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await stream.aclose()
+        assert feed.subscribers == 0  # a gateway that went away leaves nothing queued
+
+    asyncio.run(run())

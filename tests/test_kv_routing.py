@@ -173,9 +173,17 @@ def test_router_sends_a_prompt_where_events_say_its_prefix_is():
     # Restarted: what it held is gone; the worker's events rule, not the stale guess.
     d1.kv.apply(_batch(1, reset=True, pool="p-new"))
     assert r.pick_decode(names) is d0
-    # A worker that publishes nothing is judged by the gateway's guess.
+    # A worker that publishes nothing is judged by the gateway's guess...
     d0.kv = None
     assert r.cached_tokens(d0, names) == len(names) * BS
+
+    async def connection_lost():
+        d0.mark_down("UNAVAILABLE: connection reset")
+        d0.stop_probe()
+
+    # ...until its connection breaks: it may come back publishing (and holding nothing yet).
+    asyncio.run(connection_lost())
+    assert d0.kv is not None and not d0.kv.synced
 
 
 def test_pipeline_counts_the_prompt_tokens_the_chosen_worker_held():

@@ -126,8 +126,9 @@ class Worker:
         self._broken = self._broken or broken
         if broken and self.index is not None:
             self.index.forget(self.address)  # it comes back with an empty cache
-        if broken and self.kv is not None:
-            self.kv.lost()
+        if broken:
+            # It may come back another build, one that publishes KV events: follow them anew.
+            self.kv = WorkerKv()
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(reason)
         self.watch()

@@ -4,11 +4,13 @@ A worker's service object offers `refuse(reason)` (counts refused calls), `recei
 largest request of each of its methods, tandem.rpc.limits), `obs.metrics.registry` (its
 Prometheus metrics) and `close()` (stops its engine, frees its pool). `run_worker` builds the
 server with the credential check and the receive limits, health and metrics, runs the stage's
-own steps before it reports SERVING, and closes everything however it ends.
+own steps before it reports SERVING, and closes everything however it ends. `kv_event_stream`
+serves both stages' `KvEvents`: what the worker's prefix cache holds, as it changes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,6 +18,8 @@ from typing import Any
 import grpc
 
 from tandem import progress
+from tandem.errors import ResourceExhausted
+from tandem.kv.events import KvEventFeed
 from tandem.loop_lag import LoopLag
 from tandem.metrics import serve_metrics
 from tandem.rpc import stages_pb2
@@ -40,6 +44,65 @@ def worker_stats(st, **stage_fields: Any) -> stages_pb2.WorkerStats:
         host_tier_capacity_blocks=st.host_tier_capacity_blocks,
         **stage_fields,
     )
+
+
+# Hashes per KvEventBatch of a snapshot (16 bytes each: 64 KiB a message).
+SNAPSHOT_HASHES = 4096
+
+
+async def kv_event_stream(
+    feed: KvEventFeed, engine_loop, block_size: int, total_blocks: int, context
+):
+    """The batches of a `KvEvents` stream: a snapshot of the pool's cached hashes first (and
+    again whenever this subscriber fell behind), then each change as the engine makes it.
+    `block_size`, `total_blocks`: the pool's. A caller that stops
+    reading holds this generator at its `yield`; its queue stays bounded (`KvEventFeed`)."""
+    try:
+        sub = feed.subscribe()
+    except ResourceExhausted as e:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    seq = 0
+
+    def batch(reset: bool, events) -> stages_pb2.KvEventBatch:
+        nonlocal seq
+        seq += 1
+        return stages_pb2.KvEventBatch(
+            seq=seq,
+            pool_id=feed.pool_id,
+            reset=reset,
+            events=events,
+            block_size=block_size,
+            total_blocks=total_blocks,
+        )
+
+    try:
+        while True:
+            reset, events = feed.take(sub)
+            if reset:
+                held = await asyncio.wrap_future(
+                    engine_loop.submit(lambda e: feed.snapshot(sub, e.cached_block_hashes()))
+                )
+                first = True
+                for i in range(0, max(len(held), 1), SNAPSHOT_HASHES):
+                    part = b"".join(held[i : i + SNAPSHOT_HASHES])
+                    ev = [stages_pb2.KvEvent(tier="device", hashes=part)] if part else []
+                    yield batch(first, ev)
+                    first = False
+                continue
+            if events:
+                yield batch(
+                    False,
+                    [
+                        stages_pb2.KvEvent(
+                            removed=e.kind == "removed", tier=e.tier, hashes=b"".join(e.hashes)
+                        )
+                        for e in events
+                    ],
+                )
+                continue
+            await sub.wake.wait()
+    finally:
+        feed.unsubscribe(sub)
 
 
 async def run_worker(

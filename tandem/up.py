@@ -38,6 +38,9 @@ from tandem.stage_args import (
 from tandem.tenants import load_api_keys
 
 STAGES = ("prefill", "decode", "gateway", "draft")
+# Ports of a stage's further workers (--prefill-workers, --decode-workers): worker i listens on
+# the stage's port + WORKER_PORT_STRIDE * i, clear of the gateway's neighbours (port+1..port+4).
+WORKER_PORT_STRIDE = 10
 
 
 def exec_stage(stage: str, argv: list[str]) -> None:
@@ -129,7 +132,7 @@ def _spawn(
     cmd: list[str], log_path: str, credentials: Secrets, append: bool = False
 ) -> subprocess.Popen:
     logf = open(log_path, "a" if append else "w")  # noqa: SIM115 - the child owns it
-    stage = cmd[2].removeprefix("services.")  # cmd: python -m services.<stage> ...
+    stage = _stage_of(cmd)
     env = {**_stage_env(stage), **credentials.env(stage)}
     return subprocess.Popen(
         cmd,
@@ -140,6 +143,59 @@ def _spawn(
         env=env,
         preexec_fn=_die_with_parent,
     )
+
+
+def _stage_of(cmd: list[str]) -> str:
+    """The stage a child's command runs (cmd: python -m services.<stage> ...)."""
+    return cmd[2].removeprefix("services.")
+
+
+def _devices(value: str | None) -> list[str]:
+    """The devices of a --device flag: one, or a comma list (empty: not given)."""
+    return [d.strip() for d in (value or "").split(",") if d.strip()]
+
+
+@dataclass
+class Worker:
+    """One prefill or decode worker `tandem up` starts."""
+
+    stage: str
+    name: str  # "decode" alone, "decode0", "decode1", ... when there are several
+    port: int
+    metrics_port: int
+    device: str | None
+
+
+def _workers(args: argparse.Namespace, base: dict[str, int], metrics: dict[str, int]) -> list:
+    """The prefill workers, then the decode workers, with their ports and devices (raises
+    ValueError naming a bad count or device)."""
+    shared = _devices(args.device)
+    out: list[Worker] = []
+    turn = 0
+    for stage in ("prefill", "decode"):
+        n = getattr(args, f"{stage}_workers")
+        if n < 1:
+            raise ValueError(f"--{stage}-workers must be >= 1, got {n}")
+        own = _devices(getattr(args, f"{stage}_device", None))
+        for i in range(n):
+            if own:
+                device = own[i % len(own)]
+            elif len(shared) > 1:
+                device = shared[turn % len(shared)]
+                turn += 1
+            else:
+                device = None  # the shared --device, if any, reaches every stage as it is
+            step = WORKER_PORT_STRIDE * i
+            out.append(
+                Worker(
+                    stage,
+                    stage if n == 1 else f"{stage}{i}",
+                    base[stage] + step,
+                    metrics[stage] + step if metrics[stage] >= 0 else -1,
+                    device,
+                )
+            )
+    return out
 
 
 def _wait_ready(children: list[Child], timeout: float, t0: float) -> None:
@@ -178,7 +234,7 @@ def _stop(children: list[Child]) -> None:
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         order = {"gateway": 0, "decode": 1}
-        for c in sorted(children, key=lambda c: order.get(c.stage, 2)):
+        for c in sorted(children, key=lambda c: order.get(_stage_of(c.cmd), 2)):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
                 try:
@@ -248,7 +304,18 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         up.add_argument(
             f"--{st}-device",
             default=None,
-            help=f"the {st} worker's device, e.g. cuda:1 (default: --device, for every stage)",
+            help=f"the {st} worker's device, e.g. cuda:1, or a comma list given to its workers in "
+            "turn (default: --device, which may be a comma list too: its devices go to the "
+            "prefill workers, then the decode workers, in turn; the draft worker takes the first)",
+        )
+    for st in ("prefill", "decode"):
+        up.add_argument(
+            f"--{st}-workers",
+            type=int,
+            default=1,
+            help=f"{st} workers to start (default %(default)s); the gateway routes each request "
+            f"to the one holding the longest cached prefix of it. Worker i listens on the "
+            f"{st} port + {WORKER_PORT_STRIDE}*i (its /metrics likewise)",
         )
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
@@ -419,8 +486,23 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         return f"--model {args.model}: no such file or directory"
+    for flag in ("device", "prefill_device", "decode_device", "draft_device"):
+        for device in _devices(getattr(args, flag, None)):
+            try:
+                EngineConfig(device=device).validate()
+            except ValueError as e:
+                return f"--{flag.replace('_', '-')}: {e}"
+    taken: dict[tuple[str, int], int] = {}
+    for host, port in ports:
+        taken[(host, port)] = taken.get((host, port), 0) + 1
+    twice = sorted(f"{h}:{p}" for (h, p), n in taken.items() if n > 1)
+    if twice:
+        return (
+            f"two stages would listen on {', '.join(twice)}: choose other ports (workers past "
+            f"the first of a stage take its port + {WORKER_PORT_STRIDE}*i)"
+        )
     try:
-        engine_config_from_args(args)
+        engine_config_from_args(argparse.Namespace(**{**vars(args), "device": None}))
         gateway_config_from_args(args)
         _secrets(args)
     except (TypeError, ValueError) as e:
@@ -487,36 +569,44 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     }
     if args.metrics_port is not None and args.metrics_port < 0:
         metrics_ports = dict.fromkeys(metrics_ports, -1)
+    try:
+        workers = _workers(args, {"prefill": prefill_port, "decode": decode_port}, metrics_ports)
+    except ValueError as e:
+        parser.error(str(e))
     stages = ["draft"] if args.draft else []
     stages += ["prefill", "decode", "gateway"]
+    names = ([] if not args.draft else ["draft"]) + [w.name for w in workers] + ["gateway"]
     log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
     os.makedirs(log_dir, exist_ok=True)
-    print(f"Starting Tandem: {', '.join(stages)} (logs in {log_dir})", flush=True)
-    grpc_ports = {"prefill": prefill_port, "decode": decode_port, "gateway": port}
-    grpc_ports["draft"] = draft_port
+    print(f"Starting Tandem: {', '.join(names)} (logs in {log_dir})", flush=True)
     binds = {s: args.host if s == "gateway" else args.stage_host for s in STAGES}
-    ports = [(binds[s], grpc_ports[s]) for s in stages]
-    ports += [(binds[s], p) for s, p in metrics_ports.items() if s in stages and p >= 0]
+    ports = [(binds["gateway"], port)] + [(args.stage_host, w.port) for w in workers]
+    ports += [(args.stage_host, w.metrics_port) for w in workers if w.metrics_port >= 0]
+    if args.draft:
+        ports.append((binds["draft"], draft_port))
+    ports += [
+        (binds[s], metrics_ports[s])
+        for s in ("gateway", "draft")
+        if s in stages and metrics_ports[s] >= 0
+    ]
     if http_port >= 0:
         ports.append((host, http_port))
     problem = _validate_up(args, ports)
     if problem:
         parser.error(problem)
+    shared_devices = _devices(args.device)
+    if len(shared_devices) > 1:
+        args.device = shared_devices[0]  # each worker's own follows (the last --device wins)
     argv = _stage_argv(args)
     credentials = _secrets(args)
     stage_host = _dial(args.stage_host)
-    prefill_addr = f"{stage_host}:{prefill_port}"
-    decode_addr = f"{stage_host}:{decode_port}"
+    addrs = {
+        s: ",".join(f"{stage_host}:{w.port}" for w in workers if w.stage == s)
+        for s in ("prefill", "decode")
+    }
+    prefill_addr, decode_addr = addrs["prefill"], addrs["decode"]
     draft_addr = f"{stage_host}:{draft_port}"
-    argv["prefill"] += ["--port", str(prefill_port)]
-    argv["decode"] += [
-        "--port",
-        str(decode_port),
-        "--prefill",
-        prefill_addr,
-        "--kv-transport",
-        args.kv_transport,
-    ]
+    argv["decode"] += ["--prefill", prefill_addr, "--kv-transport", args.kv_transport]
     argv["gateway"] += [
         "--port",
         str(port),
@@ -534,17 +624,25 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.spec_k is not None:
             argv["decode"] += ["--spec-k", str(args.spec_k)]
     children: list[Child] = []
-    for stage in stages:
-        extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_ports[stage])]
+    procs: list[tuple[str, str, list[str], int]] = []
+    if args.draft:
+        device = (_devices(args.draft_device) or shared_devices)[:1]
+        procs.append(
+            ("draft", "draft", ["--device", *device] if device else [], metrics_ports["draft"])
+        )
+    for w in workers:
+        own = ["--port", str(w.port), *(["--device", w.device] if w.device else [])]
+        procs.append((w.stage, w.name, own, w.metrics_port))
+    procs.append(("gateway", "gateway", [], metrics_ports["gateway"]))
+    for stage, name, own, metrics_port in procs:
+        extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_port)]
         if args.model:
             extra += ["--model", args.model]
-        # Per-stage devices (prefill and decode on separate GPUs): the last --device on a
-        # command line wins, so these follow the shared flags.
-        dev = getattr(args, f"{stage}_device", None)
-        if dev:
-            extra += ["--device", dev]
+        # Per-stage and per-worker devices (prefill and decode on separate GPUs): the last
+        # --device on a command line wins, so these follow the shared flags.
+        extra += own
         cmd = [sys.executable, "-m", f"services.{stage}", *extra]
-        children.append(Child(stage, None, os.path.join(log_dir, f"{stage}.log"), cmd))  # type: ignore[arg-type]
+        children.append(Child(name, None, os.path.join(log_dir, f"{name}.log"), cmd))  # type: ignore[arg-type]
 
     mtls_dir = None
     if args.stage_mtls == "auto":
@@ -593,8 +691,8 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             )
         if metrics_ports["gateway"] >= 0:
             urls = "  ".join(
-                f"{s}=http://{host if s == 'gateway' else stage_host}:{metrics_ports[s]}/metrics"
-                for s in ("gateway", "prefill", "decode")
+                [f"gateway=http://{host}:{metrics_ports['gateway']}/metrics"]
+                + [f"{w.name}=http://{stage_host}:{w.metrics_port}/metrics" for w in workers]
             )
             token = "  (bearer token)" if credentials.metrics_token is not None else ""
             print(f"  metrics       {urls}{token}", flush=True)

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.cli import main
 from tandem.rpc import api_pb2_grpc
-from tandem.up import _stage_argv
+from tandem.up import WORKER_PORT_STRIDE, _stage_argv, _workers
 from tandem.up import add_up_args as _add_up_args
 from tests.conftest import self_signed_cert
 
@@ -63,6 +63,13 @@ def test_async_scheduling_unset_or_set_by_flag_or_variable(argv, env, want, monk
         (["--max-num-seqs", "0"], "max_num_seqs must be a positive integer"),
         (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file"),
         (["--ttft-slo-ms", "-3"], "ttft_slo_ms must be > 0"),
+        (["--decode-workers", "0"], "--decode-workers must be >= 1, got 0"),
+        (["--device", "cpu,cuda:x"], "--device: device must be auto, cpu, cuda, cuda:N or mps"),
+        (["--decode-device", "cuda:1,tpu"], "--decode-device: device must be"),
+        (
+            ["--port", "50100", "--prefill-workers", "2", "--decode-port", "50111"],
+            "two stages would listen on 127.0.0.1:50111",
+        ),
     ],
 )
 def test_up_refuses_a_bad_flag_at_once(argv, message, capsys, tmp_path):
@@ -101,6 +108,28 @@ def test_up_passes_each_setting_to_the_stages_that_take_it():
     for stage, args in argv.items():
         extra = ["--prefill", "a:1", "--decode", "b:2"] if stage == "gateway" else []
         stage_parser(stage).parse_args([*args, *extra])
+
+
+def test_up_gives_each_worker_its_ports_and_a_device_in_turn():
+    base = {"prefill": 100, "decode": 200}
+    metrics = {"prefill": 1100, "decode": 1200}
+    args = _up_args(
+        ["--prefill-workers", "2", "--decode-workers", "3", "--device", "cuda:0,cuda:1"]
+    )
+    got = [(w.name, w.port, w.metrics_port, w.device) for w in _workers(args, base, metrics)]
+    s = WORKER_PORT_STRIDE
+    assert got == [
+        ("prefill0", 100, 1100, "cuda:0"),
+        ("prefill1", 100 + s, 1100 + s, "cuda:1"),
+        ("decode0", 200, 1200, "cuda:0"),
+        ("decode1", 200 + s, 1200 + s, "cuda:1"),
+        ("decode2", 200 + 2 * s, 1200 + 2 * s, "cuda:0"),
+    ]
+    # A stage's own list rules its workers; one device (or none) reaches every stage as it is.
+    args = _up_args(["--decode-workers", "2", "--decode-device", "cuda:3,cuda:2"])
+    got = [(w.name, w.device) for w in _workers(args, base, dict.fromkeys(base, -1))]
+    assert got == [("prefill", None), ("decode0", "cuda:3"), ("decode1", "cuda:2")]
+    assert {w.metrics_port for w in _workers(args, base, dict.fromkeys(base, -1))} == {-1}
 
 
 def test_chat_with_nothing_listening_says_to_start_tandem(capsys):

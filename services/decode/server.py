@@ -18,7 +18,7 @@ from services.decode.admission import Admission
 from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
-from services.worker import run_worker, worker_stats
+from services.worker import kv_event_stream, run_worker, worker_stats
 from tandem import telemetry as tel
 from tandem.config import EngineConfig
 from tandem.device import resolved_dtype
@@ -27,6 +27,7 @@ from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
+from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import PoolLayout
 from tandem.model.info import context_length
 from tandem.model.loader import load_model
@@ -104,6 +105,9 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
                 k_max=spec.get("k_max", 8),
                 fixed_k=spec.get("fixed_k"),
             )
+        # What the prefix cache holds, streamed to the gateway's router (KvEvents).
+        self.kv_events = KvEventFeed()
+        self.engine.add_kv_listener(self.kv_events.on_event)
         self.engine_loop = EngineLoop(
             self.engine, self._on_outputs, self._on_error, speculator=self.speculator
         )
@@ -311,6 +315,16 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
         else:
             self.prefill_info.pop(sid, None)
+
+    async def KvEvents(self, request, context):
+        async for batch in kv_event_stream(
+            self.kv_events,
+            self.engine_loop,
+            self.layout.block_size,
+            self.layout.num_blocks,
+            context,
+        ):
+            yield batch
 
     async def Stats(self, request, context):
         # The engine's figures come from its thread; this worker's own counters (changed by

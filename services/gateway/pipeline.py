@@ -223,18 +223,22 @@ class Pipeline:
         """Choose the workers of a prompt (raises `StageUnavailable` when a stage is down).
         `scored`: the prompt's logprobs are asked for, so it is computed whole wherever it goes
         (a cached prefix is not reused: tandem/engine/prompt_logprobs.py)."""
-        index = self.router.index
-        names = index.names(ids)
-        decode = self.router.pick_decode(names, session.decode if session else None)
+        router = self.router
+        names = router.index.names(ids)
+        decode = router.pick_decode(names, session.decode if session else None)
+        held = router.cached_tokens(decode, names)
+        router.count_route("decode", len(ids), held)
         # The worker computes at least the last token, however much it holds.
-        uncached = max(1, len(ids) - index.matched_tokens(decode.address, names))
+        uncached = max(1, len(ids) - held)
         if scored:
             uncached = len(ids)
-        if uncached < self.disagg_threshold or not self.router.prefill_serving:
+        if uncached < self.disagg_threshold or not router.prefill_serving:
             # Short, or no prefill worker serves: the decode worker prefills it itself.
             return Route(names, decode, None, uncached)
-        prefill = self.router.pick_prefill(names)
-        uncached = max(1, len(ids) - index.matched_tokens(prefill.address, names))
+        prefill = router.pick_prefill(names)
+        held = router.cached_tokens(prefill, names)
+        router.count_route("prefill", len(ids), held)
+        uncached = max(1, len(ids) - held)
         return Route(names, decode, prefill, len(ids) if scored else uncached)
 
     def _stop_reason(

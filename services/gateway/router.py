@@ -1,9 +1,13 @@
 """Clients of the prefill and decode workers, and the choice between them.
 
 A worker is chosen among the healthy ones that are nearly the least loaded (within
-`LOAD_SLACK` requests of it), preferring the one that probably holds the longest prefix of the
-prompt in its prefix cache (`PrefixIndex`); a Chat session's later turns go to the decode worker
-that served its earlier ones, which holds the whole conversation.
+`LOAD_SLACK` requests of it) by a score: the prompt tokens it holds in its prefix cache (a block
+on its host tier worth `HOST_WEIGHT` of one on its device) minus `LOAD_PENALTY_TOKENS` per
+request it has beyond the least loaded. What a worker holds comes from the KV events it
+publishes (`KvEvents`, kept in its `WorkerKv`); for a worker that publishes none, from the
+gateway's own guess (`PrefixIndex`: what it routed there). A Chat session's later turns, and
+requests sharing a `prompt_cache_key`, go to the decode worker of their earlier ones while it is
+healthy: it holds the whole conversation.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.kv_index import WorkerKv
 from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -47,6 +52,11 @@ HEALTH_TIMEOUT_S = 2.0
 # Prefix affinity never sends a request to a worker busier than the least loaded by more than
 # this many requests: a cache hit is not worth an unbounded queue.
 LOAD_SLACK = 2
+# Within that bound, each request a worker has beyond the least loaded costs it this many cached
+# prompt tokens in the choice: a one-block hit does not outweigh a queue.
+LOAD_PENALTY_TOKENS = 32
+# Seconds between attempts to follow a worker's KV events after its stream failed.
+KV_EVENTS_RETRY_S = 1.0
 # Each worker channel owns its subchannels (a replaced channel must not inherit the old one's
 # reconnect backoff), and reconnects quickly once a restarted worker listens again.
 CHANNEL_OPTIONS = [
@@ -92,6 +102,10 @@ class Worker:
         self._lost: asyncio.Future[str] | None = None  # see `lost`
         self.channel: grpc.aio.Channel | None = None  # opened by the subclass (`_open`)
         self.index: PrefixIndex | None = None  # set by the router
+        # What its prefix cache holds, from the KV events it publishes (`follow_kv`); None once
+        # it turned out to publish none (the router guesses with `index` instead).
+        self.kv: WorkerKv | None = WorkerKv()
+        self._kv_task: asyncio.Task | None = None
         # Answers that came from this worker (token messages, prefill answers): a worker whose
         # answers keep coming is alive, whatever a slow health check says.
         self.heard = 0
@@ -112,6 +126,9 @@ class Worker:
         self._broken = self._broken or broken
         if broken and self.index is not None:
             self.index.forget(self.address)  # it comes back with an empty cache
+        if broken:
+            # It may come back another build, one that publishes KV events: follow them anew.
+            self.kv = WorkerKv()
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(reason)
         self.watch()
@@ -183,6 +200,29 @@ class Worker:
         self._broken = False
         self.seen_up = True
         self.healthy = True
+        self.follow_kv()
+
+    def follow_kv(self) -> None:
+        """Follow this worker's KV events (unless it publishes none, or already followed)."""
+        if self.kv is not None and (self._kv_task is None or self._kv_task.done()):
+            self._kv_task = asyncio.ensure_future(self._follow_kv())
+
+    async def _follow_kv(self) -> None:
+        kv = self.kv
+        while kv is not None and self.healthy:
+            try:
+                async for batch in self.stub.KvEvents(stages_pb2.KvEventsRequest()):
+                    kv.apply(batch)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("%s worker %s publishes no KV events", self.stage, self.address)
+                    self.kv = None
+                    return
+                log.debug("KV events of %s worker %s: %s", self.stage, self.address, e.details())
+            except ValueError as e:
+                log.warning("KV events of %s worker %s: %s", self.stage, self.address, e)
+            kv.lost()
+            await asyncio.sleep(KV_EVENTS_RETRY_S)
 
     def _open(self) -> None:
         """A channel to this worker and the stage's stub on it."""
@@ -199,6 +239,8 @@ class Worker:
     def stop_probe(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
+        if self._kv_task is not None:
+            self._kv_task.cancel()
 
 
 class PrefillClient(Worker):
@@ -361,7 +403,12 @@ W = TypeVar("W", bound=Worker)
 
 
 class Router:
-    """Chooses a worker of each stage: nearly least loaded, then longest cached prefix."""
+    """Chooses a worker of each stage: nearly least loaded, then longest cached prefix.
+
+    `policy`: "kv" (the choice above) or "round_robin" (every healthy worker in turn, blind to
+    load and prefixes: the baseline bench/kv_routing.py measures the choice against)."""
+
+    policy = "kv"
 
     def __init__(
         self,
@@ -381,6 +428,38 @@ class Router:
         self.index = index or PrefixIndex(16)
         for w in [*self.prefill, *self.decode]:
             w.index = self.index
+        self._turn = 0
+        # Per stage: prompt tokens routed, and of those, tokens the chosen worker held cached.
+        self.routed_tokens = {"prefill": 0, "decode": 0}
+        self.routed_hit_tokens = {"prefill": 0, "decode": 0}
+
+    def _known(self, w: Worker) -> WorkerKv | None:
+        """`w`'s published picture when it is complete and names blocks as this gateway does."""
+        kv = w.kv
+        if kv is None or not kv.synced or kv.block_size != self.index.block_size:
+            return None
+        return kv
+
+    def cached_tokens(self, w: Worker, names: Sequence[bytes]) -> int:
+        """Prompt tokens of `names` that `w` holds on any tier (from its events, else guessed)."""
+        kv = self._known(w)
+        if kv is None:
+            return self.index.matched_tokens(w.address, list(names))
+        d, h = kv.held(names)
+        return (d + h) * self.index.block_size
+
+    def score(self, w: Worker, names: Sequence[bytes]) -> float:
+        """Cached prompt tokens of `names` on `w`, a host-tier block weighted below one on the
+        device (the load penalty is the caller's)."""
+        kv = self._known(w)
+        if kv is None:
+            return float(self.index.matched_tokens(w.address, list(names)))
+        return kv.weighted_tokens(names, self.index.block_size)
+
+    def count_route(self, stage: str, prompt_tokens: int, hit_tokens: int) -> None:
+        """A request routed to a `stage` worker holding `hit_tokens` of its prompt cached."""
+        self.routed_tokens[stage] += prompt_tokens
+        self.routed_hit_tokens[stage] += min(hit_tokens, prompt_tokens)
 
     def pick_draft(self) -> DraftAdmitter | None:
         return self.draft[0] if self.draft else None
@@ -392,12 +471,19 @@ class Router:
         if not up:
             # The workers' addresses are in the log (mark_down), not in a client's error.
             raise StageUnavailable(f"no {stage} worker is available; retry later")
+        if self.policy == "round_robin":
+            self._turn += 1
+            return up[self._turn % len(up)]
         least = min(load(c) for c in up)
         near = [c for c in up if load(c) <= least + LOAD_SLACK]
         if not names or len(near) == 1:
             return min(near, key=load)
         return max(
-            near, key=lambda c: (self.index.matched_tokens(c.address, list(names)), -load(c))
+            near,
+            key=lambda c: (
+                self.score(c, names) - LOAD_PENALTY_TOKENS * (load(c) - least),
+                -load(c),
+            ),
         )
 
     @property
@@ -410,7 +496,7 @@ class Router:
 
     def pick_decode(self, names: Sequence[bytes] = (), affinity: str | None = None) -> DecodeClient:
         """`affinity`: the decode worker of a Chat session's earlier turns, kept while healthy."""
-        if affinity is not None:
+        if affinity is not None and self.policy != "round_robin":
             for c in self.decode:
                 if c.address == affinity and c.healthy:
                     return c

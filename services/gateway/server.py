@@ -93,6 +93,7 @@ async def serve(
         tpot_slo_s=config.tpot_slo_ms / 1e3 if config.tpot_slo_ms else None,
     )
     gateway_metrics.watch(lambda: _admission_metrics(pipeline))
+    gateway_metrics.watch(lambda: _routing_metrics(router))
     metrics = serve_metrics(gateway_metrics.registry, host, metrics_port, "gateway", metrics_token)
     lag = LoopLag(gateway_metrics.registry)
     lag.start()
@@ -181,6 +182,28 @@ def _admission_metrics(pipeline: Pipeline):
         "Streams that continued on another (or a restarted) decode worker after theirs died.",
         value=pipeline.resumed,
     )
+
+
+def _routing_metrics(router: Router):
+    from prometheus_client.core import CounterMetricFamily
+
+    prompt = CounterMetricFamily(
+        "tandem_gateway_route_prompt_tokens",
+        "Prompt tokens of the requests routed to a worker of each stage.",
+        labels=["stage"],
+    )
+    hit = CounterMetricFamily(
+        "tandem_gateway_route_prefix_hit_tokens",
+        "Of those, the tokens the chosen worker held in its prefix cache when it was chosen (as "
+        "its KV events said, or as the gateway guessed for a worker that publishes none); "
+        "divided by tandem_gateway_route_prompt_tokens: the routing hit ratio.",
+        labels=["stage"],
+    )
+    for stage, n in router.routed_tokens.items():
+        prompt.add_metric([stage], n)
+        hit.add_metric([stage], router.routed_hit_tokens[stage])
+    yield prompt
+    yield hit
 
 
 def _http_metrics(guard: ConnectionGuard):

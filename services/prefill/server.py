@@ -13,12 +13,13 @@ import grpc
 import numpy as np
 
 from services.prefill.observe import PrefillTelemetry
-from services.worker import run_worker, worker_stats
+from services.worker import kv_event_stream, run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
+from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
 from tandem.kv.lease import lease_key, sign_lease
 from tandem.kv.transports import PeerRequest, TransportKind
@@ -128,6 +129,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.inline_bytes_sent = 0
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
+        # What the prefix cache holds, streamed to the gateway's router (KvEvents).
+        self.kv_events = KvEventFeed()
+        self.engine.add_kv_listener(self.kv_events.on_event)
         self.engine_loop = EngineLoop(self.engine, self._on_outputs, self._on_error)
         self.obs.metrics.watch_engine_loop(self.engine_loop)
         self.engine_loop.start()
@@ -398,6 +402,16 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             data = self.inline.block_bytes(b)
             self.inline_bytes_sent += len(data)
             yield stages_pb2.BlockBytes(index=i, data=data)
+
+    async def KvEvents(self, request, context):
+        async for batch in kv_event_stream(
+            self.kv_events,
+            self.engine_loop,
+            self.layout.block_size,
+            self.layout.num_blocks,
+            context,
+        ):
+            yield batch
 
     async def Stats(self, request, context):
         # The engine's figures come from its thread; this worker's own counters (changed by

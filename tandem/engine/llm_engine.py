@@ -546,6 +546,15 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # ---- what services ask of the engine ------------------------------------------------
+    def add_kv_listener(self, listener: Callable[[str, str, list[bytes]], None]) -> None:
+        """Call `listener(kind, tier, hashes)` on the engine thread each time prefix-cache blocks
+        are stored or evicted (`BlockPool.listeners`); it must not block."""
+        self.pool.listeners.append(listener)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """The prefix-cache hash of every block the pool holds (call it on the engine thread)."""
+        return self.pool.cached_hashes()
+
     def lease(self, lease_id: str | None) -> Lease | None:
         """The live lease of a prefilled request (by its id inside this process), or None."""
         return self.leases.leases.get(lease_id) if lease_id else None

@@ -26,6 +26,13 @@ Counting: `num_used` is the blocks somebody holds (a sequence, a lease); cached 
 holds are free for every purpose but keep their content (`num_cached_free`), so a pool with
 nothing running reports `num_used == 0` whatever it has cached.
 
+Events (`listeners`): whoever wants to know what the pool holds by content (a worker publishing
+it to the gateway's router, `tandem.kv.events`) adds a callable taking (kind, tier, hashes):
+("stored", "device", hashes) when blocks become findable by hash, ("removed", "device", hashes)
+when cached blocks are evicted; one call per operation, never per block. Listeners run on the
+thread that changes the pool and must not block it. A host tier reports its own blocks through
+the same seam with tier "host".
+
 Costs: allocate, free and acquire are O(1) per block with K = 1 (the evictable blocks of an
 account, in an insertion-ordered map, are already in eviction order: a use ends at a later clock
 than every use before it) and O(log n) with K = 2 (one heap per tenant, stale entries skipped and
@@ -177,19 +184,22 @@ class BlockPool:
         if not self.has_quotas:
             return self._allocate_one_account(n)
         out = []
+        dropped: list[bytes] = []
         for _ in range(n):
             quota = self._quota[t]
             if quota is not None and self._charged[t] >= quota and self._n_evictable[t]:
-                b = self._evict(t)  # at its quota: make room among its own cached blocks
+                b = self._evict(t, dropped)  # at its quota: make room among its own cached blocks
             elif self._free:
                 b = self._free.popleft()
             else:
-                b = self._evict(self._victim())
+                b = self._evict(self._victim(), dropped)
             self._refs[b] = 1
             self._owner[b] = t
             self._charged[t] += 1
             self._last[b] = self._prev[b] = -1
             out.append(b)
+        if dropped and self.listeners:
+            self.emit("removed", "device", dropped)
         if self._spilled:
             self._flush_spilled()
         return out
@@ -230,8 +240,9 @@ class BlockPool:
                 best, best_excess = t, excess
         return best
 
-    def _evict(self, t: int) -> int:
-        """Drop the first evictable block of account `t` in LRU-K order; returns it, free."""
+    def _evict(self, t: int, dropped: list[bytes]) -> int:
+        """Drop the first evictable block of account `t` in LRU-K order; returns it, free, and
+        appends its hash to `dropped`."""
         if self.lru_k == 1:
             b, _ = self._fifo[t].popitem(last=False)
         else:
@@ -246,6 +257,7 @@ class BlockPool:
         self._owner[b] = -1
         h = self._hash_of.pop(b)
         del self._by_hash[h]
+        dropped.append(h)
         if self.spill is not None:
             self._spilled.append((b, t, h))
         self.evictions[t] += 1
@@ -253,22 +265,27 @@ class BlockPool:
 
     def _evict_many(self, t: int, n: int) -> list[int]:
         """`_evict(t)` n times, the bookkeeping of all n in one pass (a long prompt's blocks)."""
+        dropped: list[bytes] = []
         if self.lru_k != 1:
-            return [self._evict(t) for _ in range(n)]
-        pop = self._fifo[t].popitem
-        out = [pop(last=False)[0] for _ in range(n)]
-        key, owner, by_hash, hash_of = self._key, self._owner, self._by_hash, self._hash_of
-        spilled = self._spilled if self.spill is not None else None
-        for b in out:
-            del key[b]
-            owner[b] = -1
-            h = hash_of.pop(b)
-            del by_hash[h]
-            if spilled is not None:
-                spilled.append((b, t, h))
-        self._n_evictable[t] -= n
-        self._charged[t] -= n
-        self.evictions[t] += n
+            out = [self._evict(t, dropped) for _ in range(n)]
+        else:
+            pop = self._fifo[t].popitem
+            out = [pop(last=False)[0] for _ in range(n)]
+            key, owner, by_hash, hash_of = self._key, self._owner, self._by_hash, self._hash_of
+            spilled = self._spilled if self.spill is not None else None
+            for b in out:
+                del key[b]
+                owner[b] = -1
+                h = hash_of.pop(b)
+                del by_hash[h]
+                dropped.append(h)
+                if spilled is not None:
+                    spilled.append((b, t, h))
+            self._n_evictable[t] -= n
+            self._charged[t] -= n
+            self.evictions[t] += n
+        if self.listeners:
+            self.emit("removed", "device", dropped)
         return out
 
     def incref(self, blocks: Iterable[int]) -> None:
@@ -351,17 +368,23 @@ class BlockPool:
             return False
         self._by_hash[block_hash] = block
         self._hash_of[block] = block_hash
+        if self.listeners:
+            self.emit("stored", "device", [block_hash])
         return True
 
     def cache_many(self, blocks: Iterable[int], block_hashes: Iterable[bytes]) -> None:
         """`cache(block, hash)` for each pair, in one pass."""
         refs, by_hash, hash_of = self._refs, self._by_hash, self._hash_of
+        stored: list[bytes] = []
         for block, h in zip(blocks, block_hashes, strict=True):
             if refs[block] <= 0:
                 raise ValueError(f"block {block} is not allocated")
             if h not in by_hash and block not in hash_of:
                 by_hash[h] = block
                 hash_of[block] = h
+                stored.append(h)
+        if stored and self.listeners:
+            self.emit("stored", "device", stored)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content `block_hash`, or None."""
@@ -369,3 +392,7 @@ class BlockPool:
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
+
+    def cached_hashes(self) -> list[bytes]:
+        """The hash of every cached block (what a new listener starts from)."""
+        return list(self._by_hash)

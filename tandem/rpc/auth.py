@@ -39,8 +39,10 @@ GATEWAY_METHODS = frozenset(
         "/tandem.v1.Prefill/Run",
         "/tandem.v1.Prefill/Release",
         "/tandem.v1.Prefill/Stats",
+        "/tandem.v1.Prefill/KvEvents",
         "/tandem.v1.Decode/Session",
         "/tandem.v1.Decode/Stats",
+        "/tandem.v1.Decode/KvEvents",
         "/tandem.v1.Draft/Admit",
         "/tandem.v1.Draft/Stats",
     }

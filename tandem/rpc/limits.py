@@ -68,6 +68,7 @@ def prefill_limits(max_model_len: int, block_size: int, max_leases_per_peer: int
         "/tandem.v1.Prefill/Release": ID_BYTES * max_leases_per_peer + SMALL_BYTES,
         "/tandem.v1.Prefill/FetchBlocks": kv_ref_bytes(max_model_len, block_size),
         "/tandem.v1.Prefill/Stats": SMALL_BYTES,
+        "/tandem.v1.Prefill/KvEvents": SMALL_BYTES,
     }
 
 
@@ -79,7 +80,11 @@ def decode_limits(max_model_len: int, block_size: int) -> dict:
         + kv_ref_bytes(max_model_len, block_size)
         + SMALL_BYTES
     )
-    return {"/tandem.v1.Decode/Session": admit, "/tandem.v1.Decode/Stats": SMALL_BYTES}
+    return {
+        "/tandem.v1.Decode/Session": admit,
+        "/tandem.v1.Decode/Stats": SMALL_BYTES,
+        "/tandem.v1.Decode/KvEvents": SMALL_BYTES,
+    }
 
 
 def draft_limits(max_model_len: int, max_num_seqs: int) -> dict:

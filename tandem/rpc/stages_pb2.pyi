@@ -253,6 +253,36 @@ class WorkerStats(_message.Message):
     host_tier_capacity_blocks: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_capacity_blocks: _Optional[int] = ...) -> None: ...
 
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("removed", "tier", "hashes")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    tier: str
+    hashes: bytes
+    def __init__(self, removed: _Optional[bool] = ..., tier: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "pool_id", "reset", "events", "block_size", "total_blocks")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pool_id: str
+    reset: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    block_size: int
+    total_blocks: int
+    def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
 class Admit(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here", "tenant")
     class TraceContextEntry(_message.Message):

@@ -61,6 +61,11 @@ class PrefillStub:
                 request_serializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/tandem.v1.Prefill/KvEvents',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -103,6 +108,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """What this worker's prefix cache holds, as it changes (see KvEventBatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +142,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.KvEventsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,6 +296,33 @@ class Prefill:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Prefill/KvEvents',
+            tandem_dot_v1_dot_stages__pb2.KvEventsRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """---- Decode ---------------------------------------------------------------------------------
@@ -301,6 +345,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/tandem.v1.Decode/KvEvents',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -321,6 +370,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """What this worker's prefix cache holds, as it changes (see KvEventBatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +389,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.KvEventsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +452,33 @@ class Decode:
             '/tandem.v1.Decode/Stats',
             tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Decode/KvEvents',
+            tandem_dot_v1_dot_stages__pb2.KvEventsRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

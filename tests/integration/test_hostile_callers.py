@@ -203,6 +203,11 @@ def test_the_gateway_credential_routes_requests_and_nothing_more(stack):
         stages_pb2.DraftAdmitRequest(seq_id="routed", prompt_token_ids=PROMPT), timeout=10
     )
     assert stages_pb2_grpc.DecodeStub(ch["decode"]).Stats(stages_pb2.StatsRequest()).block_size
+    # And follow what each worker's prefix cache holds (KvEvents: a snapshot comes first).
+    for stub in (pre, stages_pb2_grpc.DecodeStub(ch["decode"])):
+        call = stub.KvEvents(stages_pb2.KvEventsRequest(), timeout=10)
+        assert next(call).reset
+        call.cancel()
     # What only a worker does: register (a pool handle, the lease key), read KV bytes, feed
     # the draft.
     refused = {

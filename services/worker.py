@@ -82,12 +82,14 @@ async def kv_event_stream(
                 held = await asyncio.wrap_future(
                     engine_loop.submit(lambda e: feed.snapshot(sub, e.cached_block_hashes()))
                 )
-                first = True
-                for i in range(0, max(len(held), 1), SNAPSHOT_HASHES):
-                    part = b"".join(held[i : i + SNAPSHOT_HASHES])
-                    ev = [stages_pb2.KvEvent(tier="device", hashes=part)] if part else []
-                    yield batch(first, ev)
-                    first = False
+                parts = [
+                    (tier, hashes[i : i + SNAPSHOT_HASHES])
+                    for tier, hashes in held.items()
+                    for i in range(0, len(hashes), SNAPSHOT_HASHES)
+                ]
+                for i, (tier, part) in enumerate(parts or [("device", [])]):
+                    ev = [stages_pb2.KvEvent(tier=tier, hashes=b"".join(part))] if part else []
+                    yield batch(i == 0, ev)
                 continue
             if events:
                 yield batch(

@@ -380,3 +380,54 @@ def test_tandem_up_passes_the_flag_to_both_workers():
     for stage in ("prefill", "decode"):
         i = argv[stage].index("--kv-host-cache-gb")
         assert argv[stage][i + 1] == "8.0"
+
+
+def test_the_gateway_learns_both_tiers_from_a_workers_event_stream(model_factory):
+    """A worker's KvEvents stream over an engine with a host tier: its snapshot and its later
+    events name the blocks on each tier, so the gateway's index equals what the device pool and
+    the host tier hold."""
+    import asyncio
+    import concurrent.futures
+
+    from services.gateway.kv_index import WorkerKv
+    from services.worker import kv_event_stream
+    from tandem.kv.events import KvEventFeed
+
+    _, path = model_factory("llama")
+    llm = tandem.LLM(path, kv_host_cache_gb=TIER_GB, num_blocks=16, max_num_seqs=2)
+    eng = llm.engine
+    feed = KvEventFeed()
+    eng.pool.listeners.append(feed.on_event)
+
+    class _Now:  # `EngineLoop.submit`, run at once on this thread
+        def submit(self, fn):
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_result(fn(eng))
+            return fut
+
+    loop = asyncio.new_event_loop()  # one loop for the whole stream (it subscribes on it)
+
+    def index_after(stream, kv: WorkerKv, n: int) -> None:
+        async def read() -> None:
+            for _ in range(n):
+                kv.apply(await stream.__anext__())
+
+        loop.run_until_complete(read())
+
+    def check(kv: WorkerKv) -> None:
+        assert kv.tiers["device"] == set(eng.pool.cached_hashes())
+        assert kv.tiers["host"] == set(eng.host_tier.hashes())
+
+    # A snapshot taken after the tier filled: both tiers from the first batches.
+    _flood(llm, 6, 300)
+    assert eng.host_tier.hashes(), "the flood reached the host tier"
+    kv = WorkerKv()
+    stream = kv_event_stream(feed, _Now(), BS, eng.pool.num_blocks, context=None)
+    index_after(stream, kv, 2)  # one batch per tier (each under the snapshot's chunk)
+    check(kv)
+    # Then events: more prompts move blocks between the tiers.
+    _flood(llm, 3, 400)
+    index_after(stream, kv, 1)  # what the flood did, queued as one batch
+    check(kv)
+    loop.run_until_complete(stream.aclose())
+    loop.close()

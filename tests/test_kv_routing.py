@@ -222,8 +222,8 @@ class _EngineThread:
         fut.set_result(fn(self))
         return fut
 
-    def cached_block_hashes(self) -> list[bytes]:
-        return self.pool.cached_hashes()
+    def cached_block_hashes(self) -> dict[str, list[bytes]]:
+        return {"device": self.pool.cached_hashes()}
 
 
 def test_the_event_stream_keeps_the_gateway_in_step_with_a_churning_pool():

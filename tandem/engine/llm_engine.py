@@ -551,9 +551,13 @@ class LLMEngine:
         are stored or evicted (`BlockPool.listeners`); it must not block."""
         self.pool.listeners.append(listener)
 
-    def cached_block_hashes(self) -> list[bytes]:
-        """The prefix-cache hash of every block the pool holds (call it on the engine thread)."""
-        return self.pool.cached_hashes()
+    def cached_block_hashes(self) -> dict[str, list[bytes]]:
+        """The prefix-cache hash of every block each tier holds, by tier ("device", and "host"
+        with a host tier); call it on the engine thread."""
+        held = {"device": self.pool.cached_hashes()}
+        if self.host_tier is not None:
+            held["host"] = self.host_tier.hashes()
+        return held
 
     def lease(self, lease_id: str | None) -> Lease | None:
         """The live lease of a prefilled request (by its id inside this process), or None."""

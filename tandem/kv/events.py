@@ -114,8 +114,8 @@ class KvEventFeed:
             sub.events.clear()
             sub.pending = 0
 
-    def snapshot(self, sub: Subscriber, held: list[bytes]) -> list[bytes]:
-        """Mark `sub`'s snapshot as taken and return it: `held` (the pool's hashes, read on the
+    def snapshot(self, sub: Subscriber, held: dict[str, list[bytes]]) -> dict[str, list[bytes]]:
+        """Mark `sub`'s snapshot as taken and return it: `held` (each tier's hashes, read on the
         engine thread in the same call) replaces its queue, and later events are queued again."""
         with self._lock:
             sub.events.clear()

@@ -139,6 +139,10 @@ class HostTier:
         """The slot holding `block_hash`, or None."""
         return self._slot_of.get(block_hash)
 
+    def hashes(self) -> list[bytes]:
+        """The hash of every block the tier holds."""
+        return list(self._slot_of)
+
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._slot_of
 

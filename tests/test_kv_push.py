@@ -29,6 +29,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
     expires = time.time() + 30 if expires is None else expires
     res = stages_pb2.KvReservation(
         pool_id="decode-pool",
+        writer_pool_id="prefill-pool",
         token="tok",
         seq_id=seq,
         first_block=first,
@@ -37,7 +38,16 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         expires_at=expires,
     )
     res.signature = sign_reservation(
-        key, res.pool_id, res.token, seq, first, res.block_ids, len(prompt), expires, prompt
+        key,
+        res.pool_id,
+        res.writer_pool_id,
+        res.token,
+        seq,
+        first,
+        res.block_ids,
+        len(prompt),
+        expires,
+        prompt,
     )
     return res
 
@@ -58,7 +68,13 @@ def test_reservation_checks_out_for_its_prompt_only():
 
 def test_altered_or_unsigned_reservation_is_refused():
     prompt = list(range(40))
-    for field, value in (("block_ids", [4, 5, 9]), ("first_block", 1), ("expires_at", 1e12)):
+    altered = (
+        ("block_ids", [4, 5, 9]),
+        ("first_block", 1),
+        ("expires_at", 1e12),
+        ("writer_pool_id", "prefill-other"),
+    )
+    for field, value in altered:
         res = _signed(prompt)
         if field == "block_ids":
             del res.block_ids[:]

@@ -1,9 +1,17 @@
-"""Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers."""
+"""Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers.
+
+A decode worker that offers its own pool at registration (shared memory on this host) may also
+reserve blocks for a prompt (Decode.Reserve); the Run that carries the reservation then writes
+the prompt's KV straight into them (a push) and gives its own blocks back at once, leasing
+nothing. A reservation it cannot write (a pool it did not map, expired, forged, replayed) is
+answered with a lease as without it, and the answer says why.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -19,11 +27,19 @@ from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
+from tandem.kv.block_copy import copy_blocks_and_wait
 from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
-from tandem.kv.lease import lease_key, sign_lease
+from tandem.kv.lease import LeaseRefused, SpentLeases, lease_key, sign_lease
+from tandem.kv.reservation import (
+    WRITE_MARGIN_S,
+    ReservationRefused,
+    check_reservation,
+    push_proof,
+    reservation_key,
+)
 from tandem.kv.transports import PeerRequest, TransportKind
 from tandem.kv.transports.inline import InlineTransport
-from tandem.kv.transports.shm import SharedPool
+from tandem.kv.transports.shm import SHM_DIR, SharedPool
 from tandem.model.info import context_length
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -51,6 +67,14 @@ def peer_host(peer: str) -> str:
     if kind in ("ipv4", "ipv6"):
         return rest.rsplit(":", 1)[0]
     return peer
+
+
+@dataclass
+class PushPool:
+    """A decode worker's pool mapped here, for writing reserved KV into it."""
+
+    shared: SharedPool
+    key: bytes  # checks the signatures of its reservations
 
 
 @dataclass
@@ -125,6 +149,10 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.loop = asyncio.get_running_loop()
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
+        self.stage_secret = stage_secret
+        self.push_pools: dict[str, PushPool] = {}  # decode pool id -> its mapping
+        self.spent_reservations = SpentLeases()  # reservations written (each once)
+        self.pushes = 0
         self.inline_bytes_sent = 0
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
@@ -134,6 +162,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def close(self) -> None:
         self.engine_loop.stop()
+        for p in self.push_pools.values():
+            p.shared.close()
         for t in self.transports.values():
             t.close()
         if self.shared is not None:
@@ -255,12 +285,56 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 f"{transport.kind} KV transport unavailable: {e}",
             )
         self.peers.add(request.peer_id)
-        log.info("registered decode peer %s (%s)", request.peer_id, transport.describe())
+        push = self._map_push_pool(request, peer)
+        log.info(
+            "registered decode peer %s (%s%s)",
+            request.peer_id,
+            transport.describe(),
+            ", pushes into its pool" if push else "",
+        )
         return stages_pb2.RegisterResponse(
             handle=handle,
             model=self.model_name,
             lease_key=self.lease_key if self.sends_lease_key else b"",
+            push=push,
         )
+
+    def _map_push_pool(self, request, peer: PeerRequest) -> bool:
+        """Map the pool a registering decode worker offers for pushes (once per pool); whether
+        this worker writes into it. Pools of decode workers that went away are unmapped."""
+        for pool_id, p in list(self.push_pools.items()):
+            if not os.path.exists(os.path.join(SHM_DIR, p.shared.name)):
+                p.shared.close()  # its owner unlinked it: it ended
+                del self.push_pools[pool_id]
+        if not request.HasField("push_pool"):
+            return False
+        offered = request.push_pool
+        if offered.pool_id in self.push_pools:
+            return True
+        why = None
+        if transports.handle_kind(offered) is not TransportKind.SHM:
+            why = f"its kind {offered.kind!r} is not written by this worker (shm only)"
+        elif not peer.same_host or not offered.shm_name:
+            why = "it is not in shared memory on this host"
+        elif self.stage_secret is None and not request.reservation_key:
+            why = "no key checks its reservations (the decode worker has a stage secret, this one not)"
+        if why is None:
+            try:
+                layout = PoolLayout.from_proto(offered.layout)
+                self.layout.check_compatible(layout)
+                shared = SharedPool.open(offered.shm_name, layout)
+            except (LayoutMismatch, ValueError, OSError) as e:
+                why = str(e)
+        if why is not None:
+            log.info("decode peer %s: no pushes into its pool (%s)", request.peer_id, why)
+            return False
+        key = (
+            reservation_key(self.stage_secret, offered.pool_id)
+            if self.stage_secret is not None
+            else request.reservation_key
+        )
+        self.push_pools[offered.pool_id] = PushPool(shared, key)
+        return True
 
     def refuse(self, reason: str) -> None:
         """Count a refused call by its reason (WorkerStats.refusals, /metrics)."""
@@ -329,6 +403,23 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        refused = ""
+        if request.HasField("push_to"):
+            refused = await self._push(request.push_to, rid, ids, res)
+            if not refused:
+                out = stages_pb2.PrefillResponse(
+                    first_token=res.first_token,
+                    rng_state=res.rng_state,
+                    queue_ms=res.queue_ms,
+                    prefill_ms=res.prefill_ms,
+                    cached_tokens=res.cached_tokens,
+                    push_proof=push_proof(
+                        self.push_pools[request.push_to.pool_id].key,
+                        request.push_to.token,
+                        request.push_to.signature,
+                    ),
+                )
+                return self._finish_response(out, res)
         signature = sign_lease(
             self.lease_key,
             self.pool_id,
@@ -354,13 +445,62 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             queue_ms=res.queue_ms,
             prefill_ms=res.prefill_ms,
             cached_tokens=res.cached_tokens,
+            push_refused=refused,
         )
+        return self._finish_response(out, res)
+
+    def _finish_response(
+        self, out: stages_pb2.PrefillResponse, res: PrefillResult
+    ) -> stages_pb2.PrefillResponse:
         if res.prompt_logprobs is not None:
             out.prompt_logprobs.extend(prompt_logprobs_to_proto(res.prompt_logprobs))
         if res.logprob is not None:
             out.first_logprob.CopyFrom(logprob_to_proto(res.logprob))
             out.has_logprob = True
         return out
+
+    async def _push(self, rsv, rid: str, ids: np.ndarray, res: PrefillResult) -> str:
+        """Write a prefilled prompt's KV into the decode blocks `rsv` reserved, then give this
+        worker's blocks back (nothing is leased). Returns "" when written, else why not (the
+        KV stays leased, for the decode worker to pull)."""
+        target = self.push_pools.get(rsv.pool_id)
+        if target is None:
+            return (
+                f"decode pool {rsv.pool_id!r} is not mapped here (its worker offered no pool for "
+                "pushes at registration, or restarted)"
+            )
+        try:
+            if rsv.writer_pool_id != self.pool_id:
+                raise ReservationRefused(
+                    f"the reservation is for prefill pool {rsv.writer_pool_id!r}, not this one"
+                )
+            check_reservation(
+                target.key, rsv, rid, ids, self.layout.block_size, time.time(), WRITE_MARGIN_S
+            )
+            self.spent_reservations.take(rsv.pool_id, rsv.token, rsv.expires_at)
+        except LeaseRefused as e:  # ReservationRefused, or a replay (SpentLeases)
+            self.refuse("reservation")
+            log.warning("push of %s refused: %s", rid, e)
+            return str(e)
+        first = rsv.first_block
+        src = res.blocks[first : first + len(rsv.block_ids)]
+        # Off the event loop: a long prompt's copy must not hold up other calls. The lease
+        # keeps this worker's blocks until the copy has ended, even when the call is cancelled
+        # meanwhile; then they go back, written or not.
+        copy = asyncio.ensure_future(
+            asyncio.to_thread(
+                copy_blocks_and_wait, target.shared.kv, list(rsv.block_ids), self.engine.kv, src
+            )
+        )
+
+        def release(_: asyncio.Future) -> None:
+            if self.engine.release_lease_token(res.token):
+                self.engine_loop.wake()
+
+        copy.add_done_callback(release)
+        await asyncio.shield(copy)
+        self.pushes += 1
+        return ""
 
     async def Release(self, request, context):
         ids = list(request.lease_ids)
@@ -411,6 +551,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             kv_transfer_failures=self.transfer_failures,
             leases=st.leases,
             refusals=self.refusals,
+            pushes=self.pushes,
         )
 
 

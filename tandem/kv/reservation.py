@@ -42,6 +42,7 @@ def reservation_key(stage_secret: bytes, pool_id: str) -> bytes:
 
 def _message(
     pool_id: str,
+    writer: str,
     token: str,
     seq_id: str,
     first_block: int,
@@ -54,6 +55,7 @@ def _message(
     parts = [
         b"tandem-reservation-v1",
         pool_id.encode(),
+        writer.encode(),
         token.encode(),
         seq_id.encode(),
         struct.pack("<IId", first_block, num_tokens, expires_at),
@@ -66,6 +68,7 @@ def _message(
 def sign_reservation(
     key: bytes,
     pool_id: str,
+    writer: str,
     token: str,
     seq_id: str,
     first_block: int,
@@ -74,9 +77,10 @@ def sign_reservation(
     expires_at: float,
     token_ids: Sequence[int] | np.ndarray,
 ) -> bytes:
-    """The HMAC-SHA256 of what a reservation says, under its pool's reservation key."""
+    """The HMAC-SHA256 of what a reservation says (`writer`: the prefill pool that may write
+    it), under its pool's reservation key."""
     msg = _message(
-        pool_id, token, seq_id, first_block, block_ids, num_tokens, expires_at, token_ids
+        pool_id, writer, token, seq_id, first_block, block_ids, num_tokens, expires_at, token_ids
     )
     return hmac.new(key, msg, hashlib.sha256).digest()
 
@@ -99,6 +103,7 @@ def check_reservation(
     want = sign_reservation(
         key,
         res.pool_id,
+        res.writer_pool_id,
         res.token,
         res.seq_id,
         res.first_block,

@@ -409,8 +409,8 @@ class Pipeline:
         """Decode blocks reserved for the prompt's KV, for the prefill worker to push into; None
         when there is no push for it (the decode worker then pulls the KV)."""
         decode, prefill = route.decode, route.prefill
-        if prefill is None or decode.address in self._no_push:
-            return None
+        if prefill is None or not decode.healthy or decode.address in self._no_push:
+            return None  # (an unhealthy decode worker is replaced after the prefill)
         req = stages_pb2.ReserveRequest(
             seq_id=seq_id, prompt_token_ids=ids, tenant=tenant, prefill_address=prefill.address
         )

@@ -669,7 +669,9 @@ class Pipeline:
                             log.warning("decode worker %s failed: %s", decode.address, msg.error)
                             raise StageUnavailable(f"decode worker failed: {msg.error}")
                         reason = reason or msg.finish_reason
-                        timings["kv_transfer_ms"] = msg.kv_transfer_ms
+                        # Pushed: the prefill worker's write, then the decode worker's admission.
+                        push_ms = resp.push_ms if pushed is not None else 0.0
+                        timings["kv_transfer_ms"] = push_ms + msg.kv_transfer_ms
                         transport = msg.kv_transport or transport
                         spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
                         if prefill is None:

@@ -318,6 +318,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             why = "it is not in shared memory on this host"
         elif self.stage_secret is None and not request.reservation_key:
             why = "no key checks its reservations (the decode worker has a stage secret, this one not)"
+        if why is None and self.shared is None:
+            why = "this worker's pool is on a GPU (pushes go from shared memory only)"
         if why is None:
             try:
                 layout = PoolLayout.from_proto(offered.layout)
@@ -405,19 +407,19 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         refused = ""
         if request.HasField("push_to"):
-            refused = await self._push(request.push_to, rid, ids, res)
-            if not refused:
+            pushed = await self._push(request.push_to, rid, ids, res)
+            if isinstance(pushed, str):
+                refused = pushed
+            else:
+                proof, push_ms = pushed
                 out = stages_pb2.PrefillResponse(
                     first_token=res.first_token,
                     rng_state=res.rng_state,
                     queue_ms=res.queue_ms,
                     prefill_ms=res.prefill_ms,
                     cached_tokens=res.cached_tokens,
-                    push_proof=push_proof(
-                        self.push_pools[request.push_to.pool_id].key,
-                        request.push_to.token,
-                        request.push_to.signature,
-                    ),
+                    push_proof=proof,
+                    push_ms=push_ms,
                 )
                 return self._finish_response(out, res)
         signature = sign_lease(
@@ -459,10 +461,13 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             out.has_logprob = True
         return out
 
-    async def _push(self, rsv, rid: str, ids: np.ndarray, res: PrefillResult) -> str:
+    async def _push(
+        self, rsv, rid: str, ids: np.ndarray, res: PrefillResult
+    ) -> tuple[bytes, float] | str:
         """Write a prefilled prompt's KV into the decode blocks `rsv` reserved, then give this
-        worker's blocks back (nothing is leased). Returns "" when written, else why not (the
-        KV stays leased, for the decode worker to pull)."""
+        worker's blocks back (nothing is leased). Returns the proof of the write and how long
+        it took (ms), or why it was not written (the KV stays leased, for the decode worker to
+        pull)."""
         target = self.push_pools.get(rsv.pool_id)
         if target is None:
             return (
@@ -484,6 +489,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             return str(e)
         first = rsv.first_block
         src = res.blocks[first : first + len(rsv.block_ids)]
+        t0 = time.perf_counter()
         # Off the event loop: a long prompt's copy must not hold up other calls. The lease
         # keeps this worker's blocks until the copy has ended, even when the call is cancelled
         # meanwhile; then they go back, written or not.
@@ -500,7 +506,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         copy.add_done_callback(release)
         await asyncio.shield(copy)
         self.pushes += 1
-        return ""
+        return push_proof(target.key, rsv.token, rsv.signature), (time.perf_counter() - t0) * 1e3
 
     async def Release(self, request, context):
         ids = list(request.lease_ids)

@@ -166,7 +166,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., push_to: _Optional[_Union[KvReservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens", "prompt_logprobs", "push_proof", "push_refused")
+    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens", "prompt_logprobs", "push_proof", "push_refused", "push_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PUSH_PROOF_FIELD_NUMBER: _ClassVar[int]
     PUSH_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: _api_pb2.TokenLogprob
     has_logprob: bool
@@ -189,7 +190,8 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
     push_proof: bytes
     push_refused: str
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., push_proof: _Optional[bytes] = ..., push_refused: _Optional[str] = ...) -> None: ...
+    push_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., push_proof: _Optional[bytes] = ..., push_refused: _Optional[str] = ..., push_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "transfer_error")

@@ -15,7 +15,7 @@ included), from which
                                                  decode worker can take the next step)
 
 Transports: shm (shared-memory pool, same host: the decode worker pulls), shm_push (the same
-pools the other way: this script reserves the blocks at the decode worker, Decode.Reserve, and a
+pools the other way, and cuda_ipc_push likewise for cuda_ipc: this script reserves the blocks at the decode worker, Decode.Reserve, and a
 Prefill.Run of its own, for another prompt of the same length, writes the KV into them before it
 answers; its TTFT includes that write, and the handover is the admission alone), inline (block bytes over gRPC), nixl (one
 NIXL READ per request; prefill and decode get different TANDEM_HOST_ID values so that shared
@@ -451,7 +451,7 @@ def main() -> int:
         "--transport",
         nargs="+",
         default=["nixl", "nixl:tcp", "shm", "inline"],
-        help="nixl, nixl:UCX_TLS (e.g. nixl:tcp), shm, shm_push, inline, cuda_ipc "
+        help="nixl, nixl:UCX_TLS (e.g. nixl:tcp), shm, shm_push, inline, cuda_ipc, cuda_ipc_push "
         "(default: nixl nixl:tcp shm inline)",
     )
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -460,11 +460,10 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
     args = p.parse_args()
     for t in args.transport:
-        if t.partition(":")[0] not in ("nixl", "shm", "shm_push", "inline", "cuda_ipc") or (
-            ":" in t and not t.startswith("nixl:")
-        ):
+        known = ("nixl", "shm", "shm_push", "inline", "cuda_ipc", "cuda_ipc_push")
+        if t.partition(":")[0] not in known or (":" in t and not t.startswith("nixl:")):
             p.error(f"unknown transport {t!r}")
-    if "cuda_ipc" in args.transport and args.device != "cuda":
+    if {"cuda_ipc", "cuda_ipc_push"} & set(args.transport) and args.device != "cuda":
         p.error("--transport cuda_ipc needs --device cuda")
     if {"shm", "shm_push"} & set(args.transport) and args.device == "cuda":
         p.error("--transport shm needs --device cpu (a GPU prefill pool is not in shared memory)")

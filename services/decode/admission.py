@@ -396,8 +396,8 @@ class Admission:
             push = self.push
             if push is None:
                 raise ValueError(
-                    "this decode worker takes no pushed KV (--kv-reservation-ttl 0, or its pool "
-                    "is on a GPU): admit the sequence with a lease"
+                    "this decode worker takes no pushed KV (--kv-reservation-ttl 0): admit the "
+                    "sequence with a lease"
                 )
             if res.pool_id != push.pool_id:
                 raise ValueError(

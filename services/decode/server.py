@@ -3,7 +3,8 @@
 Prefilled KV arrives two ways: pulled (an Admit names a prefill worker's lease; this worker
 copies the blocks) or pushed (the gateway reserved blocks here with `Reserve`, the prefill worker
 wrote into them through this worker's pool handle, and the Admit names the reservation). On a CPU
-host the pool lives in named shared memory so that prefill workers can map it for pushes.
+host the pool lives in named shared memory so that prefill workers can map it for pushes; on a
+GPU host they map it through CUDA IPC.
 
 This module holds the worker's state, the engine thread's hand-off of new tokens to the gateway
 streams, cancellation and the RPCs. The service composes its parts: the engine and its loop, the
@@ -39,6 +40,7 @@ from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.layout import PoolLayout, host_id
 from tandem.kv.reservation import reservation_key, sign_reservation
 from tandem.kv.transports import TransportKind
+from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
 from tandem.kv.transports.shm import SharedPool
 from tandem.model.info import context_length
 from tandem.model.loader import load_model
@@ -101,17 +103,20 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         key = reservation_key(secret, self.pool_id) if secret else secrets.token_bytes(32)
         push_pool = None
         self.push: PushTarget | None = None
-        if self.shared is not None:
+        kv = self.engine.kv
+        if reservation_ttl_s > 0 and (self.shared is not None or kv.data.is_cuda):
             push_pool = stages_pb2.PoolHandle(
-                pool_id=self.pool_id,
-                layout=layout_to_proto(self.layout),
-                host_id=host_id(),
-                shm_name=self.shared.name,
+                pool_id=self.pool_id, layout=layout_to_proto(self.layout), host_id=host_id()
             )
-            transports.set_handle_kind(push_pool, TransportKind.SHM)
-            self.push = PushTarget(
-                self.pool_id, key, self.layout.block_size, f"{TransportKind.SHM.value}_push"
-            )
+            if self.shared is not None:
+                kind = TransportKind.SHM
+                push_pool.shm_name = self.shared.name
+            else:
+                kind = TransportKind.CUDA_IPC
+                push_pool.cuda_ipc = export_pool(kv)
+                push_pool.device_uuid = device_uuid(kv.data.device)
+            transports.set_handle_kind(push_pool, kind)
+            self.push = PushTarget(self.pool_id, key, self.layout.block_size, f"{kind.value}_push")
         self.peers = PrefillPeers(
             self.engine.kv,
             kv_transport=kv_transport,
@@ -375,8 +380,7 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         push = self.push
         if push is None:
             return stages_pb2.ReserveResponse(
-                refused="this decode worker takes no pushes (its pool is not in shared memory, "
-                "or --kv-reservation-ttl is 0)"
+                refused="this decode worker takes no pushes (--kv-reservation-ttl is 0)"
             )
         peer = self.peers.get(address)
         if peer is None or not peer.push:

@@ -1,7 +1,7 @@
 """Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers.
 
-A decode worker that offers its own pool at registration (shared memory on this host) may also
-reserve blocks for a prompt (Decode.Reserve); the Run that carries the reservation then writes
+A decode worker that offers its own pool at registration (shared memory or CUDA IPC, on this
+host; services/prefill/push.py) may also reserve blocks for a prompt (Decode.Reserve); the Run that carries the reservation then writes
 the prompt's KV straight into them (a push) and gives its own blocks back at once, leasing
 nothing. A reservation it cannot write (a pool it did not map, expired, forged, replayed) is
 answered with a lease as without it, and the answer says why.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -21,13 +20,13 @@ import grpc
 import numpy as np
 
 from services.prefill.observe import PrefillTelemetry
+from services.prefill.push import PushTargets
 from services.worker import run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
-from tandem.kv.block_copy import copy_blocks_and_wait
 from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
 from tandem.kv.lease import LeaseRefused, SpentLeases, lease_key, sign_lease
 from tandem.kv.reservation import (
@@ -35,11 +34,10 @@ from tandem.kv.reservation import (
     ReservationRefused,
     check_reservation,
     push_proof,
-    reservation_key,
 )
 from tandem.kv.transports import PeerRequest, TransportKind
 from tandem.kv.transports.inline import InlineTransport
-from tandem.kv.transports.shm import SHM_DIR, SharedPool
+from tandem.kv.transports.shm import SharedPool
 from tandem.model.info import context_length
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
@@ -67,14 +65,6 @@ def peer_host(peer: str) -> str:
     if kind in ("ipv4", "ipv6"):
         return rest.rsplit(":", 1)[0]
     return peer
-
-
-@dataclass
-class PushPool:
-    """A decode worker's pool mapped here, for writing reserved KV into it."""
-
-    shared: SharedPool
-    key: bytes  # checks the signatures of its reservations
 
 
 @dataclass
@@ -149,8 +139,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.loop = asyncio.get_running_loop()
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
-        self.stage_secret = stage_secret
-        self.push_pools: dict[str, PushPool] = {}  # decode pool id -> its mapping
+        self.push_targets = PushTargets(self.engine.kv, self.layout, stage_secret)
         self.spent_reservations = SpentLeases()  # reservations written (each once)
         self.pushes = 0
         self.inline_bytes_sent = 0
@@ -162,8 +151,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def close(self) -> None:
         self.engine_loop.stop()
-        for p in self.push_pools.values():
-            p.shared.close()
+        self.push_targets.close()
         for t in self.transports.values():
             t.close()
         if self.shared is not None:
@@ -285,7 +273,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 f"{transport.kind} KV transport unavailable: {e}",
             )
         self.peers.add(request.peer_id)
-        push = self._map_push_pool(request, peer)
+        push = self.push_targets.map(request, peer)
         log.info(
             "registered decode peer %s (%s%s)",
             request.peer_id,
@@ -298,45 +286,6 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             lease_key=self.lease_key if self.sends_lease_key else b"",
             push=push,
         )
-
-    def _map_push_pool(self, request, peer: PeerRequest) -> bool:
-        """Map the pool a registering decode worker offers for pushes (once per pool); whether
-        this worker writes into it. Pools of decode workers that went away are unmapped."""
-        for pool_id, p in list(self.push_pools.items()):
-            if not os.path.exists(os.path.join(SHM_DIR, p.shared.name)):
-                p.shared.close()  # its owner unlinked it: it ended
-                del self.push_pools[pool_id]
-        if not request.HasField("push_pool"):
-            return False
-        offered = request.push_pool
-        if offered.pool_id in self.push_pools:
-            return True
-        why = None
-        if transports.handle_kind(offered) is not TransportKind.SHM:
-            why = f"its kind {offered.kind!r} is not written by this worker (shm only)"
-        elif not peer.same_host or not offered.shm_name:
-            why = "it is not in shared memory on this host"
-        elif self.stage_secret is None and not request.reservation_key:
-            why = "no key checks its reservations (the decode worker has a stage secret, this one not)"
-        if why is None and self.shared is None:
-            why = "this worker's pool is on a GPU (pushes go from shared memory only)"
-        if why is None:
-            try:
-                layout = PoolLayout.from_proto(offered.layout)
-                self.layout.check_compatible(layout)
-                shared = SharedPool.open(offered.shm_name, layout)
-            except (LayoutMismatch, ValueError, OSError) as e:
-                why = str(e)
-        if why is not None:
-            log.info("decode peer %s: no pushes into its pool (%s)", request.peer_id, why)
-            return False
-        key = (
-            reservation_key(self.stage_secret, offered.pool_id)
-            if self.stage_secret is not None
-            else request.reservation_key
-        )
-        self.push_pools[offered.pool_id] = PushPool(shared, key)
-        return True
 
     def refuse(self, reason: str) -> None:
         """Count a refused call by its reason (WorkerStats.refusals, /metrics)."""
@@ -468,7 +417,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         worker's blocks back (nothing is leased). Returns the proof of the write and how long
         it took (ms), or why it was not written (the KV stays leased, for the decode worker to
         pull)."""
-        target = self.push_pools.get(rsv.pool_id)
+        target = self.push_targets.get(rsv.pool_id)
         if target is None:
             return (
                 f"decode pool {rsv.pool_id!r} is not mapped here (its worker offered no pool for "
@@ -494,9 +443,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         # keeps this worker's blocks until the copy has ended, even when the call is cancelled
         # meanwhile; then they go back, written or not.
         copy = asyncio.ensure_future(
-            asyncio.to_thread(
-                copy_blocks_and_wait, target.shared.kv, list(rsv.block_ids), self.engine.kv, src
-            )
+            asyncio.to_thread(self.push_targets.write, target, list(rsv.block_ids), src)
         )
 
         def release(_: asyncio.Future) -> None:

@@ -441,17 +441,27 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         t0 = time.perf_counter()
         # Off the event loop: a long prompt's copy must not hold up other calls. The lease
         # keeps this worker's blocks until the copy has ended, even when the call is cancelled
-        # meanwhile; then they go back, written or not.
+        # meanwhile; then they go back, written or not. A copy that failed leaves them leased:
+        # the answer carries the lease, and the decode worker pulls.
         copy = asyncio.ensure_future(
             asyncio.to_thread(self.push_targets.write, target, list(rsv.block_ids), src)
         )
+        abandoned = False
 
-        def release(_: asyncio.Future) -> None:
-            if self.engine.release_lease_token(res.token):
+        def release(f: asyncio.Future) -> None:
+            if (abandoned or f.exception() is None) and self.engine.release_lease_token(res.token):
                 self.engine_loop.wake()
 
         copy.add_done_callback(release)
-        await asyncio.shield(copy)
+        try:
+            await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            abandoned = True
+            raise
+        except Exception as e:  # noqa: BLE001 - answered with the lease instead
+            log.exception("writing %s into decode pool %s failed", rid, rsv.pool_id)
+            self.refuse("push_failed")
+            return f"the write into the decode pool failed: {e}"
         self.pushes += 1
         return push_proof(target.key, rsv.token, rsv.signature), (time.perf_counter() - t0) * 1e3
 

@@ -95,6 +95,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         if reservation_ttl_s > 0 and resolved_device(config).type == "cpu":
             # Pushes: prefill workers on this host map the pool and write reserved KV into it.
             self.shared = SharedPool.create(LLMEngine.pool_layout(loaded, config))
+        # (With --kv-transport inline or nixl the segment is not offered; it costs nothing more
+        # than the private pool it replaces.)
         self.engine = LLMEngine(loaded, config, kv=self.shared.kv if self.shared else None)
         self.layout = PoolLayout.of(self.engine.kv)
         secret = stage_credentials.secret if stage_credentials is not None else None
@@ -104,15 +106,20 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         push_pool = None
         self.push: PushTarget | None = None
         kv = self.engine.kv
-        if reservation_ttl_s > 0 and (self.shared is not None or kv.data.is_cuda):
+        kind = TransportKind.SHM if self.shared is not None else TransportKind.CUDA_IPC
+        # Pushed KV comes the way pulled KV would: only through a transport --kv-transport allows.
+        allowed = transports.accept_kinds(kv_transport, kv.data.device.type, False)
+        if (
+            reservation_ttl_s > 0
+            and (self.shared is not None or kv.data.is_cuda)
+            and kind in allowed
+        ):
             push_pool = stages_pb2.PoolHandle(
                 pool_id=self.pool_id, layout=layout_to_proto(self.layout), host_id=host_id()
             )
-            if self.shared is not None:
-                kind = TransportKind.SHM
+            if kind is TransportKind.SHM:
                 push_pool.shm_name = self.shared.name
             else:
-                kind = TransportKind.CUDA_IPC
                 push_pool.cuda_ipc = export_pool(kv)
                 push_pool.device_uuid = device_uuid(kv.data.device)
             transports.set_handle_kind(push_pool, kind)
@@ -380,7 +387,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         push = self.push
         if push is None:
             return stages_pb2.ReserveResponse(
-                refused="this decode worker takes no pushes (--kv-reservation-ttl is 0)"
+                refused="this decode worker takes no pushes (--kv-reservation-ttl 0, or a "
+                "--kv-transport that rules out its pool's kind)"
             )
         peer = self.peers.get(address)
         if peer is None or not peer.push:

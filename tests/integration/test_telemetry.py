@@ -142,7 +142,8 @@ def test_one_trace_across_services(cluster, collector):
     blocks = math.ceil(fin.usage.prompt_tokens / BLOCK_SIZE)
     assert fwd["tandem.kv.blocks"] == blocks
     kv = spans["kv.transfer"].attributes
-    assert kv["tandem.kv.transport"] == "shm" == fin.kv_transport
+    # Pushed: the prefill worker wrote the blocks into the decode pool (the span: its admission).
+    assert kv["tandem.kv.transport"] == "shm_push" == fin.kv_transport
     assert kv["tandem.kv.blocks"] == blocks
     assert kv["tandem.kv.bytes"] == blocks * _block_bytes()
     gen = spans["decode.generate"].attributes

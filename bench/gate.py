@@ -505,7 +505,7 @@ def _measure(rows: list[str], args, res: dict) -> None:
     wanted_s = [n for n in SERVICES_ROWS if n in rows]
     if wanted_s:
         levels: dict[str, tuple[list[dict], list[dict]]] = {}
-        transport = "cuda_ipc" if cuda else "shm"
+        transport = "cuda_ipc_push" if cuda else "shm_push"  # pushed into reserved blocks
 
         def services() -> None:
             res["services"] = {}

@@ -410,7 +410,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                     res["timeline"] = recorder.finish(len(prompts), dropped, meta)
             finally:
                 launched.stop()
-            want = serve.disaggregated_transport(cuda)
+            want = f"{serve.disaggregated_transport(cuda)}_push"  # into reserved decode blocks
             if out["kv_transports"] != [want]:
                 raise RuntimeError(f"KV moved by {out['kv_transports']}, not {want!r}")
             return out | {"services": info}

@@ -14,7 +14,10 @@ included), from which
     TTFT share = handover / (TTFT + handover)   (the handover's share of the time until the
                                                  decode worker can take the next step)
 
-Transports: shm (shared-memory pool, same host), inline (block bytes over gRPC), nixl (one
+Transports: shm (shared-memory pool, same host: the decode worker pulls), shm_push (the same
+pools the other way, and cuda_ipc_push likewise for cuda_ipc: this script reserves the blocks at the decode worker, Decode.Reserve, and a
+Prefill.Run of its own, for another prompt of the same length, writes the KV into them before it
+answers; its TTFT includes that write, and the handover is the admission alone), inline (block bytes over gRPC), nixl (one
 NIXL READ per request; prefill and decode get different TANDEM_HOST_ID values so that shared
 memory is ruled out; UCX chooses its transports, or nixl:UCX_TLS forces them, e.g. nixl:tcp
 through the loopback interface as between two hosts without RDMA), cuda_ipc (--device cuda:
@@ -153,6 +156,8 @@ class DecodeSession:
     """One Decode.Session stream, driven by hand (this script plays the gateway)."""
 
     def __init__(self, address: str) -> None:
+        self.prefill_address = ""  # the prefill worker whose KV it takes
+        self.push_ms: list[float] = []  # the prefill worker's writes into this worker's pool
         self.channel = grpc.insecure_channel(address)
         self.send: queue.Queue = queue.Queue()
         self.out: queue.Queue = queue.Queue()
@@ -185,6 +190,45 @@ class DecodeSession:
         self.channel.close()
 
 
+def push_admit(
+    prefill: stages_pb2_grpc.PrefillStub, session: DecodeSession, prompt: list[int], sampling
+) -> tuple[stages_pb2.Admit, float]:
+    """Reserve the prompt's blocks at the decode worker, have the prefill worker write its KV
+    into them: the Admit naming the written reservation, and the Prefill.Run latency (ms)."""
+    seq_id = uuid.uuid4().hex
+    got = stages_pb2_grpc.DecodeStub(session.channel).Reserve(
+        stages_pb2.ReserveRequest(
+            seq_id=seq_id, prompt_token_ids=prompt, prefill_address=session.prefill_address
+        ),
+        timeout=60,
+    )
+    if not got.HasField("reservation"):
+        raise RuntimeError(f"no reservation: {got.refused}")
+    t0 = time.perf_counter()
+    resp = prefill.Run(
+        stages_pb2.PrefillRequest(
+            request_id=seq_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            push_to=got.reservation,
+        ),
+        timeout=600,
+    )
+    ttft_ms = (time.perf_counter() - t0) * 1e3
+    if not resp.push_proof:
+        raise RuntimeError(f"not pushed: {resp.push_refused}")
+    session.push_ms.append(resp.push_ms)
+    admit = stages_pb2.Admit(
+        seq_id=seq_id,
+        prompt_token_ids=prompt,
+        first_token=resp.first_token,
+        sampling=sampling,
+        reservation=got.reservation,
+        push_proof=resp.push_proof,
+    )
+    return admit, ttft_ms
+
+
 # ---- measurement -------------------------------------------------------------------------------
 def measure(
     specs: list[str], model: str, lens: list[int], reps: int, args, log_dir: str
@@ -215,6 +259,7 @@ def measure(
         prefill.wait_healthy()
         for spec in specs:
             transport, _, ucx_tls = spec.partition(":")
+            transport = transport.removesuffix("_push")
             # NIXL and inline are for peers on other hosts: such a decode worker looks like one.
             other_host = transport in ("nixl", "inline")
             env = {"TANDEM_HOST_ID": "bench-decode" if other_host else "bench-prefill"}
@@ -240,6 +285,8 @@ def measure(
             d.wait_healthy()
         stub = stages_pb2_grpc.PrefillStub(grpc.insecure_channel(prefill.address))
         sessions = {spec: DecodeSession(d.address) for spec, d in decodes.items()}
+        for sess in sessions.values():
+            sess.prefill_address = prefill.address
         sampling = api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
         rows = []
@@ -259,9 +306,16 @@ def measure(
                     timeout=600,
                 )
                 ttft_ms = (time.perf_counter() - t0) * 1e3
-                for spec in sorted(specs, key=lambda x: x != "inline"):
-                    fin = sessions[spec].run(
-                        stages_pb2.Admit(
+                # Pushes last: their own prefills write into the prefill pool, whose released
+                # blocks the pulls read.
+                for spec in sorted(specs, key=lambda x: (x != "inline", x.endswith("_push"))):
+                    if spec.endswith("_push"):
+                        # A prompt of its own: the prefill worker's prefix cache holds this one.
+                        own = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                        admit, spec_ttft = push_admit(stub, sessions[spec], own, sampling)
+                        admit.prefill_address = prefill.address
+                    else:
+                        admit = stages_pb2.Admit(
                             seq_id=uuid.uuid4().hex,
                             prompt_token_ids=prompt,
                             first_token=resp.first_token,
@@ -269,11 +323,12 @@ def measure(
                             kv=resp.kv,
                             prefill_address=prefill.address,
                         )
-                    )
+                        spec_ttft = ttft_ms
+                    fin = sessions[spec].run(admit)
                     if fin.finish_reason == "error" or fin.kv_transport != spec.partition(":")[0]:
                         raise RuntimeError(f"{spec} at {n} tokens: {fin}")
                     if rep:
-                        samples[spec].append((ttft_ms, fin.kv_transfer_ms, len(resp.kv.block_ids)))
+                        samples[spec].append((spec_ttft, fin.kv_transfer_ms, -(-n // BLOCK_SIZE)))
             for spec in specs:
                 ss = samples[spec]
                 ttft = statistics.median(x[0] for x in ss)
@@ -293,7 +348,13 @@ def measure(
                         "loadavg_1min_before": round(load, 2),
                     }
                 )
-                print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms", flush=True)
+                write = ""
+                if spec.endswith("_push"):  # the measured rounds' writes, inside the TTFT
+                    w = statistics.median(sessions[spec].push_ms[-len(ss) :])
+                    rows[-1]["push_write_ms"] = round(w, 3)
+                    rows[-1]["push_write_GBps"] = round(nbytes / (w / 1e3) / 1e9, 3)
+                    write = f" (the prefill worker's write: {w:.2f} ms)"
+                print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms{write}", flush=True)
         for sess in sessions.values():
             sess.close()
         return rows
@@ -390,7 +451,7 @@ def main() -> int:
         "--transport",
         nargs="+",
         default=["nixl", "nixl:tcp", "shm", "inline"],
-        help="nixl, nixl:UCX_TLS (e.g. nixl:tcp), shm, inline, cuda_ipc "
+        help="nixl, nixl:UCX_TLS (e.g. nixl:tcp), shm, shm_push, inline, cuda_ipc, cuda_ipc_push "
         "(default: nixl nixl:tcp shm inline)",
     )
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
@@ -399,13 +460,12 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
     args = p.parse_args()
     for t in args.transport:
-        if t.partition(":")[0] not in ("nixl", "shm", "inline", "cuda_ipc") or (
-            ":" in t and not t.startswith("nixl:")
-        ):
+        known = ("nixl", "shm", "shm_push", "inline", "cuda_ipc", "cuda_ipc_push")
+        if t.partition(":")[0] not in known or (":" in t and not t.startswith("nixl:")):
             p.error(f"unknown transport {t!r}")
-    if "cuda_ipc" in args.transport and args.device != "cuda":
+    if {"cuda_ipc", "cuda_ipc_push"} & set(args.transport) and args.device != "cuda":
         p.error("--transport cuda_ipc needs --device cuda")
-    if "shm" in args.transport and args.device == "cuda":
+    if {"shm", "shm_push"} & set(args.transport) and args.device == "cuda":
         p.error("--transport shm needs --device cpu (a GPU prefill pool is not in shared memory)")
     started = time.time()
     load_start = list(os.getloadavg())
@@ -461,6 +521,8 @@ def main() -> int:
             "handover_ms": "decode worker's kv_transfer_ms: admission to KV in its own blocks",
             "bandwidth_GBps": "kv_bytes / handover_ms",
             "ttft_share": "handover_ms / (ttft_ms + handover_ms)",
+            "push_write_ms": "shm_push: the prefill worker's write into the reserved decode "
+            "blocks, inside ttft_ms (push_ms of its answer)",
         },
         "loadavg_at_end": list(os.getloadavg()),
         "results": rows,

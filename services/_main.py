@@ -39,6 +39,7 @@ def run_stage(
         kwargs = {
             "kv_transport": args.kv_transport,
             "kv_transfer_timeout_s": args.kv_transfer_timeout,
+            "reservation_ttl_s": args.kv_reservation_ttl,
             "prefill_wait_s": args.prefill_wait,
             "prefill": args.prefill,
             "draft": args.draft,

@@ -133,6 +133,13 @@ def stage_parser(stage: str) -> Any:
             help="seconds one NIXL read of a request's KV may take before the request fails "
             "(default 10)",
         )
+        p.add_argument(
+            "--kv-reservation-ttl",
+            type=float,
+            default=10.0,
+            help="seconds blocks reserved for a prompt's pushed KV wait for its admission before "
+            "they return to the pool; 0: take no pushes, pull every prompt's KV (default 10)",
+        )
     if stage == "decode":
         p.add_argument(
             "--draft",

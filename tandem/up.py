@@ -56,6 +56,7 @@ STAGE_FLAGS = {
     "decode": [
         "--prefill-wait",
         "--kv-transfer-timeout",
+        "--kv-reservation-ttl",
         "--spec-k-min",
         "--spec-k-max",
         "--draft-timeout-ms",

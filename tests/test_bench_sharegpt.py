@@ -103,7 +103,7 @@ def test_smoke_run_through_the_engine_and_the_services_writes_the_json(tmp_path)
         assert r["total_tokens_per_s"] == pytest.approx(
             (r["input_tokens"] + r["output_tokens"]) / r["wall_s"]
         )
-    assert res["rows"][1]["kv_transports"] == ["shm"]
+    assert res["rows"][1]["kv_transports"] == ["shm_push"]
     assert {r["engine"] for r in res["published"]["rows"]} == {"SGLang", "vLLM"}
 
 

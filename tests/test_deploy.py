@@ -450,10 +450,11 @@ def test_kv_handles_can_cross_from_prefill_to_decode(compose):
         svc = compose["services"][name]
         assert "TANDEM_HOST_ID" not in _environment(svc), f"{name} shares no memory with prefill"
         assert "ipc" not in svc and "pid" not in svc, name
-    # The pool must fit in /dev/shm on the CPU: shm_size above the default KV cache size.
+    # Both pools must fit in /dev/shm on the CPU (prefill's, and decode's for pushes): shm_size
+    # above twice the default KV cache size.
     size = prefill["shm_size"]
     gb = float(size[:-1]) * {"g": 1, "m": 1 / 1024}[size[-1].lower()]
-    assert gb > EngineConfig().kv_cache_memory_gb
+    assert gb > 2 * EngineConfig().kv_cache_memory_gb
 
 
 def test_host_id_override(monkeypatch):

@@ -19,6 +19,10 @@ An Admit naming a prefill worker goes through five steps, each a method below:
    or starting the reserved sequence);
 5. telemetry (`obs.admitted`), and the lease released whatever happened (with the failure, if
    any, so the prefill worker counts it).
+
+An Admit naming a reservation (`_admit_pushed`: the prefill worker wrote the KV straight into
+blocks this worker reserved, Decode.Reserve) only checks this worker's own signature and the
+prefill worker's proof of the write, and starts the sequence: nothing is copied.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tandem.engine.llm_engine import LLMEngine
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.lease import SpentLeases, check_lease
 from tandem.kv.names import split_names
+from tandem.kv.reservation import check_push_proof, check_reservation
 from tandem.kv.transports import BlockSource, TransferError
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import sampling_from_proto, status_for
@@ -68,6 +73,16 @@ class _Request:
         return self.msg.seq_id
 
 
+@dataclass(frozen=True)
+class PushTarget:
+    """This worker's pool as prefill workers write into it: what checks its reservations."""
+
+    pool_id: str
+    key: bytes  # signs its reservations (tandem/kv/reservation.py)
+    block_size: int
+    kind: str  # the transport name reported for pushed KV, e.g. shm_push
+
+
 class Admission:
     """Admits sequences into the decode worker's engine; see the module docstring."""
 
@@ -82,6 +97,7 @@ class Admission:
         copies: dict[str, tuple[DeviceCopy, float]],
         finished: Callable[[str, str], stages_pb2.SeqFinished],
         refuse: Callable[[str], None],
+        push: PushTarget | None = None,
     ) -> None:
         self.engine_loop = engine_loop
         self.prepare_matcher = prepare_matcher
@@ -95,6 +111,7 @@ class Admission:
         self.copies = copies
         self.finished = finished
         self.refuse = refuse
+        self.push = push  # None: this worker takes no pushes
         # Sequences whose KV is on its way -> None, or (cancelled) whether to notify.
         self.importing: dict[str, bool | None] = {}
         # Sequences whose grammar is compiling, likewise (they are in no engine yet).
@@ -125,6 +142,9 @@ class Admission:
         self.obs.begin(msg)
         if msg.prefill_here:
             await self._prefill_here(req, session)
+            return
+        if msg.HasField("reservation"):
+            await self._admit_pushed(req, session)
             return
         sid = msg.seq_id
         failure = ""
@@ -362,6 +382,62 @@ class Admission:
                 ]
             )
         )
+
+    async def _admit_pushed(self, req: _Request, session) -> None:
+        """A sequence whose KV a prefill worker wrote into blocks reserved here: checked (this
+        worker's signature over the reservation and the prompt, the writer's proof) and started,
+        without a copy. A reservation that checked out is given back on every way out but the
+        sequence's start."""
+        sid, msg = req.sid, req.msg
+        res = msg.reservation
+        token = ""  # set once the reservation checked out: given back unless the sequence starts
+        written = False  # the writer's proof checked out: no write into the blocks can follow
+        try:
+            push = self.push
+            if push is None:
+                raise ValueError(
+                    "this decode worker takes no pushed KV (--kv-reservation-ttl 0): admit the "
+                    "sequence with a lease"
+                )
+            if res.pool_id != push.pool_id:
+                raise ValueError(
+                    f"the reservation names pool {res.pool_id!r}, not this worker's "
+                    f"({push.pool_id!r}): it restarted since Reserve"
+                )
+            check_reservation(push.key, res, sid, req.ids, push.block_size, time.time())
+            token = res.token
+            check_push_proof(push.key, res, msg.push_proof)
+            written = True
+            if session.closed:
+                return  # the gateway went away meanwhile (the reservation is given back below)
+            session.seqs.add(sid)
+            self.owner[sid] = session
+            if not await self._prepared_matcher(req, session, [msg.first_token]):
+                return  # cancelled while its grammar compiled
+
+            def join(e: LLMEngine) -> float:
+                e.admit_reserved(
+                    sid, res.token, req.ids, msg.first_token, req.params, req.rng, req.matcher
+                )
+                # Noted on the engine thread, before a step can finish the sequence and
+                # report its handover.
+                joined = time.monotonic()
+                self.transfer[sid] = ((joined - req.t0) * 1e3, push.kind)
+                return joined
+
+            ended = await asyncio.wrap_future(self.engine_loop.submit(join))
+            token = ""  # the sequence owns the blocks now
+            self.obs.admitted(sid, req.t0, ended, push.kind, len(res.block_ids))
+            self.imports_by_transport[push.kind] = self.imports_by_transport.get(push.kind, 0) + 1
+        except Exception as e:  # noqa: BLE001 - reported on the stream, the session goes on
+            log.warning("admit %s (pushed KV) failed: %s", sid, e)
+            self._refuse(sid, session, req.t0, e)
+        finally:
+            if token:
+                # The write done, the blocks return now; without its proof a write may still
+                # come, and they return at the reservation's expiry. One the engine refused is
+                # already back (False here).
+                self.engine_loop.submit(lambda e: e.unreserve(token, not written))
 
     async def _prefill_here(self, req: _Request, session) -> None:
         """Conditional disaggregation: this worker prefills the prompt itself (no KV transfer),

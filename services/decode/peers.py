@@ -4,7 +4,9 @@ Only the prefill workers named at start (`--prefill`) are peers: an Admit naming
 is refused, never dialled. Registration asks for the KV transports the configuration allows,
 preferred first (tandem.kv.transports.accept_kinds); under `auto`, a handle that cannot be
 opened here (a GPU this process cannot see, NIXL that does not load) is dropped from the kinds
-asked for, with a warning, and registration retried.
+asked for, with a warning, and registration retried. Registration also offers this worker's own
+pool for pushes (`push_pool`, when it lives in shared memory); a peer that mapped it says so
+(`PrefillPeer.push`) and may then be handed reservations to write into.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class PrefillPeer:
     pool_id: str = ""
     lease_key: bytes = b""  # checks the signatures of the peer's leases (`_lease_key`)
     layout: PoolLayout | None = None
+    push: bool = False  # it mapped this worker's pool and writes reserved KV into it
 
     @property
     def kind(self) -> TransportKind:
@@ -71,7 +74,12 @@ class PrefillPeers:
         addresses: list[str],
         stage_credentials: StageCredentials | None,
         transfer_timeout_s: float,
+        push_pool: stages_pb2.PoolHandle | None = None,
+        reservation_key: bytes = b"",
     ) -> None:
+        """`push_pool`: this worker's pool handle, offered to each peer for pushes (None: no
+        pushes); `reservation_key`: the key of its reservations, sent with it only when this
+        worker has no stage secret (its peers cannot derive it then)."""
         transports.check_requested(kv_transport)  # fails at start-up, saying why
         self.kv_transport = kv_transport
         self.layout = PoolLayout.of(kv)
@@ -91,6 +99,8 @@ class PrefillPeers:
             kind: transports.create(kind, kv, name=peer_id, timeout_s=transfer_timeout_s)
             for kind in self.kinds
         }
+        self.push_pool = push_pool
+        self.reservation_key = reservation_key
         self.peers: dict[str, PrefillPeer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -174,6 +184,10 @@ class PrefillPeers:
         )
         for k in kinds:
             self.transports[k].offer(req)
+        if self.push_pool is not None:
+            req.push_pool.CopyFrom(self.push_pool)
+            if not self.stage_credentials.secret:
+                req.reservation_key = self.reservation_key
         return req
 
     async def _register_once(self, address: str, ch, stub, kinds) -> PrefillPeer:
@@ -197,7 +211,9 @@ class PrefillPeers:
         except Exception as e:  # noqa: BLE001 - the caller decides: fall back or fail
             raise _HandleUnusable(kind, e) from e
         key = self._lease_key(address, resp)
-        return PrefillPeer(address, ch, stub, pool, link.handle.pool_id, key, layout)
+        return PrefillPeer(
+            address, ch, stub, pool, link.handle.pool_id, key, layout, push=resp.push
+        )
 
     def _lease_key(self, address: str, resp: stages_pb2.RegisterResponse) -> bytes:
         """The key of the peer's lease signatures: derived from the stage secret both workers

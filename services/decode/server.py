@@ -1,5 +1,11 @@
 """Decode worker: imports prefilled KV by handle and continuously batches every live sequence.
 
+Prefilled KV arrives two ways: pulled (an Admit names a prefill worker's lease; this worker
+copies the blocks) or pushed (the gateway reserved blocks here with `Reserve`, the prefill worker
+wrote into them through this worker's pool handle, and the Admit names the reservation). On a CPU
+host the pool lives in named shared memory so that prefill workers can map it for pushes; on a
+GPU host they map it through CUDA IPC.
+
 This module holds the worker's state, the engine thread's hand-off of new tokens to the gateway
 streams, cancellation and the RPCs. The service composes its parts: the engine and its loop, the
 prefill peers (services/decode/peers.py), the telemetry (observe.py) and the admission
@@ -10,30 +16,43 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from services.decode.admission import Admission
+import grpc
+import numpy as np
+
+from services.decode.admission import Admission, PushTarget
 from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
 from services.worker import kv_event_stream, run_worker, worker_stats
 from tandem import telemetry as tel
 from tandem.config import EngineConfig
-from tandem.device import resolved_dtype
+from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.events import KvEventFeed
-from tandem.kv.layout import PoolLayout
+from tandem.kv.layout import PoolLayout, host_id
+from tandem.kv.reservation import reservation_key, sign_reservation
+from tandem.kv.transports import TransportKind
+from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
+from tandem.kv.transports.shm import SharedPool
 from tandem.model.info import context_length
 from tandem.model.loader import load_model
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials
-from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto
+from tandem.rpc.convert import (
+    layout_to_proto,
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
+    status_for,
+)
 from tandem.rpc.limits import decode_limits
 
 log = logging.getLogger("tandem.decode")
@@ -59,25 +78,63 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         kv_transfer_timeout_s: float = 10.0,
         prefill: list[str] | None = None,
         stage_credentials: StageCredentials | None = None,
+        reservation_ttl_s: float = 10.0,
     ) -> None:
         transports.check_requested(kv_transport)  # fails here, before the model loads
         if kv_transfer_timeout_s <= 0:
             raise ValueError(f"--kv-transfer-timeout must be > 0, got {kv_transfer_timeout_s}")
+        if reservation_ttl_s < 0:
+            raise ValueError(f"--kv-reservation-ttl must be >= 0, got {reservation_ttl_s}")
         loaded = load_model(config.model, resolved_dtype(config))
         self.model_name = loaded.config.name
         self.max_model_len = context_length(
             config.max_model_len, loaded.config.max_position_embeddings
         )
-        self.engine = LLMEngine(loaded, config)
+        self.reservation_ttl_s = reservation_ttl_s
+        self.pool_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self.shared: SharedPool | None = None
+        if reservation_ttl_s > 0 and resolved_device(config).type == "cpu":
+            # Pushes: prefill workers on this host map the pool and write reserved KV into it.
+            self.shared = SharedPool.create(LLMEngine.pool_layout(loaded, config))
+        # (With --kv-transport inline or nixl the segment is not offered; it costs nothing more
+        # than the private pool it replaces.)
+        self.engine = LLMEngine(loaded, config, kv=self.shared.kv if self.shared else None)
         self.layout = PoolLayout.of(self.engine.kv)
+        secret = stage_credentials.secret if stage_credentials is not None else None
+        # Signs this pool's reservations: derived from the stage secret (each prefill worker
+        # derives it too), or drawn here and sent at registration without one.
+        key = reservation_key(secret, self.pool_id) if secret else secrets.token_bytes(32)
+        push_pool = None
+        self.push: PushTarget | None = None
+        kv = self.engine.kv
+        kind = TransportKind.SHM if self.shared is not None else TransportKind.CUDA_IPC
+        # Pushed KV comes the way pulled KV would: only through a transport --kv-transport allows.
+        allowed = transports.accept_kinds(kv_transport, kv.data.device.type, False)
+        if (
+            reservation_ttl_s > 0
+            and (self.shared is not None or kv.data.is_cuda)
+            and kind in allowed
+        ):
+            push_pool = stages_pb2.PoolHandle(
+                pool_id=self.pool_id, layout=layout_to_proto(self.layout), host_id=host_id()
+            )
+            if kind is TransportKind.SHM:
+                push_pool.shm_name = self.shared.name
+            else:
+                push_pool.cuda_ipc = export_pool(kv)
+                push_pool.device_uuid = device_uuid(kv.data.device)
+            transports.set_handle_kind(push_pool, kind)
+            self.push = PushTarget(self.pool_id, key, self.layout.block_size, f"{kind.value}_push")
         self.peers = PrefillPeers(
             self.engine.kv,
             kv_transport=kv_transport,
-            peer_id=f"decode-{uuid.uuid4().hex[:8]}",
+            peer_id=self.pool_id,
             model_name=self.model_name,
             addresses=prefill or [],
             stage_credentials=stage_credentials,
             transfer_timeout_s=kv_transfer_timeout_s,
+            push_pool=push_pool,
+            reservation_key=key,
         )
         self.loop = asyncio.get_running_loop()
         self.refusals: dict[str, int] = {}  # admissions refused, by status code
@@ -122,12 +179,15 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             self.copies,
             self._finished,
             self.refuse,
+            self.push,
         )
         self.engine_loop.start()
 
     def close(self) -> None:
         self.engine_loop.stop()
         self.peers.close()
+        if self.shared is not None:
+            self.shared.close()
 
     def refuse(self, reason: str) -> None:
         """Count a refused call or admission by its reason (WorkerStats.refusals, /metrics)."""
@@ -326,10 +386,76 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
         ):
             yield batch
 
+    async def Reserve(self, request, context):
+        """Reserve blocks for a prompt whose KV the named prefill worker will write into them;
+        an answer without a reservation says why there is no push for it (the caller pulls)."""
+        sid = request.seq_id
+        if not sid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
+        address = request.prefill_address
+        if address not in self.peers.addresses:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prefill_address {address!r} is not a prefill peer of this decode worker",
+            )
+        push = self.push
+        if push is None:
+            return stages_pb2.ReserveResponse(
+                refused="this decode worker takes no pushes (--kv-reservation-ttl 0, or a "
+                "--kv-transport that rules out its pool's kind)"
+            )
+        peer = self.peers.get(address)
+        if peer is None or not peer.push:
+            return stages_pb2.ReserveResponse(
+                refused=f"prefill {address} does not write into this worker's pool"
+            )
+        ids = np.array(request.prompt_token_ids, dtype=np.uint32)
+        ttl = self.reservation_ttl_s
+        try:
+            res = await asyncio.wrap_future(
+                self.engine_loop.submit(lambda e: e.reserve(ids, sid, ttl, request.tenant or None))
+            )
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await context.abort(status_for(e), f"Reserve: {e}")
+        if res is None:
+            return stages_pb2.ReserveResponse(refused="no room for the prompt's blocks now")
+        out = stages_pb2.KvReservation(
+            pool_id=push.pool_id,
+            writer_pool_id=peer.pool_id,
+            token=res.token,
+            seq_id=sid,
+            first_block=res.first,
+            block_ids=res.table.blocks[res.first :],
+            num_tokens=len(ids),
+            expires_at=time.time() + (res.expires_at - time.monotonic()),
+        )
+        out.signature = sign_reservation(
+            push.key,
+            out.pool_id,
+            out.writer_pool_id,
+            out.token,
+            sid,
+            out.first_block,
+            out.block_ids,
+            out.num_tokens,
+            out.expires_at,
+            ids,
+        )
+        return stages_pb2.ReserveResponse(reservation=out)
+
+    async def Unreserve(self, request, context):
+        token, in_flight = request.token, request.write_may_be_in_flight
+        released = await asyncio.wrap_future(
+            self.engine_loop.submit(lambda e: e.unreserve(token, in_flight))
+        )
+        return stages_pb2.UnreserveResponse(released=released)
+
     async def Stats(self, request, context):
         # The engine's figures come from its thread; this worker's own counters (changed by
         # the event loop) are read here, on the loop.
-        st = await asyncio.wrap_future(self.engine_loop.submit(lambda e: e.stats()))
+        st, (reservations, reserved_blocks) = await asyncio.wrap_future(
+            self.engine_loop.submit(lambda e: (e.stats(), e.reservation_stats()))
+        )
         adm = self.admission
         return worker_stats(
             st,
@@ -342,6 +468,8 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             max_seq_tokens=st.max_seq_tokens,
             max_sequences=st.max_sequences,
             refusals=self.refusals,
+            reservations=reservations,
+            reserved_blocks=reserved_blocks,
         )
 
 
@@ -358,6 +486,7 @@ async def serve(
     prefill_wait_s: float = 300.0,
     stage_credentials: StageCredentials | None = None,
     metrics_token: bytes | None = None,
+    reservation_ttl_s: float = 10.0,
 ) -> None:
     """Run the decode worker until cancelled; registers with the given prefill workers, the only
     ones whose KV it takes (waiting up to `prefill_wait_s` for them), before it reports SERVING.
@@ -386,6 +515,7 @@ async def serve(
             kv_transfer_timeout_s,
             prefill or [],
             stage_credentials,
+            reservation_ttl_s,
         ),
         stages_pb2_grpc.add_DecodeServicer_to_server,
         host,

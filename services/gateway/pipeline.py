@@ -5,6 +5,12 @@ Where the prompt is prefilled (conditional disaggregation): the decode worker is
 of the prompt it probably lacks is shorter than `disagg_threshold` tokens, it prefills the prompt
 itself (`Admit.prefill_here`, no KV transfer). Otherwise a prefill worker computes it and the
 decode worker imports the KV, copying only the blocks it does not hold already.
+
+The KV moves by push where both workers support it: the decode worker reserves the prompt's
+blocks (Decode.Reserve: those its prefix cache lacks), the prefill worker writes into them
+(Prefill.Run with `push_to`) and the Admit names the reservation. Otherwise, or when the
+reservation is refused, the decode worker pulls the KV by its lease. A request that ends between
+Reserve and Admit gives the reservation back (at its expiry when a write may still be running).
 """
 
 from __future__ import annotations
@@ -151,6 +157,7 @@ class Pipeline:
         self.inflight = 0  # admitted, not finished
         self.prefills = {"prefill": 0, "decode": 0}  # requests by where they were prefilled
         self._background: set[asyncio.Task] = set()
+        self._no_push: set[str] = set()  # decode workers without Decode.Reserve (older ones)
 
     def admit(
         self, ids: list[int] | None = None, session: Session | None = None, scored: bool = False
@@ -315,7 +322,10 @@ class Pipeline:
         # The lease token comes with the prefill's answer; until a decode worker takes the lease
         # over, this request owns it and gives it back on every way out (cancel, stop, error).
         # Without an answer there is no token: the prefill worker gives back what nobody took.
-        lease = {"owned": prefill is not None, "id": ""}
+        # `reserved`: the token of decode blocks reserved for a push, until the Admit naming them
+        # is sent (then the decode worker owns them); `in_flight`: a prefill worker may still be
+        # writing into them.
+        lease = {"owned": prefill is not None, "id": "", "reserved": "", "in_flight": False}
         try:
             async with aclosing(
                 self._stream(
@@ -340,6 +350,8 @@ class Pipeline:
             if lease["owned"] and lease["id"]:
                 # The prefill worker that answered (another than the first, had that one failed).
                 self._release_lease(route.prefill, lease["id"])
+            if lease["reserved"]:
+                self._unreserve(route.decode, lease)
             if session is not None:
                 session.decode = route.decode.address
 
@@ -363,7 +375,7 @@ class Pipeline:
 
     def _release_answered(self, prefill, answer: asyncio.Future) -> None:
         """Give back the lease of a prefill answer that came for a request already cancelled."""
-        if not answer.cancelled() and answer.exception() is None:
+        if not answer.cancelled() and answer.exception() is None and answer.result().kv.lease_id:
             self._release_lease(prefill, answer.result().kv.lease_id)
 
     def _release_lease(self, prefill, lease_id: str) -> None:
@@ -377,16 +389,78 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _unreserve(self, decode: DecodeClient, lease: dict) -> None:
+        """Give back the decode blocks reserved for a push that will not be admitted."""
+        req = stages_pb2.UnreserveRequest(
+            token=lease["reserved"], write_may_be_in_flight=lease["in_flight"]
+        )
+        lease["reserved"] = ""
+
+        async def unreserve() -> None:
+            try:
+                await decode.stub.Unreserve(req, timeout=10)
+            except grpc.aio.AioRpcError as e:  # it expires there all the same
+                log.info("decode worker %s: Unreserve failed: %s", decode.address, e.code().name)
+
+        # A task, not an await: this runs while a cancelled generator is being closed.
+        task = asyncio.ensure_future(unreserve())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reserve(
+        self, route: Route, ids: list[int], seq_id: str, tenant: str, lease: dict
+    ) -> stages_pb2.KvReservation | None:
+        """Decode blocks reserved for the prompt's KV, for the prefill worker to push into; None
+        when there is no push for it (the decode worker then pulls the KV)."""
+        decode, prefill = route.decode, route.prefill
+        if prefill is None or not decode.healthy or decode.address in self._no_push:
+            return None  # (an unhealthy decode worker is replaced after the prefill)
+        req = stages_pb2.ReserveRequest(
+            seq_id=seq_id, prompt_token_ids=ids, tenant=tenant, prefill_address=prefill.address
+        )
+        try:
+            resp = await decode.stub.Reserve(req, timeout=5)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._no_push.add(decode.address)  # an older worker: it pulls
+            else:
+                log.info("decode worker %s: Reserve failed: %s", decode.address, e.details())
+            return None
+        if not resp.HasField("reservation"):
+            log.debug("no push for %s: %s", seq_id, resp.refused)
+            return None
+        lease["reserved"] = resp.reservation.token
+        return resp.reservation
+
     async def _prefill_anywhere(
-        self, route: Route, ids, params, seq_id, trace, state, ticket: Ticket, tenant=""
+        self,
+        route: Route,
+        ids,
+        params,
+        seq_id,
+        trace,
+        state,
+        ticket: Ticket,
+        tenant="",
+        lease: dict | None = None,
+        push_to: stages_pb2.KvReservation | None = None,
     ) -> stages_pb2.PrefillResponse | None:
         """The prompt prefilled by `route.prefill`, or by another prefill worker should that one
         fail or stop responding; None (and `route.prefill` None) when none serves: the decode
-        worker then prefills it itself."""
+        worker then prefills it itself. `push_to`: decode blocks reserved for the first worker
+        to write the KV into (`lease["in_flight"]` set while it may be writing)."""
         while route.prefill is not None:
             try:
-                return await self._prefill(route.prefill, ids, params, seq_id, trace, state, tenant)
+                if push_to is not None and lease is not None:
+                    lease["in_flight"] = True
+                resp = await self._prefill(
+                    route.prefill, ids, params, seq_id, trace, state, tenant, push_to
+                )
+                if lease is not None:
+                    lease["in_flight"] = False  # answered: written, or refused and leased
+                return resp
             except StageUnavailable as e:
+                push_to = None  # the reservation names the worker that failed
                 failed = route.prefill
                 route.prefill = (
                     self.router.pick_prefill(route.names) if self.router.prefill_serving else None
@@ -402,7 +476,9 @@ class Pipeline:
                 self.admission.moved(ticket, where.address, route.uncached)
         return None
 
-    async def _prefill(self, prefill: PrefillClient, ids, params, seq_id, trace, state, tenant=""):
+    async def _prefill(
+        self, prefill: PrefillClient, ids, params, seq_id, trace, state, tenant="", push_to=None
+    ):
         prefill.inflight += 1
         call = prefill.stub.Run(
             stages_pb2.PrefillRequest(
@@ -410,6 +486,7 @@ class Pipeline:
                 prompt_token_ids=ids,
                 sampling=sampling_to_proto(params),
                 tenant=tenant,
+                push_to=push_to,
             ),
             metadata=trace.metadata() if trace is not None else None,
         )
@@ -469,11 +546,19 @@ class Pipeline:
         t_first = None
         carrier = trace.carrier() if trace is not None else {}
         resp = None
+        pushed = None  # the reservation the prefill worker wrote the KV into
         if prefill is not None:
+            push_to = await self._reserve(route, ids, seq_id, tenant, lease)
             resp = await self._prefill_anywhere(
-                route, ids, params, seq_id, trace, state, ticket, tenant
+                route, ids, params, seq_id, trace, state, ticket, tenant, lease, push_to
             )
             prefill = route.prefill
+            if resp is not None and resp.push_proof and lease["reserved"]:
+                pushed = push_to
+            elif lease["reserved"]:
+                if resp is not None and resp.push_refused:
+                    log.info("prefill worker did not push %s: %s", seq_id, resp.push_refused)
+                self._unreserve(route.decode, lease)  # pulled (or recomputed) instead
         self.prefills["decode" if prefill is None else "prefill"] += 1
         if resp is not None:
             t_first = time.monotonic()
@@ -501,12 +586,16 @@ class Pipeline:
                 first_token=first,
                 # The prompt was scored by the prefill worker: the decode worker only continues.
                 sampling=sampling_to_proto(replace(params, prompt_logprobs=None)),
-                kv=resp.kv,
                 prefill_address=prefill.address,
                 rng_state=resp.rng_state,
                 trace_context=carrier,
                 tenant=tenant,
             )
+            if pushed is not None:
+                admit.reservation.CopyFrom(pushed)
+                admit.push_proof = resp.push_proof
+            else:
+                admit.kv.CopyFrom(resp.kv)
         else:
             admit = stages_pb2.Admit(
                 seq_id=seq_id,
@@ -520,7 +609,8 @@ class Pipeline:
         spec = (0, 0)  # draft tokens proposed and accepted for this sequence
         decode = route.decode
         if reason is None:
-            if not decode.healthy and prefill is not None:
+            if not decode.healthy and prefill is not None and pushed is None:
+                # (Pushed KV is in that worker's pool: the Admit goes there or fails.)
                 decode = route.decode = self.router.pick_decode(route.names)
             done = False
             # Prefilled on the decode worker: its first tokens message carries them.
@@ -529,6 +619,7 @@ class Pipeline:
             try:
                 q = await decode.open(seq_id, admit)
                 lease["owned"] = False  # the decode worker releases it after its copy
+                lease["reserved"] = ""  # and the reservation is its own
                 held: list[tuple] = []  # an event taken from `q` behind token messages
                 while not done:
                     kind, msg, step_ended_at = held.pop() if held else await q.get()
@@ -582,7 +673,9 @@ class Pipeline:
                             log.warning("decode worker %s failed: %s", decode.address, msg.error)
                             raise StageUnavailable(f"decode worker failed: {msg.error}")
                         reason = reason or msg.finish_reason
-                        timings["kv_transfer_ms"] = msg.kv_transfer_ms
+                        # Pushed: the prefill worker's write, then the decode worker's admission.
+                        push_ms = resp.push_ms if pushed is not None else 0.0
+                        timings["kv_transfer_ms"] = push_ms + msg.kv_transfer_ms
                         transport = msg.kv_transport or transport
                         spec = (msg.proposed_draft_tokens, msg.accepted_draft_tokens)
                         if prefill is None:

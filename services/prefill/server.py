@@ -1,4 +1,11 @@
-"""Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers."""
+"""Prefill worker: batches prompts, writes their KV into its pool, leases it to decode workers.
+
+A decode worker that offers its own pool at registration (shared memory or CUDA IPC, on this
+host; services/prefill/push.py) may also reserve blocks for a prompt (Decode.Reserve); the Run that carries the reservation then writes
+the prompt's KV straight into them (a push) and gives its own blocks back at once, leasing
+nothing. A reservation it cannot write (a pool it did not map, expired, forged, replayed) is
+answered with a lease as without it, and the answer says why.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import grpc
 import numpy as np
 
 from services.prefill.observe import PrefillTelemetry
+from services.prefill.push import PushTargets
 from services.worker import kv_event_stream, run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
@@ -21,7 +29,13 @@ from tandem.engine.llm_engine import LLMEngine, StepOutput
 from tandem.kv import transports
 from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import LayoutMismatch, PoolLayout, host_id
-from tandem.kv.lease import lease_key, sign_lease
+from tandem.kv.lease import LeaseRefused, SpentLeases, lease_key, sign_lease
+from tandem.kv.reservation import (
+    WRITE_MARGIN_S,
+    ReservationRefused,
+    check_reservation,
+    push_proof,
+)
 from tandem.kv.transports import PeerRequest, TransportKind
 from tandem.kv.transports.inline import InlineTransport
 from tandem.kv.transports.shm import SharedPool
@@ -126,6 +140,9 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
         self.loop = asyncio.get_running_loop()
         self.pending: dict[str, asyncio.Future[PrefillResult]] = {}
         self.peers: set[str] = set()
+        self.push_targets = PushTargets(self.engine.kv, self.layout, stage_secret)
+        self.spent_reservations = SpentLeases()  # reservations written (each once)
+        self.pushes = 0
         self.inline_bytes_sent = 0
         self.transfer_failures = 0  # handovers a decode worker reported as failed
         self.obs = PrefillTelemetry(self.engine, self.loop)
@@ -138,6 +155,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
 
     def close(self) -> None:
         self.engine_loop.stop()
+        self.push_targets.close()
         for t in self.transports.values():
             t.close()
         if self.shared is not None:
@@ -259,11 +277,18 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
                 f"{transport.kind} KV transport unavailable: {e}",
             )
         self.peers.add(request.peer_id)
-        log.info("registered decode peer %s (%s)", request.peer_id, transport.describe())
+        push = self.push_targets.map(request, peer)
+        log.info(
+            "registered decode peer %s (%s%s)",
+            request.peer_id,
+            transport.describe(),
+            ", pushes into its pool" if push else "",
+        )
         return stages_pb2.RegisterResponse(
             handle=handle,
             model=self.model_name,
             lease_key=self.lease_key if self.sends_lease_key else b"",
+            push=push,
         )
 
     def refuse(self, reason: str) -> None:
@@ -333,6 +358,23 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        refused = ""
+        if request.HasField("push_to"):
+            pushed = await self._push(request.push_to, rid, ids, res)
+            if isinstance(pushed, str):
+                refused = pushed
+            else:
+                proof, push_ms = pushed
+                out = stages_pb2.PrefillResponse(
+                    first_token=res.first_token,
+                    rng_state=res.rng_state,
+                    queue_ms=res.queue_ms,
+                    prefill_ms=res.prefill_ms,
+                    cached_tokens=res.cached_tokens,
+                    push_proof=proof,
+                    push_ms=push_ms,
+                )
+                return self._finish_response(out, res)
         signature = sign_lease(
             self.lease_key,
             self.pool_id,
@@ -358,13 +400,74 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             queue_ms=res.queue_ms,
             prefill_ms=res.prefill_ms,
             cached_tokens=res.cached_tokens,
+            push_refused=refused,
         )
+        return self._finish_response(out, res)
+
+    def _finish_response(
+        self, out: stages_pb2.PrefillResponse, res: PrefillResult
+    ) -> stages_pb2.PrefillResponse:
         if res.prompt_logprobs is not None:
             out.prompt_logprobs.extend(prompt_logprobs_to_proto(res.prompt_logprobs))
         if res.logprob is not None:
             out.first_logprob.CopyFrom(logprob_to_proto(res.logprob))
             out.has_logprob = True
         return out
+
+    async def _push(
+        self, rsv, rid: str, ids: np.ndarray, res: PrefillResult
+    ) -> tuple[bytes, float] | str:
+        """Write a prefilled prompt's KV into the decode blocks `rsv` reserved, then give this
+        worker's blocks back (nothing is leased). Returns the proof of the write and how long
+        it took (ms), or why it was not written (the KV stays leased, for the decode worker to
+        pull)."""
+        target = self.push_targets.get(rsv.pool_id)
+        if target is None:
+            return (
+                f"decode pool {rsv.pool_id!r} is not mapped here (its worker offered no pool for "
+                "pushes at registration, or restarted)"
+            )
+        try:
+            if rsv.writer_pool_id != self.pool_id:
+                raise ReservationRefused(
+                    f"the reservation is for prefill pool {rsv.writer_pool_id!r}, not this one"
+                )
+            check_reservation(
+                target.key, rsv, rid, ids, self.layout.block_size, time.time(), WRITE_MARGIN_S
+            )
+            self.spent_reservations.take(rsv.pool_id, rsv.token, rsv.expires_at)
+        except LeaseRefused as e:  # ReservationRefused, or a replay (SpentLeases)
+            self.refuse("reservation")
+            log.warning("push of %s refused: %s", rid, e)
+            return str(e)
+        first = rsv.first_block
+        src = res.blocks[first : first + len(rsv.block_ids)]
+        t0 = time.perf_counter()
+        # Off the event loop: a long prompt's copy must not hold up other calls. The lease
+        # keeps this worker's blocks until the copy has ended, even when the call is cancelled
+        # meanwhile; then they go back, written or not. A copy that failed leaves them leased:
+        # the answer carries the lease, and the decode worker pulls.
+        copy = asyncio.ensure_future(
+            asyncio.to_thread(self.push_targets.write, target, list(rsv.block_ids), src)
+        )
+        abandoned = False
+
+        def release(f: asyncio.Future) -> None:
+            if (abandoned or f.exception() is None) and self.engine.release_lease_token(res.token):
+                self.engine_loop.wake()
+
+        copy.add_done_callback(release)
+        try:
+            await asyncio.shield(copy)
+        except asyncio.CancelledError:
+            abandoned = True
+            raise
+        except Exception as e:  # noqa: BLE001 - answered with the lease instead
+            log.exception("writing %s into decode pool %s failed", rid, rsv.pool_id)
+            self.refuse("push_failed")
+            return f"the write into the decode pool failed: {e}"
+        self.pushes += 1
+        return push_proof(target.key, rsv.token, rsv.signature), (time.perf_counter() - t0) * 1e3
 
     async def Release(self, request, context):
         ids = list(request.lease_ids)
@@ -425,6 +528,7 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             kv_transfer_failures=self.transfer_failures,
             leases=st.leases,
             refusals=self.refusals,
+            pushes=self.pushes,
         )
 
 

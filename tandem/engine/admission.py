@@ -5,7 +5,10 @@ bounded waiting queue, and sequences prefilled elsewhere, which join with their 
 from __future__ import annotations
 
 import itertools
+import secrets
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,6 +36,20 @@ if TYPE_CHECKING:
 
 class QueueFull(ResourceExhausted):
     """The engine's waiting queue is at its bound; the request is refused, not queued."""
+
+
+@dataclass
+class Reservation:
+    """Blocks held for a prompt whose KV another worker writes into them (a push): the table
+    holds the prompt's blocks, the first `first` shared from this pool's prefix cache."""
+
+    seq_id: str
+    token: str  # the capability naming it outside this process
+    prompt: list[int]
+    table: BlockTable
+    first: int
+    expires_at: float  # monotonic
+    withdrawn: bool = False  # given back while a write may still come: freed at expiry
 
 
 class Admission:
@@ -69,6 +86,7 @@ class Admission:
         self.tenant_refusals = tenant_refusals
         self.sample_inputs = sample_inputs
         self._ids = itertools.count()
+        self.reservations: dict[str, Reservation] = {}  # by sequence id
 
     def validate_request(
         self, prompt_token_ids: PromptIds, params: SamplingParams, tenant: str | None = None
@@ -351,6 +369,145 @@ class Admission:
         else:
             self.scheduler.add_request(seq)
         return True
+
+    # ---- KV pushed by another worker into blocks reserved here ------------------------------
+    def reserve(
+        self,
+        prompt_token_ids: PromptIds,
+        request_id: str,
+        ttl_s: float,
+        tenant: str | None = None,
+        now: float | None = None,
+    ) -> Reservation | None:
+        """Hold blocks for a prompt whose KV another worker will write (`admit_reserved` starts
+        the sequence, `unreserve` or the expiry gives them back). The prompt's longest prefix
+        cached here is shared: only the blocks from `first` on are to be written. None when the
+        pool (or the tenant's quota) has no room now."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt_token_ids is empty")
+        if n + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context holds {self.max_model_len}"
+            )
+        if request_id in self.seqs or request_id in self.reservations:
+            raise ValueError(f"request id {request_id!r} is already running or reserved")
+        prompt = _as_list(prompt_token_ids)
+        table = BlockTable(self.config.block_size, self.tenant_of(tenant))
+        probe = Sequence(
+            seq_id=request_id, prompt_token_ids=prompt, params=SamplingParams(), block_table=table
+        )
+        hit: list[int] = []
+        names: list[bytes] = []
+        if self.prefix_cache is not None:
+            hit, names = self.prefix_cache.match(prompt, n, table.known_names)
+        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
+        fresh = table.blocks_needed(n) - len(hit)
+        if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
+            probe, hit, fresh
+        ):
+            return None
+        if hit:
+            table.adopt_cached(self.pool, hit, names)
+        table.ensure(self.pool, n)
+        now = time.monotonic() if now is None else now
+        res = Reservation(
+            request_id, secrets.token_urlsafe(24), prompt, table, len(hit), now + ttl_s
+        )
+        self.reservations[request_id] = res
+        return res
+
+    def admit_reserved(
+        self,
+        request_id: str,
+        token: str,
+        prompt_token_ids: PromptIds,
+        first_token: int,
+        params: SamplingParams,
+        rng_state: torch.Tensor | None = None,
+        matcher: Any = None,
+    ) -> Sequence:
+        """Start the sequence whose reserved blocks now hold its prompt's KV (written by another
+        worker): no copy, it joins the batch (or waits for room, holding its KV). The
+        reservation ends either way; a request refused here gives its blocks back."""
+        res = self.reservations.get(request_id)
+        if res is None or res.withdrawn or not secrets.compare_digest(res.token, token):
+            raise ValueError(
+                f"no live KV reservation {request_id!r} here (expired, given back, or never "
+                "made by this worker)"
+            )
+        prompt = _as_list(prompt_token_ids)
+        if prompt != res.prompt:
+            raise ValueError("the admitted prompt is not the one whose blocks were reserved")
+        del self.reservations[request_id]
+        table = res.table
+        try:
+            self.validate_request(prompt, params, table.tenant)
+            if params.prompt_logprobs is not None:
+                raise ValueError(
+                    "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the "
+                    "worker that prefills the prompt returns them (send it without them)"
+                )
+            self._check_queue()
+        except BaseException:
+            table.release(self.pool)
+            raise
+        gen = None
+        if not params.greedy:
+            gen = make_generator(params.seed, self.device)
+            if rng_state is not None:
+                gen.set_state(rng_state)
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            block_table=table,
+            generator=gen,
+            output_token_ids=[first_token],
+            output_logprobs=[None],
+            matcher=self.sample_inputs.matcher(params, [first_token], prepared=matcher),
+        )
+        self.seqs[request_id] = seq
+        seq.num_computed = len(prompt)
+        seq.num_cached_tokens = res.first * table.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, table.tenant)
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add_request(seq)
+        return seq
+
+    def unreserve(self, token: str, write_may_be_in_flight: bool = False) -> bool:
+        """Give back the reservation `token` names: its blocks return now, or, when a write may
+        still come into them, at its expiry. False when it names no live reservation."""
+        for res in self.reservations.values():
+            if not res.withdrawn and secrets.compare_digest(res.token, token):
+                break
+        else:
+            return False
+        if write_may_be_in_flight:
+            res.withdrawn = True
+        else:
+            del self.reservations[res.seq_id]
+            res.table.release(self.pool)
+        return True
+
+    def expire_reservations(self, now: float | None = None) -> int:
+        """Give back the blocks of every reservation past its expiry; returns how many."""
+        if not self.reservations:
+            return 0
+        now = time.monotonic() if now is None else now
+        dead = [r for r in self.reservations.values() if r.expires_at <= now]
+        for res in dead:
+            del self.reservations[res.seq_id]
+            res.table.release(self.pool)
+        return len(dead)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(len(r.table.blocks) for r in self.reservations.values())
 
 
 def _as_list(ids: PromptIds) -> list[int]:

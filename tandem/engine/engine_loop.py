@@ -116,6 +116,7 @@ class EngineLoop:
                     fut.set_exception(e)
             eng.leases.reclaim()  # released from another thread meanwhile
             eng.leases.expire()
+            eng.expire_reservations()
             if not eng.has_unfinished():
                 self.progress_at = time.monotonic()
                 continue

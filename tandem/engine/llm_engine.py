@@ -32,7 +32,7 @@ from tandem import progress
 from tandem.api.sampling_params import SamplingParams
 from tandem.config import EngineConfig, set_kernel_config
 from tandem.device import resolved_device, resolved_dtype, resolved_kv_dtype
-from tandem.engine.admission import Admission, PromptIds
+from tandem.engine.admission import Admission, PromptIds, Reservation
 from tandem.engine.async_step import AsyncStep
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
@@ -498,6 +498,39 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks; False when it is unknown."""
         return self.admission.abort(request_id)
+
+    def reserve(
+        self, prompt_token_ids: PromptIds, request_id: str, ttl_s: float, tenant: str | None = None
+    ) -> Reservation | None:
+        """Hold blocks for a prompt whose KV another worker pushes (`Admission.reserve`)."""
+        return self.admission.reserve(prompt_token_ids, request_id, ttl_s, tenant)
+
+    def admit_reserved(
+        self,
+        request_id: str,
+        token: str,
+        prompt_token_ids: PromptIds,
+        first_token: int,
+        params: SamplingParams,
+        rng_state: torch.Tensor | None = None,
+        matcher: Any = None,
+    ) -> Sequence:
+        """Start a sequence whose KV was pushed into its reservation (`Admission.admit_reserved`)."""
+        return self.admission.admit_reserved(
+            request_id, token, prompt_token_ids, first_token, params, rng_state, matcher
+        )
+
+    def unreserve(self, token: str, write_may_be_in_flight: bool = False) -> bool:
+        """Give a reservation back (`Admission.unreserve`)."""
+        return self.admission.unreserve(token, write_may_be_in_flight)
+
+    def expire_reservations(self) -> int:
+        """Give back the blocks of reservations past their expiry; returns how many."""
+        return self.admission.expire_reservations()
+
+    def reservation_stats(self) -> tuple[int, int]:
+        """(reservations outstanding, blocks they hold)."""
+        return len(self.admission.reservations), self.admission.reserved_blocks
 
     async def prepare_matcher(
         self,

@@ -33,7 +33,8 @@ from tandem.rpc.limits import ReceiveLimitInterceptor, method_name, server_optio
 STAGE_SECRET_KEY = "x-tandem-stage-secret"
 
 # What the gateway's credential may call: admit a request (prefill, the decode stream, the
-# draft), give back the lease of a request it abandoned, and read the workers' load.
+# draft), reserve decode blocks for a push, give back the lease or reservation of a request it
+# abandoned, and read the workers' load.
 GATEWAY_METHODS = frozenset(
     {
         "/tandem.v1.Prefill/Run",
@@ -43,6 +44,8 @@ GATEWAY_METHODS = frozenset(
         "/tandem.v1.Decode/Session",
         "/tandem.v1.Decode/Stats",
         "/tandem.v1.Decode/KvEvents",
+        "/tandem.v1.Decode/Reserve",
+        "/tandem.v1.Decode/Unreserve",
         "/tandem.v1.Draft/Admit",
         "/tandem.v1.Draft/Stats",
     }

@@ -61,8 +61,12 @@ def prefill_limits(max_model_len: int, block_size: int, max_leases_per_peer: int
     """The largest request of each `tandem.v1.Prefill` method."""
     return {
         "/tandem.v1.Prefill/Register": NIXL_METADATA_BYTES + SMALL_BYTES,
+        # The prompt, and the decode blocks reserved for it when its KV is pushed.
         "/tandem.v1.Prefill/Run": (
-            token_ids_bytes(max_model_len) + _sampling_bytes(max_model_len) + SMALL_BYTES
+            token_ids_bytes(max_model_len)
+            + _sampling_bytes(max_model_len)
+            + kv_ref_bytes(max_model_len, block_size)
+            + SMALL_BYTES
         ),
         # One caller releases at most the leases it may hold, with a short error text.
         "/tandem.v1.Prefill/Release": ID_BYTES * max_leases_per_peer + SMALL_BYTES,
@@ -74,6 +78,7 @@ def prefill_limits(max_model_len: int, block_size: int, max_leases_per_peer: int
 
 def decode_limits(max_model_len: int, block_size: int) -> dict:
     """The largest request of each `tandem.v1.Decode` method (Session: one DecodeIn)."""
+    # A lease (pulled KV) or a reservation (pushed KV), never both.
     admit = (
         token_ids_bytes(max_model_len)
         + _sampling_bytes(max_model_len)
@@ -84,6 +89,8 @@ def decode_limits(max_model_len: int, block_size: int) -> dict:
         "/tandem.v1.Decode/Session": admit,
         "/tandem.v1.Decode/Stats": SMALL_BYTES,
         "/tandem.v1.Decode/KvEvents": SMALL_BYTES,
+        "/tandem.v1.Decode/Reserve": token_ids_bytes(max_model_len) + SMALL_BYTES,
+        "/tandem.v1.Decode/Unreserve": SMALL_BYTES,
     }
 
 

@@ -93,8 +93,30 @@ class KvRef(_message.Message):
     block_names: bytes
     def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., block_names: _Optional[bytes] = ...) -> None: ...
 
+class KvReservation(_message.Message):
+    __slots__ = ("pool_id", "token", "seq_id", "first_block", "block_ids", "num_tokens", "expires_at", "signature", "writer_pool_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    WRITER_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    token: str
+    seq_id: str
+    first_block: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    expires_at: float
+    signature: bytes
+    writer_pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., token: _Optional[str] = ..., seq_id: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ..., writer_pool_id: _Optional[str] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid", "accept")
+    __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid", "accept", "push_pool", "reservation_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_KINDS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +125,8 @@ class RegisterRequest(_message.Message):
     NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_POOL_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     layout: PoolLayout
     accept_kinds: _containers.RepeatedScalarFieldContainer[str]
@@ -111,32 +135,38 @@ class RegisterRequest(_message.Message):
     nixl_agent_metadata: bytes
     device_uuid: str
     accept: _containers.RepeatedScalarFieldContainer[KvTransport]
-    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[KvTransport, str]]] = ...) -> None: ...
+    push_pool: PoolHandle
+    reservation_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ..., accept_kinds: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., model: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[KvTransport, str]]] = ..., push_pool: _Optional[_Union[PoolHandle, _Mapping]] = ..., reservation_key: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("handle", "model", "lease_key")
+    __slots__ = ("handle", "model", "lease_key", "push")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LEASE_KEY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     handle: PoolHandle
     model: str
     lease_key: bytes
-    def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ..., lease_key: _Optional[bytes] = ...) -> None: ...
+    push: bool
+    def __init__(self, handle: _Optional[_Union[PoolHandle, _Mapping]] = ..., model: _Optional[str] = ..., lease_key: _Optional[bytes] = ..., push: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "tenant", "push_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _api_pb2.SamplingParams
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    push_to: KvReservation
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., push_to: _Optional[_Union[KvReservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens", "prompt_logprobs")
+    __slots__ = ("first_token", "first_logprob", "has_logprob", "kv", "rng_state", "queue_ms", "prefill_ms", "cached_tokens", "prompt_logprobs", "push_proof", "push_refused", "push_ms")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +176,9 @@ class PrefillResponse(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_PROOF_FIELD_NUMBER: _ClassVar[int]
+    PUSH_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_MS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: _api_pb2.TokenLogprob
     has_logprob: bool
@@ -155,7 +188,10 @@ class PrefillResponse(_message.Message):
     prefill_ms: float
     cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    push_proof: bytes
+    push_refused: str
+    push_ms: float
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., push_proof: _Optional[bytes] = ..., push_refused: _Optional[str] = ..., push_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids", "transfer_error")
@@ -190,7 +226,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens", "max_sequences", "prefix_host_hit_tokens", "host_tier_blocks", "host_tier_capacity_blocks")
+    __slots__ = ("running", "waiting", "used_blocks", "total_blocks", "leased_blocks", "inline_bytes_sent", "registered_peers", "kv_imports", "imports_by_transport", "kv_transfer_failures", "kv_transfers_in_flight", "cached_free_blocks", "prefix_query_tokens", "prefix_hit_tokens", "block_size", "local_prefills", "leases", "refusals", "max_seq_tokens", "max_sequences", "reservations", "reserved_blocks", "pushes", "prefix_host_hit_tokens", "host_tier_blocks", "host_tier_capacity_blocks")
     class ImportsByTransportEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +261,9 @@ class WorkerStats(_message.Message):
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -248,10 +287,13 @@ class WorkerStats(_message.Message):
     refusals: _containers.ScalarMap[str, int]
     max_seq_tokens: int
     max_sequences: int
+    reservations: int
+    reserved_blocks: int
+    pushes: int
     prefix_host_hit_tokens: int
     host_tier_blocks: int
     host_tier_capacity_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_capacity_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., leased_blocks: _Optional[int] = ..., inline_bytes_sent: _Optional[int] = ..., registered_peers: _Optional[int] = ..., kv_imports: _Optional[int] = ..., imports_by_transport: _Optional[_Mapping[str, int]] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfers_in_flight: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., local_prefills: _Optional[int] = ..., leases: _Optional[int] = ..., refusals: _Optional[_Mapping[str, int]] = ..., max_seq_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., reservations: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., pushes: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
@@ -283,8 +325,42 @@ class KvEventBatch(_message.Message):
     total_blocks: int
     def __init__(self, seq: _Optional[int] = ..., pool_id: _Optional[str] = ..., reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "tenant", "prefill_address")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tenant: str
+    prefill_address: str
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation", "refused")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    reservation: KvReservation
+    refused: str
+    def __init__(self, reservation: _Optional[_Union[KvReservation, _Mapping]] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class UnreserveRequest(_message.Message):
+    __slots__ = ("token", "write_may_be_in_flight")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WRITE_MAY_BE_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    write_may_be_in_flight: bool
+    def __init__(self, token: _Optional[str] = ..., write_may_be_in_flight: _Optional[bool] = ...) -> None: ...
+
+class UnreserveResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class Admit(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here", "tenant")
+    __slots__ = ("seq_id", "prompt_token_ids", "first_token", "sampling", "kv", "prefill_address", "rng_state", "trace_context", "prefill_here", "tenant", "reservation", "push_proof")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +378,8 @@ class Admit(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    PUSH_PROOF_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
@@ -312,7 +390,9 @@ class Admit(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     prefill_here: bool
     tenant: str
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_here: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
+    reservation: KvReservation
+    push_proof: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvRef, _Mapping]] = ..., prefill_address: _Optional[str] = ..., rng_state: _Optional[bytes] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_here: _Optional[bool] = ..., tenant: _Optional[str] = ..., reservation: _Optional[_Union[KvReservation, _Mapping]] = ..., push_proof: _Optional[bytes] = ...) -> None: ...
 
 class CancelSeq(_message.Message):
     __slots__ = ("seq_id",)

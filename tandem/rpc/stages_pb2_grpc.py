@@ -345,6 +345,16 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/tandem.v1.Decode/Reserve',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Unreserve = channel.unary_unary(
+                '/tandem.v1.Decode/Unreserve',
+                request_serializer=tandem_dot_v1_dot_stages__pb2.UnreserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_stages__pb2.UnreserveResponse.FromString,
+                _registered_method=True)
         self.KvEvents = channel.unary_stream(
                 '/tandem.v1.Decode/KvEvents',
                 request_serializer=tandem_dot_v1_dot_stages__pb2.KvEventsRequest.SerializeToString,
@@ -370,6 +380,20 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Reserve blocks for a prompt that the named prefill worker will push its KV into.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unreserve(self, request, context):
+        """Give a reservation back (the request ended before its Admit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvEvents(self, request, context):
         """What this worker's prefix cache holds, as it changes (see KvEventBatch).
         """
@@ -389,6 +413,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tandem_dot_v1_dot_stages__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_stages__pb2.WorkerStats.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.ReserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Unreserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unreserve,
+                    request_deserializer=tandem_dot_v1_dot_stages__pb2.UnreserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_stages__pb2.UnreserveResponse.SerializeToString,
             ),
             'KvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.KvEvents,
@@ -452,6 +486,60 @@ class Decode:
             '/tandem.v1.Decode/Stats',
             tandem_dot_v1_dot_stages__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_stages__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Reserve',
+            tandem_dot_v1_dot_stages__pb2.ReserveRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unreserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Unreserve',
+            tandem_dot_v1_dot_stages__pb2.UnreserveRequest.SerializeToString,
+            tandem_dot_v1_dot_stages__pb2.UnreserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -246,7 +246,7 @@ def test_the_gateway_serves_through_authenticated_stages(stack):
     )
     out = list(stub.Generate(req, timeout=120))
     assert out[-1].finish.usage.completion_tokens == 6
-    assert out[-1].finish.kv_transport == "shm"
+    assert out[-1].finish.kv_transport == "shm_push"
 
 
 def test_admit_naming_unleased_blocks_is_refused(stack):

@@ -259,7 +259,7 @@ def test_up_with_stage_tls_variables_serves_tls_between_its_stages(tmp_path, mod
             sampling=api_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
         )
         fin = list(c.gateway().Generate(req, timeout=60))[-1].finish
-        assert fin.usage.completion_tokens == 3 and fin.kv_transport == "shm"
+        assert fin.usage.completion_tokens == 3 and fin.kv_transport == "shm_push"
         for p in (c.prefill_port, c.decode_port):
             assert run_healthcheck(f"127.0.0.1:{p}", "--tls-ca", str(cert)).returncode == 0
             assert run_healthcheck(f"127.0.0.1:{p}").returncode == 1  # plaintext: refused

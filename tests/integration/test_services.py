@@ -77,12 +77,16 @@ def test_greedy_through_services_equals_in_process(cluster, llm):
 
 
 def test_kv_moves_by_shared_memory_handle(cluster):
-    before = cluster.decode_stats().imports_by_transport.get("shm", 0)
+    # Pushed: the prefill worker writes into the decode pool it mapped (pulled KV, with
+    # --kv-reservation-ttl 0: tests/integration/test_kv_push.py).
+    before = cluster.decode_stats().imports_by_transport.get("shm_push", 0)
+    pushes = cluster.prefill_stats().pushes
     _, _, fin = _collect(
         cluster.gateway().Generate(_chat_request("Tell me a fact about owls.", 16))
     )
-    assert fin.kv_transport == "shm"
-    assert cluster.decode_stats().imports_by_transport.get("shm", 0) == before + 1
+    assert fin.kv_transport == "shm_push"
+    assert cluster.decode_stats().imports_by_transport.get("shm_push", 0) == before + 1
+    assert cluster.prefill_stats().pushes == pushes + 1
     # Block bytes never crossed gRPC: the inline transport sent nothing.
     assert cluster.prefill_stats().inline_bytes_sent == 0
     assert cluster.prefill_stats().leased_blocks == 0

@@ -142,7 +142,8 @@ def test_one_trace_across_services(cluster, collector):
     blocks = math.ceil(fin.usage.prompt_tokens / BLOCK_SIZE)
     assert fwd["tandem.kv.blocks"] == blocks
     kv = spans["kv.transfer"].attributes
-    assert kv["tandem.kv.transport"] == "shm" == fin.kv_transport
+    # Pushed: the prefill worker wrote the blocks into the decode pool (the span: its admission).
+    assert kv["tandem.kv.transport"] == "shm_push" == fin.kv_transport
     assert kv["tandem.kv.blocks"] == blocks
     assert kv["tandem.kv.bytes"] == blocks * _block_bytes()
     gen = spans["decode.generate"].attributes
@@ -339,14 +340,15 @@ def test_metrics_count_what_was_served(cluster):
     assert delta(after, d, "tandem_generation_tokens_total") == streamed - 3
     assert delta(after, d, "tandem_requests_total", finish_reason="length") == 3
     assert delta(after, d, "tandem_request_queue_time_seconds_count") == 3
-    assert delta(after, d, "tandem_kv_transfer_seconds_count", transport="shm") == 3
-    # Bytes copied: the prompts' blocks less those decode's own prefix cache already held.
+    assert delta(after, d, "tandem_kv_transfer_seconds_count", transport="shm_push") == 3
+    # Bytes pushed: the prompts' blocks less those decode's own prefix cache already held.
     blocks = sum(math.ceil(n / BLOCK_SIZE) for n in prompts)
     held = delta(after, d, "tandem_prefix_cache_hits_tokens_total", tier="device")
     assert held > 0 and held % BLOCK_SIZE == 0, "the shared system prompt is cached on decode too"
     copied = blocks - held // BLOCK_SIZE
     assert (
-        delta(after, d, "tandem_kv_transfer_bytes_sum", transport="shm") == copied * _block_bytes()
+        delta(after, d, "tandem_kv_transfer_bytes_sum", transport="shm_push")
+        == copied * _block_bytes()
     )
 
     for stage in (p, d):

@@ -1,0 +1,150 @@
+"""Reservations: blocks of a decode pool set aside for one prompt's KV, written by a prefill worker.
+
+A reservation is a capability, as a lease is (tandem/kv/lease.py), in the other direction: the
+decode worker that owns the blocks signs what it reserved (`sign_reservation`, an HMAC under its
+pool's reservation key) and the prefill worker writes into the blocks only when the signature
+covers exactly them, the sequence and the prompt it was asked to prefill. The write done, the
+prefill worker answers with a proof (`push_proof`, an HMAC under the same key) that the decode
+worker checks before it starts the sequence: the gateway, which carries both but holds no stage
+secret, can neither forge a reservation nor claim a write that did not happen.
+
+The key is derived from the workers' stage secret and the decode pool (`reservation_key`); a
+worker without a stage secret draws one and hands it to its peers at registration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from tandem.kv.lease import LeaseRefused, _u32_le
+
+# A prefill worker starts no write later than this before the reservation's expiry, so that a
+# write it started is over when the decode worker reclaims the blocks at the expiry.
+WRITE_MARGIN_S = 1.0
+
+
+class ReservationRefused(LeaseRefused):
+    """A reservation (or a push proof) that does not check out: forged, altered, for another
+    prompt or sequence, expired, or already used."""
+
+
+def reservation_key(stage_secret: bytes, pool_id: str) -> bytes:
+    """The key that signs the reservations of the decode pool `pool_id`."""
+    return hmac.new(
+        stage_secret, b"tandem-reservation-key-v1\0" + pool_id.encode(), hashlib.sha256
+    ).digest()
+
+
+def _message(
+    pool_id: str,
+    writer: str,
+    token: str,
+    seq_id: str,
+    first_block: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int] | np.ndarray,
+) -> bytes:
+    # Every part length-prefixed, so no two different reservations share a message.
+    parts = [
+        b"tandem-reservation-v1",
+        pool_id.encode(),
+        writer.encode(),
+        token.encode(),
+        seq_id.encode(),
+        struct.pack("<IId", first_block, num_tokens, expires_at),
+        _u32_le(block_ids),
+        _u32_le(token_ids),
+    ]
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
+def sign_reservation(
+    key: bytes,
+    pool_id: str,
+    writer: str,
+    token: str,
+    seq_id: str,
+    first_block: int,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    expires_at: float,
+    token_ids: Sequence[int] | np.ndarray,
+) -> bytes:
+    """The HMAC-SHA256 of what a reservation says (`writer`: the prefill pool that may write
+    it), under its pool's reservation key."""
+    msg = _message(
+        pool_id, writer, token, seq_id, first_block, block_ids, num_tokens, expires_at, token_ids
+    )
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def check_reservation(
+    key: bytes,
+    res,  # stages_pb2.KvReservation
+    seq_id: str,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    now: float,
+    margin_s: float = 0.0,
+) -> None:
+    """Raise `ReservationRefused` unless `res` (a stages_pb2.KvReservation) is signed for exactly
+    the sequence `seq_id` and the prompt `token_ids`, its blocks cover the prompt's blocks from
+    `first_block` on (blocks of `block_size` tokens), and it expires more than `margin_s` after
+    `now` (Unix seconds)."""
+    if not res.token or not res.signature:
+        raise ReservationRefused("the KV reservation carries no token or signature")
+    want = sign_reservation(
+        key,
+        res.pool_id,
+        res.writer_pool_id,
+        res.token,
+        res.seq_id,
+        res.first_block,
+        res.block_ids,
+        res.num_tokens,
+        res.expires_at,
+        token_ids,
+    )
+    if not hmac.compare_digest(want, res.signature):
+        raise ReservationRefused(
+            "KV reservation refused: its signature does not match its blocks and this prompt "
+            "(only what Decode.Reserve reserved, for the prompt it was given, is written)"
+        )
+    if res.seq_id != seq_id:
+        raise ReservationRefused(f"KV reservation is for sequence {res.seq_id!r}, not {seq_id!r}")
+    n = len(token_ids)
+    blocks = (n + block_size - 1) // block_size
+    if res.num_tokens != n or res.first_block + len(res.block_ids) != blocks:
+        raise ReservationRefused(
+            f"KV reservation of {len(res.block_ids)} blocks from block {res.first_block} does "
+            f"not cover a prompt of {n} tokens in blocks of {block_size}"
+        )
+    if now > res.expires_at - margin_s:
+        raise ReservationRefused(
+            f"KV reservation expired (or expires within {margin_s:g} s): "
+            f"{now - res.expires_at:+.1f} s past its end"
+        )
+
+
+def push_proof(key: bytes, token: str, signature: bytes) -> bytes:
+    """What a prefill worker answers once it wrote a reservation's blocks: only a holder of the
+    key (a worker) can make it."""
+    return hmac.new(
+        key, b"tandem-push-written-v1\0" + token.encode() + b"\0" + signature, hashlib.sha256
+    ).digest()
+
+
+def check_push_proof(key: bytes, res, proof: bytes) -> None:
+    """Raise `ReservationRefused` unless `proof` says the reservation `res` was written."""
+    if not proof or not hmac.compare_digest(push_proof(key, res.token, res.signature), proof):
+        raise ReservationRefused(
+            "pushed KV refused: the admission carries no valid proof that a prefill worker "
+            "wrote the reserved blocks"
+        )

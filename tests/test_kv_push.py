@@ -1,0 +1,199 @@
+"""KV pushed into reserved decode blocks: the reservation capability (signed, checked against the
+prompt and sequence, refused when forged, altered, replayed or expired) and the engine's
+reservations (output equal to in-process generation, prefix hits shared, nothing leaked)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tandem
+from tandem.kv.block_copy import gather_copy
+from tandem.kv.reservation import (
+    ReservationRefused,
+    check_push_proof,
+    check_reservation,
+    push_proof,
+    reservation_key,
+    sign_reservation,
+)
+from tandem.rpc import stages_pb2
+from tests.engine_checks import prefill_only, rand_ids
+
+GREEDY = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+KEY = reservation_key(b"stage-secret", "decode-pool")
+
+
+def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
+    expires = time.time() + 30 if expires is None else expires
+    res = stages_pb2.KvReservation(
+        pool_id="decode-pool",
+        writer_pool_id="prefill-pool",
+        token="tok",
+        seq_id=seq,
+        first_block=first,
+        block_ids=list(blocks),
+        num_tokens=len(prompt),
+        expires_at=expires,
+    )
+    res.signature = sign_reservation(
+        key,
+        res.pool_id,
+        res.writer_pool_id,
+        res.token,
+        seq,
+        first,
+        res.block_ids,
+        len(prompt),
+        expires,
+        prompt,
+    )
+    return res
+
+
+def test_reservation_checks_out_for_its_prompt_only():
+    prompt = list(range(40))  # 3 blocks of 16
+    res = _signed(prompt)
+    check_reservation(KEY, res, "s1", prompt, 16, time.time())
+    with pytest.raises(ReservationRefused, match="signature"):
+        check_reservation(KEY, res, "s1", [*prompt[:-1], 7], 16, time.time())
+    with pytest.raises(ReservationRefused, match="signature"):  # another worker's key
+        check_reservation(reservation_key(b"other", "decode-pool"), res, "s1", prompt, 16, 0)
+    with pytest.raises(ReservationRefused, match="not 's2'"):
+        check_reservation(KEY, res, "s2", prompt, 16, time.time())
+    with pytest.raises(ReservationRefused, match="does not cover"):  # signed, but too few blocks
+        check_reservation(KEY, _signed(prompt, blocks=(4, 5)), "s1", prompt, 16, time.time())
+
+
+def test_altered_or_unsigned_reservation_is_refused():
+    prompt = list(range(40))
+    altered = (
+        ("block_ids", [4, 5, 9]),
+        ("first_block", 1),
+        ("expires_at", 1e12),
+        ("writer_pool_id", "prefill-other"),
+    )
+    for field, value in altered:
+        res = _signed(prompt)
+        if field == "block_ids":
+            del res.block_ids[:]
+            res.block_ids.extend(value)
+        else:
+            setattr(res, field, value)
+        with pytest.raises(ReservationRefused, match="signature"):
+            check_reservation(KEY, res, "s1", prompt, 16, time.time())
+    res = _signed(prompt)
+    res.signature = b""
+    with pytest.raises(ReservationRefused, match="no token or signature"):
+        check_reservation(KEY, res, "s1", prompt, 16, time.time())
+
+
+def test_expired_reservation_is_refused_before_its_margin():
+    prompt = list(range(20))
+    res = _signed(prompt, blocks=(1, 2), expires=time.time() + 0.5)
+    check_reservation(KEY, res, "s1", prompt, 16, time.time())
+    with pytest.raises(ReservationRefused, match="expire"):  # no write starts this close
+        check_reservation(KEY, res, "s1", prompt, 16, time.time(), margin_s=1.0)
+    with pytest.raises(ReservationRefused, match="expire"):
+        check_reservation(KEY, res, "s1", prompt, 16, time.time() + 1)
+
+
+def test_push_proof_needs_the_key():
+    res = _signed(list(range(20)), blocks=(1, 2))
+    check_push_proof(KEY, res, push_proof(KEY, res.token, res.signature))
+    with pytest.raises(ReservationRefused, match="proof"):
+        check_push_proof(KEY, res, b"")
+    with pytest.raises(ReservationRefused, match="proof"):
+        check_push_proof(KEY, res, push_proof(b"k" * 32, res.token, res.signature))
+    other = _signed(list(range(20)), blocks=(1, 3))
+    with pytest.raises(ReservationRefused, match="proof"):  # a proof for another reservation
+        check_push_proof(KEY, other, push_proof(KEY, res.token, res.signature))
+
+
+def test_pushed_kv_generates_like_in_process(model_factory):
+    _, path = model_factory("llama")
+    prompts = [rand_ids(20, 1), rand_ids(33, 2), rand_ids(5, 3)]
+    want = tandem.LLM(path, num_blocks=128).generate(prompts, GREEDY)
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64).engine
+    seqs = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        res = dec.reserve(p, rid, ttl_s=30)
+        assert res is not None and res.first == 0
+        assert dec.reservation_stats() == (1, len(res.table.blocks))
+        assert all(o.seq.seq_id != rid for o in dec.step())  # reserved, not scheduled
+        first, src = prefill_only(pre, p, rid, GREEDY)
+        gather_copy(dec.kv, res.table.blocks, pre.kv, src)  # what the prefill worker's push does
+        pre.leases.release(rid)
+        seqs.append(dec.admit_reserved(rid, res.token, p, first, GREEDY))
+        assert dec.reservation_stats() == (0, 0)
+        with pytest.raises(ValueError, match="no live KV reservation"):  # used once
+            dec.admit_reserved(rid, res.token, p, first, GREEDY)
+    while dec.has_unfinished():
+        dec.step()
+    for seq, w in zip(seqs, want, strict=True):
+        assert seq.output_token_ids == w.token_ids
+    assert pre.pool.num_used == 0 and dec.pool.num_used == 0
+
+
+def test_reservation_shares_the_cached_prefix(model_factory):
+    _, path = model_factory("llama")
+    base = rand_ids(48, 4)
+    prompt = [*base, *rand_ids(20, 5)]
+    want = tandem.LLM(path, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64, enable_prefix_cache=True).engine
+    dec.add_request(base, GREEDY, "warm")
+    while dec.has_unfinished():
+        dec.step()
+    res = dec.reserve(prompt, "r", ttl_s=30)
+    assert res.first == 3  # the 48 tokens of `base`: three full blocks of 16 cached
+    first, src = prefill_only(pre, prompt, "r", GREEDY)
+    gather_copy(dec.kv, res.table.blocks[res.first :], pre.kv, src[res.first :])
+    pre.leases.release("r")
+    seq = dec.admit_reserved("r", res.token, prompt, first, GREEDY)
+    assert seq.num_cached_tokens == 48
+    while dec.has_unfinished():
+        dec.step()
+    assert seq.output_token_ids == want
+    assert dec.pool.num_used == 0
+
+
+def test_unreserve_and_expiry_give_the_blocks_back(model_factory):
+    _, path = model_factory("llama")
+    dec = tandem.LLM(path, num_blocks=16).engine
+    a = dec.reserve(rand_ids(40, 7), "a", ttl_s=30)
+    assert dec.pool.num_used == 3
+    assert not dec.unreserve("forged")
+    assert dec.unreserve(a.token) and dec.pool.num_used == 0
+    assert not dec.unreserve(a.token)  # once
+    # A write may still come: the blocks stay held until the expiry, and no admission uses them.
+    b = dec.reserve(rand_ids(40, 8), "b", ttl_s=30)
+    assert dec.unreserve(b.token, write_may_be_in_flight=True)
+    assert dec.pool.num_used == 3 and dec.reservation_stats() == (1, 3)
+    with pytest.raises(ValueError, match="no live KV reservation"):
+        dec.admit_reserved("b", b.token, b.prompt, 1, GREEDY)
+    c = dec.reserve(rand_ids(20, 9), "c", ttl_s=30)
+    assert dec.admission.expire_reservations(now=time.monotonic() + 60) == 2
+    assert dec.pool.num_used == 0 and dec.reservation_stats() == (0, 0)
+    with pytest.raises(ValueError, match="no live KV reservation"):
+        dec.admit_reserved("c", c.token, c.prompt, 1, GREEDY)
+
+
+def test_reserve_refuses_what_cannot_fit(model_factory):
+    _, path = model_factory("llama")
+    dec = tandem.LLM(path, num_blocks=4).engine
+    held = dec.pool.allocate(2)
+    assert dec.reserve(rand_ids(40, 6), "r", ttl_s=30) is None  # 3 blocks, 2 free
+    assert dec.pool.num_used == 2
+    dec.pool.free(held)
+    with pytest.raises(ValueError, match="empty"):
+        dec.reserve([], "e", ttl_s=30)
+    res = dec.reserve(rand_ids(20, 6), "r", ttl_s=30)
+    with pytest.raises(ValueError, match="already running or reserved"):
+        dec.reserve(rand_ids(20, 6), "r", ttl_s=30)
+    with pytest.raises(ValueError, match="not the one"):
+        dec.admit_reserved("r", res.token, rand_ids(20, 7), 1, GREEDY)
+    assert dec.unreserve(res.token) and dec.pool.num_used == 0

@@ -112,6 +112,8 @@ def _pipeline(decode: FakeDecode, prefill: FakePrefill) -> Pipeline:
         pick_prefill=lambda names=None: prefill,
         pick_draft=lambda: None,
         pick_decode=lambda names=None, prefer=None: decode,
+        cached_tokens=lambda worker, names: 0,
+        count_route=lambda stage, prompt_tokens, hit_tokens: None,
     )
     return Pipeline(
         router, FakeTokenizer(), eos_token_ids={2}, max_model_len=64, disagg_threshold=0

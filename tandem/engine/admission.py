@@ -50,6 +50,7 @@ class Reservation:
     first: int
     expires_at: float  # monotonic
     withdrawn: bool = False  # given back while a write may still come: freed at expiry
+    restored: int = 0  # of the first `first` blocks, those copied back from the host tier
 
 
 class Admission:
@@ -399,21 +400,30 @@ class Admission:
         )
         hit: list[int] = []
         names: list[bytes] = []
-        if self.prefix_cache is not None:
-            hit, names = self.prefix_cache.match(prompt, n, table.known_names)
+        restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
+        cache = self.prefix_cache
+        if cache is not None:
+            hit, names = cache.match(prompt, n, table.known_names)
+            restore = cache.host_match(prompt, n, names, table.known_names)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
         fresh = table.blocks_needed(n) - len(hit)
         if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
             probe, hit, fresh
         ):
             return None
-        if hit:
-            table.adopt_cached(self.pool, hit, names)
-        table.ensure(self.pool, n)
+        if restore:
+            # Copied back from the host tier: the writer need not push those blocks either.
+            first = cache.adopt(table, hit, names, restore, n)
+        else:
+            if hit:
+                table.adopt_cached(self.pool, hit, names)
+            table.ensure(self.pool, n)
+            first = len(hit)
         now = time.monotonic() if now is None else now
         res = Reservation(
-            request_id, secrets.token_urlsafe(24), prompt, table, len(hit), now + ttl_s
-        )
+            request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
+            restored=len(restore),
+        )  # fmt: skip
         self.reservations[request_id] = res
         return res
 
@@ -471,7 +481,8 @@ class Admission:
         seq.num_computed = len(prompt)
         seq.num_cached_tokens = res.first * table.block_size
         if self.prefix_cache is not None:
-            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, table.tenant)
+            host = res.restored * table.block_size
+            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, table.tenant, host)
             self.scheduler.cache_blocks(seq)
         if self.scheduler.has_room():
             self.scheduler.admit_running(seq)

@@ -152,6 +152,44 @@ class Admission:
         self.scheduler.add_request(seq)
         return seq
 
+    def _continued_seq(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        table: BlockTable,
+        first_token: int,
+        rng_state: torch.Tensor | None,
+        matcher: Any,
+    ) -> Sequence:
+        """The sequence of a prompt prefilled elsewhere, continuing from its first token: its
+        sampler's generator from the prefill's `rng_state`, its grammar's matcher (from
+        `prepare_matcher`, else made here) having replayed `first_token`."""
+        gen = None
+        if not params.greedy:
+            gen = make_generator(params.seed, self.device)
+            if rng_state is not None:
+                gen.set_state(rng_state)
+        return Sequence(
+            seq_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            block_table=table,
+            generator=gen,
+            output_token_ids=[first_token],
+            output_logprobs=[None],
+            # The prefill worker sampled the first token under the grammar: replay it.
+            matcher=self.sample_inputs.matcher(params, [first_token], prepared=matcher),
+        )
+
+    @staticmethod
+    def _check_prefilled(params: SamplingParams) -> None:
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the worker "
+                "that prefills the prompt returns them (send this sequence without them)"
+            )
+
     def _prefilled_seq(
         self,
         prompt_token_ids: PromptIds,
@@ -171,33 +209,16 @@ class Admission:
         its lease), so that this pool's prefix cache need not hash the prompt again. `matcher`:
         its grammar's matcher from `prepare_matcher`, having replayed `first_token`."""
         self.validate_request(prompt_token_ids, params, tenant)
-        if params.prompt_logprobs is not None:
-            raise ValueError(
-                "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the worker "
-                "that prefills the prompt returns them (send this sequence without them)"
-            )
+        self._check_prefilled(params)
         self._check_queue()
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt = _as_list(prompt_token_ids)
-        gen = None
-        if not params.greedy:
-            gen = make_generator(params.seed, self.device)
-            if rng_state is not None:
-                gen.set_state(rng_state)
-        seq = Sequence(
-            seq_id=request_id,
-            prompt_token_ids=prompt,
-            params=params,
-            block_table=BlockTable(self.config.block_size, self.tenant_of(tenant)),
-            generator=gen,
-            output_token_ids=[first_token],
-            output_logprobs=[None],
-            # The prefill worker sampled the first token under the grammar: replay it.
-            matcher=self.sample_inputs.matcher(params, [first_token], prepared=matcher),
+        table = BlockTable(self.config.block_size, self.tenant_of(tenant))
+        seq = self._continued_seq(
+            request_id, prompt, params, table, first_token, rng_state, matcher
         )
         n = len(prompt_token_ids)
-        table = seq.block_table
         if block_names:
             if len(block_names) != n // table.block_size:
                 raise ValueError(
@@ -453,30 +474,14 @@ class Admission:
         table = res.table
         try:
             self.validate_request(prompt, params, table.tenant)
-            if params.prompt_logprobs is not None:
-                raise ValueError(
-                    "prompt_logprobs cannot be computed for a sequence prefilled elsewhere: the "
-                    "worker that prefills the prompt returns them (send it without them)"
-                )
+            self._check_prefilled(params)
             self._check_queue()
+            seq = self._continued_seq(
+                request_id, prompt, params, table, first_token, rng_state, matcher
+            )
         except BaseException:
             table.release(self.pool)
             raise
-        gen = None
-        if not params.greedy:
-            gen = make_generator(params.seed, self.device)
-            if rng_state is not None:
-                gen.set_state(rng_state)
-        seq = Sequence(
-            seq_id=request_id,
-            prompt_token_ids=prompt,
-            params=params,
-            block_table=table,
-            generator=gen,
-            output_token_ids=[first_token],
-            output_logprobs=[None],
-            matcher=self.sample_inputs.matcher(params, [first_token], prepared=matcher),
-        )
         self.seqs[request_id] = seq
         seq.num_computed = len(prompt)
         seq.num_cached_tokens = res.first * table.block_size

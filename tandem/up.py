@@ -235,7 +235,8 @@ def _stop(children: list[Child]) -> None:
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         order = {"gateway": 0, "decode": 1}
-        for c in sorted(children, key=lambda c: order.get(_stage_of(c.cmd), 2)):
+        # Several workers of a stage are named decode0, decode1, ...
+        for c in sorted(children, key=lambda c: order.get(c.stage.rstrip("0123456789"), 2)):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
                 try:

@@ -12,12 +12,19 @@ from tandem.rpc import api_pb2, stages_pb2
 from tests.test_gateway_lease import _pipeline
 
 
+class _NoPushStub:
+    async def Reserve(self, request, timeout=None):
+        return stages_pb2.ReserveResponse(refused="this stand-in takes no pushes")
+
+
 class QueuedDecode:
-    """A decode worker whose whole answer is already queued when the request opens it."""
+    """A decode worker whose whole answer is already queued when the request opens it (it
+    takes no pushed KV: the KV is pulled)."""
 
     address = "decode:0"
     healthy = True
     full = False
+    stub = _NoPushStub()
 
     def __init__(self, events: list[tuple]) -> None:
         self.events = events

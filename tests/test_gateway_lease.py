@@ -56,6 +56,12 @@ class FakeRouter:
     def pick_prefill(self, names=None):
         return self.prefill
 
+    def cached_tokens(self, worker, names) -> int:
+        return 0
+
+    def count_route(self, stage, prompt_tokens, hit_tokens) -> None:
+        pass
+
     def pick_draft(self):
         return None
 

@@ -48,6 +48,9 @@ class _StuckEngine:
     seqs: dict = {}
     blocked = False  # it steps as if it had work to run
 
+    def expire_reservations(self) -> int:
+        return 0
+
     def __init__(self) -> None:
         self.stuck = True
 

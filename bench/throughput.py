@@ -179,16 +179,44 @@ def run_offline_engine(engine, prompts: list[list[int]], outputs: list[int]) -> 
     t0 = time.perf_counter()
     seqs = [engine.add_request(p, SamplingParams(max_tokens=o, temperature=0, ignore_eos=True))
             for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
-    steps = 0
+    sched = engine.scheduler
+    steps: list[tuple[int, bool, float]] = []  # (running sequences, prompts left, seconds)
     while engine.has_unfinished():
+        left = bool(sched.waiting) or any(map(sched.in_prompt, sched.running))
+        t = time.perf_counter()
         engine.step()
-        steps += 1
+        steps.append((len(sched.running), left, time.perf_counter() - t))
     lr.sync()
     wall = time.perf_counter() - t0
     got = sum(len(s.output_token_ids) for s in seqs)
     if got != sum(outputs):
         raise RuntimeError(f"generated {got} tokens, expected {sum(outputs)}")
-    return _throughput(wall, sum(map(len, prompts)), got) | {"steps": steps}
+    return _throughput(wall, sum(map(len, prompts)), got) | {
+        "steps": len(steps),
+        "step_times": step_times(steps),
+    }
+
+
+STEP_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
+
+
+def step_times(steps: list[tuple[int, bool, float]]) -> list[dict[str, Any]]:
+    """Where an offline run's wall time went, step by step: the steps taken while prompt tokens
+    were left, then the decode-only steps grouped by how many sequences ran (up to each of
+    STEP_BUCKETS): steps, seconds in all, median and p90 milliseconds a step. Under
+    asynchronous scheduling a step's time is the host's wait for the step before it."""
+    groups: dict[str, list[float]] = {}
+    for running, prompts, dt in steps:
+        top = next((b for b in STEP_BUCKETS if running <= b), running)
+        groups.setdefault("with prompt tokens" if prompts else f"decode, <= {top} running",
+                          []).append(dt)  # fmt: skip
+    out = []
+    for name in sorted(groups, key=lambda g: (not g.startswith("with"), len(g), g)):
+        ts = sorted(groups[name])
+        out.append({"steps": name, "count": len(ts), "total_s": sum(ts),
+                    "median_ms": ts[len(ts) // 2] * 1e3,
+                    "p90_ms": ts[min(len(ts) - 1, int(len(ts) * 0.9))] * 1e3})  # fmt: skip
+    return out
 
 
 def _throughput(wall: float, input_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -446,6 +474,12 @@ def print_sharegpt(res: dict[str, Any]) -> None:
               if params else "-")  # fmt: skip
         print(f"Tandem {r['path']:<35}{r['output_tokens_per_s']:>14,.0f}"
               f"{r['total_tokens_per_s']:>13,.0f}{r['wall_s']:>9.2f}{tf:>15}")  # fmt: skip
+    for r in res["rows"]:
+        if r.get("step_times"):
+            print(f"where the {r['path'].split(' ')[0]}'s steps went:")
+            for g in r["step_times"]:
+                print(f"  {g['steps']:<24}{g['count']:>6} steps {g['total_s']:>8.2f} s"
+                      f"  median {g['median_ms']:7.2f} ms  p90 {g['p90_ms']:7.2f} ms")  # fmt: skip
     pub = res["published"]
     print(
         "published, NOT measured here (one H100 80GB; x"

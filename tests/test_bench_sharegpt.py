@@ -104,7 +104,22 @@ def test_smoke_run_through_the_engine_and_the_services_writes_the_json(tmp_path)
             (r["input_tokens"] + r["output_tokens"]) / r["wall_s"]
         )
     assert res["rows"][1]["kv_transports"] == ["shm_push"]
+    groups = res["rows"][0]["step_times"]  # where the engine's steps went
+    assert sum(g["count"] for g in groups) == res["rows"][0]["steps"]
+    assert groups[0]["steps"] == "with prompt tokens"
     assert {r["engine"] for r in res["published"]["rows"]} == {"SGLang", "vLLM"}
+
+
+def test_step_times_group_prompt_steps_then_decode_steps_by_batch() -> None:
+    steps = [(4, True, 0.5), (4, True, 0.3), (4, False, 0.01), (30, False, 0.02),
+             (30, False, 0.04), (300, False, 0.1)]  # fmt: skip
+    got = {g["steps"]: g for g in tp.step_times(steps)}
+    assert list(got) == ["with prompt tokens", "decode, <= 8 running", "decode, <= 32 running",
+                         "decode, <= 512 running"]  # fmt: skip
+    assert got["with prompt tokens"]["count"] == 2
+    assert got["with prompt tokens"]["total_s"] == pytest.approx(0.8)
+    assert got["decode, <= 32 running"]["median_ms"] == pytest.approx(40.0)
+    assert got["decode, <= 512 running"]["p90_ms"] == pytest.approx(100.0)
 
 
 @pytest.mark.timeout(300)

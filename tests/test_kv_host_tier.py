@@ -300,7 +300,22 @@ def test_an_import_reads_only_what_neither_tier_holds_and_abort_frees_it(model_f
     while dec.has_unfinished():
         dec.step()
     assert seq.output_token_ids == want
-    assert dec.prefix_cache.host_hit_tokens == 3 * BS and dec.host_tier.blocks_to_device == 3
+    # A lookup counts when its sequence starts: the aborted one never did, and the second found
+    # the restored blocks on the device.
+    assert dec.host_tier.blocks_to_device == 3
+    assert dec.prefix_cache.hit_tokens - dec.prefix_cache.host_hit_tokens >= 3 * BS
+    assert dec.prefix_cache.host_hit_tokens == 0
+    _engine_consistent(dec)
+    # Evicted to the tier again: the next import that starts counts the tier's blocks.
+    _flood(dec_llm, 4, 200)
+    skip, blocks = dec.reserve_prefilled(a, first, GREEDY, "r3", peer_blocks=src)
+    assert skip == 3 and dec.prefix_cache.host_hit_tokens == 0  # not counted before it starts
+    gather_copy(dec.kv, blocks, pre.kv, src[skip : skip + len(blocks)])
+    assert dec.start_prefilled("r3")
+    assert dec.prefix_cache.host_hit_tokens == 3 * BS
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.seqs.get("r3") is None
     _engine_consistent(dec)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 import tandem
 from tandem.kv.block_copy import gather_copy
+from tandem.kv.names import block_hashes
 from tandem.kv.reservation import (
     ReservationRefused,
     check_push_proof,
@@ -161,6 +163,27 @@ def test_reservation_shares_the_cached_prefix(model_factory):
     assert dec.pool.num_used == 0
 
 
+def test_names_given_at_reserve_name_the_blocks_for_later_hits(model_factory):
+    # A decode worker hashes the prompt off its engine thread and hands the names to `reserve`:
+    # the admission names the blocks with them, and a later prompt finds them.
+    _, path = model_factory("llama")
+    prompt = rand_ids(50, 8)  # 3 full blocks
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64, enable_prefix_cache=True).engine
+    ids = np.array(prompt, dtype=np.uint32)
+    res = dec.reserve(ids, "r", ttl_s=30, block_names=block_hashes(ids, 16))
+    first, src = prefill_only(pre, prompt, "r", GREEDY)
+    gather_copy(dec.kv, res.table.blocks, pre.kv, src)
+    pre.leases.release("r")
+    dec.admit_reserved("r", res.token, ids, first, GREEDY)
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.prefix_cache.match(prompt, len(prompt))[1] == block_hashes(prompt, 16)
+    again = dec.reserve(prompt, "r2", ttl_s=30)
+    assert again.first == 3
+    assert dec.unreserve(again.token) and dec.pool.num_used == 0
+
+
 def test_unreserve_and_expiry_give_the_blocks_back(model_factory):
     _, path = model_factory("llama")
     dec = tandem.LLM(path, num_blocks=16).engine
@@ -191,6 +214,11 @@ def test_reserve_refuses_what_cannot_fit(model_factory):
     dec.pool.free(held)
     with pytest.raises(ValueError, match="empty"):
         dec.reserve([], "e", ttl_s=30)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # checked as a request is
+        dec.reserve([5, 10**6], "v", ttl_s=30)
+    with pytest.raises(ValueError, match="2 block names"):  # names must cover its full blocks
+        dec.reserve(rand_ids(20, 6), "n", ttl_s=30, block_names=[b"x" * 16] * 2)
+    assert dec.pool.num_used == 0
     res = dec.reserve(rand_ids(20, 6), "r", ttl_s=30)
     with pytest.raises(ValueError, match="already running or reserved"):
         dec.reserve(rand_ids(20, 6), "r", ttl_s=30)

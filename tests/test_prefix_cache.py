@@ -152,6 +152,8 @@ def test_block_names_chain_over_the_whole_prefix():
     # A change in block 0 renames every later block, even with equal tokens there.
     assert all(x != y for x, y in zip(block_hashes(other, 16), names, strict=True))
     assert block_hashes(toks, 8)[:2] != names[:2]
+    # A worker's prompt as a uint32 array (as read from a message) gets the same names.
+    assert block_hashes(np.array(toks, dtype=np.uint32), 16) == names
 
 
 # ---- outputs with the cache on equal the cache off ---------------------------------------------

@@ -39,6 +39,7 @@ from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import PoolLayout, host_id
+from tandem.kv.names import block_hashes
 from tandem.kv.reservation import reservation_key, sign_reservation
 from tandem.kv.transports import TransportKind
 from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
@@ -411,9 +412,18 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             )
         ids = np.array(request.prompt_token_ids, dtype=np.uint32)
         ttl = self.reservation_ttl_s
+        # Named here, not on the engine thread: neither the reservation's prefix lookup nor the
+        # admission (the handover) hashes the prompt.
+        names = (
+            block_hashes(ids, self.layout.block_size)
+            if self.engine.prefix_cache is not None
+            else None
+        )
         try:
             res = await asyncio.wrap_future(
-                self.engine_loop.submit(lambda e: e.reserve(ids, sid, ttl, request.tenant or None))
+                self.engine_loop.submit(
+                    lambda e: e.reserve(ids, sid, ttl, request.tenant or None, block_names=names)
+                )
             )
         except Exception as e:  # noqa: BLE001 - mapped to a status
             await context.abort(status_for(e), f"Reserve: {e}")

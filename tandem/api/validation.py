@@ -53,14 +53,21 @@ def validate_request(
                 raise ValueError(
                     f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})"
                 )
-    _check_accepted(prompt_token_ids, params)  # before `validate` walks the accepted ids
-    params.validate(vocab_size)
+    validate_params(prompt_token_ids, params, vocab_size)
     n = len(prompt_token_ids)
     if n >= max_model_len:
         raise ValueError(
             f"prompt has {n} tokens; the model's context is {max_model_len} tokens "
             f"(prompt + output), so the prompt must be shorter than {max_model_len}"
         )
+
+
+def validate_params(
+    prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams, vocab_size: int
+) -> None:
+    """The sampling parameters' part of `validate_request`, for a prompt already checked."""
+    _check_accepted(prompt_token_ids, params)  # before `validate` walks the accepted ids
+    params.validate(vocab_size)
 
 
 def _check_accepted(prompt_token_ids: Sequence[int] | np.ndarray, params: SamplingParams) -> None:

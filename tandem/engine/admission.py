@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tandem.api.sampling_params import SamplingParams
-from tandem.api.validation import validate_request
+from tandem.api.validation import validate_params, validate_request
 from tandem.engine.sampler import make_generator
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.errors import ResourceExhausted
@@ -218,39 +218,62 @@ class Admission:
         seq = self._continued_seq(
             request_id, prompt, params, table, first_token, rng_state, matcher
         )
-        n = len(prompt_token_ids)
-        if block_names:
-            if len(block_names) != n // table.block_size:
-                raise ValueError(
-                    f"{len(block_names)} block names for a prompt of {n} tokens in blocks of "
-                    f"{table.block_size} (expected {n // table.block_size})"
-                )
-            table.known_names = list(block_names)
+        _name_blocks(table, len(prompt), block_names)
+        self.seqs[request_id] = seq
+        taken = self._take_blocks(seq, len(prompt) + 1)
+        if taken is None:
+            self.scheduler.add_request(seq)
+            return seq, None
+        return seq, taken
+
+    def _take_blocks(self, seq: Sequence, room_for: int) -> int | None:
+        """Blocks for the prompt of `seq` (its table empty, its blocks' names known or not):
+        the longest prefix this pool's cache holds shared, then what the host tier holds after
+        it copied back, then fresh blocks, with room checked for `room_for` tokens. Returns the
+        blocks that hold the prompt's KV already (`seq.num_cached_tokens` set from them, and
+        `seq.num_host_cached_tokens` from those the host tier gave); None when the pool or the
+        tenant's quota has no room."""
+        table, prompt = seq.block_table, seq.prompt_token_ids
+        n = len(prompt)
         hit: list[int] = []
         names: list[bytes] = []
         restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
         cache = self.prefix_cache
         if cache is not None:
             hit, names = cache.match(prompt, n, table.known_names)
-            if cache.host is not None:
-                restore = cache.host_match(prompt, n, names, table.known_names)
+            restore = cache.host_match(prompt, n, names, table.known_names)
         revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
-        self.seqs[request_id] = seq
-        fresh = table.blocks_needed(n + 1) - len(hit)
+        fresh = table.blocks_needed(room_for) - len(hit)
         if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
             seq, hit, fresh
         ):
-            self.scheduler.add_request(seq)
-            return seq, None
-        if restore:
-            # Copied back from the host tier rather than from the worker that prefilled it.
+            return None
+        if cache is None:
+            table.ensure(self.pool, n)
+            first = 0
+        else:
             first = cache.adopt(table, hit, names, restore, n)
-            cache.host_hit_tokens += len(restore) * table.block_size
-            return seq, first
-        if hit:
-            table.adopt_cached(self.pool, hit, names)
-        table.ensure(self.pool, n)
-        return seq, len(hit)
+        seq.num_cached_tokens = first * table.block_size
+        seq.num_host_cached_tokens = len(restore) * table.block_size
+        return first
+
+    def _join(self, seq: Sequence) -> None:
+        """A sequence whose prompt's KV sits in its blocks joins the batch, or waits for room
+        holding its KV. Its prompt counts as a prefix-cache lookup and its full blocks are
+        named for later hits."""
+        seq.num_computed = len(seq.prompt_token_ids)
+        if self.prefix_cache is not None:
+            self.prefix_cache.count(
+                seq.num_computed,
+                seq.num_cached_tokens,
+                seq.block_table.tenant,
+                seq.num_host_cached_tokens,
+            )
+            self.scheduler.cache_blocks(seq)
+        if self.scheduler.has_room():
+            self.scheduler.admit_running(seq)
+        else:
+            self.scheduler.add_request(seq)
 
     def admit_prefilled(
         self,
@@ -285,7 +308,6 @@ class Admission:
         )
         if first is None:
             return seq, False
-        n = len(prompt_token_ids)
         table = seq.block_table
         try:
             if len(table.blocks) > first:  # a prompt of whole cached blocks copies nothing
@@ -294,15 +316,7 @@ class Admission:
             self.seqs.pop(request_id, None)
             table.release(self.pool)
             raise
-        seq.num_computed = n
-        seq.num_cached_tokens = first * table.block_size
-        if self.prefix_cache is not None:
-            self.prefix_cache.count(n, seq.num_cached_tokens, table.tenant)
-            self.scheduler.cache_blocks(seq)
-        if self.scheduler.has_room():
-            self.scheduler.admit_running(seq)
-        else:
-            self.scheduler.add_request(seq)  # joins when the batch has room; its KV stays here
+        self._join(seq)
         return seq, True
 
     def _check_queue(self) -> None:
@@ -372,7 +386,6 @@ class Admission:
             for b, j in zip(sorted(fresh), order, strict=True):
                 arranged[j] = b
             table.blocks[first:] = arranged
-        seq.num_cached_tokens = first * table.block_size
         return first, list(table.blocks[first:])
 
     def start_prefilled(self, request_id: str) -> bool:
@@ -381,15 +394,7 @@ class Admission:
         seq = self.seqs.get(request_id)
         if seq is None or seq.num_computed or seq.status is not SequenceStatus.WAITING:
             return False
-        seq.num_computed = len(seq.prompt_token_ids)
-        if self.prefix_cache is not None:
-            # Name the full blocks read for later hits (the shared prefix already has names).
-            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, seq.block_table.tenant)
-            self.scheduler.cache_blocks(seq)
-        if self.scheduler.has_room():
-            self.scheduler.admit_running(seq)
-        else:
-            self.scheduler.add_request(seq)
+        self._join(seq)
         return True
 
     # ---- KV pushed by another worker into blocks reserved here ------------------------------
@@ -400,50 +405,31 @@ class Admission:
         ttl_s: float,
         tenant: str | None = None,
         now: float | None = None,
+        block_names: list[bytes] | None = None,
     ) -> Reservation | None:
         """Hold blocks for a prompt whose KV another worker will write (`admit_reserved` starts
-        the sequence, `unreserve` or the expiry gives them back). The prompt's longest prefix
-        cached here is shared: only the blocks from `first` on are to be written. None when the
-        pool (or the tenant's quota) has no room now."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt_token_ids is empty")
-        if n + 1 > self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the model's context holds {self.max_model_len}"
-            )
+        the sequence, `unreserve` or the expiry gives them back). The prompt is checked as a
+        request's is. Its longest prefix cached here (this pool, then the host tier) is shared:
+        only the blocks from `first` on are to be written. `block_names`: the names of the
+        prompt's full blocks (`tandem.kv.names.block_hashes`), hashed off the engine thread, so
+        that neither this call nor the admission hashes the prompt. None when the pool (or the
+        tenant's quota) has no room now."""
+        self.validate_request(prompt_token_ids, SamplingParams(), tenant)
         if request_id in self.seqs or request_id in self.reservations:
             raise ValueError(f"request id {request_id!r} is already running or reserved")
         prompt = _as_list(prompt_token_ids)
         table = BlockTable(self.config.block_size, self.tenant_of(tenant))
+        _name_blocks(table, len(prompt), block_names)
         probe = Sequence(
             seq_id=request_id, prompt_token_ids=prompt, params=SamplingParams(), block_table=table
         )
-        hit: list[int] = []
-        names: list[bytes] = []
-        restore: list[bytes] = []  # names of the blocks after `hit` that the host tier holds
-        cache = self.prefix_cache
-        if cache is not None:
-            hit, names = cache.match(prompt, n, table.known_names)
-            restore = cache.host_match(prompt, n, names, table.known_names)
-        revived = sum(1 for b in hit if self.pool.refcount(b) == 0)
-        fresh = table.blocks_needed(n) - len(hit)
-        if not self.pool.can_allocate(fresh + revived) or not self.scheduler.fits_quota(
-            probe, hit, fresh
-        ):
+        first = self._take_blocks(probe, len(prompt))
+        if first is None:
             return None
-        if restore:
-            # Copied back from the host tier: the writer need not push those blocks either.
-            first = cache.adopt(table, hit, names, restore, n)
-        else:
-            if hit:
-                table.adopt_cached(self.pool, hit, names)
-            table.ensure(self.pool, n)
-            first = len(hit)
         now = time.monotonic() if now is None else now
         res = Reservation(
             request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
-            restored=len(restore),
+            restored=probe.num_host_cached_tokens // table.block_size,
         )  # fmt: skip
         self.reservations[request_id] = res
         return res
@@ -473,7 +459,8 @@ class Admission:
         del self.reservations[request_id]
         table = res.table
         try:
-            self.validate_request(prompt, params, table.tenant)
+            # The prompt was checked at `reserve`: its ids need no second look.
+            validate_params(prompt, params, self.vocab_size)
             self._check_prefilled(params)
             self._check_queue()
             seq = self._continued_seq(
@@ -483,16 +470,9 @@ class Admission:
             table.release(self.pool)
             raise
         self.seqs[request_id] = seq
-        seq.num_computed = len(prompt)
         seq.num_cached_tokens = res.first * table.block_size
-        if self.prefix_cache is not None:
-            host = res.restored * table.block_size
-            self.prefix_cache.count(seq.num_computed, seq.num_cached_tokens, table.tenant, host)
-            self.scheduler.cache_blocks(seq)
-        if self.scheduler.has_room():
-            self.scheduler.admit_running(seq)
-        else:
-            self.scheduler.add_request(seq)
+        seq.num_host_cached_tokens = res.restored * table.block_size
+        self._join(seq)
         return seq
 
     def unreserve(self, token: str, write_may_be_in_flight: bool = False) -> bool:
@@ -524,6 +504,19 @@ class Admission:
     @property
     def reserved_blocks(self) -> int:
         return sum(len(r.table.blocks) for r in self.reservations.values())
+
+
+def _name_blocks(table: BlockTable, n: int, names: list[bytes] | None) -> None:
+    """Give an empty table the names of its prompt's full blocks (of `n` tokens), when they
+    are known: its prefix-cache lookup and naming then hash nothing."""
+    if not names:
+        return
+    if len(names) != n // table.block_size:
+        raise ValueError(
+            f"{len(names)} block names for a prompt of {n} tokens in blocks of "
+            f"{table.block_size} (expected {n // table.block_size})"
+        )
+    table.known_names = list(names)
 
 
 def _as_list(ids: PromptIds) -> list[int]:

@@ -500,10 +500,17 @@ class LLMEngine:
         return self.admission.abort(request_id)
 
     def reserve(
-        self, prompt_token_ids: PromptIds, request_id: str, ttl_s: float, tenant: str | None = None
+        self,
+        prompt_token_ids: PromptIds,
+        request_id: str,
+        ttl_s: float,
+        tenant: str | None = None,
+        block_names: list[bytes] | None = None,
     ) -> Reservation | None:
         """Hold blocks for a prompt whose KV another worker pushes (`Admission.reserve`)."""
-        return self.admission.reserve(prompt_token_ids, request_id, ttl_s, tenant)
+        return self.admission.reserve(
+            prompt_token_ids, request_id, ttl_s, tenant, block_names=block_names
+        )
 
     def admit_reserved(
         self,

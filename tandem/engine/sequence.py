@@ -42,6 +42,7 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens whose KV came from the prefix cache when it first ran
+    num_host_cached_tokens: int = 0  # of those, tokens copied back from the host tier
     # Prefill worker: stop after the first token and lease the KV to a decode worker.
     prefill_only: bool = False
     lease_id: str | None = None

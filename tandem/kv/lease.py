@@ -175,7 +175,6 @@ def _lease_message(
     token_ids: Sequence[int],
     block_names: bytes,
 ) -> bytes:
-    # Every part length-prefixed, so no two different leases share a message.
     parts = [
         b"tandem-lease-v2",
         pool_id.encode(),
@@ -185,6 +184,12 @@ def _lease_message(
         _u32_le(token_ids),
         block_names,
     ]
+    return framed(parts)
+
+
+def framed(parts: list[bytes]) -> bytes:
+    """The parts of a signed message, each length-prefixed, so that no two different messages
+    (of leases or of reservations) share their bytes."""
     return b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
 

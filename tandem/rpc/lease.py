@@ -1,4 +1,4 @@
-"""Giving a KV lease back to its prefill worker: retried until acknowledged."""
+"""Giving KV leases back to their prefill worker: in batches, retried until acknowledged."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import asyncio
 import logging
 
 import grpc
+
+from tandem.rpc import stages_pb2
 
 log = logging.getLogger("tandem.rpc")
 
@@ -46,3 +48,37 @@ async def release_until_acknowledged(
                 return False
         await asyncio.sleep(delay)
         delay = min(2.0, delay * 2)
+
+
+class ReleaseBatcher:
+    """Lease releases to one prefill worker, in batches: the leases given back while a Release
+    call is in flight go out together in the next one (one call per batch, not one per
+    request), each batch retried until acknowledged. Releases that report a failed transfer go
+    out with their error, apart from the plain ones."""
+
+    def __init__(self, stub, where: str) -> None:
+        self.stub = stub
+        self.where = where
+        self._pending: dict[str, list[str]] = {}  # transfer error ("" none) -> lease ids
+        self._sender: asyncio.Task | None = None
+        self.calls = 0  # Release calls made (first tries, not retries)
+
+    def release(self, lease_id: str, transfer_error: str = "") -> None:
+        """Give `lease_id` back (from the event loop; returns at once)."""
+        self._pending.setdefault(transfer_error, []).append(lease_id)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send())
+
+    async def flush(self) -> None:
+        """Wait until every lease given back so far has been sent (and acknowledged or given
+        up on)."""
+        while self._sender is not None and not self._sender.done():
+            await asyncio.shield(self._sender)
+
+    async def _send(self) -> None:
+        while self._pending:
+            error = next(iter(self._pending))
+            ids = self._pending.pop(error)
+            self.calls += 1
+            request = stages_pb2.ReleaseRequest(lease_ids=ids, transfer_error=error)
+            await release_until_acknowledged(self.stub, request, self.where)

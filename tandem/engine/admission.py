@@ -414,7 +414,8 @@ class Admission:
         prompt's full blocks (`tandem.kv.names.block_hashes`), hashed off the engine thread, so
         that neither this call nor the admission hashes the prompt. None when the pool (or the
         tenant's quota) has no room now."""
-        self.validate_request(prompt_token_ids, SamplingParams(), tenant)
+        # The ids, the length; the room (quota included) is the allocation's to judge.
+        validate_request(prompt_token_ids, SamplingParams(), self.vocab_size, self.max_model_len)
         if request_id in self.seqs or request_id in self.reservations:
             raise ValueError(f"request id {request_id!r} is already running or reserved")
         prompt = _as_list(prompt_token_ids)

@@ -189,7 +189,11 @@ def stage_parser(stage: str) -> Any:
         )
         add_dataclass_args(p, GatewayConfig, "gateway")
         p.add_argument(
-            "--prefill", type=_addresses, required=True, help="prefill addresses, comma separated"
+            "--prefill",
+            type=_addresses,
+            required=True,
+            help="prefill addresses, comma separated (empty: none, the decode workers prefill "
+            "every prompt)",
         )
         p.add_argument(
             "--decode", type=_addresses, required=True, help="decode addresses, comma separated"

@@ -175,8 +175,9 @@ def _workers(args: argparse.Namespace, base: dict[str, int], metrics: dict[str, 
     turn = 0
     for stage in ("prefill", "decode"):
         n = getattr(args, f"{stage}_workers")
-        if n < 1:
-            raise ValueError(f"--{stage}-workers must be >= 1, got {n}")
+        least = 0 if stage == "prefill" else 1  # none: the decode workers prefill every prompt
+        if n < least:
+            raise ValueError(f"--{stage}-workers must be >= {least}, got {n}")
         own = _devices(getattr(args, f"{stage}_device", None))
         for i in range(n):
             if own:
@@ -317,7 +318,8 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
             default=1,
             help=f"{st} workers to start (default %(default)s); the gateway routes each request "
             f"to the one holding the longest cached prefix of it. Worker i listens on the "
-            f"{st} port + {WORKER_PORT_STRIDE}*i (its /metrics likewise)",
+            f"{st} port + {WORKER_PORT_STRIDE}*i (its /metrics likewise)"
+            + ("; 0: none, the decode workers prefill every prompt" if st == "prefill" else ""),
         )
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
@@ -576,7 +578,8 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(str(e))
     stages = ["draft"] if args.draft else []
-    stages += ["prefill", "decode", "gateway"]
+    stages += [s for s in ("prefill", "decode") if any(w.stage == s for w in workers)]
+    stages += ["gateway"]
     names = ([] if not args.draft else ["draft"]) + [w.name for w in workers] + ["gateway"]
     log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"tandem-{port}-")
     os.makedirs(log_dir, exist_ok=True)
@@ -681,7 +684,7 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         if http_port >= 0:
             print(f"  OpenAI HTTP   {scheme}://{host}:{http_port}/v1", flush=True)
-        print(f"  prefill       {prefill_addr}", flush=True)
+        print(f"  prefill       {prefill_addr or 'none: the decode workers prefill'}", flush=True)
         print(f"  decode        {decode_addr}", flush=True)
         if args.draft:
             print(f"  draft         {draft_addr}   ({args.draft})", flush=True)

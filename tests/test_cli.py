@@ -64,6 +64,7 @@ def test_async_scheduling_unset_or_set_by_flag_or_variable(argv, env, want, monk
         (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file"),
         (["--ttft-slo-ms", "-3"], "ttft_slo_ms must be > 0"),
         (["--decode-workers", "0"], "--decode-workers must be >= 1, got 0"),
+        (["--prefill-workers", "-1"], "--prefill-workers must be >= 0, got -1"),
         (["--device", "cpu,cuda:x"], "--device: device must be auto, cpu, cuda, cuda:N or mps"),
         (["--decode-device", "cuda:1,tpu"], "--decode-device: device must be"),
         (
@@ -125,6 +126,10 @@ def test_up_gives_each_worker_its_ports_and_a_device_in_turn():
         ("decode1", 200 + s, 1200 + s, "cuda:1"),
         ("decode2", 200 + 2 * s, 1200 + 2 * s, "cuda:0"),
     ]
+    # None of a stage: the decode workers prefill every prompt.
+    args = _up_args(["--prefill-workers", "0", "--decode-workers", "2"])
+    got = [(w.name, w.port) for w in _workers(args, base, metrics)]
+    assert got == [("decode0", 200), ("decode1", 200 + s)]
     # A stage's own list rules its workers; one device (or none) reaches every stage as it is.
     args = _up_args(["--decode-workers", "2", "--decode-device", "cuda:3,cuda:2"])
     got = [(w.name, w.device) for w in _workers(args, base, dict.fromkeys(base, -1))]

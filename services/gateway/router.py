@@ -419,8 +419,9 @@ class Router:
         stage_credentials: StageCredentials | None = None,
         health_timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
-        if not prefill or not decode:
-            raise ValueError("the gateway needs at least one prefill and one decode address")
+        if not decode:
+            # (No prefill worker is fine: the decode workers prefill every prompt.)
+            raise ValueError("the gateway needs at least one decode address")
         creds, timeout = stage_credentials, health_timeout_s
         self.prefill = [PrefillClient(a, creds, timeout) for a in prefill]
         self.decode = [DecodeClient(a, creds, timeout) for a in decode]

@@ -148,7 +148,7 @@ async def serve(
     log.info(
         "gateway serving gRPC on %s:%d, HTTP on %s (model %s)", host, bound, http_port, mc.name
     )
-    progress.report("waiting for the prefill and decode workers")
+    progress.report(f"waiting for the {'prefill and ' if prefill else ''}decode workers")
     try:
         await server.wait_for_termination()
     finally:

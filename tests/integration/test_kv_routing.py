@@ -164,3 +164,27 @@ def test_tandem_up_starts_two_decode_workers_and_routes_to_both(model_factory):
         assert c.decode_stats().prefix_query_tokens == 0  # the first worker saw none of it
     finally:
         c.stop()
+
+
+def test_tandem_up_with_no_prefill_worker_prefills_on_the_decode_worker(model_factory):
+    """`--prefill-workers 0` (one GPU: the device and its memory stay the decode worker's): the
+    gateway and a decode worker alone serve every prompt, long ones too, with the tokens the
+    engine gives in-process."""
+    import tandem
+
+    _, path = model_factory("llama")
+    c = start_cluster(["--model", path, "--num-blocks", "64", "--prefill-workers", "0"])
+    try:
+        prompt = _tokens(7)[:200]  # past the default --disagg-threshold (128)
+        req = api_pb2.GenerateRequest(prompt_token_ids=api_pb2.TokenIds(ids=prompt),
+                                      sampling=SAMPLING)  # fmt: skip
+        out = list(c.gateway().Generate(req, timeout=60))
+        fin = out[-1].finish
+        assert fin.prefill_worker == "decode" and fin.kv_transport == "none"
+        got = [t for r in out if r.HasField("chunk") for t in r.chunk.token_ids]
+        params = tandem.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        want = tandem.LLM(path, num_blocks=64).generate([prompt], params)[0].token_ids
+        assert got == want
+        assert c.decode_stats().local_prefills == 1
+    finally:
+        c.stop()

@@ -490,6 +490,11 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
     """What is wrong with `tandem up`'s settings, before anything starts (None: nothing)."""
     if args.model is not None and not os.path.exists(os.path.expanduser(args.model)):
         return f"--model {args.model}: no such file or directory"
+    if args.prefill_workers == 0:
+        given = [f"--{f.replace('_', '-')}" for f in ("prefill_device", "prefill_port",
+                 "prefill_metrics_port") if getattr(args, f, None) is not None]  # fmt: skip
+        if given:
+            return f"{', '.join(given)}: --prefill-workers 0 starts no prefill worker"
     for flag in ("device", "prefill_device", "decode_device", "draft_device"):
         for device in _devices(getattr(args, flag, None)):
             try:

@@ -65,6 +65,10 @@ def test_async_scheduling_unset_or_set_by_flag_or_variable(argv, env, want, monk
         (["--ttft-slo-ms", "-3"], "ttft_slo_ms must be > 0"),
         (["--decode-workers", "0"], "--decode-workers must be >= 1, got 0"),
         (["--prefill-workers", "-1"], "--prefill-workers must be >= 0, got -1"),
+        (
+            ["--prefill-workers", "0", "--prefill-device", "cuda:1"],
+            "--prefill-device: --prefill-workers 0 starts no prefill worker",
+        ),
         (["--device", "cpu,cuda:x"], "--device: device must be auto, cpu, cuda, cuda:N or mps"),
         (["--decode-device", "cuda:1,tpu"], "--decode-device: device must be"),
         (

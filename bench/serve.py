@@ -266,6 +266,7 @@ def launch_disaggregated(
     env: dict[str, str] | None = None,
     metrics: bool = False,
     disagg_threshold: int = 0,
+    prefill_workers: int = 1,
 ) -> Launched:
     """`tandem up` (gateway, prefill and decode processes) with `engine`'s options, every prompt
     prefilled on the prefill worker (`disagg_threshold` 0; else the gateway's flag: shorter
@@ -273,9 +274,11 @@ def launch_disaggregated(
     IPC on a GPU, shared memory on a CPU (the transport is `disaggregated_transport(cuda)`).
     `concurrent`: the gateway admits that many requests at once, all of them waiting for a
     first token (an offline batch submitted at once; its defaults refuse more than 256
-    waiting). `env` and `metrics`: as `Launched`'s."""
+    waiting). `prefill_workers` 0: none, the decode worker prefills every prompt. `env` and
+    `metrics`: as `Launched`'s."""
     up = [*engine_flags(engine), "--kv-transport", disaggregated_transport(cuda),
-          "--disagg-threshold", str(disagg_threshold), "--no-restart"]  # fmt: skip
+          "--disagg-threshold", str(disagg_threshold), "--no-restart",
+          "--prefill-workers", str(prefill_workers)]  # fmt: skip
     if concurrent is not None:
         up += ["--max-waiting", str(concurrent), "--max-inflight", str(concurrent)]
     return Launched(up, timeout=timeout, env=env, metrics=metrics)

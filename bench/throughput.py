@@ -429,7 +429,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             launched = serve.launch_disaggregated(
                 engine, cuda, concurrent=len(prompts),
                 env=recorder.service_env() if recorder else None, metrics=recorder is not None,
-                disagg_threshold=args.disagg_threshold,
+                disagg_threshold=args.disagg_threshold, prefill_workers=args.prefill_workers,
             )  # fmt: skip
             info.update(command=launched.command, startup_s=launched.startup_s)
             try:
@@ -452,13 +452,15 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                 launched.stop()
             want = f"{serve.disaggregated_transport(cuda)}_push"  # into reserved decode blocks
             # Prompts under --disagg-threshold are prefilled by the decode worker: no KV moves.
-            allowed = {want, "none"} if args.disagg_threshold else {want}
+            local = args.disagg_threshold or not args.prefill_workers
+            allowed = {want, "none"} if local else {want}
             if not set(out["kv_transports"]) <= allowed:
                 raise RuntimeError(f"KV moved by {out['kv_transports']}, not {want!r}")
-            out["disagg_threshold"] = args.disagg_threshold
+            out.update(disagg_threshold=args.disagg_threshold, prefill_workers=args.prefill_workers)
             return out | {"services": info}
 
-        guarded("services (gateway, prefill, decode)", services_path)
+        stages = "gateway, prefill, decode" if args.prefill_workers else "gateway, decode"
+        guarded(f"services ({stages})", services_path)
     save()
     print_sharegpt(res)
     print(f"wrote {args.out}")
@@ -539,6 +541,12 @@ def main() -> int:
         default=0,
         help="services: the gateway's --disagg-threshold (default 0: every prompt through the "
         "prefill worker; `tandem up` defaults to 128)",
+    )
+    sg.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=1,
+        help="services: prefill workers (default 1; 0: the decode worker prefills every prompt)",
     )
     sg.add_argument(
         "--timeline",

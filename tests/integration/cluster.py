@@ -154,6 +154,14 @@ def _start_cluster(
 ) -> Cluster:
     port, http_port, pp, dp, gm, pm, dm = free_ports(7)
     metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
+    flags = list(extra or [])
+    # With no prefill worker, tandem up refuses the flags that would name its ports.
+    no_prefill = any(
+        a == "--prefill-workers" and b == "0" for a, b in zip(flags, flags[1:], strict=False)
+    )
+    prefill_ports = (
+        [] if no_prefill else ["--prefill-port", str(pp), "--prefill-metrics-port", str(pm)]
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -163,17 +171,14 @@ def _start_cluster(
         str(port),
         "--http-port",
         str(http_port),
-        "--prefill-port",
-        str(pp),
+        *prefill_ports,
         "--decode-port",
         str(dp),
         "--metrics-port",
         str(gm),
-        "--prefill-metrics-port",
-        str(pm),
         "--decode-metrics-port",
         str(dm),
-        *(extra or []),
+        *flags,
     ]
     overrides = {"TANDEM_STAGE_SECRET": secrets.token_urlsafe(24), **(env or {})}
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -50,6 +50,18 @@ def worker_stats(st, **stage_fields: Any) -> stages_pb2.WorkerStats:
 SNAPSHOT_HASHES = 4096
 
 
+class KvEventsServicer:
+    """The `KvEvents` RPC of a prefill or a decode worker, over its `kv_events` feed, its
+    `engine_loop` and its pool's `layout`."""
+
+    async def KvEvents(self, request, context):
+        layout = self.layout
+        async for batch in kv_event_stream(
+            self.kv_events, self.engine_loop, layout.block_size, layout.num_blocks, context
+        ):
+            yield batch
+
+
 async def kv_event_stream(
     feed: KvEventFeed, engine_loop, block_size: int, total_blocks: int, context
 ):

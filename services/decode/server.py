@@ -28,7 +28,7 @@ from services.decode.admission import Admission, PushTarget
 from services.decode.draft_client import DraftClient
 from services.decode.observe import DecodeTelemetry
 from services.decode.peers import PrefillPeers
-from services.worker import kv_event_stream, run_worker, worker_stats
+from services.worker import KvEventsServicer, run_worker, worker_stats
 from tandem import telemetry as tel
 from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
@@ -69,7 +69,7 @@ class Session:
     closed: bool = False  # the gateway went away: admissions still on their way are dropped
 
 
-class DecodeService(stages_pb2_grpc.DecodeServicer):
+class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
     def __init__(
         self,
         config: EngineConfig,
@@ -376,16 +376,6 @@ class DecodeService(stages_pb2_grpc.DecodeServicer):
             session.out.put_nowait(stages_pb2.DecodeOut(finished=[self._finished(sid, "abort")]))
         else:
             self.prefill_info.pop(sid, None)
-
-    async def KvEvents(self, request, context):
-        async for batch in kv_event_stream(
-            self.kv_events,
-            self.engine_loop,
-            self.layout.block_size,
-            self.layout.num_blocks,
-            context,
-        ):
-            yield batch
 
     async def Reserve(self, request, context):
         """Reserve blocks for a prompt whose KV the named prefill worker will write into them;

@@ -21,7 +21,7 @@ import numpy as np
 
 from services.prefill.observe import PrefillTelemetry
 from services.prefill.push import PushTargets
-from services.worker import kv_event_stream, run_worker, worker_stats
+from services.worker import KvEventsServicer, run_worker, worker_stats
 from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
@@ -86,7 +86,7 @@ class PrefillResult:
     prompt_logprobs: list | None = None  # sampling.prompt_logprobs: one entry per prompt token
 
 
-class PrefillService(stages_pb2_grpc.PrefillServicer):
+class PrefillService(KvEventsServicer, stages_pb2_grpc.PrefillServicer):
     """Prefill.Run batches prompts on the engine thread; the KV stays leased until released."""
 
     def __init__(
@@ -507,16 +507,6 @@ class PrefillService(stages_pb2_grpc.PrefillServicer):
             data = self.inline.block_bytes(b)
             self.inline_bytes_sent += len(data)
             yield stages_pb2.BlockBytes(index=i, data=data)
-
-    async def KvEvents(self, request, context):
-        async for batch in kv_event_stream(
-            self.kv_events,
-            self.engine_loop,
-            self.layout.block_size,
-            self.layout.num_blocks,
-            context,
-        ):
-            yield batch
 
     async def Stats(self, request, context):
         # The engine's figures come from its thread; this worker's own counters (changed by

@@ -50,7 +50,9 @@ class Reservation:
     first: int
     expires_at: float  # monotonic
     withdrawn: bool = False  # given back while a write may still come: freed at expiry
-    restored: int = 0  # of the first `first` blocks, those copied back from the host tier
+    host_tokens: int = (
+        0  # of the first `first` blocks' tokens, those copied back from the host tier
+    )
 
 
 class Admission:
@@ -430,7 +432,7 @@ class Admission:
         now = time.monotonic() if now is None else now
         res = Reservation(
             request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
-            restored=probe.num_host_cached_tokens // table.block_size,
+            host_tokens=probe.num_host_cached_tokens,
         )  # fmt: skip
         self.reservations[request_id] = res
         return res
@@ -472,7 +474,7 @@ class Admission:
             raise
         self.seqs[request_id] = seq
         seq.num_cached_tokens = res.first * table.block_size
-        seq.num_host_cached_tokens = res.restored * table.block_size
+        seq.num_host_cached_tokens = res.host_tokens
         self._join(seq)
         return seq
 

@@ -156,6 +156,39 @@ def _devices(value: str | None) -> list[str]:
     return [d.strip() for d in (value or "").split(",") if d.strip()]
 
 
+def _host_has_gpu() -> bool:
+    """Whether a stage given no --device would run on a GPU ("auto" resolves to cuda)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_prefill_workers(args: argparse.Namespace) -> tuple[int, str]:
+    """--prefill-workers when not given, and why.
+
+    Where the prefill and decode workers would share one GPU, none: two processes on one device
+    run by time slices, while one engine mixes prompt chunks into its decode steps (on an H100,
+    ShareGPT-like load through the services kept 0.96-1.0 of the engine's throughput with none
+    and 0.87-0.95 with one; `bench/results/h100_one_gpu.json`). Where a prefill-only setting
+    is given, the stages get devices of their own or run on the CPU: one."""
+    wanted = [f"--{f.replace('_', '-')}" for f in ("prefill_device", "prefill_port",
+              "prefill_metrics_port", "disagg_threshold") if getattr(args, f, None) is not None]  # fmt: skip
+    if getattr(args, "kv_transport", "auto") != "auto":
+        wanted.append("--kv-transport")
+    if wanted:
+        return 1, f"{', '.join(wanted)} given"
+    shared = _devices(args.device)
+    if len(shared) > 1:
+        return 1, "several devices"
+    decode = set(_devices(args.decode_device)) or set(shared) or {"auto"}
+    prefill = shared[0] if shared else "auto"
+    if decode != {prefill}:
+        return 1, "the stages have devices of their own"
+    if prefill.startswith("cuda") or (prefill == "auto" and _host_has_gpu()):
+        return 0, "the stages share one GPU"
+    return 1, "the CPU"
+
+
 @dataclass
 class Worker:
     """One prefill or decode worker `tandem up` starts."""
@@ -175,6 +208,8 @@ def _workers(args: argparse.Namespace, base: dict[str, int], metrics: dict[str, 
     turn = 0
     for stage in ("prefill", "decode"):
         n = getattr(args, f"{stage}_workers")
+        if n is None:  # --prefill-workers not given
+            n = default_prefill_workers(args)[0]
         least = 0 if stage == "prefill" else 1  # none: the decode workers prefill every prompt
         if n < least:
             raise ValueError(f"--{stage}-workers must be >= {least}, got {n}")
@@ -315,11 +350,17 @@ def add_up_args(up: argparse.ArgumentParser) -> None:
         up.add_argument(
             f"--{st}-workers",
             type=int,
-            default=1,
-            help=f"{st} workers to start (default %(default)s); the gateway routes each request "
-            f"to the one holding the longest cached prefix of it. Worker i listens on the "
-            f"{st} port + {WORKER_PORT_STRIDE}*i (its /metrics likewise)"
-            + ("; 0: none, the decode workers prefill every prompt" if st == "prefill" else ""),
+            default=None if st == "prefill" else 1,
+            help=f"{st} workers to start"
+            + (
+                " (default: none where the stages would share one GPU, else 1); 0: none, the "
+                "decode workers prefill every prompt"
+                if st == "prefill"
+                else " (default %(default)s)"
+            )
+            + f"; the gateway routes each request to the one holding the longest cached prefix "
+            f"of it. Worker i listens on the {st} port + {WORKER_PORT_STRIDE}*i (its /metrics "
+            "likewise)",
         )
     up.add_argument("--prefill-port", type=int, default=None, help="default: port+1")
     up.add_argument("--decode-port", type=int, default=None, help="default: port+2")
@@ -578,6 +619,14 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     }
     if args.metrics_port is not None and args.metrics_port < 0:
         metrics_ports = dict.fromkeys(metrics_ports, -1)
+    if args.prefill_workers is None:
+        args.prefill_workers, why = default_prefill_workers(args)
+        if args.prefill_workers == 0:
+            print(
+                f"No prefill worker ({why}): the decode worker prefills every prompt; "
+                "--prefill-workers 1 starts one",
+                flush=True,
+            )
     try:
         workers = _workers(args, {"prefill": prefill_port, "decode": decode_port}, metrics_ports)
     except ValueError as e:

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
+from tandem import up as up_module
 from tandem.cli import main
 from tandem.rpc import api_pb2_grpc
-from tandem.up import WORKER_PORT_STRIDE, _stage_argv, _workers
+from tandem.up import WORKER_PORT_STRIDE, _stage_argv, _workers, default_prefill_workers
 from tandem.up import add_up_args as _add_up_args
 from tests.conftest import self_signed_cert
 
@@ -139,6 +140,34 @@ def test_up_gives_each_worker_its_ports_and_a_device_in_turn():
     got = [(w.name, w.device) for w in _workers(args, base, dict.fromkeys(base, -1))]
     assert got == [("prefill", None), ("decode0", "cuda:3"), ("decode1", "cuda:2")]
     assert {w.metrics_port for w in _workers(args, base, dict.fromkeys(base, -1))} == {-1}
+
+
+@pytest.mark.parametrize(
+    ("flags", "gpu", "want"),
+    [
+        # Stages sharing one GPU: the decode worker prefills, no second process time-slices it.
+        ([], True, 0),
+        (["--device", "cuda"], False, 0),
+        (["--device", "cuda:1", "--decode-workers", "2"], True, 0),
+        # The CPU, or devices of their own: a prefill worker.
+        ([], False, 1),
+        (["--device", "cpu"], True, 1),
+        (["--device", "cuda:0,cuda:1"], True, 1),
+        (["--decode-device", "cuda:1"], True, 1),
+        (["--device", "cuda:0", "--decode-device", "cuda:1"], True, 1),
+        # A setting only a prefill worker takes asks for one.
+        (["--prefill-device", "cuda:0"], True, 1),
+        (["--prefill-port", "50111"], True, 1),
+        (["--disagg-threshold", "0"], True, 1),
+        (["--kv-transport", "cuda_ipc"], True, 1),
+    ],
+)
+def test_up_starts_a_prefill_worker_unless_the_stages_share_one_gpu(monkeypatch, flags, gpu, want):
+    monkeypatch.setattr(up_module, "_host_has_gpu", lambda: gpu)
+    args = _up_args(flags)
+    assert args.prefill_workers is None  # not given: `tandem up` chooses
+    got, why = default_prefill_workers(args)
+    assert (got, bool(why)) == (want, True)
 
 
 def test_chat_with_nothing_listening_says_to_start_tandem(capsys):

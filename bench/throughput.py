@@ -181,18 +181,27 @@ def run_offline_engine(engine, prompts: list[list[int]], outputs: list[int]) -> 
             for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
     sched = engine.scheduler
     steps: list[tuple[int, bool, float]] = []  # (running sequences, prompts left, seconds)
+    # Time to first token as the services' clients see it: the end of the step that returned
+    # it. Only sequences still waiting for theirs are looked at after a step.
+    waiting, ttft = list(seqs), []
     while engine.has_unfinished():
         left = bool(sched.waiting) or any(map(sched.in_prompt, sched.running))
         t = time.perf_counter()
         engine.step()
-        steps.append((len(sched.running), left, time.perf_counter() - t))
+        now = time.perf_counter()
+        steps.append((len(sched.running), left, now - t))
+        if waiting:
+            ttft += [now - t0 for s in waiting if s.output_token_ids]
+            waiting = [s for s in waiting if not s.output_token_ids]
     lr.sync()
     wall = time.perf_counter() - t0
     got = sum(len(s.output_token_ids) for s in seqs)
     if got != sum(outputs):
         raise RuntimeError(f"generated {got} tokens, expected {sum(outputs)}")
     slowest = sorted(range(len(steps)), key=lambda i: -steps[i][2])[:SLOWEST]
+    ttft.sort()
     return _throughput(wall, sum(map(len, prompts)), got) | {
+        "ttft_p50_s": ttft[len(ttft) // 2],
         "steps": len(steps),
         "step_times": step_times(steps),
         "slowest_steps": [
@@ -316,10 +325,13 @@ def run_offline_services(
         raise RuntimeError(f"the services streamed {got} tokens, expected {sum(outputs)}")
     wall = max(r["t_last"] for r in recs) - t_start
     ttft = sorted(r["t_first"] - t_start for r in recs)
-    transports = sorted({r["kv_transport"] for r in recs if r["kv_transport"]})
+    transports: dict[str, int] = {}
+    for r in recs:
+        if r["kv_transport"]:
+            transports[r["kv_transport"]] = transports.get(r["kv_transport"], 0) + 1
     return _throughput(wall, sum(map(len, prompts)), got) | {
         "client_processes": procs, "ttft_p50_s": ttft[len(ttft) // 2],
-        "kv_transports": transports}  # fmt: skip
+        "kv_transports": dict(sorted(transports.items()))}  # fmt: skip
 
 
 def published_rows() -> list[dict[str, Any]]:
@@ -450,12 +462,19 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                     res["timeline"] = recorder.finish(len(prompts), dropped, meta)
             finally:
                 launched.stop()
-            want = f"{serve.disaggregated_transport(cuda)}_push"  # into reserved decode blocks
-            # Prompts under --disagg-threshold are prefilled by the decode worker: no KV moves.
-            local = args.disagg_threshold or not args.prefill_workers
-            allowed = {want, "none"} if local else {want}
-            if not set(out["kv_transports"]) <= allowed:
-                raise RuntimeError(f"KV moved by {out['kv_transports']}, not {want!r}")
+            # Requests by how their KV reached the decode worker: pushed into reserved blocks
+            # where a prefill worker computed it; "none" where the decode worker prefilled it
+            # (under --disagg-threshold, or no prefill worker). A reservation the decode pool
+            # cannot grant falls back to a pull ("cuda_ipc"/"shm") or, when the prefill
+            # worker's lease ran out meanwhile, a recompute: counted, and printed with the row.
+            moved = out["kv_transports"]
+            want = (
+                "none"
+                if not args.prefill_workers
+                else f"{serve.disaggregated_transport(cuda)}_push"
+            )
+            if want not in moved:
+                raise RuntimeError(f"KV moved by {moved}, never by {want!r}")
             out.update(disagg_threshold=args.disagg_threshold, prefill_workers=args.prefill_workers)
             return out | {"services": info}
 
@@ -481,7 +500,8 @@ def print_sharegpt(res: dict[str, Any]) -> None:
     w = res["workload"]["lengths"]
     print(f"\nShareGPT-like, {w['requests']} requests at once: {w['input_tokens']} input + "
           f"{w['output_tokens']} output tokens; {res['device']}")  # fmt: skip
-    print(f"{'':<42}{'output tok/s':>14}{'total tok/s':>13}{'wall s':>9}{'model TFLOP/s':>15}")
+    print(f"{'':<42}{'output tok/s':>14}{'total tok/s':>13}{'wall s':>9}{'model TFLOP/s':>15}"
+          f"{'TTFT p50 s':>12}")  # fmt: skip
     for r in res["rows"]:
         if "error" in r:
             print(f"Tandem {r['path']:<35}  error: {r['error'][:70]}")
@@ -489,8 +509,11 @@ def print_sharegpt(res: dict[str, Any]) -> None:
         params = next((x["params"] for x in res["rows"] if "params" in x), None)
         tf = (f"{2 * params * (r['input_tokens'] + r['output_tokens']) / r['wall_s'] / 1e12:.0f}"
               if params else "-")  # fmt: skip
+        ttft = f"{r['ttft_p50_s']:.2f}" if "ttft_p50_s" in r else "-"
         print(f"Tandem {r['path']:<35}{r['output_tokens_per_s']:>14,.0f}"
-              f"{r['total_tokens_per_s']:>13,.0f}{r['wall_s']:>9.2f}{tf:>15}")  # fmt: skip
+              f"{r['total_tokens_per_s']:>13,.0f}{r['wall_s']:>9.2f}{tf:>15}{ttft:>12}")  # fmt: skip
+        if len(r.get("kv_transports") or {}) > 1:
+            print(f"  requests by how their KV moved: {r['kv_transports']}")
     for r in res["rows"]:
         if r.get("step_times"):
             print(f"where the {r['path'].split(' ')[0]}'s steps went:")

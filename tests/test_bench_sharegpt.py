@@ -103,7 +103,10 @@ def test_smoke_run_through_the_engine_and_the_services_writes_the_json(tmp_path)
         assert r["total_tokens_per_s"] == pytest.approx(
             (r["input_tokens"] + r["output_tokens"]) / r["wall_s"]
         )
-    assert res["rows"][1]["kv_transports"] == ["shm_push"]
+    # Every request's KV pushed into reserved decode blocks, counted by how it moved.
+    assert res["rows"][1]["kv_transports"] == {"shm_push": 12}
+    for r in res["rows"]:  # the first token after the common start, before the last one
+        assert 0 < r["ttft_p50_s"] < r["wall_s"]
     groups = res["rows"][0]["step_times"]  # where the engine's steps went
     assert sum(g["count"] for g in groups) == res["rows"][0]["steps"]
     assert groups[0]["steps"] == "with prompt tokens"

@@ -157,10 +157,29 @@ def _devices(value: str | None) -> list[str]:
 
 
 def _host_has_gpu() -> bool:
-    """Whether a stage given no --device would run on a GPU ("auto" resolves to cuda)."""
-    import torch
+    """Whether a stage given no --device would run on a GPU: torch's "auto" resolves to cuda.
 
-    return torch.cuda.is_available()
+    Asked as torch would answer, without importing it (a second and more before any stage
+    starts): a CUDA build of torch, and a CUDA driver that counts a device this process may use
+    (it honours CUDA_VISIBLE_DEVICES). No CUDA context is made."""
+    import ctypes
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    libs = [os.path.join(d, "lib", "libtorch_cuda*") for d in spec.submodule_search_locations]
+    if not any(glob.glob(pattern) for pattern in libs):
+        return False  # a CPU build
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return (
+        cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+    )
 
 
 def default_prefill_workers(args: argparse.Namespace) -> tuple[int, str]:

@@ -170,6 +170,12 @@ def test_up_starts_a_prefill_worker_unless_the_stages_share_one_gpu(monkeypatch,
     assert (got, bool(why)) == (want, True)
 
 
+def test_up_sees_a_gpu_host_as_torch_does():
+    import torch
+
+    assert up_module._host_has_gpu() == torch.cuda.is_available()
+
+
 def test_chat_with_nothing_listening_says_to_start_tandem(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -132,34 +132,43 @@ def rss_mb(pid: int) -> float:
 
 
 def start_cluster(
-    extra: list[str] | None = None, timeout: float = 240.0, env: dict[str, str | None] | None = None
+    extra: list[str] | None = None,
+    timeout: float = 240.0,
+    env: dict[str, str | None] | None = None,
+    prefill_ports: bool = True,
 ) -> Cluster:
     """`tandem up` on free ports; `env` adds to (or, with None values, removes from) the
     environment of every stage. The stages get a fresh stage secret (TANDEM_STAGE_SECRET)
     unless `env` names one or removes it: the stage ports then require it, as deployed.
+    `prefill_ports` False: no prefill port is named, so `tandem up` chooses whether to start a
+    prefill worker as it does by default (naming one asks for a worker).
 
     A port found free may be taken before its stage binds it (another process's outgoing
     connection gets it as its own port). No one else knows these ports yet, so `tandem up`
     then starts again on new ones, up to three times."""
     for _ in range(3):
         try:
-            return _start_cluster(extra, timeout, env)
+            return _start_cluster(extra, timeout, env, prefill_ports)
         except _PortTaken:
             pass
-    return _start_cluster(extra, timeout, env)  # a fourth time taken: that error is raised
+    # A fourth time taken: that error is raised.
+    return _start_cluster(extra, timeout, env, prefill_ports)
 
 
 def _start_cluster(
-    extra: list[str] | None, timeout: float, env: dict[str, str | None] | None
+    extra: list[str] | None,
+    timeout: float,
+    env: dict[str, str | None] | None,
+    prefill_ports: bool,
 ) -> Cluster:
     port, http_port, pp, dp, gm, pm, dm = free_ports(7)
     metrics_ports = {"gateway": gm, "prefill": pm, "decode": dm}
     flags = list(extra or [])
     # With no prefill worker, tandem up refuses the flags that would name its ports.
-    no_prefill = any(
+    no_prefill = not prefill_ports or any(
         a == "--prefill-workers" and b == "0" for a, b in zip(flags, flags[1:], strict=False)
     )
-    prefill_ports = (
+    prefill_flags = (
         [] if no_prefill else ["--prefill-port", str(pp), "--prefill-metrics-port", str(pm)]
     )
     cmd = [
@@ -171,7 +180,7 @@ def _start_cluster(
         str(port),
         "--http-port",
         str(http_port),
-        *prefill_ports,
+        *prefill_flags,
         "--decode-port",
         str(dp),
         "--metrics-port",

@@ -88,11 +88,21 @@ def test_greedy_with_triton_varlen_attention_matches_transformers(model_factory,
 
     calls = []
 
-    def triton_varlen(*args, **kwargs):
-        calls.append(len(args[4]) - 1)
-        return pa_varlen.paged_attention_varlen_triton(*args, **kwargs)
+    class TritonVarlen:
+        """In place of the CPU's multi-token attention of a step."""
 
-    monkeypatch.setattr(attention, "paged_attention_varlen_ref", triton_varlen)
+        def __init__(self, meta, block_size):
+            self.meta = meta
+
+        def __call__(self, q, layer_kv, scale):
+            m = self.meta
+            calls.append(len(m.query_start_loc) - 1)
+            return pa_varlen.paged_attention_varlen_triton(
+                q, layer_kv[0], layer_kv[1], m.block_tables, m.query_start_loc,
+                m.context_lens_list, scale,
+            )  # fmt: skip
+
+    monkeypatch.setattr(attention, "CpuVarlenAttention", TritonVarlen)
     hf, path = model_factory("llama3")
     llm = tandem.LLM(path, num_blocks=128)
     prompts = _prompts(seed=4)[:4]

@@ -171,6 +171,39 @@ def test_varlen_ref_matches_f64() -> None:
     torch.testing.assert_close(out.double(), expect, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "lens, q_lens",
+    [
+        # Decodes of several lengths beside a whole prompt, a chunk after a cached prefix, a
+        # sequence with no queries and a verification of 3 positions.
+        ([9, 40, 20, 33, 1, 17, 64], [1, 1, 0, 3, 1, 17, 5]),
+        ([5, 30], [1, 30]),  # one decode: nothing to batch
+        ([12, 50, 3], [1, 1, 1]),  # decodes only, as a verification step can leave them
+    ],
+)
+def test_cpu_varlen_batches_the_decodes_of_a_mixed_step_and_matches_f64(lens, q_lens) -> None:
+    from tandem.layers.attention import AttentionMetadata, CpuVarlenAttention
+
+    _, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=2)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], 6, 64, generator=torch.Generator().manual_seed(7))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long),
+        block_tables=table,
+        context_lens=ctx,
+        context_lens_list=lens,
+        query_start_loc=starts,
+        decode_only=False,
+    )
+    attn = CpuVarlenAttention(meta, 16)
+    assert (attn.decode is not None) == (q_lens.count(1) > 1)
+    got = attn(q, torch.stack([kc, vc]), 0.125)
+    expect = attention_varlen_f64(q, kc, vc, table, starts, lens, 0.125)
+    torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
+
+
 # (context_lens, q_lens, Hq, Hkv, head_dim, block_size, block_m, block_n)
 VARLEN_CASES = [
     # Whole prompts (q_len == context), a chunk after a cached prefix, a sequence without queries,

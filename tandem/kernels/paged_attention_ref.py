@@ -65,26 +65,36 @@ def paged_attention_varlen_ref(
     L - q_len + i and sees cache positions 0 ..= that position.
     """
     out = torch.empty_like(q)
-    bs = k_cache.shape[1]
     for i, ctx in enumerate(context_lens):
         s, e = query_start_loc[i], query_start_loc[i + 1]
-        q_len = e - s
-        if q_len == 0:
-            continue
-        nb = (ctx + bs - 1) // bs
-        table = block_tables[i : i + 1, :nb]
-        k = _gather(k_cache, table, k_scale, q.dtype)[:, :, :ctx]  # [1, Hkv, ctx, D]
-        v = _gather(v_cache, table, v_scale, q.dtype)[:, :, :ctx]
-        qi = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        if q_len == ctx:
-            o = F.scaled_dot_product_attention(
-                qi, k, v, is_causal=True, scale=scale, enable_gqa=True
+        if e > s:
+            out[s:e] = varlen_one_ref(
+                q[s:e], k_cache, v_cache, block_tables[i], ctx, scale, k_scale, v_scale
             )
-        else:
-            qpos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q_len, ctx]
-            o = F.scaled_dot_product_attention(
-                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-            )
-        out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def varlen_one_ref(
+    q: torch.Tensor,  # [q_len, Hq, D]: the sequence's query tokens, the last of its context
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [max_blocks]: the sequence's block table
+    ctx: int,  # tokens in cache, the queries included
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention_varlen_ref` for one sequence -> [q_len, Hq, D]."""
+    q_len = q.shape[0]
+    nb = (ctx + k_cache.shape[1] - 1) // k_cache.shape[1]
+    table = table[None, :nb]
+    k = _gather(k_cache, table, k_scale, q.dtype)[:, :, :ctx]  # [1, Hkv, ctx, D]
+    v = _gather(v_cache, table, v_scale, q.dtype)[:, :, :ctx]
+    qi = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    if q_len == ctx:
+        o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

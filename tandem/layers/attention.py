@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tandem.config import KernelConfig
 from tandem.kernels.paged_attention import paged_attention_decode, paged_attention_decode_triton
-from tandem.kernels.paged_attention_ref import paged_attention_varlen_ref
+from tandem.kernels.paged_attention_ref import paged_attention_varlen_ref, varlen_one_ref
 from tandem.kernels.paged_attention_varlen import paged_attention_varlen_triton
 from tandem.layers.linear import InOrder, Linear
 from tandem.layers.step import Step
@@ -84,6 +84,54 @@ class CpuDecodeAttention:
         return out.squeeze(2)
 
 
+class CpuVarlenAttention:
+    """Attention of a step with multi-token queries on CPU (prompt chunks, verification, beside
+    decodes): the sequences with one query token, a mixed step's decodes, go together through
+    `CpuDecodeAttention`; the others one by one (`varlen_one_ref`). The reference takes every
+    sequence one by one, which made a step that joined one prompt to 64 decodes several times
+    slower than the decode step beside it."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
+        qsl, lens = meta.query_start_loc, meta.context_lens_list
+        ones = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        self.decode: CpuDecodeAttention | None = None
+        if len(ones) > 1:
+            idx = torch.tensor(ones, dtype=torch.long, device=meta.block_tables.device)
+            longest = max(lens[i] for i in ones)
+            sub = AttentionMetadata(
+                slot_mapping=meta.slot_mapping,  # not read
+                block_tables=meta.block_tables.index_select(0, idx)[
+                    :, : (longest + block_size - 1) // block_size
+                ],
+                context_lens=meta.context_lens.index_select(0, idx),
+                context_lens_list=[lens[i] for i in ones],
+                query_start_loc=list(range(len(ones) + 1)),
+                decode_only=True,
+            )
+            self.decode = CpuDecodeAttention(sub, block_size)
+            self.rows = torch.tensor([qsl[i] for i in ones], dtype=torch.long, device=idx.device)
+        batched = set(ones) if self.decode is not None else set()
+        self.rest = [i for i in range(len(lens)) if qsl[i + 1] > qsl[i] and i not in batched]
+        self.meta = meta
+
+    def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], layer_kv [2, num_blocks, block_size, Hkv, D] -> [T, Hq, D]."""
+        meta = self.meta
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            out.index_copy_(
+                0, self.rows, self.decode(q.index_select(0, self.rows), layer_kv, scale)
+            )
+        qsl = meta.query_start_loc
+        for i in self.rest:
+            s, e = qsl[i], qsl[i + 1]
+            out[s:e] = varlen_one_ref(
+                q[s:e], layer_kv[0], layer_kv[1], meta.block_tables[i],
+                meta.context_lens_list[i], scale,
+            )  # fmt: skip
+        return out
+
+
 def decode_partition_size(batch: int, kv_heads: int) -> int:
     """Context tokens per program of the split-K decode kernel for a batch of `batch` sequences.
 
@@ -131,6 +179,10 @@ class Attention:
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                 k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
+        elif k_scale is None:
+            if step.cpu_varlen is None:
+                step.cpu_varlen = CpuVarlenAttention(meta, kv.block_size)
+            attn = step.cpu_varlen(q, kv.data[self.layer], self.scale)
         else:
             attn = paged_attention_varlen_ref(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,

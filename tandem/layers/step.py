@@ -12,7 +12,7 @@ from tandem.kernels.w4a16 import gemv_atomic_enabled
 
 if TYPE_CHECKING:
     from tandem.kv.cache import KVCache
-    from tandem.layers.attention import AttentionMetadata, CpuDecodeAttention
+    from tandem.layers.attention import AttentionMetadata, CpuDecodeAttention, CpuVarlenAttention
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Step:
     # Built by the first layer that needs them, then shared by every layer of the step.
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, 1, D/2]
     cpu_decode: CpuDecodeAttention | None = None
+    cpu_varlen: CpuVarlenAttention | None = None
     # The float32 rows GEMVs added into this step: zeroed again if the step stops part-way.
     accumulators: list[torch.Tensor] = field(default_factory=list)
 

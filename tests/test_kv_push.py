@@ -16,6 +16,7 @@ from tandem.kv.reservation import (
     ReservationRefused,
     check_push_proof,
     check_reservation,
+    prompt_digest,
     push_proof,
     reservation_key,
     sign_reservation,
@@ -38,6 +39,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         block_ids=list(blocks),
         num_tokens=len(prompt),
         expires_at=expires,
+        prompt_digest=prompt_digest(prompt),
     )
     res.signature = sign_reservation(
         key,
@@ -49,7 +51,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         res.block_ids,
         len(prompt),
         expires,
-        prompt,
+        res.prompt_digest,
     )
     return res
 
@@ -58,14 +60,26 @@ def test_reservation_checks_out_for_its_prompt_only():
     prompt = list(range(40))  # 3 blocks of 16
     res = _signed(prompt)
     check_reservation(KEY, res, "s1", prompt, 16, time.time())
+    other = [*prompt[:-1], 7]
+    with pytest.raises(ReservationRefused, match="another prompt"):
+        check_reservation(KEY, res, "s1", other, 16, time.time())
+    # The digest swapped for the other prompt's: the signature no longer matches.
+    res.prompt_digest = prompt_digest(other)
     with pytest.raises(ReservationRefused, match="signature"):
-        check_reservation(KEY, res, "s1", [*prompt[:-1], 7], 16, time.time())
+        check_reservation(KEY, res, "s1", other, 16, time.time())
+    # Nor for the decode worker that takes the signed digest (its engine compares the ids).
+    with pytest.raises(ReservationRefused, match="signature"):
+        check_reservation(KEY, res, "s1", other, 16, time.time(), prompt_compared=True)
+    res = _signed(prompt)
     with pytest.raises(ReservationRefused, match="signature"):  # another worker's key
         check_reservation(reservation_key(b"other", "decode-pool"), res, "s1", prompt, 16, 0)
     with pytest.raises(ReservationRefused, match="not 's2'"):
         check_reservation(KEY, res, "s2", prompt, 16, time.time())
     with pytest.raises(ReservationRefused, match="does not cover"):  # signed, but too few blocks
         check_reservation(KEY, _signed(prompt, blocks=(4, 5)), "s1", prompt, 16, time.time())
+    # The same digest from ids in a numpy array (how a worker reads a message's ids).
+    assert prompt_digest(np.array(prompt, dtype=np.uint32)) == res.prompt_digest
+    check_reservation(KEY, res, "s1", np.array(prompt, dtype=np.uint32), 16, time.time())
 
 
 def test_altered_or_unsigned_reservation_is_refused():
@@ -75,6 +89,7 @@ def test_altered_or_unsigned_reservation_is_refused():
         ("first_block", 1),
         ("expires_at", 1e12),
         ("writer_pool_id", "prefill-other"),
+        ("signature", b"x" * 32),
     )
     for field, value in altered:
         res = _signed(prompt)
@@ -83,8 +98,9 @@ def test_altered_or_unsigned_reservation_is_refused():
             res.block_ids.extend(value)
         else:
             setattr(res, field, value)
-        with pytest.raises(ReservationRefused, match="signature"):
-            check_reservation(KEY, res, "s1", prompt, 16, time.time())
+        for compared in (False, True):
+            with pytest.raises(ReservationRefused, match="signature"):
+                check_reservation(KEY, res, "s1", prompt, 16, time.time(), prompt_compared=compared)
     res = _signed(prompt)
     res.signature = b""
     with pytest.raises(ReservationRefused, match="no token or signature"):
@@ -225,3 +241,14 @@ def test_reserve_refuses_what_cannot_fit(model_factory):
     with pytest.raises(ValueError, match="not the one"):
         dec.admit_reserved("r", res.token, rand_ids(20, 7), 1, GREEDY)
     assert dec.unreserve(res.token) and dec.pool.num_used == 0
+    # Reserved as a worker reads a message's ids (a numpy array): compared as arrays, and
+    # refused by a single id's difference, or a prompt one id longer.
+    prompt = np.array(rand_ids(40, 6), dtype=np.uint32)
+    res = dec.reserve(prompt, "a", ttl_s=30)
+    prompt[3] += 1  # the caller's array changing after Reserve changes nothing reserved
+    for other in (prompt, np.append(res.ids, 5).astype(np.uint32), np.array(res.prompt[:-1])):
+        with pytest.raises(ValueError, match="not the one"):
+            dec.admit_reserved("a", res.token, other, 1, GREEDY)
+    seq = dec.admit_reserved("a", res.token, res.ids.astype(np.int64), 1, GREEDY)
+    assert seq.prompt_token_ids == res.prompt and dec.reservation_stats() == (0, 0)
+    assert dec.abort("a") and dec.pool.num_used == 0

@@ -40,7 +40,7 @@ from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import PoolLayout, host_id
 from tandem.kv.names import block_hashes
-from tandem.kv.reservation import reservation_key, sign_reservation
+from tandem.kv.reservation import prompt_digest, reservation_key, sign_reservation
 from tandem.kv.transports import TransportKind
 from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
 from tandem.kv.transports.shm import SharedPool
@@ -409,6 +409,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             if self.engine.prefix_cache is not None
             else None
         )
+        digest = prompt_digest(ids)
         try:
             res = await asyncio.wrap_future(
                 self.engine_loop.submit(
@@ -428,6 +429,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             block_ids=res.table.blocks[res.first :],
             num_tokens=len(ids),
             expires_at=time.time() + (res.expires_at - time.monotonic()),
+            prompt_digest=digest,
         )
         out.signature = sign_reservation(
             push.key,
@@ -439,7 +441,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             out.block_ids,
             out.num_tokens,
             out.expires_at,
-            ids,
+            digest,
         )
         return stages_pb2.ReserveResponse(reservation=out)
 

@@ -45,7 +45,7 @@ class Reservation:
 
     seq_id: str
     token: str  # the capability naming it outside this process
-    prompt: list[int]
+    prompt: list[int]  # the sequence's list, made here rather than at the handover
     table: BlockTable
     first: int
     expires_at: float  # monotonic
@@ -53,6 +53,14 @@ class Reservation:
     host_tokens: int = (
         0  # of the first `first` blocks' tokens, those copied back from the host tier
     )
+    ids: np.ndarray | None = None  # the prompt as reserved, when given as an array
+
+    def holds(self, prompt_token_ids: PromptIds) -> bool:
+        """Whether `prompt_token_ids` is exactly the prompt reserved (an array against an
+        array in one C pass: no list is made for the comparison)."""
+        if isinstance(prompt_token_ids, np.ndarray) and self.ids is not None:
+            return np.array_equal(prompt_token_ids, self.ids)
+        return _as_list(prompt_token_ids) == self.prompt
 
 
 class Admission:
@@ -433,6 +441,7 @@ class Admission:
         res = Reservation(
             request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
             host_tokens=probe.num_host_cached_tokens,
+            ids=prompt_token_ids.copy() if isinstance(prompt_token_ids, np.ndarray) else None,
         )  # fmt: skip
         self.reservations[request_id] = res
         return res
@@ -456,9 +465,11 @@ class Admission:
                 f"no live KV reservation {request_id!r} here (expired, given back, or never "
                 "made by this worker)"
             )
-        prompt = _as_list(prompt_token_ids)
-        if prompt != res.prompt:
+        # Compared, not copied: the sequence takes the list made at `reserve` (an 8k-token
+        # prompt's `tolist` alone would cost more than the rest of the handover).
+        if not res.holds(prompt_token_ids):
             raise ValueError("the admitted prompt is not the one whose blocks were reserved")
+        prompt = res.prompt
         del self.reservations[request_id]
         table = res.table
         try:

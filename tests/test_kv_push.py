@@ -4,6 +4,7 @@ reservations (output equal to in-process generation, prefix hits shared, nothing
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 import tandem
 from tandem.kv.block_copy import gather_copy
-from tandem.kv.names import block_hashes
+from tandem.kv.names import block_hashes, block_hashes_in_slices
 from tandem.kv.reservation import (
     ReservationRefused,
     check_push_proof,
@@ -252,3 +253,37 @@ def test_reserve_refuses_what_cannot_fit(model_factory):
     seq = dec.admit_reserved("a", res.token, res.ids.astype(np.int64), 1, GREEDY)
     assert seq.prompt_token_ids == res.prompt and dec.reservation_stats() == (0, 0)
     assert dec.abort("a") and dec.pool.num_used == 0
+
+
+def test_reserve_names_a_long_prompt_in_slices_between_loop_turns():
+    # Decode.Reserve names the prompt's blocks on its event loop: a long prompt in slices, the
+    # other streams' tasks running between them; the names are block_hashes' either way.
+    async def run(ids, slice_blocks):
+        turns = 0
+        done = False
+
+        async def other_stream():
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other_stream())
+        await asyncio.sleep(0)
+        start = turns
+        names = await block_hashes_in_slices(ids, 16, slice_blocks)
+        ran = turns - start
+        done = True
+        await task
+        return names, ran
+
+    long_prompt = np.array(rand_ids(8192 + 5, 11), dtype=np.uint32)
+    names, ran = asyncio.run(run(long_prompt, 128))
+    assert names == block_hashes(long_prompt, 16) and len(names) == 512
+    assert ran >= 3  # four slices: the loop turned between each
+    short = np.array(rand_ids(2048, 12), dtype=np.uint32)
+    names, ran = asyncio.run(run(short, 128))
+    assert names == block_hashes(short, 16) and ran == 0  # one slice: hashed at once
+    for n, slice_blocks in ((0, 2), (15, 2), (16, 1), (47, 2), (64, 3), (100, 1)):
+        ids = rand_ids(n, n) if n else []
+        assert asyncio.run(run(ids, slice_blocks))[0] == block_hashes(ids, 16)

@@ -39,7 +39,7 @@ from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import PoolLayout, host_id
-from tandem.kv.names import block_hashes
+from tandem.kv.names import block_hashes_in_slices
 from tandem.kv.reservation import prompt_digest, reservation_key, sign_reservation
 from tandem.kv.transports import TransportKind
 from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
@@ -403,9 +403,10 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
         ids = np.array(request.prompt_token_ids, dtype=np.uint32)
         ttl = self.reservation_ttl_s
         # Named here, not on the engine thread: neither the reservation's prefix lookup nor the
-        # admission (the handover) hashes the prompt.
+        # admission (the handover) hashes the prompt. A long prompt in slices, between which
+        # the other streams of this loop run.
         names = (
-            block_hashes(ids, self.layout.block_size)
+            await block_hashes_in_slices(ids, self.layout.block_size)
             if self.engine.prefix_cache is not None
             else None
         )

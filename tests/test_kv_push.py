@@ -201,6 +201,37 @@ def test_names_given_at_reserve_name_the_blocks_for_later_hits(model_factory):
     assert dec.unreserve(again.token) and dec.pool.num_used == 0
 
 
+def test_reserved_blocks_are_found_by_name_only_once_written(model_factory):
+    # Named at `reserve` (not at the admission: the handover), but no prefix hit for another
+    # prompt, no KV event and no name surviving an unreserve before the KV is written.
+    _, path = model_factory("llama")
+    prompt = rand_ids(50, 13)  # 3 full blocks
+    ids = np.array(prompt, dtype=np.uint32)
+    names = block_hashes(ids, 16)
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64, enable_prefix_cache=True).engine
+    events = []
+    dec.add_kv_listener(lambda kind, tier, hashes: events.append((kind, list(hashes))))
+    held = dec.reserve(ids, "held", ttl_s=30, block_names=names)
+    assert held.hidden_names == names and dec.pool.num_cached == 0
+    twin = dec.reserve(ids, "twin", ttl_s=30, block_names=names)
+    assert twin.first == 0 and not set(twin.table.blocks) & set(held.table.blocks)
+    assert dec.unreserve(twin.token) and dec.unreserve(held.token)
+    assert dec.pool.num_used == 0 and dec.pool.num_cached == 0 and events == []
+    assert dec.reserve(ids, "again", ttl_s=30, block_names=names).first == 0  # nothing kept
+    assert dec.admission.expire_reservations(now=time.monotonic() + 60) == 1
+    res = dec.reserve(ids, "r", ttl_s=30, block_names=names)
+    first, src = prefill_only(pre, prompt, "r", GREEDY)
+    gather_copy(dec.kv, res.table.blocks, pre.kv, src)
+    pre.leases.release("r")
+    dec.admit_reserved("r", res.token, ids, first, GREEDY)
+    assert events == [("stored", names)]
+    assert dec.prefix_cache.match(prompt, len(prompt))[0] == res.table.blocks[:3]
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.reserve(ids, "hit", ttl_s=30, block_names=names).first == 3
+
+
 def test_unreserve_and_expiry_give_the_blocks_back(model_factory):
     _, path = model_factory("llama")
     dec = tandem.LLM(path, num_blocks=16).engine

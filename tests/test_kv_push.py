@@ -4,6 +4,7 @@ reservations (output equal to in-process generation, prefix hits shared, nothing
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
@@ -11,11 +12,12 @@ import pytest
 
 import tandem
 from tandem.kv.block_copy import gather_copy
-from tandem.kv.names import block_hashes
+from tandem.kv.names import block_hashes, block_hashes_in_slices
 from tandem.kv.reservation import (
     ReservationRefused,
     check_push_proof,
     check_reservation,
+    prompt_digest,
     push_proof,
     reservation_key,
     sign_reservation,
@@ -38,6 +40,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         block_ids=list(blocks),
         num_tokens=len(prompt),
         expires_at=expires,
+        prompt_digest=prompt_digest(prompt),
     )
     res.signature = sign_reservation(
         key,
@@ -49,7 +52,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         res.block_ids,
         len(prompt),
         expires,
-        prompt,
+        res.prompt_digest,
     )
     return res
 
@@ -58,14 +61,26 @@ def test_reservation_checks_out_for_its_prompt_only():
     prompt = list(range(40))  # 3 blocks of 16
     res = _signed(prompt)
     check_reservation(KEY, res, "s1", prompt, 16, time.time())
+    other = [*prompt[:-1], 7]
+    with pytest.raises(ReservationRefused, match="another prompt"):
+        check_reservation(KEY, res, "s1", other, 16, time.time())
+    # The digest swapped for the other prompt's: the signature no longer matches.
+    res.prompt_digest = prompt_digest(other)
     with pytest.raises(ReservationRefused, match="signature"):
-        check_reservation(KEY, res, "s1", [*prompt[:-1], 7], 16, time.time())
+        check_reservation(KEY, res, "s1", other, 16, time.time())
+    # Nor for the decode worker that takes the signed digest (its engine compares the ids).
+    with pytest.raises(ReservationRefused, match="signature"):
+        check_reservation(KEY, res, "s1", other, 16, time.time(), prompt_compared=True)
+    res = _signed(prompt)
     with pytest.raises(ReservationRefused, match="signature"):  # another worker's key
         check_reservation(reservation_key(b"other", "decode-pool"), res, "s1", prompt, 16, 0)
     with pytest.raises(ReservationRefused, match="not 's2'"):
         check_reservation(KEY, res, "s2", prompt, 16, time.time())
     with pytest.raises(ReservationRefused, match="does not cover"):  # signed, but too few blocks
         check_reservation(KEY, _signed(prompt, blocks=(4, 5)), "s1", prompt, 16, time.time())
+    # The same digest from ids in a numpy array (how a worker reads a message's ids).
+    assert prompt_digest(np.array(prompt, dtype=np.uint32)) == res.prompt_digest
+    check_reservation(KEY, res, "s1", np.array(prompt, dtype=np.uint32), 16, time.time())
 
 
 def test_altered_or_unsigned_reservation_is_refused():
@@ -75,6 +90,7 @@ def test_altered_or_unsigned_reservation_is_refused():
         ("first_block", 1),
         ("expires_at", 1e12),
         ("writer_pool_id", "prefill-other"),
+        ("signature", b"x" * 32),
     )
     for field, value in altered:
         res = _signed(prompt)
@@ -83,8 +99,9 @@ def test_altered_or_unsigned_reservation_is_refused():
             res.block_ids.extend(value)
         else:
             setattr(res, field, value)
-        with pytest.raises(ReservationRefused, match="signature"):
-            check_reservation(KEY, res, "s1", prompt, 16, time.time())
+        for compared in (False, True):
+            with pytest.raises(ReservationRefused, match="signature"):
+                check_reservation(KEY, res, "s1", prompt, 16, time.time(), prompt_compared=compared)
     res = _signed(prompt)
     res.signature = b""
     with pytest.raises(ReservationRefused, match="no token or signature"):
@@ -184,6 +201,37 @@ def test_names_given_at_reserve_name_the_blocks_for_later_hits(model_factory):
     assert dec.unreserve(again.token) and dec.pool.num_used == 0
 
 
+def test_reserved_blocks_are_found_by_name_only_once_written(model_factory):
+    # Named at `reserve` (not at the admission: the handover), but no prefix hit for another
+    # prompt, no KV event and no name surviving an unreserve before the KV is written.
+    _, path = model_factory("llama")
+    prompt = rand_ids(50, 13)  # 3 full blocks
+    ids = np.array(prompt, dtype=np.uint32)
+    names = block_hashes(ids, 16)
+    pre = tandem.LLM(path, num_blocks=64).engine
+    dec = tandem.LLM(path, num_blocks=64, enable_prefix_cache=True).engine
+    events = []
+    dec.add_kv_listener(lambda kind, tier, hashes: events.append((kind, list(hashes))))
+    held = dec.reserve(ids, "held", ttl_s=30, block_names=names)
+    assert held.hidden_names == names and dec.pool.num_cached == 0
+    twin = dec.reserve(ids, "twin", ttl_s=30, block_names=names)
+    assert twin.first == 0 and not set(twin.table.blocks) & set(held.table.blocks)
+    assert dec.unreserve(twin.token) and dec.unreserve(held.token)
+    assert dec.pool.num_used == 0 and dec.pool.num_cached == 0 and events == []
+    assert dec.reserve(ids, "again", ttl_s=30, block_names=names).first == 0  # nothing kept
+    assert dec.admission.expire_reservations(now=time.monotonic() + 60) == 1
+    res = dec.reserve(ids, "r", ttl_s=30, block_names=names)
+    first, src = prefill_only(pre, prompt, "r", GREEDY)
+    gather_copy(dec.kv, res.table.blocks, pre.kv, src)
+    pre.leases.release("r")
+    dec.admit_reserved("r", res.token, ids, first, GREEDY)
+    assert events == [("stored", names)]
+    assert dec.prefix_cache.match(prompt, len(prompt))[0] == res.table.blocks[:3]
+    while dec.has_unfinished():
+        dec.step()
+    assert dec.reserve(ids, "hit", ttl_s=30, block_names=names).first == 3
+
+
 def test_unreserve_and_expiry_give_the_blocks_back(model_factory):
     _, path = model_factory("llama")
     dec = tandem.LLM(path, num_blocks=16).engine
@@ -225,3 +273,48 @@ def test_reserve_refuses_what_cannot_fit(model_factory):
     with pytest.raises(ValueError, match="not the one"):
         dec.admit_reserved("r", res.token, rand_ids(20, 7), 1, GREEDY)
     assert dec.unreserve(res.token) and dec.pool.num_used == 0
+    # Reserved as a worker reads a message's ids (a numpy array): compared as arrays, and
+    # refused by a single id's difference, or a prompt one id longer.
+    prompt = np.array(rand_ids(40, 6), dtype=np.uint32)
+    res = dec.reserve(prompt, "a", ttl_s=30)
+    prompt[3] += 1  # the caller's array changing after Reserve changes nothing reserved
+    for other in (prompt, np.append(res.ids, 5).astype(np.uint32), np.array(res.prompt[:-1])):
+        with pytest.raises(ValueError, match="not the one"):
+            dec.admit_reserved("a", res.token, other, 1, GREEDY)
+    seq = dec.admit_reserved("a", res.token, res.ids.astype(np.int64), 1, GREEDY)
+    assert seq.prompt_token_ids == res.prompt and dec.reservation_stats() == (0, 0)
+    assert dec.abort("a") and dec.pool.num_used == 0
+
+
+def test_reserve_names_a_long_prompt_in_slices_between_loop_turns():
+    # Decode.Reserve names the prompt's blocks on its event loop: a long prompt in slices, the
+    # other streams' tasks running between them; the names are block_hashes' either way.
+    async def run(ids, slice_blocks):
+        turns = 0
+        done = False
+
+        async def other_stream():
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other_stream())
+        await asyncio.sleep(0)
+        start = turns
+        names = await block_hashes_in_slices(ids, 16, slice_blocks)
+        ran = turns - start
+        done = True
+        await task
+        return names, ran
+
+    long_prompt = np.array(rand_ids(8192 + 5, 11), dtype=np.uint32)
+    names, ran = asyncio.run(run(long_prompt, 128))
+    assert names == block_hashes(long_prompt, 16) and len(names) == 512
+    assert ran >= 3  # four slices: the loop turned between each
+    short = np.array(rand_ids(2048, 12), dtype=np.uint32)
+    names, ran = asyncio.run(run(short, 128))
+    assert names == block_hashes(short, 16) and ran == 0  # one slice: hashed at once
+    for n, slice_blocks in ((0, 2), (15, 2), (16, 1), (47, 2), (64, 3), (100, 1)):
+        ids = rand_ids(n, n) if n else []
+        assert asyncio.run(run(ids, slice_blocks))[0] == block_hashes(ids, 16)

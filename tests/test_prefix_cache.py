@@ -86,6 +86,36 @@ def test_cache_many_names_blocks_as_cache_does_one_by_one():
 
 
 @pytest.mark.parametrize("lru_k", [1, 2])
+def test_names_held_back_are_found_only_once_revealed(lru_k):
+    # Blocks reserved for pushed KV are named at once but are found, counted and reported only
+    # when `reveal` says their KV is written; freed before that, they lose their names.
+    pool = BlockPool(8, lru_k=lru_k)
+    events = []
+    pool.listeners.append(lambda kind, tier, hashes: events.append((kind, list(hashes))))
+    a, b = pool.allocate(3), pool.allocate(3)
+    assert pool.cache_many(a, [b"A", b"B", b"C"], hidden=True) == [b"A", b"B", b"C"]
+    assert [pool.lookup(h) for h in (b"A", b"B", b"C")] == [None] * 3
+    assert not any(pool.is_cached(x) for x in a)
+    assert pool.num_cached == 0 and pool.cached_hashes() == [] and events == []
+    assert pool.cache_many(b[:1], [b"A"]) == []  # the name is taken: that block stays private
+    # Revealed: found, counted, reported once; freed, they are kept by content.
+    pool.reveal(a, [b"A", b"B", b"C"])
+    assert [pool.lookup(h) for h in (b"A", b"B", b"C")] == a and pool.num_cached == 3
+    assert events == [("stored", [b"A", b"B", b"C"])]
+    pool.free(a)
+    assert pool.num_cached_free == 3 and pool.num_used == 3
+    # Held back, then freed (the write never came): the names go, the blocks are free.
+    events.clear()
+    assert pool.cache_many(b, [b"D", b"E", b"F"], hidden=True) == [b"D", b"E", b"F"]
+    pool.free(b)
+    assert pool.num_used == 0 and pool.num_cached == 3 and pool.num_cached_free == 3
+    assert [pool.lookup(h) for h in (b"D", b"E", b"F")] == [None] * 3 and events == []
+    assert sorted(pool.cached_hashes()) == [b"A", b"B", b"C"]
+    c = pool.allocate(2)  # from the free list, not evicting A-C: D-F's blocks are free again
+    assert pool.num_cached == 3 and pool.cache_many(c, [b"D", b"E"]) == [b"D", b"E"]
+
+
+@pytest.mark.parametrize("lru_k", [1, 2])
 def test_eviction_order_matches_a_scan_of_every_block(lru_k):
     """Random allocate / name / share / hit / free sequences: every block the pool evicts is
     the one a scan of all evictable blocks picks (the smallest LRU-K key), and the counts agree."""

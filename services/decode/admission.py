@@ -22,7 +22,8 @@ An Admit naming a prefill worker goes through five steps, each a method below:
 
 An Admit naming a reservation (`_admit_pushed`: the prefill worker wrote the KV straight into
 blocks this worker reserved, Decode.Reserve) only checks this worker's own signature and the
-prefill worker's proof of the write, and starts the sequence: nothing is copied.
+prefill worker's proof of the write, and starts the sequence: nothing is copied, and the prompt's
+ids are not hashed (the engine compares them with those it reserved).
 """
 
 from __future__ import annotations
@@ -403,7 +404,11 @@ class Admission:
                     f"the reservation names pool {res.pool_id!r}, not this worker's "
                     f"({push.pool_id!r}): it restarted since Reserve"
                 )
-            check_reservation(push.key, res, sid, req.ids, push.block_size, time.time())
+            # Signed by this worker; its prompt is the one the engine compares at
+            # `admit_reserved`, so the check hashes no ids.
+            check_reservation(
+                push.key, res, sid, req.ids, push.block_size, time.time(), prompt_compared=True
+            )
             token = res.token
             check_push_proof(push.key, res, msg.push_proof)
             written = True

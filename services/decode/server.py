@@ -39,8 +39,8 @@ from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
 from tandem.kv.events import KvEventFeed
 from tandem.kv.layout import PoolLayout, host_id
-from tandem.kv.names import block_hashes
-from tandem.kv.reservation import reservation_key, sign_reservation
+from tandem.kv.names import block_hashes_in_slices
+from tandem.kv.reservation import prompt_digest, reservation_key, sign_reservation
 from tandem.kv.transports import TransportKind
 from tandem.kv.transports.cuda_ipc import device_uuid, export_pool
 from tandem.kv.transports.shm import SharedPool
@@ -403,12 +403,14 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
         ids = np.array(request.prompt_token_ids, dtype=np.uint32)
         ttl = self.reservation_ttl_s
         # Named here, not on the engine thread: neither the reservation's prefix lookup nor the
-        # admission (the handover) hashes the prompt.
+        # admission (the handover) hashes the prompt. A long prompt in slices, between which
+        # the other streams of this loop run.
         names = (
-            block_hashes(ids, self.layout.block_size)
+            await block_hashes_in_slices(ids, self.layout.block_size)
             if self.engine.prefix_cache is not None
             else None
         )
+        digest = prompt_digest(ids)
         try:
             res = await asyncio.wrap_future(
                 self.engine_loop.submit(
@@ -428,6 +430,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             block_ids=res.table.blocks[res.first :],
             num_tokens=len(ids),
             expires_at=time.time() + (res.expires_at - time.monotonic()),
+            prompt_digest=digest,
         )
         out.signature = sign_reservation(
             push.key,
@@ -439,7 +442,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             out.block_ids,
             out.num_tokens,
             out.expires_at,
-            ids,
+            digest,
         )
         return stages_pb2.ReserveResponse(reservation=out)
 

@@ -45,7 +45,7 @@ class Reservation:
 
     seq_id: str
     token: str  # the capability naming it outside this process
-    prompt: list[int]
+    prompt: list[int]  # the sequence's list, made here rather than at the handover
     table: BlockTable
     first: int
     expires_at: float  # monotonic
@@ -53,6 +53,17 @@ class Reservation:
     host_tokens: int = (
         0  # of the first `first` blocks' tokens, those copied back from the host tier
     )
+    ids: np.ndarray | None = None  # the prompt as reserved, when given as an array
+    # Names of its blocks to be written, held back in the pool until the admission reveals
+    # them (None: named at the admission, as a pulled sequence's are).
+    hidden_names: list[bytes] | None = None
+
+    def holds(self, prompt_token_ids: PromptIds) -> bool:
+        """Whether `prompt_token_ids` is exactly the prompt reserved (an array against an
+        array in one C pass: no list is made for the comparison)."""
+        if isinstance(prompt_token_ids, np.ndarray) and self.ids is not None:
+            return np.array_equal(prompt_token_ids, self.ids)
+        return _as_list(prompt_token_ids) == self.prompt
 
 
 class Admission:
@@ -421,7 +432,8 @@ class Admission:
         if request_id in self.seqs or request_id in self.reservations:
             raise ValueError(f"request id {request_id!r} is already running or reserved")
         prompt = _as_list(prompt_token_ids)
-        table = BlockTable(self.config.block_size, self.tenant_of(tenant))
+        bs = self.config.block_size
+        table = BlockTable(bs, self.tenant_of(tenant))
         _name_blocks(table, len(prompt), block_names)
         probe = Sequence(
             seq_id=request_id, prompt_token_ids=prompt, params=SamplingParams(), block_table=table
@@ -433,7 +445,12 @@ class Admission:
         res = Reservation(
             request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
             host_tokens=probe.num_host_cached_tokens,
+            ids=prompt_token_ids.copy() if isinstance(prompt_token_ids, np.ndarray) else None,
         )  # fmt: skip
+        if self.prefix_cache is not None and len(table.known_names) == len(prompt) // bs:
+            # Named now, held back until the KV is written: the admission (the handover) then
+            # makes them findable in one pass instead of naming hundreds of blocks.
+            res.hidden_names = self.prefix_cache.register(table, prompt, len(prompt), True)
         self.reservations[request_id] = res
         return res
 
@@ -456,9 +473,11 @@ class Admission:
                 f"no live KV reservation {request_id!r} here (expired, given back, or never "
                 "made by this worker)"
             )
-        prompt = _as_list(prompt_token_ids)
-        if prompt != res.prompt:
+        # Compared, not copied: the sequence takes the list made at `reserve` (an 8k-token
+        # prompt's `tolist` alone would cost more than the rest of the handover).
+        if not res.holds(prompt_token_ids):
             raise ValueError("the admitted prompt is not the one whose blocks were reserved")
+        prompt = res.prompt
         del self.reservations[request_id]
         table = res.table
         try:
@@ -475,6 +494,8 @@ class Admission:
         self.seqs[request_id] = seq
         seq.num_cached_tokens = res.first * table.block_size
         seq.num_host_cached_tokens = res.host_tokens
+        if res.hidden_names is not None:
+            self.pool.reveal(table.blocks, res.hidden_names)  # the KV is written now
         self._join(seq)
         return seq
 

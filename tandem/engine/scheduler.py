@@ -345,9 +345,13 @@ class Scheduler:
             return
         table = seq.block_table
         # Tokens sampled on the device but not read yet (async scheduling) are not final here.
-        done = min(seq.num_computed, len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        prompt = seq.prompt_token_ids
+        done = min(seq.num_computed, len(prompt) + len(seq.output_token_ids))
         if done // table.block_size > len(table.hashes):
-            self.prefix_cache.register(table, seq.all_token_ids, done)
+            # Within the prompt (an admission), the prompt's list itself: no copy of it joined
+            # to the output.
+            toks = prompt if done <= len(prompt) else seq.all_token_ids
+            self.prefix_cache.register(table, toks, done)
 
     def _preempt(self, seq: Sequence) -> Sequence:
         seq.spec_tokens = []

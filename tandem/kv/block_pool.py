@@ -26,6 +26,13 @@ Counting: `num_used` is the blocks somebody holds (a sequence, a lease); cached 
 holds are free for every purpose but keep their content (`num_cached_free`), so a pool with
 nothing running reports `num_used == 0` whatever it has cached.
 
+Names held back (`cache_many(..., hidden=True)`, then `reveal`): blocks reserved for KV that
+another worker will write are named when they are reserved, off the handover's path, but are not
+findable (`lookup`), counted or reported until `reveal` says their KV is written. A held-back
+block that is freed instead loses its name (its KV may never have been written): it returns to
+the free list as an unnamed block would. Its name, meanwhile, keeps another block from taking
+it, as a cached block's does.
+
 Events (`listeners`): whoever wants to know what the pool holds by content (a worker publishing
 it to the gateway's router, `tandem.kv.events`) adds a callable taking (kind, tier, hashes):
 ("stored", "device", hashes) when blocks become findable by hash, ("removed", "device", hashes)
@@ -80,6 +87,7 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
+        self._hidden: set[int] = set()  # named, not findable until `reveal` (see above)
         # Use history: clock values at which the last two uses of each block ended (-1: none).
         self._clock = 0
         self._last = [-1] * num_blocks
@@ -124,7 +132,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Blocks findable by content hash, held or not."""
-        return len(self._hash_of)
+        return len(self._hash_of) - len(self._hidden)
 
     @property
     def num_cached_free(self) -> int:
@@ -324,6 +332,9 @@ class BlockPool:
             if self._refs[b]:
                 continue
             t = self._owner[b]
+            if self._hidden and b in self._hidden:  # named, never shown: KV maybe unwritten
+                self._hidden.discard(b)
+                del self._by_hash[self._hash_of.pop(b)]
             if b in self._hash_of:
                 key = self._eviction_key(b)
                 self._key[b] = key
@@ -372,8 +383,12 @@ class BlockPool:
             self.emit("stored", "device", [block_hash])
         return True
 
-    def cache_many(self, blocks: Iterable[int], block_hashes: Iterable[bytes]) -> None:
-        """`cache(block, hash)` for each pair, in one pass."""
+    def cache_many(
+        self, blocks: Iterable[int], block_hashes: Iterable[bytes], hidden: bool = False
+    ) -> list[bytes]:
+        """`cache(block, hash)` for each pair, in one pass; returns the hashes that named a
+        block. `hidden`: held back, neither findable nor reported until `reveal(blocks, those
+        hashes)` (blocks whose KV is still to be written)."""
         refs, by_hash, hash_of = self._refs, self._by_hash, self._hash_of
         stored: list[bytes] = []
         for block, h in zip(blocks, block_hashes, strict=True):
@@ -383,16 +398,32 @@ class BlockPool:
                 by_hash[h] = block
                 hash_of[block] = h
                 stored.append(h)
-        if stored and self.listeners:
+        if hidden:
+            self._hidden.update(by_hash[h] for h in stored)
+        elif stored and self.listeners:
             self.emit("stored", "device", stored)
+        return stored
+
+    def reveal(self, blocks: Iterable[int], block_hashes: list[bytes]) -> None:
+        """Make the blocks named with `cache_many(blocks, ..., hidden=True)` findable (their KV is
+        written) and report their names, `block_hashes` (what that call returned): one C pass
+        over the blocks, no name inserted."""
+        self._hidden.difference_update(blocks)
+        if block_hashes and self.listeners:
+            self.emit("stored", "device", block_hashes)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content `block_hash`, or None."""
-        return self._by_hash.get(block_hash)
+        b = self._by_hash.get(block_hash)
+        if b is not None and self._hidden and b in self._hidden:
+            return None
+        return b
 
     def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
+        return block in self._hash_of and block not in self._hidden
 
     def cached_hashes(self) -> list[bytes]:
         """The hash of every cached block (what a new listener starts from)."""
+        if self._hidden:
+            return [h for h, b in self._by_hash.items() if b not in self._hidden]
         return list(self._by_hash)

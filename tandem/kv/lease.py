@@ -158,6 +158,11 @@ class LeaseRefused(ValueError):
 def _u32_le(values: Sequence[int] | np.ndarray) -> bytes:
     """`values` as little-endian uint32s (what `struct.pack("<nI", ...)` gives, in one C call;
     a uint32 numpy array, as a decode worker reads a prompt, without a pass in Python)."""
+    if not isinstance(values, (np.ndarray, list, tuple)):
+        # A message's repeated uint32 field (block ids): numpy reads it as uint32 in one C
+        # call, where array() takes it id by id (2.5 against 16 us for 512 ids). Anything
+        # numpy does not read as uint32 exactly takes array()'s checked path below.
+        values = np.asarray(values)
     if isinstance(values, np.ndarray) and values.dtype == np.uint32:
         return values.astype("<u4", copy=False).tobytes()
     a = array(_U32, values)

@@ -132,19 +132,23 @@ class PrefixCache:
             per[0] += queried
             per[1] += hit
 
-    def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
+    def register(
+        self, table: BlockTable, token_ids: Sequence[int], num_tokens: int, hidden: bool = False
+    ) -> list[bytes]:
         """Name (and cache) every full block among a sequence's first `num_tokens` tokens, which
-        must have their KV computed and be final (`token_ids` holds at least that many)."""
+        must have their KV computed and be final (`token_ids` holds at least that many).
+        `hidden`: their KV is still to be written (a reservation): the names are held back until
+        `pool.reveal`, which takes the names returned (those that named a block)."""
         bs = self.block_size
         full = min(num_tokens, len(token_ids)) // bs
         names = table.hashes
         done = len(names)
         if done >= full:
-            return
+            return []
         given = table.known_names[done:full]  # names handed over with the sequence's KV
         hashed: Iterable[bytes] = ()
         if done + len(given) < full:  # hashing only the blocks left
             parent = given[-1] if given else (names[-1] if names else None)
             hashed = chain_hashes(parent, token_ids[(done + len(given)) * bs : full * bs], bs)
         names.extend(itertools.chain(given, hashed))
-        self.pool.cache_many(table.blocks[done:full], names[done:full])
+        return self.pool.cache_many(table.blocks[done:full], names[done:full], hidden)

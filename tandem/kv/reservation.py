@@ -3,7 +3,8 @@
 A reservation is a capability, as a lease is (tandem/kv/lease.py), in the other direction: the
 decode worker that owns the blocks signs what it reserved (`sign_reservation`, an HMAC under its
 pool's reservation key) and the prefill worker writes into the blocks only when the signature
-covers exactly them, the sequence and the prompt it was asked to prefill. The write done, the
+covers exactly them, the sequence and the prompt it was asked to prefill (through the prompt's
+SHA-256, `prompt_digest`, which the reservation carries). The write done, the
 prefill worker answers with a proof (`push_proof`, an HMAC under the same key) that the decode
 worker checks before it starts the sequence: the gateway, which carries both but holds no stage
 secret, can neither forge a reservation nor claim a write that did not happen.
@@ -40,6 +41,11 @@ def reservation_key(stage_secret: bytes, pool_id: str) -> bytes:
     ).digest()
 
 
+def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """What a reservation signs of its prompt: the SHA-256 of its ids as little-endian uint32s."""
+    return hashlib.sha256(_u32_le(token_ids)).digest()
+
+
 def _message(
     pool_id: str,
     writer: str,
@@ -49,17 +55,17 @@ def _message(
     block_ids: Sequence[int],
     num_tokens: int,
     expires_at: float,
-    token_ids: Sequence[int] | np.ndarray,
+    digest: bytes,
 ) -> bytes:
     return framed([
-        b"tandem-reservation-v1",
+        b"tandem-reservation-v2",
         pool_id.encode(),
         writer.encode(),
         token.encode(),
         seq_id.encode(),
         struct.pack("<IId", first_block, num_tokens, expires_at),
         _u32_le(block_ids),
-        _u32_le(token_ids),
+        digest,
     ])  # fmt: skip
 
 
@@ -73,12 +79,12 @@ def sign_reservation(
     block_ids: Sequence[int],
     num_tokens: int,
     expires_at: float,
-    token_ids: Sequence[int] | np.ndarray,
+    digest: bytes,
 ) -> bytes:
     """The HMAC-SHA256 of what a reservation says (`writer`: the prefill pool that may write
-    it), under its pool's reservation key."""
+    it; `digest`: its prompt's `prompt_digest`), under its pool's reservation key."""
     msg = _message(
-        pool_id, writer, token, seq_id, first_block, block_ids, num_tokens, expires_at, token_ids
+        pool_id, writer, token, seq_id, first_block, block_ids, num_tokens, expires_at, digest
     )
     return hmac.new(key, msg, hashlib.sha256).digest()
 
@@ -91,13 +97,26 @@ def check_reservation(
     block_size: int,
     now: float,
     margin_s: float = 0.0,
+    prompt_compared: bool = False,
 ) -> None:
     """Raise `ReservationRefused` unless `res` (a stages_pb2.KvReservation) is signed for exactly
     the sequence `seq_id` and the prompt `token_ids`, its blocks cover the prompt's blocks from
     `first_block` on (blocks of `block_size` tokens), and it expires more than `margin_s` after
-    `now` (Unix seconds)."""
+    `now` (Unix seconds).
+
+    `prompt_compared`: the caller is the decode worker that reserved the blocks, whose engine
+    holds the reserved prompt and compares `token_ids` with it id for id before it uses them
+    (`admit_reserved`); then the signed digest is taken as signed rather than computed again
+    from `token_ids` here (the handover does not hash the prompt). Every other caller (the
+    prefill worker about to write) leaves it False: the digest of `token_ids` must match."""
     if not res.token or not res.signature:
         raise ReservationRefused("the KV reservation carries no token or signature")
+    digest = res.prompt_digest
+    if not prompt_compared and not hmac.compare_digest(prompt_digest(token_ids), digest):
+        raise ReservationRefused(
+            "KV reservation refused: it was made for another prompt (only what Decode.Reserve "
+            "reserved, for the prompt it was given, is written)"
+        )
     want = sign_reservation(
         key,
         res.pool_id,
@@ -108,7 +127,7 @@ def check_reservation(
         res.block_ids,
         res.num_tokens,
         res.expires_at,
-        token_ids,
+        digest,
     )
     if not hmac.compare_digest(want, res.signature):
         raise ReservationRefused(

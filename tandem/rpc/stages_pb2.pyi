@@ -94,7 +94,7 @@ class KvRef(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_signature: _Optional[bytes] = ..., expires_at: _Optional[float] = ..., block_names: _Optional[bytes] = ...) -> None: ...
 
 class KvReservation(_message.Message):
-    __slots__ = ("pool_id", "token", "seq_id", "first_block", "block_ids", "num_tokens", "expires_at", "signature", "writer_pool_id")
+    __slots__ = ("pool_id", "token", "seq_id", "first_block", "block_ids", "num_tokens", "expires_at", "signature", "writer_pool_id", "prompt_digest")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class KvReservation(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     WRITER_POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     token: str
     seq_id: str
@@ -113,7 +114,8 @@ class KvReservation(_message.Message):
     expires_at: float
     signature: bytes
     writer_pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ..., token: _Optional[str] = ..., seq_id: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ..., writer_pool_id: _Optional[str] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., token: _Optional[str] = ..., seq_id: _Optional[str] = ..., first_block: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., expires_at: _Optional[float] = ..., signature: _Optional[bytes] = ..., writer_pool_id: _Optional[str] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("peer_id", "layout", "accept_kinds", "host_id", "model", "nixl_agent_metadata", "device_uuid", "accept", "push_pool", "reservation_key")

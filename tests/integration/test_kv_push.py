@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 import tandem
+from tandem.kv.reservation import prompt_digest
 from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
 from tests.integration.stages import pipeline_stages
 
@@ -164,11 +165,11 @@ def test_reserve_refuses_bad_input(push):
     _assert_nothing_held(prefill, decode, timeout=1)
 
 
-def _run(prefill, seq_id: str, rsv) -> stages_pb2.PrefillResponse:
+def _run(prefill, seq_id: str, rsv, ids: list[int] = IDS) -> stages_pb2.PrefillResponse:
     return stages_pb2_grpc.PrefillStub(prefill.channel()).Run(
         stages_pb2.PrefillRequest(
             request_id=seq_id,
-            prompt_token_ids=IDS,
+            prompt_token_ids=ids,
             sampling=api_pb2.SamplingParams(max_tokens=4, temperature=0.0),
             push_to=rsv,
         ),
@@ -192,6 +193,16 @@ def test_forged_or_replayed_reservation_is_not_written(push):
     assert not out.push_proof and "signature" in out.push_refused
     assert out.kv.lease_id  # leased as without the reservation, for the decode worker to pull
     _release(prefill, out.kv.lease_id)
+    # For another prompt of the same length: refused, with its own digest or the one signed.
+    other_ids = [*IDS[:-1], 7]
+    other = _run(prefill, "forged", res, other_ids)
+    assert not other.push_proof and "another prompt" in other.push_refused
+    _release(prefill, other.kv.lease_id)
+    forged.CopyFrom(res)
+    forged.prompt_digest = prompt_digest(other_ids)
+    other = _run(prefill, "forged", forged, other_ids)
+    assert not other.push_proof and "signature" in other.push_refused
+    _release(prefill, other.kv.lease_id)
     # The genuine one is written once; its replay is refused.
     pushes = prefill.stats().pushes
     out = _run(prefill, "forged", res)

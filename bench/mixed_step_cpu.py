@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from meta import run_metadata  # noqa: E402
 from report import print_table, write_json  # noqa: E402
 
+import tandem  # noqa: E402
+
 
 def measure(batch: int, prompt: int, reps: int) -> dict[str, Any]:
-    import tandem
-
     llm = tandem.LLM(device="cpu", dtype="float32", enable_prefix_cache=False)
     engine = llm.engine
     vocab = engine.model_config.vocab_size

@@ -30,6 +30,7 @@ by client processes of concurrent streaming gRPC calls; printed beside published
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -325,10 +326,7 @@ def run_offline_services(
         raise RuntimeError(f"the services streamed {got} tokens, expected {sum(outputs)}")
     wall = max(r["t_last"] for r in recs) - t_start
     ttft = sorted(r["t_first"] - t_start for r in recs)
-    transports: dict[str, int] = {}
-    for r in recs:
-        if r["kv_transport"]:
-            transports[r["kv_transport"]] = transports.get(r["kv_transport"], 0) + 1
+    transports = collections.Counter(r["kv_transport"] for r in recs if r["kv_transport"])
     return _throughput(wall, sum(map(len, prompts)), got) | {
         "client_processes": procs, "ttft_p50_s": ttft[len(ttft) // 2],
         "kv_transports": dict(sorted(transports.items()))}  # fmt: skip

@@ -50,9 +50,8 @@ class Reservation:
     first: int
     expires_at: float  # monotonic
     withdrawn: bool = False  # given back while a write may still come: freed at expiry
-    host_tokens: int = (
-        0  # of the first `first` blocks' tokens, those copied back from the host tier
-    )
+    # Of the first `first` blocks' tokens, those copied back from the host tier.
+    host_tokens: int = 0
     ids: np.ndarray | None = None  # the prompt as reserved, when given as an array
     # Names of its blocks to be written, held back in the pool until the admission reveals
     # them (None: named at the admission, as a pulled sequence's are).

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
 from tandem.engine.cuda_graphs import DecodeGraphs, PendingIds, write_pending_ids
 from tandem.engine.prompt_logprobs import PromptScoring
 from tandem.engine.sequence import Sequence
-from tandem.host_copy import device_tensor
+from tandem.host_copy import device_tensor, to_device
 from tandem.kv.cache import KVCache
 from tandem.model.llama import AttentionMetadata, LlamaModel
 
@@ -46,60 +48,96 @@ class ModelRunner:
     def prepare(
         self, items: list[tuple[Sequence, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack the new tokens of every sequence; (input_ids, positions, attention metadata)."""
+        """Pack the new tokens of every sequence; (input_ids, positions, attention metadata).
+
+        Built in numpy, in one host buffer: a loaded step holds hundreds of sequences, and
+        per-token Python (and a tensor built from a list) cost milliseconds the device waits.
+        """
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        ctx: list[int] = []
-        tables: list[list[int]] = []
-        for seq, n in items:
-            start = seq.num_computed
-            toks = seq.step_token_ids[start : start + n]
-            # A token the device sampled but the host has not read yet (asynchronous scheduling)
-            # is a placeholder here; `write_pending_ids` fills it in on the device.
-            ids.extend(toks if len(toks) == n else toks + [0] * (n - len(toks)))
-            pos.extend(range(start, start + n))
-            blocks = seq.block_table.blocks
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            ctx.append(start + n)
-            tables.append(blocks[: (start + n + bs - 1) // bs])
-        width = max(len(t) for t in tables)
-        # Padding entries point at block 0; the context-length mask keeps them out of attention.
-        flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
-        decode_only = len(ids) == len(items)
-        parts: list[list[int]] = [ids, pos, slots, ctx, flat]
+        b = len(items)
+        start_l = [s.num_computed for s, _ in items]
+        starts = np.array(start_l, np.int64)
+        counts = np.fromiter((n for _, n in items), np.int64, b)
+        ctx = starts + counts
+        qsl = np.zeros(b + 1, np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        t = int(qsl[-1])
+        nblocks = (ctx + bs - 1) // bs
+        width = int(nblocks.max())
+        decode_only = t == b
+        # Each input starts on a 128-byte boundary, like a tensor of its own.
+        sizes = [t, t, t, b, b * width]
         if not decode_only:
             # The varlen attention kernel's offsets, int32, two to a word.
-            parts += [_int32_words(qsl), _int32_words(ctx)]
-        # One host tensor and one queued copy for all inputs (a copy from a Python list would
-        # synchronize the stream: see `tandem.host_copy`); each input is a slice of it,
-        # starting on a 128-byte boundary like a tensor of its own.
-        starts = []
-        packed: list[int] = []
-        for part in parts:
-            starts.append(len(packed))
-            packed.extend(part)
-            packed.extend([0] * (-len(packed) % _ALIGN))
-        dev = device_tensor(packed, torch.long, self.device)
-        ids_d, pos_d, slots_d, ctx_d, flat_d, *offsets = (
-            dev[a : a + len(part)] for a, part in zip(starts, parts, strict=True)
+            sizes += [(b + 2) // 2, (b + 1) // 2]
+        offs = [0]
+        for n in sizes:
+            offs.append(offs[-1] + -(-n // _ALIGN) * _ALIGN)
+        # Pinned on CUDA, so its copy is queued (see `tandem.host_copy`); zeros: padding entries
+        # of the block tables point at block 0, which the context-length mask keeps out.
+        host = torch.zeros(offs[-1], dtype=torch.long, pin_memory=self.device.type == "cuda")
+        buf = host.numpy()
+        ids, pos, slots = (buf[offs[i] : offs[i] + t] for i in range(3))
+        buf[offs[3] : offs[3] + b] = ctx
+        tables = buf[offs[4] : offs[4] + b * width].reshape(b, width)
+        # Every row's blocks in one assignment, through the mask of the table's used entries.
+        tables[np.arange(width) < nblocks[:, None]] = np.fromiter(
+            chain.from_iterable(
+                s.block_table.blocks[:nb]
+                for (s, _), nb in zip(items, nblocks.tolist(), strict=True)
+            ),
+            np.int64,
+            int(nblocks.sum()),
+        )
+        one: list[int] = []  # the token of each one-token row, in row order
+        o = 0
+        for (seq, n), a in zip(items, start_l, strict=True):
+            if n == 1:
+                # A token the device sampled but the host has not read yet (asynchronous
+                # scheduling) is a placeholder; `write_pending_ids` fills it in on the device.
+                prompt, out = seq.prompt_token_ids, seq.output_token_ids
+                if a < len(prompt):
+                    one.append(prompt[a])
+                elif a - len(prompt) < len(out):
+                    one.append(out[a - len(prompt)])
+                elif seq.spec_tokens and a - len(prompt) - len(out) < len(seq.spec_tokens):
+                    one.append(seq.spec_tokens[a - len(prompt) - len(out)])
+                else:
+                    one.append(0)
+            else:
+                toks = seq.step_token_ids[a : a + n]
+                ids[o : o + len(toks)] = toks
+            o += n
+        if decode_only:
+            ids[:] = one
+            pos[:] = starts
+            rows = np.arange(b)
+        else:
+            if one:
+                ids[qsl[:-1][counts == 1]] = one
+            rows = np.repeat(np.arange(b), counts)
+            np.subtract(np.arange(t), np.repeat(qsl[:-1] - starts, counts), out=pos)
+        np.add(tables[rows, pos // bs] * bs, pos % bs, out=slots)
+        if not decode_only:
+            buf[offs[5] : offs[5] + (b + 2) // 2].view(np.int32)[: b + 1] = qsl
+            buf[offs[6] : offs[6] + (b + 1) // 2].view(np.int32)[:b] = ctx
+        dev = to_device(host, self.device)
+        ids_d, pos_d, slots_d, ctx_d, tables_d, *offsets = (
+            dev[a : a + n] for a, n in zip(offs, sizes, strict=False)
         )
         meta = AttentionMetadata(
             slot_mapping=slots_d,
-            block_tables=flat_d.view(len(tables), width),
+            block_tables=tables_d.view(b, width),
             context_lens=ctx_d,
-            context_lens_list=ctx,
-            query_start_loc=qsl,
+            context_lens_list=ctx.tolist(),
+            query_start_loc=qsl.tolist(),
             decode_only=decode_only,
         )
         if offsets:
             qsl_words, ctx_words = offsets
             meta.varlen_offsets = (
-                qsl_words.view(torch.int32)[: len(qsl)],
-                ctx_words.view(torch.int32)[: len(ctx)],
+                qsl_words.view(torch.int32)[: b + 1],
+                ctx_words.view(torch.int32)[:b],
             )
         return ids_d, pos_d, meta
 
@@ -143,11 +181,3 @@ class ModelRunner:
             last = [end - 1 for end in meta.query_start_loc[1:]]
             hidden = hidden[device_tensor(last, torch.long, self.device)]
         return self.model.logits(hidden)
-
-
-def _int32_words(values: list[int]) -> list[int]:
-    """`values` as int32s, two to an int64 word (little-endian, as the device reads a view of
-    the words as int32)."""
-    a = np.zeros(len(values) + len(values) % 2, dtype="<i4")
-    a[: len(values)] = values
-    return a.view("<i8").tolist()

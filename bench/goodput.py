@@ -1,4 +1,4 @@
-"""Goodput workloads of bench/serve.py (`--workload chat|burst|threshold`).
+"""Goodput workloads of bench/serve.py (`--workload chat|burst|threshold`; `tier` is kv_tier.py).
 
 * chat: multi-turn conversations sharing a system prompt. Sessions arrive as a Poisson process;
   each sends its turns one after another (a think time apart), every turn's prompt being the
@@ -49,6 +49,8 @@ class Rec:
     cached: int = 0
     prefill_worker: str = ""
     error: str | None = None
+    session: int = -1  # chat: the conversation and its turn (from 1) this request was
+    turn: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -109,16 +111,20 @@ def _pct(xs: list[float], q: float) -> float | None:
     return None if v is None else v * 1e3
 
 
-def _launch(args: Any, extra: list[str]) -> Launched:
-    up = ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+def start_services(args: Any, extra: list[str], pool: list[str] | None = None,
+                   metrics: bool = False) -> Launched:  # fmt: skip
+    """`tandem up` serving args.model on args.device with `extra` flags, then args.up_args; its
+    KV pool `pool` (flags; default --kv-cache-memory-gb); `metrics`: as `Launched`'s."""
+    up = pool if pool is not None else ["--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if args.model:
-        up += ["--model", args.model]
+        up = [*up, "--model", args.model]
     if args.device:
-        up += ["--device", args.device]
-    return Launched([*up, *extra, *args.up_args], args.start_timeout)
+        up = [*up, "--device", args.device]
+    return Launched([*up, *extra, *args.up_args], args.start_timeout, metrics=metrics)
 
 
-async def _with_stub(address: str, fn):
+async def with_gateway(address: str, fn):
+    """`fn(stub)` with a stub of the gateway at `address`, after two short warm-up requests."""
     import grpc
 
     from tandem.rpc import api_pb2_grpc
@@ -134,36 +140,67 @@ async def _with_stub(address: str, fn):
 
 
 # ---- chat ---------------------------------------------------------------------------------------
-async def chat_sessions(stub: Any, args: Any, vocab: int) -> tuple[list[Rec], float]:
+CHAT_DEFAULTS: dict[str, Any] = dict(sessions=8, turns=3, session_rate=0.5, think_s=0.5,
+                                     system_len=256, user_len=(24, 48), chat_output_len=16,
+                                     ttft_slo_ms=1500.0, tpot_slo_ms=300.0)  # fmt: skip
+
+
+@dataclass
+class ChatPlan:
+    """The conversations of a chat load: session i starts `starts[i]` s into the run, and its
+    turn k sends `systems[i]`, every earlier turn's message and reply, then `users[i][k]`."""
+
+    starts: list[float]
+    systems: list[list[int]]
+    users: list[list[list[int]]]
+
+    def final_prompt_lens(self, output_len: int) -> list[int]:
+        """Each session's last prompt in tokens (replies are `output_len` tokens each)."""
+        return [
+            len(sys_) + sum(len(u) for u in us) + (len(us) - 1) * output_len
+            for sys_, us in zip(self.systems, self.users, strict=True)
+        ]
+
+
+def chat_plan(args: Any, vocab: int, shared_system: bool = True) -> ChatPlan:
+    """The seeded sessions: a system prompt all share (`shared_system`), else one of the same
+    length per session; Poisson start times; every user message. Replies are not drawn: each
+    turn's prompt is fixed by the plan and the replies it got."""
     rng = random.Random(args.seed)
-    system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
-    starts, t = [], 0.0
-    users = []
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    system = draw(args.system_len) if shared_system else None
+    starts, systems, users, t = [], [], [], 0.0
     for _ in range(args.sessions):
         starts.append(t)
         t += rng.expovariate(args.session_rate)
-        users.append(
-            [
-                [rng.randrange(3, vocab) for _ in range(rng.randint(*args.user_len))]
-                for _ in range(args.turns)
-            ]
-        )
+        users.append([draw(rng.randint(*args.user_len)) for _ in range(args.turns)])
+        systems.append(system if system is not None else draw(args.system_len))
+    return ChatPlan(starts, systems, users)
+
+
+async def chat_sessions(stub: Any, args: Any, plan: ChatPlan) -> tuple[list[Rec], float]:
+    """Every session of `plan`, each sending its turns one after another (`think_s` apart).
+    Returns the requests and the seconds from the first start to the last reply."""
     recs: list[Rec] = []
     t0 = time.perf_counter()
 
     async def session(i: int) -> None:
-        await asyncio.sleep(starts[i])
-        history = list(system)
-        for k in range(args.turns):
-            ids = history + users[i][k]
-            rec = await generate(stub, ids, args.chat_output_len, f"turn{k + 1}")
+        await asyncio.sleep(plan.starts[i])
+        history = list(plan.systems[i])
+        for k, user in enumerate(plan.users[i]):
+            ids = history + user
+            rec = Rec(f"turn{k + 1}", len(ids), time.perf_counter(), session=i, turn=k + 1)
+            await generate(stub, ids, args.chat_output_len, rec.kind, rec)
             recs.append(rec)
-            if rec.error:
+            if rec.error or k + 1 == len(plan.users[i]):
                 return
             history = ids + rec.output
             await asyncio.sleep(args.think_s)
 
-    await asyncio.gather(*(session(i) for i in range(args.sessions)))
+    await asyncio.gather(*(session(i) for i in range(len(plan.starts))))
     return recs, time.perf_counter() - t0
 
 
@@ -180,6 +217,7 @@ def summarize_chat(recs: list[Rec], wall: float, ttft_slo: float, tpot_slo: floa
         "goodput_rps": len(good) / wall if wall > 0 else 0.0,
         "throughput_rps": len(ok) / wall if wall > 0 else 0.0,
         "ttft_p50_ms": _pct([r.ttft for r in ok], 50),
+        "ttft_p90_ms": _pct([r.ttft for r in ok], 90),
         "ttft_p99_ms": _pct([r.ttft for r in ok], 99),
         "tpot_p50_ms": _pct([r.tpot for r in ok if r.tpot is not None], 50),
         "tpot_p99_ms": _pct([r.tpot for r in ok if r.tpot is not None], 99),
@@ -209,11 +247,12 @@ def run_chat(args: Any, vocab: int) -> dict:
         "off": ["--enable-prefix-cache", "false", "--disagg-threshold", "0"],
     }
     res: dict[str, Any] = {"modes": {}}
+    plan = chat_plan(args, vocab)
     for name, flags in modes.items():
-        launched = _launch(args, flags)
+        launched = start_services(args, flags)
         try:
             recs, wall = asyncio.run(
-                _with_stub(launched.address, lambda stub: chat_sessions(stub, args, vocab))
+                with_gateway(launched.address, lambda stub: chat_sessions(stub, args, plan))
             )
         finally:
             launched.stop()
@@ -287,7 +326,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_burst(args: Any, vocab: int) -> dict:
-    launched = _launch(args, ["--disagg-threshold", str(args.disagg_threshold)])
+    launched = start_services(args, ["--disagg-threshold", str(args.disagg_threshold)])
     try:
 
         async def both(stub):
@@ -295,7 +334,7 @@ def run_burst(args: Any, vocab: int) -> dict:
             base = await burst_phase(stub, args, vocab, args.seed, False, with_burst["wall_s"])
             return base, with_burst
 
-        base, with_burst = asyncio.run(_with_stub(launched.address, both))
+        base, with_burst = asyncio.run(with_gateway(launched.address, both))
     finally:
         launched.stop()
     res = {
@@ -364,10 +403,10 @@ def run_threshold(args: Any, vocab: int) -> dict:
     res: dict[str, Any] = {}
     for name, thr in (("prefill_worker", "0"), ("decode_worker", str(10**9))):
         print(f"  threshold: prompts prefilled on the {name.replace('_', ' ')}", flush=True)
-        launched = _launch(args, ["--disagg-threshold", thr])
+        launched = start_services(args, ["--disagg-threshold", thr])
         try:
             res[name] = asyncio.run(
-                _with_stub(launched.address, lambda stub: _threshold_mode(stub, args, vocab))
+                with_gateway(launched.address, lambda stub: _threshold_mode(stub, args, vocab))
             )
         finally:
             launched.stop()
@@ -393,7 +432,9 @@ def run_threshold(args: Any, vocab: int) -> dict:
     return res
 
 
-def run(args: Any) -> dict:
+def load_model(args: Any) -> tuple[Any, str]:
+    """The model's config and path: args.model, or a random checkpoint written (once) to
+    args.random_llama, which args.model then names."""
     from tandem.model.info import load_model_info
 
     if args.random_llama:
@@ -401,6 +442,11 @@ def run(args: Any) -> dict:
 
         args.model = write_random_checkpoint(args.random_llama, args.random_shape)
     mc, _, model_path = load_model_info(args.model)
+    return mc, model_path
+
+
+def run(args: Any) -> dict:
+    mc, model_path = load_model(args)
     vocab = mc.vocab_size
     out: dict[str, Any] = {"model": model_path, "device": args.device or "auto"}
     if args.workload in ("threshold", "all"):

@@ -58,6 +58,17 @@ def cpu_model() -> str:
         return cpu
 
 
+def gpu_models() -> list[str]:
+    """The GPUs `nvidia-smi` lists ("name, memory"), without starting CUDA in this process;
+    [] where there is none."""
+    query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
 def run_metadata() -> dict[str, Any]:
     """The command, revision, date, library versions and host of a CPU-side benchmark run."""
     import torch

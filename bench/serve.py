@@ -27,7 +27,9 @@ Overhead = TPOT p50 (services) / TPOT p50 (in-process), printed for every closed
 Goodput workloads (bench/goodput.py; each launches `tandem up` itself, once per configuration):
 `--workload chat` (multi-turn conversations, goodput with prefix cache + conditional
 disaggregation on vs both off), `--workload burst` (P99 TPOT with and without a burst of long
-prompts), `--workload threshold` (the measurement behind --disagg-threshold), `--workload all`.
+prompts), `--workload threshold` (the measurement behind --disagg-threshold), `--workload all`
+(those three). `--workload tier` (bench/kv_tier.py): chat sessions whose histories outgrow the
+KV pool, with the host-memory KV tier and without.
 
     .venv/bin/python bench/serve.py --workload all --quick           # CPU, SmolLM2
     .venv/bin/python bench/serve.py --workload all --device cuda --random-llama /tmp/llama8b \
@@ -59,7 +61,7 @@ if ROOT not in sys.path:
 sys.path.insert(0, os.path.join(ROOT, "bench"))  # its sibling modules, however it is loaded
 
 from launch import Launched, die_with_parent, engine_flags  # noqa: E402
-from meta import run_metadata  # noqa: E402
+from meta import gpu_models, run_metadata  # noqa: E402
 from report import percentile, print_table, write_json  # noqa: E402
 
 TARGET_TPOT_OVERHEAD = 1.15
@@ -614,9 +616,15 @@ def _progress(path: str, s: dict[str, Any]) -> None:
 
 # ---- goodput workloads (bench/goodput.py) ------------------------------------------------------
 def add_goodput_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("goodput workloads (--workload chat | burst | threshold | all)")
+    g = ap.add_argument_group(
+        "goodput workloads (--workload chat | burst | threshold | all; tier: bench/kv_tier.py). "
+        "Chat and tier settings left unset take the workload's defaults: goodput.CHAT_DEFAULTS, "
+        "kv_tier.DEFAULTS (the GPU run) or, with --quick, kv_tier.QUICK"
+    )
     g.add_argument(
-        "--workload", choices=["levels", "chat", "burst", "threshold", "all"], default="levels"
+        "--workload",
+        choices=["levels", "chat", "burst", "threshold", "all", "tier"],
+        default="levels",
     )
     m = ap.add_argument_group("model (every workload; levels: both paths)")
     m.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2)")
@@ -625,15 +633,19 @@ def add_goodput_args(ap: argparse.ArgumentParser) -> None:
         "--random-llama", default=None, help="write (once) and serve random weights here"
     )
     m.add_argument("--random-shape", choices=["llama3-8b", "smoke"], default="llama3-8b")
-    g.add_argument("--sessions", type=int, default=8, help="chat: conversations")
-    g.add_argument("--turns", type=int, default=3, help="chat: turns per conversation")
-    g.add_argument("--session-rate", type=float, default=0.5, help="chat: sessions/s (Poisson)")
-    g.add_argument("--think-s", type=float, default=0.5, help="chat: pause between turns")
-    g.add_argument("--system-len", type=int, default=256, help="chat: shared system prompt")
-    g.add_argument("--user-len", type=parse_range, default=(24, 48), help="chat: MIN,MAX tokens")
-    g.add_argument("--chat-output-len", type=int, default=16, help="chat: tokens per reply")
-    g.add_argument("--ttft-slo-ms", type=float, default=1500.0, help="chat: goodput TTFT target")
-    g.add_argument("--tpot-slo-ms", type=float, default=300.0, help="chat: goodput TPOT target")
+    g.add_argument("--sessions", type=int, help="chat, tier: conversations")
+    g.add_argument("--turns", type=int, help="chat, tier: turns per conversation")
+    g.add_argument("--session-rate", type=float, help="chat, tier: sessions/s (Poisson)")
+    g.add_argument("--think-s", type=float, help="chat, tier: pause between turns")
+    g.add_argument(
+        "--system-len", type=int, help="chat: the shared system prompt; tier: each one's context"
+    )
+    g.add_argument("--user-len", type=parse_range, help="chat, tier: MIN,MAX tokens")
+    g.add_argument("--chat-output-len", type=int, help="chat, tier: tokens per reply")
+    g.add_argument("--ttft-slo-ms", type=float, help="chat, tier: goodput TTFT target")
+    g.add_argument("--tpot-slo-ms", type=float, help="chat, tier: goodput TPOT target")
+    g.add_argument("--tier-pool-gb", type=float, help="tier: the KV pool (GiB; as --num-blocks)")
+    g.add_argument("--tier-host-gb", type=float, help="tier: --kv-host-cache-gb of the tier run")
     g.add_argument(
         "--disagg-threshold",
         type=int,
@@ -653,25 +665,41 @@ def add_goodput_args(ap: argparse.ArgumentParser) -> None:
 
 def goodput_main(args: argparse.Namespace) -> int:
     import goodput
+    import kv_tier
 
-    if args.quick:  # a short run: fewer sessions and streams, shorter prompts
+    tier = args.workload == "tier"
+    defaults = goodput.CHAT_DEFAULTS
+    if tier:
+        defaults = kv_tier.QUICK if args.quick else kv_tier.DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.quick and not tier:  # a short run: fewer sessions and streams, shorter prompts
         args.sessions = min(args.sessions, 6)
         args.system_len = min(args.system_len, 192)
         args.burst_len = min(args.burst_len, 512)
     args.probe_lengths = [int(x) for x in args.probe_lengths.split(",") if x]
     if args.out == os.path.join(ROOT, "bench", "results", "serve_cpu.json"):
-        args.out = os.path.join(ROOT, "bench", "results", "goodput_cpu.json")
+        name = "tier_cpu.json" if tier else "goodput_cpu.json"
+        args.out = os.path.join(ROOT, "bench", "results", name)
     meta = run_metadata()
+    meta["gpus"] = gpu_models()
     t0 = time.monotonic()
-    result = goodput.run(args)
+    try:
+        result = kv_tier.run(args) if tier else goodput.run(args)
+    except kv_tier.TierSizingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     meta["loadavg_at_end"] = list(os.getloadavg())
     meta["wall_s"] = time.monotonic() - t0
     settings = {
         k: v
         for k, v in vars(args).items()
         if k not in ("address", "launch", "out", "concurrency", "rate", "requests")
+        and (not tier or k in kv_tier.SETTINGS)
     }
-    data = {"benchmark": "goodput", "meta": meta, "settings": settings, **result}
+    data = {"benchmark": "kv_tier" if tier else "goodput", "meta": meta, "settings": settings,
+            **result}  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=2, default=str)

@@ -181,13 +181,15 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     "bench.serve": (
         (
             "bench.goodput",
+            "bench.kv_tier",
             "bench.llama_random",
             "tandem",
             "tandem.model.info",
             "tandem.rpc.api_pb2",
             "tandem.rpc.api_pb2_grpc",
         ),
-        "--workload subcommand (goodput) and torch / the engine only for the paths that run them",
+        "--workload subcommands (goodput, kv_tier) and torch / the engine only for the paths "
+        "that run them",
     ),
     "bench.structured": (
         (

@@ -82,6 +82,42 @@ def test_mixed_logprobs_fall_back_and_match(pair):
     assert got[2].logprobs is not None and all(lp is not None for lp in got[2].logprobs)
 
 
+def test_prompt_chunks_beside_decodes_run_ahead_and_equal_sync(model_factory):
+    """With a small token budget the prompts are computed in chunks while other sequences
+    decode: those mixed steps are launched ahead too (a chunk that is not a prompt's last
+    samples nothing), and every token equals step-by-step's."""
+    _, path = model_factory("llama")
+    prompts = _prompts(seed=8)
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    params[3] = SamplingParams(max_tokens=9, temperature=0.9, seed=3, ignore_eos=True)
+    want = tandem.LLM(path, num_blocks=96, max_num_batched_tokens=16).generate(prompts, params)
+    llm = tandem.LLM(path, num_blocks=96, max_num_batched_tokens=16, async_scheduling=True)
+    ahead = llm.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append([(n, s.num_computed + n >= s.num_tokens) for s, n in items])
+        return launch(items, prev)
+
+    ahead.launch = spy
+    got = llm.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason == "length"
+    mixed = [
+        step for step in launched if any(n > 1 for n, _ in step) and any(n == 1 for n, _ in step)
+    ]
+    assert mixed, "no step with prompt tokens beside decodes ran ahead"
+    assert any(n > 1 and not last for step in launched for n, last in step), (
+        "no earlier chunk of a prompt ran ahead"
+    )
+    assert llm.engine.pool.num_used == 0
+
+
 def test_preemption_and_abort_while_in_flight(model_factory):
     _, path = model_factory("llama")
     prompts = _prompts(seed=7)

@@ -1,10 +1,15 @@
-"""Asynchronous scheduling: a plain decode step is launched before the tokens of the step before
-it are read, so the device has the next step queued while the host waits.
+"""Asynchronous scheduling: a step is launched before the tokens of the step before it are read,
+so the device has the next step queued while the host waits.
 
 A step in flight (`InFlightStep`) holds its sampled ids on the device and their copy into a
 pinned host buffer; the next call launches the following step (its input tokens read on the
 device from the ids in flight) and only then reads that copy. A sequence finished by the step
 in flight has one more token computed, which is dropped when collected.
+
+Steps that carry prompt chunks beside decodes (most steps of a loaded run) run ahead too: a
+sequence whose last chunk the step computes samples its first token there, pending like a
+decode's; one computing an earlier chunk samples nothing. A step of prompts alone runs step by
+step.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.reporting import decode_kv_tokens
 from tandem.engine.sampler import sample_ids
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_output import StepOutput, TokenRecorder
+from tandem.host_copy import device_tensor
 
 if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
@@ -28,14 +35,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class InFlightStep:
-    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+    """A step launched on the device whose sampled tokens the host has not read yet; `items`
+    are the sequences that sample in it, in the order of `ids`."""
 
     items: list[tuple[Sequence, int]]
     ids: torch.Tensor  # [B] int64 on the device: the sampled tokens
     host: torch.Tensor  # [B] int64 (pinned on CUDA): their copy, valid once `event` completes
     event: torch.cuda.Event | None  # None on CPU, where the copy is already done
     rows: dict[str, int]  # seq_id -> row in `items`
-    kv_tokens: int = 0  # tokens of KV the step reads: every sequence's, its new token's included
+    kv_tokens: int = 0  # tokens of KV a decode step reads: every sequence's, its new token's
+    tokens: int = 0  # tokens it computes (prompt chunks included)
+    mixed: bool = False  # whether it computed prompt tokens beside decodes
     # perf_counter() when the step before it was seen complete, if this step was queued on the
     # device by then (it then ran right after it): the start of its time on the device.
     queued_at: float | None = None
@@ -90,35 +100,48 @@ class AsyncStep:
 
     @staticmethod
     def can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
-        return all(
-            n == 1
-            and not s.spec_tokens
+        """Decodes run ahead, with any prompt chunks beside them; a step of prompts alone does
+        not (no decode waits behind it, and its first tokens come at once), nor drafts to
+        verify, a prompt for another worker, logprobs or penalties (read on the host)."""
+        return any(n == 1 for _, n in items) and all(
+            not s.spec_tokens
             and not s.prefill_only
             and s.params.logprobs is None
+            and s.params.prompt_logprobs is None
             and not s.params.penalized
-            for s, n in items
+            for s, _ in items
         )
 
     def launch(
         self, items: list[tuple[Sequence, int]], prev: InFlightStep | None
     ) -> tuple[InFlightStep, list[StepOutput]]:
-        """Enqueue forward + sampling of a decode batch and an asynchronous copy of its ids;
-        returns it with the outputs of the step `prev` (read once this one is enqueued).
+        """Enqueue forward + sampling of a batch and an asynchronous copy of its ids; returns it
+        with the outputs of the step `prev` (read once this one is enqueued).
 
         A batch with constrained sequences needs their grammars advanced by the tokens of
         `prev` before its masks exist: the forward is enqueued first, `prev` is read while the
         device runs it, the masks are filled, and only the sampling waits for them.
         """
         started, collects = time.perf_counter(), prev is not None
-        rows: list[int] = []
+        rows: list[int] = []  # packed-token rows whose input token `prev` sampled
         prev_rows: list[int] = []
-        for j, (seq, _) in enumerate(items):
+        token = 0
+        for seq, n in items:
             if seq.num_pending:  # its input token is the one `prev` sampled
                 assert prev is not None, "a pending token without a step in flight"
-                rows.append(j)
+                rows.append(token)
                 prev_rows.append(prev.rows[seq.seq_id])
+            token += n
         pending = (rows, prev_rows, prev.ids) if rows else None
+        kv_tokens = decode_kv_tokens(items)
         logits = self.runner.execute(items, pending=pending)
+        # A sequence computing a chunk of its prompt that is not the last samples nothing.
+        sampled = [j for j, (s, n) in enumerate(items) if s.num_computed + n >= s.num_tokens]
+        for seq, n in items:
+            seq.num_computed += n
+        if len(sampled) < len(items):
+            logits = logits[device_tensor(sampled, torch.long, logits.device)]
+            items = [items[j] for j in sampled]
         seqs = [s for s, _ in items]
         params = [s.params for s in seqs]
         outs: list[StepOutput] = []
@@ -140,11 +163,8 @@ class AsyncStep:
             mask_rows=mask_rows,
             banned=self.sample_inputs.bans(seqs),
         )
-        kv_tokens = 0
         for seq in seqs:
-            seq.num_computed += 1
             seq.num_pending += 1
-            kv_tokens += seq.num_computed
         host = self._ring[self._ring_next][: len(items)]
         self._ring_next ^= 1
         event = None
@@ -166,7 +186,7 @@ class AsyncStep:
         )
         if prev is not None:
             outs = self.collect(prev)
-        if event is None:  # a CPU step ran within this call: its time is the call's
+        if event is None and kv_tokens:  # a CPU step ran within this call: its time is the call's
             self.reporting.read = (kv_tokens, time.perf_counter() - started)
         elif collects:  # `prev` was seen to end while this step was queued behind it
             step.queued_at = self.collected_at
@@ -177,7 +197,7 @@ class AsyncStep:
         if step.event is not None:
             step.event.synchronize()
         self.collected_at = time.perf_counter()
-        if step.queued_at is not None:
+        if step.queued_at is not None and step.kv_tokens:
             self.reporting.read = (step.kv_tokens, self.collected_at - step.queued_at)
         outs: list[StepOutput] = []
         append = self.recorder.append

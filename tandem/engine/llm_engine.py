@@ -257,8 +257,9 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one batched forward for every scheduled sequence and return the new tokens.
 
-        Under `async_scheduling` a plain decode step returns the tokens of the step before it
-        (launched by the previous call), so the GPU already has the next step when Python waits.
+        Under `async_scheduling` a step that runs ahead (decodes, prompt chunks) returns the
+        tokens of the step before it (launched by the previous call), so the GPU already has
+        the next step when Python waits.
         """
         t0 = self._step_started = time.perf_counter()
         reporting = self.reporting
@@ -287,10 +288,11 @@ class LLMEngine:
         return outs
 
     def _step_async(self) -> list[StepOutput]:
-        """Launch the next decode step, then read the step in flight; returns its tokens.
+        """Launch the next step, then read the step in flight; returns its tokens.
 
-        A batch that cannot run ahead (a prompt, draft tokens, logprobs, a repetition penalty)
-        first waits for the step in flight; it is then scheduled again by the next call.
+        A batch that cannot run ahead (draft tokens, logprobs, a repetition penalty, a prompt
+        for another worker) first waits for the step in flight; it is then scheduled again by
+        the next call.
         """
         ahead = self.async_step
         prev, ahead.inflight = ahead.inflight, None
@@ -300,7 +302,11 @@ class LLMEngine:
         items = [(s, n) for s, n in batch.items if not (s.num_pending and ends(s))]
         if items and ahead.can_run_ahead(items):
             ahead.inflight, outs = ahead.launch(items, prev)
-            self._last_tokens = len(items)
+            ahead.inflight.tokens = sum(n for _, n in items)
+            ahead.inflight.mixed = self.scheduler.mixed
+            # This call's time is mostly the wait for `prev`: its tokens are the ones timed.
+            if prev is not None:
+                self._last_tokens, self._mixed = prev.tokens, prev.mixed
             return outs
         if prev is not None:
             return ahead.collect(prev)

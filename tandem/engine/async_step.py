@@ -103,7 +103,7 @@ class AsyncStep:
         """Decodes run ahead, with any prompt chunks beside them; a step of prompts alone does
         not (no decode waits behind it, and its first tokens come at once), nor drafts to
         verify, a prompt for another worker, logprobs or penalties (read on the host)."""
-        return any(n == 1 for _, n in items) and all(
+        return any(n == 1 and s.num_computed + 1 >= s.num_tokens for s, n in items) and all(
             not s.spec_tokens
             and not s.prefill_only
             and s.params.logprobs is None
@@ -186,8 +186,9 @@ class AsyncStep:
         )
         if prev is not None:
             outs = self.collect(prev)
-        if event is None and kv_tokens:  # a CPU step ran within this call: its time is the call's
-            self.reporting.read = (kv_tokens, time.perf_counter() - started)
+        if event is None:  # a CPU step ran within this call: its time is the call's
+            if kv_tokens:
+                self.reporting.read = (kv_tokens, time.perf_counter() - started)
         elif collects:  # `prev` was seen to end while this step was queued behind it
             step.queued_at = self.collected_at
         return step, outs

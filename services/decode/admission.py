@@ -20,6 +20,11 @@ An Admit naming a prefill worker goes through five steps, each a method below:
 5. telemetry (`obs.admitted`), and the lease released whatever happened (with the failure, if
    any, so the prefill worker counts it).
 
+When this pool has no room for the prompt's blocks (a decode worker behind its prefill workers),
+the sequence waits for room with its KV still under its lease at the prefill worker
+(`RoomWaiters`: in arrival order, woken after steps that freed blocks), and is recomputed here
+only if the lease's deadline comes first.
+
 An Admit naming a reservation (`_admit_pushed`: the prefill worker wrote the KV straight into
 blocks this worker reserved, Decode.Reserve) only checks this worker's own signature and the
 prefill worker's proof of the write, and starts the sequence: nothing is copied, and the prompt's
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -83,6 +89,51 @@ class PushTarget:
     kind: str  # the transport name reported for pushed KV, e.g. shm_push
 
 
+# A sequence waiting for room stops this long before its lease expires (the prefill worker then
+# reclaims the blocks) and is queued to be recomputed here instead.
+LEASE_MARGIN_S = 2.0
+# Waiters look again at least this often, should no step wake them (blocks freed by an abort).
+ROOM_POLL_S = 0.25
+
+
+class RoomWaiters:
+    """Sequences prefilled elsewhere waiting for room in this pool, in arrival order; their KV
+    stays with the prefill worker meanwhile. `wake(free)` (on the event loop, after a step)
+    lets go those at the head whose blocks fit, together, in `free`."""
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self.waits = 0  # sequences that waited, ever
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    async def wait(self, blocks: int, timeout: float) -> None:
+        """Until woken (room for `blocks` may be there) or `timeout` seconds."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queue.append((blocks, fut))
+        try:
+            await asyncio.wait_for(fut, max(0.0, timeout))
+        except TimeoutError:
+            pass
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def wake(self, free: int) -> None:
+        queue = self.queue
+        while queue:
+            blocks, fut = queue[0]
+            if fut.done():
+                queue.popleft()  # timed out or cancelled
+                continue
+            if blocks > free:
+                break
+            free -= blocks
+            queue.popleft()
+            fut.set_result(None)
+
+
 class Admission:
     """Admits sequences into the decode worker's engine; see the module docstring."""
 
@@ -120,6 +171,8 @@ class Admission:
         self.transfer_failures = 0
         self.imports_by_transport: dict[str, int] = {}
         self.local_prefills = 0  # sequences admitted with prefill_here
+        self.room = RoomWaiters()
+        self.block_size = engine_loop.engine.config.block_size
 
     def joining(self, sid: str, notify: bool) -> bool:
         """Note the cancel of a sequence still on its way in (its KV in transfer, or its grammar
@@ -164,11 +217,22 @@ class Admission:
                 return  # cancelled while its KV was on the way
             source, reserved = fetched
             joined = [0.0]
-            imported = await asyncio.wrap_future(
-                self.engine_loop.submit(
-                    lambda e: self._join(e, peer, source, reserved, req, joined)
+            if peer.pool.reads_into_reserved_blocks:
+                imported = await asyncio.wrap_future(
+                    self.engine_loop.submit(
+                        lambda e: self._join(e, peer, source, reserved, req, joined, True)
+                    )
                 )
-            )
+            else:
+                imported = await self._when_room(
+                    req,
+                    lambda last: self.engine_loop.submit(
+                        lambda e: self._join(e, peer, source, None, req, joined, last)
+                    ),
+                )
+                if imported is None:  # cancelled while it waited
+                    self._drop_cancelled(sid, session, bool(self.importing.pop(sid, None)))
+                    return
             kind = peer.kind.value if imported else "recompute"
             ended = joined[0]
             if source.pending is not None and imported:
@@ -268,6 +332,36 @@ class Admission:
         if notify:
             session.out.put_nowait(stages_pb2.DecodeOut(finished=[self.finished(sid, "abort")]))
 
+    async def _when_room(self, req: _Request, attempt: Callable[[bool], Any]) -> Any:
+        """`attempt(last)` (a concurrent future of the engine thread) until it gives a result:
+        None means this pool had no room and nothing was queued. Meanwhile the sequence waits
+        (`self.room`), its KV under its lease at the prefill worker. At the lease's deadline it
+        is tried a last time with `last` set (queued to be recomputed here when there is still
+        no room). Returns None when it was cancelled while it waited: the cancel stays noted in
+        `importing` for the caller."""
+        sid = req.sid
+        deadline = req.msg.kv.expires_at - LEASE_MARGIN_S
+        blocks = -(-(len(req.ids) + 1) // self.block_size)
+        owned = sid not in self.importing  # else `_fetch` notes (and takes back) its cancel
+        if owned:
+            self.importing[sid] = None
+        waited = False
+        try:
+            while True:
+                last = time.time() >= deadline
+                got = await asyncio.wrap_future(attempt(last))
+                if got is not None or last:
+                    return got
+                if not waited:
+                    waited = True
+                    self.room.waits += 1
+                await self.room.wait(blocks, min(ROOM_POLL_S, deadline - time.time()))
+                if self.importing.get(sid) is not None:
+                    return None
+        finally:
+            if owned and self.importing.get(sid) is None:
+                self.importing.pop(sid, None)
+
     async def _read_reserved(
         self, source: BlockSource, req: _Request
     ) -> tuple[int, list[int]] | None:
@@ -277,7 +371,7 @@ class Admission:
         sid, msg = req.sid, req.msg
         peer_blocks = list(msg.kv.block_ids)
 
-        def reserve(e: LLMEngine) -> tuple[int, list[int]] | None:
+        def reserve(e: LLMEngine, last: bool) -> tuple[int, list[int]] | None:
             got = e.reserve_prefilled(
                 req.ids,
                 msg.first_token,
@@ -288,12 +382,15 @@ class Admission:
                 tenant=msg.tenant,
                 block_names=split_names(msg.kv.block_names),
                 matcher=req.matcher,
+                queue_when_full=last,
             )
-            if got is None:
+            if got is None and last:
                 self.transfer[sid] = ((time.monotonic() - req.t0) * 1e3, "recompute")
             return got
 
-        got = await asyncio.wrap_future(self.engine_loop.submit(reserve))
+        got = await self._when_room(
+            req, lambda last: self.engine_loop.submit(lambda e: reserve(e, last))
+        )
         if got is None:
             return None
         first, blocks = got
@@ -321,8 +418,11 @@ class Admission:
         reserved: tuple[int, list[int]] | None,
         req: _Request,
         joined: list[float],
-    ) -> bool:
-        """On the engine thread: the sequence joins the batch with its KV, or is recomputed."""
+        queue_when_full: bool,
+    ) -> bool | None:
+        """On the engine thread: the sequence joins the batch with its KV, or is recomputed (the
+        pool had no room for it: queued unless `queue_when_full` is False, which returns None
+        with nothing done)."""
         sid, msg = req.sid, req.msg
         src_blocks = list(msg.kv.block_ids)
         if peer.pool.reads_into_reserved_blocks:
@@ -343,7 +443,10 @@ class Admission:
                 tenant=msg.tenant,
                 block_names=split_names(msg.kv.block_names),
                 matcher=req.matcher,
+                queue_when_full=queue_when_full,
             )
+            if not imported and not queue_when_full:
+                return None
         # Noted on the engine thread, before a step can finish the sequence and report its
         # transfer (a short sequence can finish before the admission resumes), and before a step
         # can start it (the time its KV handover ended).

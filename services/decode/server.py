@@ -202,6 +202,8 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
     # ---- engine thread -> event loop ----------------------------------------------------------
     def _on_outputs(self, outs: list[StepOutput]) -> None:
         self.obs.on_step(outs, self.engine_loop.last_step)
+        if len(self.admission.room):  # sequences wait for room: this step may have freed blocks
+            self.loop.call_soon_threadsafe(self.admission.room.wake, self.engine.pool.num_free)
         now = time.monotonic()
         for o in outs:
             seq = o.seq

@@ -212,11 +212,13 @@ class Admission:
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
         matcher: Any = None,
+        queue_when_full: bool = True,
     ) -> tuple[Sequence, int | None]:
         """The sequence of a prompt prefilled elsewhere, registered, with blocks for its prompt:
         the longest prefix cached in this pool shared (the first `first` blocks), fresh blocks
         after it. `first` is None when the pool (or its tenant's quota) has no room: the
-        sequence then waits in the queue and will be recomputed here. `block_names`: the names
+        sequence then waits in the queue and will be recomputed here, or, unless
+        `queue_when_full`, is forgotten (the caller may try again later). `block_names`: the names
         of the prompt's full blocks, when the worker that prefilled it sent them (verified with
         its lease), so that this pool's prefix cache need not hash the prompt again. `matcher`:
         its grammar's matcher from `prepare_matcher`, having replayed `first_token`."""
@@ -234,7 +236,10 @@ class Admission:
         self.seqs[request_id] = seq
         taken = self._take_blocks(seq, len(prompt) + 1)
         if taken is None:
-            self.scheduler.add_request(seq)
+            if queue_when_full:
+                self.scheduler.add_request(seq)
+            else:
+                del self.seqs[request_id]
             return seq, None
         return seq, taken
 
@@ -298,6 +303,7 @@ class Admission:
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
         matcher: Any = None,
+        queue_when_full: bool = True,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere: allocate blocks, let `copy_in` fill them, run it.
 
@@ -305,7 +311,8 @@ class Admission:
         `copy_in(dst_blocks, first)` fills only the rest: `dst_blocks[j]` receives the prompt's
         block `first + j`. Returns (sequence, imported). When this pool has no room for the
         prompt's blocks, the KV is not imported: the sequence waits and is recomputed here
-        (`imported` is False). With room for the KV but not (yet) in the running batch (the
+        (`imported` is False), or, unless `queue_when_full`, is forgotten (the caller may try
+        again when blocks free up). With room for the KV but not (yet) in the running batch (the
         sequence limit or the TPOT target), it waits holding its KV.
         """
         seq, first = self._prefilled_seq(
@@ -317,6 +324,7 @@ class Admission:
             tenant,
             block_names,
             matcher,
+            queue_when_full,
         )
         if first is None:
             return seq, False
@@ -363,13 +371,16 @@ class Admission:
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
         matcher: Any = None,
+        queue_when_full: bool = True,
     ) -> tuple[int, list[int]] | None:
         """First half of `admit_prefilled` for KV that arrives later: the sequence and blocks
         for its prompt, not yet scheduled. Returns (first, blocks): the prompt's longest prefix
         cached in this pool is shared (blocks before `first`), and `blocks[j]` is to receive the
         prompt's block `first + j`. None when this pool has no room: the sequence then waits and
-        is recomputed here. Follow with `start_prefilled` once the blocks hold the KV, or `abort`
-        (which frees them).
+        is recomputed here (unless `queue_when_full` is False: then it is forgotten, and the
+        caller, whose KV is still where it was computed, may try again when blocks free up).
+        Follow with `start_prefilled` once the blocks hold the KV, or `abort` (which frees
+        them).
 
         `peer_blocks` (the prompt's blocks in the pool the KV comes from) orders the new blocks
         like those: runs of adjacent blocks there land in adjacent blocks here when this pool
@@ -384,6 +395,7 @@ class Admission:
             tenant,
             block_names,
             matcher,
+            queue_when_full,
         )
         if first is None:
             return None

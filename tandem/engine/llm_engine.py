@@ -461,6 +461,7 @@ class LLMEngine:
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
         matcher: Any = None,
+        queue_when_full: bool = True,
     ) -> tuple[Sequence, bool]:
         """Join a sequence prefilled elsewhere, its KV copied in now
         (`Admission.admit_prefilled`)."""
@@ -474,6 +475,7 @@ class LLMEngine:
             tenant,
             block_names,
             matcher,
+            queue_when_full,
         )
 
     def reserve_prefilled(
@@ -487,6 +489,7 @@ class LLMEngine:
         tenant: str | None = None,
         block_names: list[bytes] | None = None,
         matcher: Any = None,
+        queue_when_full: bool = True,
     ) -> tuple[int, list[int]] | None:
         """Blocks for a sequence prefilled elsewhere whose KV arrives later
         (`Admission.reserve_prefilled`)."""
@@ -500,6 +503,7 @@ class LLMEngine:
             tenant,
             block_names,
             matcher,
+            queue_when_full,
         )
 
     def start_prefilled(self, request_id: str) -> bool:

@@ -273,15 +273,24 @@ def test_reserve_refuses_what_cannot_fit(model_factory):
     with pytest.raises(ValueError, match="not the one"):
         dec.admit_reserved("r", res.token, rand_ids(20, 7), 1, GREEDY)
     assert dec.unreserve(res.token) and dec.pool.num_used == 0
-    # Reserved as a worker reads a message's ids (a numpy array): compared as arrays, and
-    # refused by a single id's difference, or a prompt one id longer.
+    # Reserved as a worker reads a message's ids (a uint32 array): compared by their bytes,
+    # and refused by a single id's difference, a prompt one id longer, ids that are the same
+    # only modulo 2**32, or the same ids in another shape.
     prompt = np.array(rand_ids(40, 6), dtype=np.uint32)
     res = dec.reserve(prompt, "a", ttl_s=30)
     prompt[3] += 1  # the caller's array changing after Reserve changes nothing reserved
-    for other in (prompt, np.append(res.ids, 5).astype(np.uint32), np.array(res.prompt[:-1])):
+    same = np.array(res.prompt, dtype=np.uint32)
+    others = (
+        prompt,
+        np.append(same, 5).astype(np.uint32),
+        np.array(res.prompt[:-1]),
+        same.astype(np.int64) + 2**32,
+        same.reshape(2, -1),
+    )
+    for other in others:
         with pytest.raises(ValueError, match="not the one"):
             dec.admit_reserved("a", res.token, other, 1, GREEDY)
-    seq = dec.admit_reserved("a", res.token, res.ids.astype(np.int64), 1, GREEDY)
+    seq = dec.admit_reserved("a", res.token, same.astype(np.int64), 1, GREEDY)
     assert seq.prompt_token_ids == res.prompt and dec.reservation_stats() == (0, 0)
     assert dec.abort("a") and dec.pool.num_used == 0
 

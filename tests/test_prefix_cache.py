@@ -99,7 +99,7 @@ def test_names_held_back_are_found_only_once_revealed(lru_k):
     assert pool.num_cached == 0 and pool.cached_hashes() == [] and events == []
     assert pool.cache_many(b[:1], [b"A"]) == []  # the name is taken: that block stays private
     # Revealed: found, counted, reported once; freed, they are kept by content.
-    pool.reveal(a, [b"A", b"B", b"C"])
+    pool.reveal([b"A", b"B", b"C"])
     assert [pool.lookup(h) for h in (b"A", b"B", b"C")] == a and pool.num_cached == 3
     assert events == [("stored", [b"A", b"B", b"C"])]
     pool.free(a)
@@ -113,6 +113,29 @@ def test_names_held_back_are_found_only_once_revealed(lru_k):
     assert sorted(pool.cached_hashes()) == [b"A", b"B", b"C"]
     c = pool.allocate(2)  # from the free list, not evicting A-C: D-F's blocks are free again
     assert pool.num_cached == 3 and pool.cache_many(c, [b"D", b"E"]) == [b"D", b"E"]
+
+
+@pytest.mark.parametrize("lru_k", [1, 2])
+def test_reservations_held_back_at_once_are_revealed_apart(lru_k):
+    # Two reservations' names held back together: revealing one shows only its blocks; the
+    # other, freed unrevealed, loses its names; a name shown is not shown again.
+    pool = BlockPool(8, lru_k=lru_k)
+    a, b = pool.allocate(3), pool.allocate(2)
+    held_a = pool.cache_many(a, [b"A", b"B", b"C"], hidden=True)
+    held_b = pool.cache_many(b, [b"D", b"E"], hidden=True)
+    pool.reveal([])  # a reservation whose names were all taken already: nothing to show
+    pool.reveal(held_a)
+    assert [pool.lookup(h) for h in (b"A", b"B", b"C", b"D", b"E")] == [*a, None, None]
+    assert pool.num_cached == 3 and sorted(pool.cached_hashes()) == [b"A", b"B", b"C"]
+    assert [pool.is_cached(x) for x in a + b] == [True] * 3 + [False] * 2
+    with pytest.raises(ValueError, match="not held back"):
+        pool.reveal(held_a)
+    pool.free(b)
+    with pytest.raises(ValueError, match="not held back"):
+        pool.reveal(held_b)
+    pool.free(a)
+    assert pool.num_cached == 3 and pool.num_cached_free == 3 and pool.num_used == 0
+    assert pool.lookup(b"D") is None and pool.cache_many(pool.allocate(1), [b"D"]) == [b"D"]
 
 
 @pytest.mark.parametrize("lru_k", [1, 2])

@@ -25,6 +25,7 @@ from tandem.tenants import DEFAULT_TENANT, TenantQuotaExceeded
 # A prompt: a list of ids, or a numpy integer array of them (how a worker reads a message's ids:
 # checked in C, not id by id).
 PromptIds = list[int] | np.ndarray
+_U32 = np.dtype("<u4")
 
 if TYPE_CHECKING:
     from tandem.config import EngineConfig
@@ -52,16 +53,18 @@ class Reservation:
     withdrawn: bool = False  # given back while a write may still come: freed at expiry
     # Of the first `first` blocks' tokens, those copied back from the host tier.
     host_tokens: int = 0
-    ids: np.ndarray | None = None  # the prompt as reserved, when given as an array
+    # The prompt as reserved, as little-endian uint32s, when given as such an array (how a
+    # worker reads a message's ids).
+    id_bytes: bytes | None = None
     # Names of its blocks to be written, held back in the pool until the admission reveals
     # them (None: named at the admission, as a pulled sequence's are).
     hidden_names: list[bytes] | None = None
 
     def holds(self, prompt_token_ids: PromptIds) -> bool:
-        """Whether `prompt_token_ids` is exactly the prompt reserved (an array against an
-        array in one C pass: no list is made for the comparison)."""
-        if isinstance(prompt_token_ids, np.ndarray) and self.ids is not None:
-            return np.array_equal(prompt_token_ids, self.ids)
+        """Whether `prompt_token_ids` is exactly the prompt reserved (a uint32 array against the
+        reserved one by their bytes, one memcmp: no list is made for the comparison)."""
+        if self.id_bytes is not None and _is_u32(prompt_token_ids):
+            return prompt_token_ids.tobytes() == self.id_bytes
         return _as_list(prompt_token_ids) == self.prompt
 
 
@@ -456,7 +459,7 @@ class Admission:
         res = Reservation(
             request_id, secrets.token_urlsafe(24), prompt, table, first, now + ttl_s,
             host_tokens=probe.num_host_cached_tokens,
-            ids=prompt_token_ids.copy() if isinstance(prompt_token_ids, np.ndarray) else None,
+            id_bytes=prompt_token_ids.tobytes() if _is_u32(prompt_token_ids) else None,
         )  # fmt: skip
         if self.prefix_cache is not None and len(table.known_names) == len(prompt) // bs:
             # Named now, held back until the KV is written: the admission (the handover) then
@@ -506,7 +509,7 @@ class Admission:
         seq.num_cached_tokens = res.first * table.block_size
         seq.num_host_cached_tokens = res.host_tokens
         if res.hidden_names is not None:
-            self.pool.reveal(table.blocks, res.hidden_names)  # the KV is written now
+            self.pool.reveal(res.hidden_names)  # the KV is written now
         self._join(seq)
         return seq
 
@@ -552,6 +555,11 @@ def _name_blocks(table: BlockTable, n: int, names: list[bytes] | None) -> None:
             f"{table.block_size} (expected {n // table.block_size})"
         )
     table.known_names = list(names)
+
+
+def _is_u32(ids: PromptIds) -> bool:
+    """A one-dimensional array of little-endian uint32s (its bytes say its ids exactly)."""
+    return isinstance(ids, np.ndarray) and ids.dtype == _U32 and ids.ndim == 1
 
 
 def _as_list(ids: PromptIds) -> list[int]:

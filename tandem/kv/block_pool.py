@@ -31,7 +31,9 @@ another worker will write are named when they are reserved, off the handover's p
 findable (`lookup`), counted or reported until `reveal` says their KV is written. A held-back
 block that is freed instead loses its name (its KV may never have been written): it returns to
 the free list as an unnamed block would. Its name, meanwhile, keeps another block from taking
-it, as a cached block's does.
+it, as a cached block's does. The blocks named by one call share one `_Veil`, so `reveal` shows
+them all at once, touching none of them (it is on the handover's path); each block forgets its
+veil when it is next freed.
 
 Events (`listeners`): whoever wants to know what the pool holds by content (a worker publishing
 it to the gateway's router, `tandem.kv.events`) adds a callable taking (kind, tier, hashes):
@@ -71,6 +73,15 @@ class OutOfBlocks(ResourceExhausted):
         self.free = free
 
 
+class _Veil:
+    """What hides the blocks named by one `cache_many(..., hidden=True)` until `reveal`."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held: int) -> None:
+        self.held = held  # its blocks still hidden (0: revealed, or all freed)
+
+
 class BlockPool:
     """Hands out block ids in [0, num_blocks); a block nobody holds is free (or cached-free)."""
 
@@ -87,7 +98,10 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
-        self._hidden: set[int] = set()  # named, not findable until `reveal` (see above)
+        # Blocks named held back (see above) -> their veil, until the block is next freed; and
+        # how many blocks are hidden now (veils not lifted).
+        self._veils: dict[int, _Veil] = {}
+        self._n_hidden = 0
         # Use history: clock values at which the last two uses of each block ended (-1: none).
         self._clock = 0
         self._last = [-1] * num_blocks
@@ -132,7 +146,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Blocks findable by content hash, held or not."""
-        return len(self._hash_of) - len(self._hidden)
+        return len(self._hash_of) - self._n_hidden
 
     @property
     def num_cached_free(self) -> int:
@@ -332,8 +346,10 @@ class BlockPool:
             if self._refs[b]:
                 continue
             t = self._owner[b]
-            if self._hidden and b in self._hidden:  # named, never shown: KV maybe unwritten
-                self._hidden.discard(b)
+            veil = self._veils.pop(b, None) if self._veils else None
+            if veil is not None and veil.held:  # named, never shown: KV maybe unwritten
+                veil.held -= 1
+                self._n_hidden -= 1
                 del self._by_hash[self._hash_of.pop(b)]
             if b in self._hash_of:
                 key = self._eviction_key(b)
@@ -387,8 +403,8 @@ class BlockPool:
         self, blocks: Iterable[int], block_hashes: Iterable[bytes], hidden: bool = False
     ) -> list[bytes]:
         """`cache(block, hash)` for each pair, in one pass; returns the hashes that named a
-        block. `hidden`: held back, neither findable nor reported until `reveal(blocks, those
-        hashes)` (blocks whose KV is still to be written)."""
+        block. `hidden`: held back, neither findable nor reported until `reveal(those hashes)`
+        (blocks whose KV is still to be written)."""
         refs, by_hash, hash_of = self._refs, self._by_hash, self._hash_of
         stored: list[bytes] = []
         for block, h in zip(blocks, block_hashes, strict=True):
@@ -399,31 +415,44 @@ class BlockPool:
                 hash_of[block] = h
                 stored.append(h)
         if hidden:
-            self._hidden.update(by_hash[h] for h in stored)
+            if stored:
+                self._veils.update(dict.fromkeys([by_hash[h] for h in stored], _Veil(len(stored))))
+                self._n_hidden += len(stored)
         elif stored and self.listeners:
             self.emit("stored", "device", stored)
         return stored
 
-    def reveal(self, blocks: Iterable[int], block_hashes: list[bytes]) -> None:
-        """Make the blocks named with `cache_many(blocks, ..., hidden=True)` findable (their KV is
-        written) and report their names, `block_hashes` (what that call returned): one C pass
-        over the blocks, no name inserted."""
-        self._hidden.difference_update(blocks)
-        if block_hashes and self.listeners:
+    def reveal(self, block_hashes: list[bytes]) -> None:
+        """Make the blocks named with `cache_many(..., hidden=True)` findable (their KV is
+        written) and report their names, `block_hashes` (what that call returned). Their veil
+        is lifted: no block is touched, whatever their number."""
+        if not block_hashes:
+            return
+        b = self._by_hash.get(block_hashes[0])
+        veil = self._veils.get(b) if b is not None else None
+        if veil is None or not veil.held:
+            raise ValueError("reveal: these names are not held back (freed, or shown already)")
+        self._n_hidden -= veil.held
+        veil.held = 0
+        if self.listeners:
             self.emit("stored", "device", block_hashes)
+
+    def _hidden(self, block: int) -> bool:
+        veil = self._veils.get(block)
+        return veil is not None and veil.held > 0
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content `block_hash`, or None."""
         b = self._by_hash.get(block_hash)
-        if b is not None and self._hidden and b in self._hidden:
+        if b is not None and self._n_hidden and self._hidden(b):
             return None
         return b
 
     def is_cached(self, block: int) -> bool:
-        return block in self._hash_of and block not in self._hidden
+        return block in self._hash_of and not (self._n_hidden and self._hidden(block))
 
     def cached_hashes(self) -> list[bytes]:
         """The hash of every cached block (what a new listener starts from)."""
-        if self._hidden:
-            return [h for h, b in self._by_hash.items() if b not in self._hidden]
+        if self._n_hidden:
+            return [h for h, b in self._by_hash.items() if not self._hidden(b)]
         return list(self._by_hash)

@@ -25,6 +25,11 @@ CUDA IPC of the GPU pool). For reference, the same blocks are also copied within
 tandem's gather copy (one kernel on a GPU, `index_select` + `index_copy_` on a CPU: what the
 cuda_ipc and shm paths run) and a plain slice copy.
 
+Between a push's Reserve and its Admit the decode worker idles as long as that prefill takes
+(longer for a longer prompt), and a worker's first work after an idle spell runs slower (on a
+VM especially; bench/push_admit.py measures both in one process): `--admit-after-ms` sends
+every Admit that long after its Reserve, so that the lengths differ only by the prompt.
+
 On one host UCX does not use the network: it reads the peer process's memory directly (CMA)
 or goes through loopback TCP (nixl:tcp). Between two machines the figures depend on the
 fabric: measure there.
@@ -158,6 +163,7 @@ class DecodeSession:
     def __init__(self, address: str) -> None:
         self.prefill_address = ""  # the prefill worker whose KV it takes
         self.push_ms: list[float] = []  # the prefill worker's writes into this worker's pool
+        self.idle_ms: list[float] = []  # from each Reserve's answer to the Admit sent after it
         self.channel = grpc.insecure_channel(address)
         self.send: queue.Queue = queue.Queue()
         self.out: queue.Queue = queue.Queue()
@@ -191,10 +197,15 @@ class DecodeSession:
 
 
 def push_admit(
-    prefill: stages_pb2_grpc.PrefillStub, session: DecodeSession, prompt: list[int], sampling
+    prefill: stages_pb2_grpc.PrefillStub,
+    session: DecodeSession,
+    prompt: list[int],
+    sampling,
+    after_ms: float = 0.0,
 ) -> tuple[stages_pb2.Admit, float]:
     """Reserve the prompt's blocks at the decode worker, have the prefill worker write its KV
-    into them: the Admit naming the written reservation, and the Prefill.Run latency (ms)."""
+    into them: the Admit naming the written reservation, and the Prefill.Run latency (ms).
+    `after_ms`: return no sooner than that after the Reserve was answered."""
     seq_id = uuid.uuid4().hex
     got = stages_pb2_grpc.DecodeStub(session.channel).Reserve(
         stages_pb2.ReserveRequest(
@@ -204,7 +215,7 @@ def push_admit(
     )
     if not got.HasField("reservation"):
         raise RuntimeError(f"no reservation: {got.refused}")
-    t0 = time.perf_counter()
+    t0 = reserved = time.perf_counter()
     resp = prefill.Run(
         stages_pb2.PrefillRequest(
             request_id=seq_id,
@@ -218,6 +229,8 @@ def push_admit(
     if not resp.push_proof:
         raise RuntimeError(f"not pushed: {resp.push_refused}")
     session.push_ms.append(resp.push_ms)
+    time.sleep(max(0.0, reserved + after_ms / 1e3 - time.perf_counter()))
+    session.idle_ms.append((time.perf_counter() - reserved) * 1e3)
     admit = stages_pb2.Admit(
         seq_id=seq_id,
         prompt_token_ids=prompt,
@@ -314,7 +327,9 @@ def measure(
                     if spec.endswith("_push"):
                         # A prompt of its own: the prefill worker's prefix cache holds this one.
                         own = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
-                        admit, spec_ttft = push_admit(stub, sessions[spec], own, sampling)
+                        admit, spec_ttft = push_admit(
+                            stub, sessions[spec], own, sampling, args.admit_after_ms
+                        )
                         admit.prefill_address = prefill.address
                     else:
                         admit = stages_pb2.Admit(
@@ -353,9 +368,12 @@ def measure(
                 write = ""
                 if spec.endswith("_push"):  # the measured rounds' writes, inside the TTFT
                     w = statistics.median(sessions[spec].push_ms[-len(ss) :])
+                    idle = statistics.median(sessions[spec].idle_ms[-len(ss) :])
                     rows[-1]["push_write_ms"] = round(w, 3)
                     rows[-1]["push_write_GBps"] = round(nbytes / (w / 1e3) / 1e9, 3)
-                    write = f" (the prefill worker's write: {w:.2f} ms)"
+                    rows[-1]["reserve_to_admit_ms"] = round(idle, 2)
+                    write = f" (the prefill worker's write: {w:.2f} ms; Admit {idle:.1f} ms "
+                    write += "after the Reserve)"
                 print(f"  {spec:10s} {n:6d} tokens: handover {xfer:8.2f} ms{write}", flush=True)
         for sess in sessions.values():
             sess.close()
@@ -459,6 +477,14 @@ def main() -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--reps", type=int, default=5, help="measured rounds per length (median)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--admit-after-ms",
+        type=float,
+        default=0.0,
+        help="pushes: send each Admit this long after its Reserve was answered (at once after a "
+        "longer prefill), so that the decode worker idles as long before every handover "
+        "whatever the prompt's length (default 0: at once, as a gateway does)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
     args = p.parse_args()
     for t in args.transport:
@@ -525,6 +551,8 @@ def main() -> int:
             "ttft_share": "handover_ms / (ttft_ms + handover_ms)",
             "push_write_ms": "shm_push: the prefill worker's write into the reserved decode "
             "blocks, inside ttft_ms (push_ms of its answer)",
+            "reserve_to_admit_ms": "pushes: from the Reserve's answer to the Admit, the time "
+            "the decode worker idled before the handover (the prefill's, or --admit-after-ms)",
         },
         "loadavg_at_end": list(os.getloadavg()),
         "results": rows,

@@ -31,8 +31,18 @@ class EngineConfig(HostTierSettings):
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # The KV pool (tandem/kv/sizing.py): num_blocks blocks, else kv_cache_memory_gb GiB, else
+    # 1 GiB on a CPU and, on a GPU, what gpu_memory_utilization of the device leaves after the
+    # weights and a step's activations.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float | None = field(
+        default=None,
+        metadata={"default_help": "1 on a CPU; on a GPU, sized by --gpu-memory-utilization"},
+    )
+    # On a GPU, the share of the device's memory this worker may hold (weights, activations, KV
+    # pool) when its pool's size is not given; workers sharing a device need shares that add
+    # up to at most 1 (`tandem up` divides it among those it starts on one device).
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_queued_seqs: int = 1024  # waiting sequences; more are refused (RESOURCE_EXHAUSTED)
@@ -102,8 +112,12 @@ class EngineConfig(HostTierSettings):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         if self.prefill_chunk is not None and (
             not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
         ):

@@ -18,7 +18,7 @@ def parse_value(value: str, typ: Any, name: str) -> Any:
         if "int" in t:
             return None if value.lower() in ("", "none") else int(value)
         if "float" in t:
-            return float(value)
+            return None if "None" in t and value.lower() in ("", "none") else float(value)
     except ValueError as e:
         raise ValueError(f"TANDEM_{name.upper()}={value!r} is not a valid {t}") from e
     return value or None if "None" in t else value

@@ -56,10 +56,12 @@ class LLM:
         """`speculative`: None, or an in-process draft: "ngram" (prompt lookup), "self:N" (the
         first N layers), "self-int4" (the whole model quantized to INT4 g128), "self-int4:DIR" (a
         `tandem quantize` checkpoint of it) or the path of a smaller model with the same tokenizer.
-        A draft model's KV pool gets as many blocks as the target's."""
+        A draft model's KV pool gets as many blocks as the target's: on a GPU with no pool size
+        given, the target's pool takes half the memory it would alone, the draft's the rest."""
         self.config = EngineConfig.from_options(model=model, **engine_options)
         loaded = load_model(self.config.model, resolved_dtype(self.config))
-        self.engine = LLMEngine(loaded, self.config)
+        draft_pool = speculative is not None and speculative != "ngram"
+        self.engine = LLMEngine(loaded, self.config, kv_share=0.5 if draft_pool else 1.0)
         self.tokenizer = loaded.tokenizer
         self.speculator = None
         if speculative is not None:

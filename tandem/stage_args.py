@@ -171,8 +171,8 @@ def stage_parser(stage: str) -> Any:
             "--draft-blocks",
             type=int,
             default=None,
-            help="KV blocks of a draft model's pool (default: --num-blocks, else sized from "
-            "--kv-cache-memory-gb like a target worker's pool)",
+            help="KV blocks of a draft model's pool (default: --num-blocks, else what "
+            "--kv-cache-memory-gb holds, 1 GiB when that is unset)",
         )
     if stage == "gateway":
         p.add_argument(

@@ -208,6 +208,50 @@ def default_prefill_workers(args: argparse.Namespace) -> tuple[int, str]:
     return 1, "the CPU"
 
 
+def _memory_shares(
+    args: argparse.Namespace, procs: list[tuple[str, str, list[str], int]]
+) -> list[tuple[str, float, str]]:
+    """Split --gpu-memory-utilization among the workers that hold a model on one GPU.
+
+    A worker whose KV pool is not sized (--num-blocks, --kv-cache-memory-gb) takes that share
+    of its device's memory; two on one device would each take it all. Each worker of a shared
+    device gets an equal part (appended to its own flags: the last one wins). Returns (worker,
+    its share, the device) for each worker given one."""
+
+    def given(name: str) -> str | None:  # a flag, else its TANDEM_* variable (non-empty)
+        v = getattr(args, name, None)
+        env = os.environ.get(f"TANDEM_{name.upper()}", "").strip()
+        return str(v) if v is not None else env if env.lower() not in ("", "none") else None
+
+    if given("num_blocks") is not None or given("kv_cache_memory_gb") is not None:
+        return []
+    total = float(given("gpu_memory_utilization") or EngineConfig.gpu_memory_utilization)
+    by_device: dict[str, list[list[str]]] = {}
+    names: dict[int, str] = {}
+    gpu: bool | None = None
+    for stage, name, own, _ in procs:
+        if stage == "gateway" or (stage == "draft" and args.draft == "ngram"):
+            continue  # holds no model on a device
+        device = own[own.index("--device") + 1] if "--device" in own else args.device or "auto"
+        if device == "auto":
+            gpu = _host_has_gpu() if gpu is None else gpu
+            device = "cuda" if gpu else "cpu"
+        if not device.startswith("cuda"):
+            continue
+        device = "cuda:0" if device == "cuda" else device
+        by_device.setdefault(device, []).append(own)
+        names[id(own)] = name
+    out = []
+    for device, owns in by_device.items():
+        if len(owns) < 2:
+            continue
+        share = round(total / len(owns), 4)
+        for own in owns:
+            own += ["--gpu-memory-utilization", str(share)]
+            out.append((names[id(own)], share, device))
+    return out
+
+
 @dataclass
 class Worker:
     """One prefill or decode worker `tandem up` starts."""
@@ -712,6 +756,8 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         own = ["--port", str(w.port), *(["--device", w.device] if w.device else [])]
         procs.append((w.stage, w.name, own, w.metrics_port))
     procs.append(("gateway", "gateway", [], metrics_ports["gateway"]))
+    for name, share, device in _memory_shares(args, procs):
+        print(f"{name} shares {device}: --gpu-memory-utilization {share:g}", flush=True)
     for stage, name, own, metrics_port in procs:
         extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_port)]
         if args.model:

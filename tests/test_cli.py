@@ -317,3 +317,52 @@ def _chat_args(port: int, api_key: str | None) -> argparse.Namespace:
         seed=None,
         api_key=api_key,
     )
+
+
+def _procs(args: argparse.Namespace, draft_device: str | None = None) -> list:
+    """(stage, name, own flags, metrics port) of each process, as `tandem up` lists them."""
+    workers = _workers(args, {"prefill": 100, "decode": 200}, {"prefill": -1, "decode": -1})
+    procs = [("draft", "draft", ["--device", draft_device] if draft_device else [], -1)]
+    procs += [(w.stage, w.name, ["--device", w.device] if w.device else [], -1) for w in workers]
+    return procs + [("gateway", "gateway", [], -1)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "draft_device", "want"),
+    [
+        # A prefill and a decode worker (and a model draft) on the host's one GPU share it.
+        (["--prefill-workers", "1", "--draft", "self:4"], None,
+         {"draft": 0.3, "prefill": 0.3, "decode": 0.3}),
+        # A given fraction is divided; prompt lookup holds no model.
+        (["--prefill-workers", "1", "--gpu-memory-utilization", "0.8", "--draft", "ngram"],
+         None, {"prefill": 0.4, "decode": 0.4}),
+        # Per device: the draft alone on its GPU keeps the whole fraction.
+        (["--prefill-workers", "0", "--decode-workers", "2", "--device", "cuda:1",
+          "--draft", "self:4"], "cuda:0", {"decode0": 0.45, "decode1": 0.45}),
+        # Devices of their own, the CPU, or a pool size given: nothing to divide.
+        (["--prefill-device", "cuda:0", "--decode-device", "cuda:1"], None, {}),
+        (["--prefill-workers", "1", "--device", "cpu"], None, {}),
+        (["--prefill-workers", "1", "--num-blocks", "64"], None, {}),
+        (["--prefill-workers", "1", "--kv-cache-memory-gb", "8"], None, {}),
+    ],
+)  # fmt: skip
+def test_up_divides_the_memory_of_a_shared_gpu(flags, draft_device, want, monkeypatch):
+    """Workers that size their KV pools by a share of their GPU's memory would each take the
+    whole share: `tandem up` gives the workers on one device equal parts of it."""
+    monkeypatch.setattr(up_module, "_host_has_gpu", lambda: True)
+    for var in ("TANDEM_NUM_BLOCKS", "TANDEM_KV_CACHE_MEMORY_GB", "TANDEM_GPU_MEMORY_UTILIZATION"):
+        monkeypatch.delenv(var, raising=False)
+    args = _up_args(flags)
+    procs = _procs(args, draft_device)
+    if not args.draft:
+        procs = procs[1:]
+    got = {name: share for name, share, _ in up_module._memory_shares(args, procs)}
+    assert got == pytest.approx(want, abs=1e-4)
+    for _, name, own, _ in procs:  # each share is the last flag of the worker's own command
+        if name in want:
+            assert own[-2:] == ["--gpu-memory-utilization", str(got[name])]
+        else:
+            assert "--gpu-memory-utilization" not in own
+    # The variables count as the flags do.
+    monkeypatch.setenv("TANDEM_NUM_BLOCKS", "64")
+    assert up_module._memory_shares(_up_args(flags), _procs(_up_args(flags), draft_device)) == []

@@ -23,6 +23,7 @@ import yaml
 
 from tandem import cli, config, stage_args
 from tandem.config import EngineConfig
+from tandem.kv.sizing import DEFAULT_KV_GB
 from tandem.rpc.auth import stage_credentials_from_args
 from tandem.stage_args import DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, stage_parser
 from tests.conftest import run_healthcheck, self_signed_cert
@@ -375,11 +376,16 @@ def test_compose_environment_matches_the_cli_defaults(compose, stage, monkeypatc
     env = _environment(svc)
     unknown = {k for k in env if k.startswith("TANDEM_")} - _known_settings(stage)
     assert not unknown, f"{stage}: no such Tandem setting: {sorted(unknown)}"
-    # With no variables set, the environment changes nothing: the stage runs on the defaults.
+    # With no variables set, the environment changes nothing: the stage runs on the defaults,
+    # but for the KV pool's size. The stages share one GPU (or, on a CPU, /dev/shm), so the file
+    # sizes each pool as a CPU worker's default is sized rather than by a whole device's share.
     with monkeypatch.context() as m:
         defaults = _settings(stage, svc["command"], {}, m)
     with monkeypatch.context() as m:
-        assert _settings(stage, svc["command"], env, m) == defaults
+        got = _settings(stage, svc["command"], env, m)
+    assert got["engine"].kv_cache_memory_gb == DEFAULT_KV_GB
+    got["engine"].kv_cache_memory_gb = None
+    assert got == defaults
     # Traces go to Jaeger's OTLP/gRPC port on the compose network, one service name per stage.
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
     assert env["OTEL_SERVICE_NAME"] == f"tandem-{stage}"
@@ -451,10 +457,11 @@ def test_kv_handles_can_cross_from_prefill_to_decode(compose):
         assert "TANDEM_HOST_ID" not in _environment(svc), f"{name} shares no memory with prefill"
         assert "ipc" not in svc and "pid" not in svc, name
     # Both pools must fit in /dev/shm on the CPU (prefill's, and decode's for pushes): shm_size
-    # above twice the default KV cache size.
+    # above twice the KV cache size the file gives the workers (a CPU pool's default too).
     size = prefill["shm_size"]
     gb = float(size[:-1]) * {"g": 1, "m": 1 / 1024}[size[-1].lower()]
-    assert gb > 2 * EngineConfig().kv_cache_memory_gb
+    pool = float(_environment(prefill)["TANDEM_KV_CACHE_MEMORY_GB"])
+    assert pool == DEFAULT_KV_GB and gb > 2 * pool
 
 
 def test_host_id_override(monkeypatch):

@@ -126,7 +126,8 @@ async def serve(
     """Run the draft worker until cancelled.
 
     `draft`: ngram, self:N, self-int4, self-int4:DIR or a model path (tandem.engine.draft_models);
-    a draft model's KV pool holds `num_blocks` blocks (default: sized like a target worker's pool).
+    a draft model's KV pool holds `num_blocks` blocks (default: --num-blocks, else what
+    --kv-cache-memory-gb holds, 1 GiB when unset).
     With a stage secret in `stage_credentials`, every call but health checks must carry it (or,
     for Admit and Stats, the gateway secret); with a certificate there, the port serves TLS only
     (tandem.rpc.auth). Prometheus text on `metrics_port` (None: off), to scrapes that carry

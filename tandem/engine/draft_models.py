@@ -22,6 +22,7 @@ from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
 from tandem.formats.weight import LayerSpec, QuantizedWeight, dequantize_weights, quantize_weights
 from tandem.kv.cache import KVCache
+from tandem.kv.sizing import DEFAULT_KV_GB
 from tandem.model.config import ModelConfig
 from tandem.model.info import load_model_info
 from tandem.model.layer_names import linear_layer_names
@@ -171,11 +172,13 @@ def load_draft_model(spec: str, config: EngineConfig, target: LoadedModel | None
 
 
 def draft_num_blocks(model: LlamaModel, config: EngineConfig) -> int:
-    """KV blocks of a draft's own pool: config.num_blocks, else what kv_cache_memory_gb holds."""
+    """KV blocks of a draft's own pool: config.num_blocks, else what kv_cache_memory_gb holds
+    (unset: DEFAULT_KV_GB)."""
     if config.num_blocks is not None:
         return config.num_blocks
     cfg = model.cfg
     per_block = KVCache.bytes_per_block(
         cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim, model.dtype
     )
-    return max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+    gb = DEFAULT_KV_GB if config.kv_cache_memory_gb is None else config.kv_cache_memory_gb
+    return max(1, int(gb * 2**30) // per_block)

@@ -53,6 +53,14 @@ from tandem.kv.host_tier import HostTier
 from tandem.kv.layout import DTYPE_NAMES, PoolLayout
 from tandem.kv.lease import Lease, LeaseTable
 from tandem.kv.prefix_cache import PrefixCache
+from tandem.kv.sizing import (
+    DEFAULT_KV_GB,
+    DeviceMemory,
+    ModelShape,
+    activation_bytes,
+    auto_sized,
+    gpu_kv_bytes,
+)
 from tandem.model.info import context_length
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, prepare_weights
@@ -84,7 +92,10 @@ class LLMEngine:
         config: EngineConfig,
         kv: KVCache | None = None,
         lease_ttl_s: float = 30.0,
+        kv_share: float = 1.0,
     ) -> None:
+        """`kv_share`: of the memory a GPU pool sized by gpu_memory_utilization may take, the
+        part this engine's pool takes (the rest: a draft model's pool of as many blocks)."""
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -104,7 +115,10 @@ class LLMEngine:
             mc, weights, dtype, device, max_positions=self.max_model_len, kernels=kernels
         )
         if kv is None:
-            layout = self.pool_layout(loaded, config)
+            kv_bytes = None
+            if auto_sized(config) and device.type == "cuda":
+                kv_bytes = self._gpu_kv_bytes(config, device, dtype, kv_share)
+            layout = self.pool_layout(loaded, config, kv_bytes)
             kv = KVCache.allocate(
                 mc.num_layers,
                 layout.num_blocks,
@@ -227,9 +241,30 @@ class LLMEngine:
         # an import started or aborted) the next step would find the same.
         self.blocked = False
 
+    def _gpu_kv_bytes(
+        self, config: EngineConfig, device: torch.device, dtype: torch.dtype, share: float
+    ) -> int:
+        """The KV pool's bytes on a GPU when no size is given (tandem/kv/sizing.py), the
+        weights already on the device."""
+        mc = self.model_config
+        torch.cuda.empty_cache()  # what loading the weights left cached is free, not this pool's
+        free, total = torch.cuda.mem_get_info(device)
+        mem = DeviceMemory(total, free, torch.cuda.memory_reserved(device))
+        shape = ModelShape(mc.hidden_size, mc.intermediate_size, mc.num_heads,
+                           mc.num_kv_heads, mc.head_dim, mc.vocab_size)  # fmt: skip
+        acts = activation_bytes(shape, config.max_num_batched_tokens, config.max_num_seqs,
+                                torch.empty((), dtype=dtype).element_size())  # fmt: skip
+        nbytes, why = gpu_kv_bytes(mem, config.gpu_memory_utilization, acts)
+        if share < 1:
+            nbytes, why = int(nbytes * share), f"{share:g} of ({why}; the rest: the draft's)"
+        progress.report(f"KV pool sized from device memory: {nbytes / 2**30:.1f} GiB ({why})")
+        return nbytes
+
     @staticmethod
-    def pool_layout(loaded: LoadedModel, config: EngineConfig):
-        """The layout `__init__` would give this worker's KV pool (to allocate it elsewhere)."""
+    def pool_layout(loaded: LoadedModel, config: EngineConfig, kv_bytes: int | None = None):
+        """The layout `__init__` would give this worker's KV pool (to allocate it elsewhere):
+        config.num_blocks, else `kv_bytes` (a GPU pool sized from device memory), else
+        config.kv_cache_memory_gb (unset: DEFAULT_KV_GB)."""
         mc = loaded.config
         dtype = resolved_kv_dtype(config)
         num_blocks = config.num_blocks
@@ -237,7 +272,10 @@ class LLMEngine:
             per_block = KVCache.bytes_per_block(
                 mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype
             )
-            num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+            if kv_bytes is None:
+                gb = config.kv_cache_memory_gb
+                kv_bytes = int((DEFAULT_KV_GB if gb is None else gb) * 2**30)
+            num_blocks = max(1, kv_bytes // per_block)
         return PoolLayout(
             mc.num_layers,
             num_blocks,

@@ -175,7 +175,7 @@ def build_proposer(
     "self-int4:DIR", a model path; see `tandem.engine.draft_models`).
 
     `config` is the target's `EngineConfig`; `target` its `LoadedModel` when already loaded.
-    A draft model's KV pool has `num_blocks` blocks (default: sized like the target's pool).
+    A draft model's KV pool has `num_blocks` blocks (default: `draft_num_blocks`).
     """
     from tandem.engine.draft_models import draft_num_blocks, load_draft_model
 

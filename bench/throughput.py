@@ -381,7 +381,8 @@ def sharegpt_main(args: argparse.Namespace) -> int:
     warm_len = sharegpt_like_lengths(warm_n, args.seed + 7, max_in, min(max_out, 64), mml)
     warm = (_random_ids(warm_len, shape["vocab_size"], args.seed + 8), [o for _, o in warm_len])
     engine_opts = dict(device=dev, dtype="bfloat16" if cuda else "float32", max_model_len=mml,
-                       kv_cache_memory_gb=args.kv_gb if cuda else 0.25,
+                       kv_cache_memory_gb=(None if args.kv_gb == "auto" else float(args.kv_gb))
+                       if cuda else 0.25,
                        max_num_seqs=args.max_num_seqs, max_queued_seqs=max(1024, n),
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=True,
                        async_scheduling=True)  # fmt: skip
@@ -413,6 +414,8 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             run_offline_engine(engine, *warm)
             out = run_offline_engine(engine, prompts, outputs)
             out["params"] = lr.weight_bytes_per_step(engine) // (2 if cuda else 4)
+            kv = engine.kv.data
+            out["kv_pool_gib"] = kv.numel() * kv.element_size() / 2**30
             del engine
             gc.collect()
             if cuda:
@@ -450,6 +453,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                         recorder.start(launched.metrics_urls, launched.metrics_token)
                     out = run_offline_services(launched.address, prompts, outputs, procs, 600.0)
                     launched.check_alive()
+                    out["kv_pools"] = launched.stage_log_lines(r"KV pool")  # each worker's
                 except RuntimeError as e:
                     raise RuntimeError(f"{e}\nstage logs:\n{launched.stage_problems()}") from e
                 if recorder is not None:
@@ -550,11 +554,16 @@ def main() -> int:
     sg.add_argument("--seed", type=int, default=SHAREGPT_SEED)
     sg.add_argument("--paths", default="engine,services", help="engine, services or both")
     # vLLM's offline defaults on an H100 or H200 (its LLM class): 1024 sequences, 16k tokens a
-    # step. The KV pool: room for every sequence at once, in each of the services' two workers
-    # beside their weights on one H200.
+    # step. The KV pool: as a worker sizes it by default (as vLLM and SGLang do theirs), a
+    # share of the device; the services' workers sharing one GPU split it.
     sg.add_argument("--max-num-seqs", type=int, default=1024)
     sg.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    sg.add_argument("--kv-gb", type=float, default=48.0, help="KV pool per engine (GPU)")
+    sg.add_argument(
+        "--kv-gb",
+        type=lambda v: v if v == "auto" else str(float(v)),
+        default="auto",
+        help="KV pool per engine on a GPU, GB (default auto: --gpu-memory-utilization's share)",
+    )
     sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
     sg.add_argument(
         "--disagg-threshold",

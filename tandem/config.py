@@ -169,8 +169,12 @@ class EngineConfig(HostTierSettings):
 class GatewayConfig:
     """Limits and security settings of the public gateway."""
 
-    max_waiting: int = 256  # requests waiting for their first token; more -> RESOURCE_EXHAUSTED
-    max_inflight: int = 1024  # requests in progress; more -> RESOURCE_EXHAUSTED
+    # Requests admitted with no first token yet, and requests in progress; more are refused
+    # (RESOURCE_EXHAUSTED, HTTP 429). A burst of max_inflight requests sent at once (an offline
+    # batch) is admitted whole: one decode worker holds more (max_num_seqs running beside
+    # max_queued_seqs queued). Waiting requests are in progress too: no more memory is held.
+    max_waiting: int = 1024
+    max_inflight: int = 1024
     max_prompt_tokens: int | None = None  # None: the model's context minus one
     max_tokens_limit: int | None = None  # largest accepted max_tokens; None: the model's context
     max_stop_strings: int = 16
@@ -181,7 +185,11 @@ class GatewayConfig:
     # choices, a forced tool call's schema): larger ones are refused (HTTP 400). Compile time
     # grows with size (a 377 KB schema of 10,000 properties took 6 s on a 2-core CPU).
     max_grammar_bytes: int = 131_072
-    max_concurrent_streams: int = 256  # per HTTP/2 connection (gRPC)
+    # Streams one gRPC connection may hold open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). A
+    # client past it gets streams refused (UNAVAILABLE, "RST_STREAM with error code 7"), not
+    # queued: gRPC clients send a burst on one channel without waiting. As many as max_inflight,
+    # so that a burst the gateway admits is never refused by its transport instead.
+    max_concurrent_streams: int = 1024
     # When set, clients must send `authorization: Bearer <key>`. A credential (this and the
     # fields below marked so): an empty TANDEM_* variable for it is an error, not "unset".
     api_key: str | None = field(default=None, metadata={"credential": True})

@@ -137,7 +137,7 @@ class Pipeline:
         tokenizer: Tokenizer,
         eos_token_ids: set[int],
         max_model_len: int,
-        max_waiting: int = 256,
+        max_waiting: int = 1024,
         max_inflight: int = 1024,
         disagg_threshold: int = GatewayConfig.disagg_threshold,
         admission: TtftAdmission | None = None,

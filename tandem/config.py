@@ -206,8 +206,11 @@ class GatewayConfig:
     # a newcomer takes the place of an idle one, else gets 503), connections one client address
     # may hold (429 beyond), seconds for a request's headers (the first request's counted from
     # connect, TLS handshake included), for its body, and for a keep-alive connection's idle wait.
+    # One address may hold every connection by default: behind a proxy every client has the
+    # proxy's address, and a batch client sends as many requests at once as it has; where
+    # clients connect directly and must not crowd each other out, set it lower.
     http_max_connections: int = 1024
-    http_max_connections_per_client: int = 256
+    http_max_connections_per_client: int = 1024
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_keepalive_timeout_s: float = 75.0

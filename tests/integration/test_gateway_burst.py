@@ -1,10 +1,11 @@
-"""An offline batch through the gateway: a thousand Generate calls sent at once on one gRPC
-channel, as a benchmark client or a batch job sends them, with `tandem up`'s defaults.
+"""An offline batch through the gateway, with `tandem up`'s defaults: a thousand Generate calls
+sent at once on one gRPC channel, and hundreds of streamed completions at once from one client
+address through the OpenAI API, as a benchmark client or a batch job sends them.
 
-Every call is served. Neither the gateway's admission (requests waiting for a first token) nor
+Every call is served. Neither the gateway's admission (requests waiting for a first token), nor
 its HTTP/2 transport (streams one connection may hold open: past it gRPC clients get streams
-refused, UNAVAILABLE "RST_STREAM with error code 7", rather than queued) refuses a burst the
-decode worker can hold.
+refused, UNAVAILABLE "RST_STREAM with error code 7", rather than queued), nor its HTTP listener
+(connections one client address may hold) refuses a burst the decode worker can hold.
 """
 
 from __future__ import annotations
@@ -13,16 +14,26 @@ import asyncio
 import collections
 
 import grpc
+import openai
+import pytest
 
 from tandem.config import GatewayConfig
 from tandem.rpc import api_pb2, api_pb2_grpc
 from tests.integration.cluster import start_cluster
 
 CALLS = 1000
+HTTP_CALLS = 400
 
 
-def test_a_burst_on_one_channel_is_served_whole(model_factory):
+@pytest.fixture(scope="module")
+def cluster(model_factory):
     _, path = model_factory("llama")
+    c = start_cluster(["--model", path, "--device", "cpu", "--dtype", "float32"])
+    yield c
+    c.stop()
+
+
+def test_a_burst_on_one_channel_is_served_whole(cluster):
     defaults = GatewayConfig()
     assert CALLS <= min(
         defaults.max_waiting, defaults.max_inflight, defaults.max_concurrent_streams
@@ -47,9 +58,35 @@ def test_a_burst_on_one_channel_is_served_whole(model_factory):
 
             return collections.Counter(await asyncio.gather(*(one(i) for i in range(CALLS))))
 
-    c = start_cluster(["--model", path, "--device", "cpu", "--dtype", "float32"])
-    try:
-        got = asyncio.run(burst(c.address))
-    finally:
-        c.stop()
+    got = asyncio.run(burst(cluster.address))
     assert got == {"ok": CALLS}, got
+
+
+def test_a_burst_from_one_address_over_http_is_served_whole(cluster):
+    defaults = GatewayConfig()
+    assert HTTP_CALLS <= defaults.http_max_connections_per_client <= defaults.http_max_connections
+    assert HTTP_CALLS > 256  # the per-address limit this burst once ran into
+
+    async def burst() -> collections.Counter:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="unused", max_retries=0
+        )
+
+        async def one(i: int) -> str:
+            try:
+                stream = await client.completions.create(
+                    model="", prompt=f"w{i % 300} w{i % 7}", max_tokens=2, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                text = [c async for c in stream]
+            except openai.APIError as e:
+                return f"{type(e).__name__}: {str(e)[:120]}"
+            return "ok" if text and text[-1].choices[0].finish_reason == "length" else f"{text}"
+
+        try:
+            return collections.Counter(await asyncio.gather(*(one(i) for i in range(HTTP_CALLS))))
+        finally:
+            await client.close()
+
+    got = asyncio.run(burst())
+    assert got == {"ok": HTTP_CALLS}, got

@@ -107,6 +107,9 @@ class EngineLoop:
                     break
                 cmds = list(self._cmds)
                 self._cmds.clear()
+            # Leases released from another thread meanwhile, first: a command sent after a
+            # release was answered (a Stats, a new prompt) finds their blocks free.
+            eng.leases.reclaim()
             for fn, fut in cmds:
                 if not fut.set_running_or_notify_cancel():
                     continue
@@ -114,7 +117,7 @@ class EngineLoop:
                     fut.set_result(fn(eng))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
-            eng.leases.reclaim()  # released from another thread meanwhile
+            eng.leases.reclaim()  # released while the commands ran
             eng.leases.expire()
             eng.expire_reservations()
             if not eng.has_unfinished():

@@ -1,7 +1,8 @@
-"""The gateway's Session stream to a decode worker, read on a thread of its own: steps that arrive
-while the event loop is busy are all in the request's queue when the loop comes back (so the
-request sends them as one chunk), in order, with the finish behind them; a stream that ends
-fails the sequences on it and marks the worker down; a closed one tells nobody."""
+"""The gateway's relay of tokens. Its Session stream to a decode worker is read on a thread of its
+own: steps that arrive while the event loop is busy are all in the request's queue when the loop
+comes back (so the request sends them as one chunk), in order, with the finish behind them; a
+stream that ends fails the sequences on it and marks the worker down; a closed one tells nobody.
+A gRPC chunk built in place is the chunk built apart."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.gateway.grpc_api import fill_chunk
+from services.gateway.pipeline import TextDelta
 from services.gateway.router import DecodeClient
-from tandem.rpc import stages_pb2, stages_pb2_grpc
+from tandem.api.logprobs import TokenLogprobs
+from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
+from tandem.rpc.convert import logprob_to_proto, prompt_logprobs_to_proto
 
 STEPS = 6
 
@@ -113,3 +118,26 @@ def test_a_closed_stream_tells_nobody():
             server.stop(0)
 
     asyncio.run(go())
+
+
+def test_a_chunk_filled_in_place_is_the_chunk_built_apart():
+    """`fill_chunk` writes a delta into its response as a Chunk built apart and copied in did:
+    text, ids, logprobs, prompt logprobs; an empty delta is still a chunk."""
+    lp = TokenLogprobs(token_id=7, logprob=-0.5, top=[(7, -0.5), (9, -1.5)])
+    for d in (
+        TextDelta(" word", [7], [lp], [None, lp]),
+        TextDelta(" more words", [7, 8]),
+        TextDelta("", []),
+    ):
+        r = api_pb2.GenerateResponse()
+        fill_chunk(r.chunk, d)
+        apart = api_pb2.Chunk(
+            text=d.text,
+            token_ids=d.token_ids,
+            logprobs=[logprob_to_proto(x) for x in d.logprobs],
+            prompt_logprobs=(
+                prompt_logprobs_to_proto(d.prompt_logprobs) if d.prompt_logprobs is not None else []
+            ),
+        )
+        assert r.WhichOneof("kind") == "chunk"
+        assert r.SerializeToString() == api_pb2.GenerateResponse(chunk=apart).SerializeToString()

@@ -112,11 +112,12 @@ class StandInSeq:
 
 @dataclass
 class StandInRecord:
-    """What the stand-in sent in one point: each step's `step_ended_at`, and per request (named
-    by its prompt's last ids) the step of its first token, the tokens sent, whether it ended
-    (length) or was cancelled."""
+    """What the stand-in sent in one point: each step's `step_ended_at` and token count, and per
+    request (named by its prompt's last ids) the step of its first token, the tokens sent,
+    whether it ended (length) or was cancelled."""
 
     step_times: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
     requests: dict[tuple[int, ...], list] = field(default_factory=dict)
 
 
@@ -192,6 +193,7 @@ class StandInDecode(stages_pb2_grpc.DecodeServicer):
             self._note(self.seqs.pop(sid), "length")
         if outs:
             rec.step_times.append(now)
+            rec.step_tokens.append(sum(len(m.tokens) for _, m in outs.values()))
             for q, msg in outs.values():
                 q.put_nowait(msg)
 
@@ -241,7 +243,7 @@ async def _stand_in(port: int, stage_secret: bytes, gateway_secret: bytes, words
                 conn.send("ok")
             elif cmd == "collect":
                 rec = service.collect()
-                conn.send((rec.step_times, rec.requests))
+                conn.send((rec.step_times, rec.step_tokens, rec.requests))
             else:
                 break
     finally:
@@ -491,9 +493,9 @@ class Gateway:
 
 
 # ---- one point -----------------------------------------------------------------------------
-def join(step_times, sent, results, w0: float, w1: float) -> dict:
-    """The point's figures from the stand-in's record (`step_times`, `sent`) and the clients'
-    `results`, over the window [w0, w1]."""
+def join(step_times, step_tokens, sent, results, w0: float, w1: float) -> dict:
+    """The point's figures from the stand-in's record (`step_times`, `step_tokens`, `sent`) and
+    the clients' `results`, over the window [w0, w1]."""
     steps = np.asarray(step_times)
     lat: list[np.ndarray] = []
     delivered = chunks = 0
@@ -527,13 +529,8 @@ def join(step_times, sent, results, w0: float, w1: float) -> dict:
         chunks += int(((t >= w0) & (t < w1)).sum())
         lat.append(recv[keep] - steps[rec[0] + idx[keep]])
     all_lat = np.concatenate(lat) * 1e3 if lat else np.zeros(0)
-    emitted = 0
-    if len(steps):
-        in_window = (steps >= w0) & (steps < w1)
-        per_step = np.zeros(len(steps), dtype=np.int64)
-        for first, n, _ in sent.values():
-            per_step[first : first + n] += 1
-        emitted = int(per_step[in_window].sum())
+    in_window = (steps >= w0) & (steps < w1)
+    emitted = int(np.asarray(step_tokens, dtype=np.int64)[in_window].sum()) if len(steps) else 0
     return {
         "delivered_tokens": delivered,
         "tokens_per_chunk": round(delivered / chunks, 2) if chunks else None,
@@ -571,8 +568,8 @@ def run_point(gw: Gateway, api: str, streams: int, step_ms: float, opts, stand_i
         errors += e
     time.sleep(0.3)  # the cancellations reach the stand-in
     stand_in.send(("collect", None))
-    step_times, sent = stand_in.recv()
-    got = join(step_times, sent, results, w0, w1)
+    step_times, step_tokens, sent = stand_in.recv()
+    got = join(step_times, step_tokens, sent, results, w0, w1)
     span = t1 - t0
     cpu = cpu1 - cpu0
     offered = streams * 1e3 / step_ms

@@ -22,6 +22,7 @@ from tandem.config import EngineConfig  # noqa: E402
 from tandem.model.info import load_model_info  # noqa: E402
 
 STEPS = [100.0, 100.01, 100.02, 100.03]
+STEP_TOKENS = [1, 2, 1, 1]  # what the requests below were sent at each step
 
 
 def _chunks(times: list[float], counts: list[int]) -> tuple[array, array]:
@@ -36,7 +37,7 @@ def test_each_token_is_timed_from_its_step_to_the_chunk_that_brought_it() -> Non
         ((1,), True, 3, 3, *_chunks([100.015, 100.04], [1, 2])),
         ((2,), False, 1, -1, *_chunks([100.005], [1])),
     ]
-    got = relay.join(STEPS, sent, results, 100.0, 101.0)
+    got = relay.join(STEPS, STEP_TOKENS, sent, results, 100.0, 101.0)
     # Latencies: A 5, 20, 10 ms; B 5 ms.
     assert got["latency_ms_p50"] == pytest.approx(7.5, abs=0.01)
     assert got["latency_ms_p99"] == pytest.approx(19.7, abs=0.01)
@@ -51,7 +52,7 @@ def test_each_token_is_timed_from_its_step_to_the_chunk_that_brought_it() -> Non
 def test_the_window_bounds_what_is_counted() -> None:
     sent = {(1,): [1, 3, "length"]}
     results = [((1,), True, 3, 3, *_chunks([100.015, 100.04], [1, 2]))]
-    got = relay.join(STEPS, sent, results, 100.02, 101.0)
+    got = relay.join(STEPS, STEP_TOKENS, sent, results, 100.02, 101.0)
     assert got["delivered_tokens"] == 2
     assert got["emitted_tokens"] == 2  # steps 2 and 3
     assert got["latency_ms_p50"] == pytest.approx(15.0, abs=0.01)
@@ -65,7 +66,7 @@ def test_tokens_that_do_not_add_up_are_counted() -> None:
         ((3,), True, 2, 5, *_chunks([100.01], [2])),  # its usage says otherwise
         ((4,), True, 1, 1, *_chunks([100.01], [1])),  # never sent at all
     ]
-    got = relay.join(STEPS, sent, results, 100.0, 101.0)
+    got = relay.join(STEPS, STEP_TOKENS, sent, results, 100.0, 101.0)
     assert got["requests_mismatched"] == 2
     assert got["requests_over"] == 1
     assert got["requests_usage_wrong"] == 1

@@ -473,6 +473,18 @@ class Gateway:
                 time.sleep(0.2)
         raise RuntimeError(f"gateway {self.name} not serving after {timeout:.0f}s")
 
+    def revision(self) -> str:
+        """The commit its checkout is at ("unknown" outside git)."""
+        try:
+            return subprocess.run(
+                ["git", "-C", self.root, "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
     def output(self) -> str:
         with open(self.log.name, errors="replace") as f:
             return f.read()[-3000:]
@@ -711,7 +723,7 @@ def main() -> int:
         "meta": {
             **meta,
             "duration_s": round(time.time() - started),
-            "gateways": {gw.name: gw.root for gw in gateways},
+            "gateways": {gw.name: {"root": gw.root, "revision": gw.revision()} for gw in gateways},
             "gateway_command": gateways[0].command,
             "loadavg_at_end": list(os.getloadavg()),
         },

@@ -4,11 +4,13 @@ they begin, and a cost per id that does not grow with the output."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 
 from tandem.api.detokenizer import IncrementalDetokenizer
+from tandem.model.tokenizer import Tokenizer
 from tests.test_token_bytes import _sentencepiece_like
 
 TEXTS = [
@@ -165,3 +167,26 @@ def test_the_cost_of_an_id_does_not_grow_with_the_output(smollm2):
     text = "".join(feed(d, ids, random.Random(1)))
     assert text == whole(smollm2, prompt, ids)
     assert sum(decoded) < 20 * len(ids), sum(decoded) / len(ids)
+
+
+def test_decode_gives_what_transformers_decode_gives(tok, smollm2):
+    """`Tokenizer.decode` goes straight to the fast tokenizer's backend where transformers'
+    wrapper would add nothing (the default model's does): the same text as the wrapper's for
+    any ids, special ones among them, skipped or not."""
+    assert smollm2._backend_decode is not None
+    rng = random.Random(0)
+    n = len(tok.hf)
+    specials = list(tok.hf.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(n) for _ in range(rng.randint(0, 12))]
+        if specials and rng.random() < 0.5:
+            ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_keeps_transformers_clean_up_of_spaces(smollm2):
+    """A tokenizer whose decode cleans up spaces after the backend keeps transformers' decode."""
+    hf = copy.copy(smollm2.hf)
+    hf.clean_up_tokenization_spaces = True
+    assert Tokenizer(hf)._backend_decode is None

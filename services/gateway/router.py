@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.decode_stream import DecodeStream
 from services.gateway.kv_index import WorkerKv
 from services.gateway.prefix_index import PrefixIndex
 from tandem import progress
 from tandem.rpc import stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import StageCredentials, stage_channel, unreachable_hint
 from tandem.rpc.health import probe
-from tandem.rpc.streams import queued_requests
 
 log = logging.getLogger("tandem.gateway")
 
@@ -253,7 +253,8 @@ class PrefillClient(Worker):
 
 
 class DecodeClient(Worker):
-    """One long-lived bidirectional Session stream to a decode worker, shared by all requests."""
+    """One long-lived bidirectional Session stream to a decode worker, shared by all requests
+    (read on a thread of its own: services/gateway/decode_stream.py)."""
 
     stage = "decode"
     stub_class = stages_pb2_grpc.DecodeStub
@@ -261,16 +262,16 @@ class DecodeClient(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.queues: dict[str, asyncio.Queue] = {}
-        self._send: asyncio.Queue | None = None
-        self._reader: asyncio.Task | None = None
-        self._lock = asyncio.Lock()
+        self._stream: DecodeStream | None = None
         # The most tokens (prompt + output) one sequence fits in this worker's KV pool; learned
         # from its Stats on first use and again after it comes back (it may have restarted).
         self.max_seq_tokens: int | None = None
         self.max_sequences: int | None = None  # running + queued it takes (also from Stats)
 
     async def reconnect(self) -> None:
-        self._send = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self.max_seq_tokens = None
         await super().reconnect()
 
@@ -294,43 +295,30 @@ class DecodeClient(Worker):
     def load(self) -> int:
         return len(self.queues)
 
-    async def _ensure_stream(self) -> asyncio.Queue:
-        async with self._lock:
-            if self._send is not None and self._reader is not None and not self._reader.done():
-                return self._send
-            send: asyncio.Queue = asyncio.Queue()
-            call = self.stub.Session(queued_requests(send))
-            self._send = send
-            self._reader = asyncio.ensure_future(self._read(call, send))
-            return send
+    def _ensure_stream(self) -> DecodeStream:
+        if self._stream is None or self._stream.ended:
+            self._stream = DecodeStream(
+                self.address, self.credentials, CHANNEL_OPTIONS, self._dispatch, self._ended
+            )
+        return self._stream
 
-    async def _read(self, call, send: asyncio.Queue) -> None:
-        try:
-            async for out in call:
-                self.heard += 1
-                at = out.step_ended_at
-                for t in out.tokens:
-                    q = self.queues.get(t.seq_id)
-                    if q is not None:
-                        q.put_nowait(("tokens", t, at))
-                for f in out.finished:
-                    q = self.queues.get(f.seq_id)
-                    if q is not None:
-                        q.put_nowait(("finished", f, 0.0))
-            reason = public = "decode worker closed the stream"
-        except grpc.aio.AioRpcError as e:
-            reason = f"decode worker unavailable ({e.code().name}): {e.details()}"
-            # Clients learn what failed, not where (gRPC's details name addresses): the log
-            # (mark_down) has the rest.
-            public = f"decode worker unavailable ({e.code().name}); retry later"
-        except asyncio.CancelledError:
-            return
-        finally:
-            # End the request stream too, so gRPC's task that reads it finishes instead of being
-            # destroyed while it waits on the queue (asyncio logged that as an error).
-            send.put_nowait(None)
-        if self._send is send:
-            self._send = None
+    def _dispatch(self, out: stages_pb2.DecodeOut) -> None:
+        """A step's message: each sequence's tokens and finish to its request's queue."""
+        self.heard += 1
+        at = out.step_ended_at
+        queues = self.queues
+        for t in out.tokens:
+            q = queues.get(t.seq_id)
+            if q is not None:
+                q.put_nowait(("tokens", t, at))
+        for f in out.finished:
+            q = queues.get(f.seq_id)
+            if q is not None:
+                q.put_nowait(("finished", f, 0.0))
+
+    def _ended(self, stream: DecodeStream, reason: str, public: str) -> None:
+        if self._stream is stream:
+            self._stream = None
         self.mark_down(reason)
         self._fail_sequences(public)
 
@@ -349,24 +337,23 @@ class DecodeClient(Worker):
     async def open(self, seq_id: str, admit: stages_pb2.Admit) -> asyncio.Queue:
         """Admit a sequence; its token batches and finish event arrive on the returned queue as
         (kind, message, when its step ended in Unix seconds: 0 but for tokens)."""
-        send = await self._ensure_stream()
+        stream = self._ensure_stream()
         q: asyncio.Queue = asyncio.Queue()
         self.queues[seq_id] = q
-        send.put_nowait(stages_pb2.DecodeIn(admit=admit))
+        stream.send(stages_pb2.DecodeIn(admit=admit))
         return q
 
     def cancel(self, seq_id: str) -> None:
-        if self._send is not None:
-            self._send.put_nowait(stages_pb2.DecodeIn(cancel=stages_pb2.CancelSeq(seq_id=seq_id)))
+        if self._stream is not None:
+            self._stream.send(stages_pb2.DecodeIn(cancel=stages_pb2.CancelSeq(seq_id=seq_id)))
 
     def close_seq(self, seq_id: str) -> None:
         self.queues.pop(seq_id, None)
 
     async def close(self) -> None:
-        if self._send is not None:
-            self._send.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         await self.channel.close()
 
 

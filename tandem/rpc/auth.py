@@ -327,15 +327,19 @@ class _Details(grpc.ClientCallDetails):
         self.compression = compression
 
 
-def stage_channel_sync(address: str, credentials: StageCredentials | None) -> grpc.Channel:
+def stage_channel_sync(
+    address: str,
+    credentials: StageCredentials | None,
+    options: Sequence[tuple[str, object]] = (),
+) -> grpc.Channel:
     """A blocking channel to a stage that sends this process's credential (when it has one) on
     every call; TLS when `credentials` carry a CA bundle (see `stage_channel`)."""
     creds = credentials or StageCredentials()
     tls = channel_tls(creds)
     if tls is not None:
-        ch = grpc.secure_channel(address, tls)
+        ch = grpc.secure_channel(address, tls, options=list(options))
     else:
-        ch = grpc.insecure_channel(address)
+        ch = grpc.insecure_channel(address, options=list(options))
     return grpc.intercept_channel(ch, _SendSecretSync(creds.sent)) if creds.sent else ch
 
 

@@ -31,32 +31,25 @@ class EngineConfig(HostTierSettings):
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     block_size: int = 16
-    # The KV pool (tandem/kv/sizing.py): num_blocks blocks, else kv_cache_memory_gb GiB, else
-    # 1 GiB on a CPU and, on a GPU, what gpu_memory_utilization of the device leaves after the
-    # weights and a step's activations.
+    # The KV pool (tandem/kv/sizing.py): num_blocks, else kv_cache_memory_gb, else 1 GiB on a
+    # CPU; on a GPU, what this worker's gpu_memory_utilization share of the device leaves.
     num_blocks: int | None = None
     kv_cache_memory_gb: float | None = field(
-        default=None,
-        metadata={"default_help": "1 on a CPU; on a GPU, sized by --gpu-memory-utilization"},
+        default=None, metadata={"default_help": "1 on a CPU; on a GPU, --gpu-memory-utilization"}
     )
-    # On a GPU, the share of the device's memory this worker may hold (weights, activations, KV
-    # pool) when its pool's size is not given; workers sharing a device need shares that add
-    # up to at most 1 (`tandem up` divides it among those it starts on one device).
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_queued_seqs: int = 1024  # waiting sequences; more are refused (RESOURCE_EXHAUSTED)
     max_model_len: int | None = None  # None: the model's context length
-    # KV cache storage: "auto" (the model dtype), "fp8" (e4m3) or "int8", both with one float32
-    # scale per (block, kv head).
+    # KV cache storage: "auto" (the model dtype), "fp8" (e4m3) or "int8" (scale per block, head).
     kv_dtype: str = "auto"
     # Linear weights: "auto" (as the checkpoint stores them: a `tandem quantize` output loads
     # quantized; a GGUF file keeps its Q4_1 / Q8_0 codes on CPU, the embedding and LM head too,
     # and is dequantized to float on CUDA), "int4" (GGUF Q4_1 tensors load natively as INT4 g32,
     # float weights are quantized at load to INT4 g128 by round-to-nearest) or "none" (all float).
     quantization: str = "auto"
-    # CUDA only: replay captured CUDA graphs for decode batches of up to max_num_seqs sequences
-    # (buckets 1, 2, 4, ... 256), except with an FP8 / INT8 KV pool.
+    # CUDA only: captured CUDA graphs for decode batches up to max_num_seqs (not FP8/INT8 KV).
     cuda_graphs: bool = True
     # Launch step t+1 before reading step t's sampled tokens, so the GPU never waits for Python
     # (plain decode batches without logprobs or repetition penalty; others run step by step).
@@ -114,10 +107,8 @@ class EngineConfig(HostTierSettings):
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
+        if not 0 < (u := self.gpu_memory_utilization) <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.prefill_chunk is not None and (
             not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1
         ):
@@ -169,10 +160,8 @@ class EngineConfig(HostTierSettings):
 class GatewayConfig:
     """Limits and security settings of the public gateway."""
 
-    # Requests admitted with no first token yet, and requests in progress; more are refused
-    # (RESOURCE_EXHAUSTED, HTTP 429). A burst of max_inflight requests sent at once (an offline
-    # batch) is admitted whole: one decode worker holds more (max_num_seqs running beside
-    # max_queued_seqs queued). Waiting requests are in progress too: no more memory is held.
+    # Requests with no first token yet, and in progress (RESOURCE_EXHAUSTED beyond): a burst of
+    # max_inflight sent at once is admitted whole, as one decode worker holds more.
     max_waiting: int = 1024
     max_inflight: int = 1024
     max_prompt_tokens: int | None = None  # None: the model's context minus one
@@ -182,19 +171,14 @@ class GatewayConfig:
     max_messages: int = 512
     max_prompt_chars: int = 1_000_000
     # Bytes of a structured-output grammar (a JSON schema's text, a regex, an EBNF grammar, the
-    # choices, a forced tool call's schema): larger ones are refused (HTTP 400). Compile time
-    # grows with size (a 377 KB schema of 10,000 properties took 6 s on a 2-core CPU).
+    # choices, a forced tool call's schema): larger ones are refused (HTTP 400).
     max_grammar_bytes: int = 131_072
-    # Streams one gRPC connection may hold open (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS). A
-    # client past it gets streams refused (UNAVAILABLE, "RST_STREAM with error code 7"), not
-    # queued: gRPC clients send a burst on one channel without waiting. As many as max_inflight,
-    # so that a burst the gateway admits is never refused by its transport instead.
+    # Streams per gRPC connection: past it clients get streams refused (UNAVAILABLE), not queued.
     max_concurrent_streams: int = 1024
     # When set, clients must send `authorization: Bearer <key>`. A credential (this and the
     # fields below marked so): an empty TANDEM_* variable for it is an error, not "unset".
     api_key: str | None = field(default=None, metadata={"credential": True})
-    # The API key read from a file (its first line), so that it needs to be in no command line;
-    # TANDEM_API_KEY is the other way to keep it out of `ps`.
+    # The API key read from a file (its first line): no command line shows it (nor the variable).
     api_key_file: str | None = field(default=None, metadata={"credential": True})
     # Several API keys, each naming a tenant: a file of `TENANT KEY` lines. The key that
     # authenticates a request names its tenant (api_key, when also set, is tenant `default`).
@@ -202,36 +186,28 @@ class GatewayConfig:
     api_keys: str | None = field(default=None, metadata={"credential": True})
     tls_cert: str | None = None  # PEM files: TLS on the public gRPC and HTTP ports
     tls_key: str | None = None
-    # The HTTP listener (services/gateway/http_limits.py): open connections at most (at the cap
-    # a newcomer takes the place of an idle one, else gets 503), connections one client address
-    # may hold (429 beyond), seconds for a request's headers (the first request's counted from
-    # connect, TLS handshake included), for its body, and for a keep-alive connection's idle wait.
-    # One address may hold every connection by default: behind a proxy every client has the
-    # proxy's address, and a batch client sends as many requests at once as it has; where
-    # clients connect directly and must not crowd each other out, set it lower.
+    # The HTTP listener (services/gateway/http_limits.py): connections at most (503 beyond), per
+    # client address (429 beyond; by default all: behind a proxy every client has its address),
+    # and seconds for a request's headers, its body, and a keep-alive connection's idle wait.
     http_max_connections: int = 1024
     http_max_connections_per_client: int = 1024
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_keepalive_timeout_s: float = 75.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
-    # than this many tokens is prefilled there (no KV transfer); longer ones, and all with 0, on a
-    # prefill worker. Measured on CPU (bench/results/goodput_cpu.json, "threshold"): redo on GPU.
+    # than this many tokens is prefilled there; longer ones, and all with 0, on a prefill worker.
     disagg_threshold: int = 128
-    # Time-to-first-token target in ms: requests are estimated against it at arrival (queued
-    # prompt tokens ahead of them, measured prefill speed); with shed_load those that cannot meet
-    # it are refused at once with RESOURCE_EXHAUSTED (HTTP 429). None: no target.
+    # Time-to-first-token target in ms, estimated at arrival (prompt tokens queued, prefill
+    # speed); with shed_load a request that cannot meet it is refused (RESOURCE_EXHAUSTED).
     ttft_slo_ms: float | None = None
     shed_load: bool = False
     # Seconds a stream whose decode worker died may wait for a live (or restarted) one to resume
     # it from the prompt and the tokens streamed (the client sees a pause); past it, or 0: error.
     resume_budget_s: float = 60.0
-    # Seconds a worker may take to answer a health check (asked every half second) before it is
-    # taken for stopped (a frozen process, a blocked event loop): until it answers, no request is
-    # routed to it, its streams resume elsewhere, and readiness fails if no decode worker is left.
+    # Seconds a worker may take to answer a health check (every half second) before it is taken
+    # for stopped: no request is routed to it, its streams resume elsewhere, until it answers.
     stage_health_timeout_s: float = 2.0
-    # Responses (POST /v1/responses) kept in memory for `previous_response_id`, the most
-    # recent this many (LRU); a request with `store: false` is not kept.
+    # Responses kept for `previous_response_id` (the latest, LRU; not those with `store: false`).
     responses_store_size: int = 1024
     # Web pages of these origins (scheme://host[:port], comma-separated or the flag repeated;
     # `*`: any) may call the HTTP API from a browser (CORS). None: no CORS headers are sent.

@@ -53,7 +53,7 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from launch import wait_grpc_serving  # noqa: E402
 from llama_random import SMOKE, write_random_checkpoint  # noqa: E402
 from meta import run_metadata  # noqa: E402
 
@@ -81,22 +81,11 @@ def free_ports(n: int) -> list[int]:
 
 
 def wait_serving(address: str, proc: subprocess.Popen, log: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            if proc.poll() is not None:
-                with open(log, errors="replace") as f:
-                    raise RuntimeError(f"{log}: exited {proc.returncode}\n{f.read()[-3000:]}")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} did not serve within {timeout:g}s (see {log})")
-            time.sleep(0.2)
+    def exited() -> str:
+        with open(log, errors="replace") as f:
+            return f"{log}: exited {proc.returncode}\n{f.read()[-3000:]}"
+
+    wait_grpc_serving(address, proc, exited, timeout)
 
 
 class Cluster:

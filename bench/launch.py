@@ -14,7 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.config import EngineConfig, MetricsAuthConfig
 from tandem.credentials import metrics_token
@@ -51,6 +55,29 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def wait_grpc_serving(
+    address: str, proc: subprocess.Popen, exited: Callable[[], str], timeout: float
+) -> None:
+    """Until the gRPC health service at `address` says SERVING. `proc` exiting first raises
+    RuntimeError(`exited()`, which should say why: its log's tail); `timeout` seconds without
+    SERVING raise TimeoutError."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(exited())
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not serve within {timeout:g}s")
+            time.sleep(0.2)
 
 
 def engine_flags(options: dict[str, Any]) -> list[str]:

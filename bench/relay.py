@@ -57,8 +57,7 @@ import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from launch import die_with_parent  # noqa: E402
+from launch import die_with_parent, wait_grpc_serving  # noqa: E402
 from meta import run_metadata  # noqa: E402
 from report import print_table, write_json  # noqa: E402
 
@@ -458,20 +457,9 @@ class Gateway:
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         """Until its gRPC health says SERVING (it reached the decode worker)."""
-        t_end = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < t_end:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"gateway {self.name} exited: {self.output()}")
-                try:
-                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise RuntimeError(f"gateway {self.name} not serving after {timeout:.0f}s")
+        wait_grpc_serving(
+            self.address, self.proc, lambda: f"gateway {self.name} exited: {self.output()}", timeout
+        )
 
     def revision(self) -> str:
         """The commit its checkout is at ("unknown" outside git)."""

@@ -69,18 +69,7 @@ def admit_bytes(res, sid: str, prompt: list[int], ids: np.ndarray) -> bytes:
         expires_at=time.time() + 30,
         prompt_digest=prompt_digest(ids),
     )
-    out.signature = sign_reservation(
-        KEY,
-        out.pool_id,
-        out.writer_pool_id,
-        out.token,
-        sid,
-        out.first_block,
-        out.block_ids,
-        out.num_tokens,
-        out.expires_at,
-        out.prompt_digest,
-    )
+    out.signature = sign_reservation(KEY, out)
     admit = stages_pb2.Admit(
         seq_id=sid,
         prompt_token_ids=prompt,

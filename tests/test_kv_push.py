@@ -42,18 +42,7 @@ def _signed(prompt, first=0, blocks=(4, 5, 6), seq="s1", expires=None, key=KEY):
         expires_at=expires,
         prompt_digest=prompt_digest(prompt),
     )
-    res.signature = sign_reservation(
-        key,
-        res.pool_id,
-        res.writer_pool_id,
-        res.token,
-        seq,
-        first,
-        res.block_ids,
-        len(prompt),
-        expires,
-        res.prompt_digest,
-    )
+    res.signature = sign_reservation(key, res)
     return res
 
 

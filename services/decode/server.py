@@ -412,7 +412,6 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             if self.engine.prefix_cache is not None
             else None
         )
-        digest = prompt_digest(ids)
         try:
             res = await asyncio.wrap_future(
                 self.engine_loop.submit(
@@ -432,20 +431,9 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             block_ids=res.table.blocks[res.first :],
             num_tokens=len(ids),
             expires_at=time.time() + (res.expires_at - time.monotonic()),
-            prompt_digest=digest,
+            prompt_digest=prompt_digest(ids),
         )
-        out.signature = sign_reservation(
-            push.key,
-            out.pool_id,
-            out.writer_pool_id,
-            out.token,
-            sid,
-            out.first_block,
-            out.block_ids,
-            out.num_tokens,
-            out.expires_at,
-            digest,
-        )
+        out.signature = sign_reservation(push.key, out)
         return stages_pb2.ReserveResponse(reservation=out)
 
     async def Unreserve(self, request, context):

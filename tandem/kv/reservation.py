@@ -46,46 +46,21 @@ def prompt_digest(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return hashlib.sha256(_u32_le(token_ids)).digest()
 
 
-def _message(
-    pool_id: str,
-    writer: str,
-    token: str,
-    seq_id: str,
-    first_block: int,
-    block_ids: Sequence[int],
-    num_tokens: int,
-    expires_at: float,
-    digest: bytes,
-) -> bytes:
-    return framed([
+def sign_reservation(key: bytes, res) -> bytes:
+    """The HMAC-SHA256, under its pool's reservation key, of what the reservation `res` (a
+    stages_pb2.KvReservation, or anything with its fields) says: its pool, the prefill pool that
+    may write it (`writer_pool_id`), its token and sequence, its blocks from `first_block` on,
+    the prompt's length and `prompt_digest`, and its expiry."""
+    msg = framed([
         b"tandem-reservation-v2",
-        pool_id.encode(),
-        writer.encode(),
-        token.encode(),
-        seq_id.encode(),
-        struct.pack("<IId", first_block, num_tokens, expires_at),
-        _u32_le(block_ids),
-        digest,
+        res.pool_id.encode(),
+        res.writer_pool_id.encode(),
+        res.token.encode(),
+        res.seq_id.encode(),
+        struct.pack("<IId", res.first_block, res.num_tokens, res.expires_at),
+        _u32_le(res.block_ids),
+        res.prompt_digest,
     ])  # fmt: skip
-
-
-def sign_reservation(
-    key: bytes,
-    pool_id: str,
-    writer: str,
-    token: str,
-    seq_id: str,
-    first_block: int,
-    block_ids: Sequence[int],
-    num_tokens: int,
-    expires_at: float,
-    digest: bytes,
-) -> bytes:
-    """The HMAC-SHA256 of what a reservation says (`writer`: the prefill pool that may write
-    it; `digest`: its prompt's `prompt_digest`), under its pool's reservation key."""
-    msg = _message(
-        pool_id, writer, token, seq_id, first_block, block_ids, num_tokens, expires_at, digest
-    )
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
@@ -111,25 +86,12 @@ def check_reservation(
     prefill worker about to write) leaves it False: the digest of `token_ids` must match."""
     if not res.token or not res.signature:
         raise ReservationRefused("the KV reservation carries no token or signature")
-    digest = res.prompt_digest
-    if not prompt_compared and not hmac.compare_digest(prompt_digest(token_ids), digest):
+    if not prompt_compared and not hmac.compare_digest(prompt_digest(token_ids), res.prompt_digest):
         raise ReservationRefused(
             "KV reservation refused: it was made for another prompt (only what Decode.Reserve "
             "reserved, for the prompt it was given, is written)"
         )
-    want = sign_reservation(
-        key,
-        res.pool_id,
-        res.writer_pool_id,
-        res.token,
-        res.seq_id,
-        res.first_block,
-        res.block_ids,
-        res.num_tokens,
-        res.expires_at,
-        digest,
-    )
-    if not hmac.compare_digest(want, res.signature):
+    if not hmac.compare_digest(sign_reservation(key, res), res.signature):
         raise ReservationRefused(
             "KV reservation refused: its signature does not match its blocks and this prompt "
             "(only what Decode.Reserve reserved, for the prompt it was given, is written)"

@@ -416,7 +416,10 @@ def sharegpt_main(args: argparse.Namespace) -> int:
             out["params"] = lr.weight_bytes_per_step(engine) // (2 if cuda else 4)
             kv = engine.kv.data
             out["kv_pool_gib"] = kv.numel() * kv.element_size() / 2**30
-            del engine
+            # The pool goes back to the device before the services start: a name left holding
+            # it keeps it cached in this process, and the services' pools are sized from what
+            # is free.
+            del engine, kv
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

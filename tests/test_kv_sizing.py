@@ -8,6 +8,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kv.sizing import (
+    AUTOTUNE_BYTES,
     DEFAULT_KV_GB,
     GIB,
     NON_TORCH_BYTES,
@@ -25,13 +26,16 @@ def test_activations_of_a_step_bound_what_its_tensors_take():
     # One Llama-3-8B layer's per-token tensors in bf16, counted one by one: residual, norm
     # output, q/k/v, attention output, o_proj output, gate and up, the activation, down and
     # a spare hidden-sized buffer.
+    # Beside them: the same tensors for the largest batch the CUDA graphs capture (256
+    # sequences), and the autotuner's L2-flush buffer.
     per_token = 2 * (4096 + 4096 + (32 + 16) * 128 + 4096 + 4096 + 2 * 14336 + 14336 + 4096)
     logits = 256 * 128256 * 4
+    beside = 256 * per_token + AUTOTUNE_BYTES
     got = activation_bytes(LLAMA3_8B, 8192, 256, 2)
-    assert got == 8192 * per_token + 4 * logits
+    assert got == 8192 * per_token + 4 * logits + beside
     assert 1.5 * GIB < got < 2.5 * GIB  # a few GiB: an H100's tenth covers it several times
     # Fewer sampled rows than max_num_seqs when the step holds fewer tokens.
-    assert activation_bytes(LLAMA3_8B, 64, 256, 2) == 64 * per_token + 64 * 128256 * 16
+    assert activation_bytes(LLAMA3_8B, 64, 256, 2) == 64 * per_token + 64 * 128256 * 16 + beside
 
 
 def test_a_gpu_pool_takes_the_share_left_after_weights_and_activations():
@@ -41,10 +45,18 @@ def test_a_gpu_pool_takes_the_share_left_after_weights_and_activations():
     got, why = gpu_kv_bytes(mem, 0.9, acts)
     assert got == int(0.9 * total) - own - NON_TORCH_BYTES - acts  # 53 GiB: 430k bf16 tokens
     assert "0.9 of 80.0 GiB" in why and "free" not in why
-    # Another process holds 30 GiB of the device: what is free caps the pool.
+    # Another process holds 30 GiB of the device: what is free caps the pool, less what this
+    # process has still to allocate (its step's tensors, its first steps' outside torch).
     mem = DeviceMemory(total, total - own - NON_TORCH_BYTES - 30 * GIB, own)
     got, why = gpu_kv_bytes(mem, 0.9, acts)
-    assert got == mem.free - acts and "capped by the" in why and "other processes" in why
+    assert got == mem.free - acts - NON_TORCH_BYTES
+    assert "capped by the" in why and "other processes" in why
+    # Two workers given half the device each (tandem up's split), the first one's whole half
+    # taken: the second gets its own half's budget, not less.
+    first = int(0.45 * total)
+    mem = DeviceMemory(total, total - first - own - NON_TORCH_BYTES // 2, own)
+    got, why = gpu_kv_bytes(mem, 0.45, acts)
+    assert got == int(0.45 * total) - own - NON_TORCH_BYTES - acts and "free" not in why
     # Half the device (two workers sharing it): half the budget.
     mem = DeviceMemory(total, total - own - NON_TORCH_BYTES, own)
     assert gpu_kv_bytes(mem, 0.45, acts)[0] == int(0.45 * total) - own - NON_TORCH_BYTES - acts

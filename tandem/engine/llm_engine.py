@@ -167,6 +167,10 @@ class LLMEngine:
                 f"CUDA graphs captured: decode batches of 1 to {graphs.max_batch} sequences "
                 f"({len(graphs.graphs)} sizes, {time.perf_counter() - t_graphs:.1f} s)"
             )
+        if device.type == "cuda":
+            # What the capture's warm-up runs and the autotuner freed goes back to the device
+            # (another worker on it sized its pool from what was free).
+            torch.cuda.empty_cache()
         self.scheduler: SchedulerInterface = Scheduler(
             self.pool,
             config.max_num_seqs,

@@ -5,13 +5,14 @@
 - on a CPU, `DEFAULT_KV_GB` (1 GiB: a CPU worker's pool is often shared memory, bounded by
   /dev/shm, and host memory is shared with everything else on the machine);
 - on a GPU, the pool takes what `--gpu-memory-utilization` of the device's memory leaves once
-  this process's weights are loaded and one step's activations are set aside, as vLLM's
+  this process's weights are loaded and what it allocates beside them is set aside (one
+  step's activations, the CUDA graphs' pool, the kernel autotuner's buffer), as vLLM's
   `gpu_memory_utilization` and SGLang's `mem_fraction_static` do. The fraction is this
-  worker's share of the whole device: workers sharing one device need fractions that add up
-  to at most one (`tandem up` splits it among the workers it starts on one device). The rest of
-  the device (a tenth by default) is headroom: the CUDA graphs' pool, the allocator's slack,
-  the sampler's sorts. The pool never takes more than is free on the device now, less the same
-  set-aside, so another process already on the device is never pushed out of memory.
+  worker's share of the whole device, everything it allocates included: workers sharing one
+  device need fractions that add up to at most one (`tandem up` splits it among the workers
+  it starts on one device). The rest of the device (a tenth by default) is headroom. The pool
+  never takes more than is free on the device now less the same set-aside, so another process
+  already on the device is never pushed out of memory.
 
 Sized this way, a Llama-3-8B bf16 worker alone on an 80 GB H100 gets about 50 GB of KV
 (400k tokens); with a 1 GiB pool it would hold 8k tokens, a few sequences at load.
@@ -26,6 +27,10 @@ GIB = 2**30
 # Memory this process holds on the device outside torch's allocator (the CUDA context, library
 # handles), which `torch.cuda.memory_reserved` does not count.
 NON_TORCH_BYTES = GIB
+# Triton's autotuner times a kernel's configurations on its first use with the L2 cache flushed
+# through a 256 MiB buffer (triton.testing.do_bench); the batch-1 GEMV tunes while the CUDA
+# graphs are captured, after the pool is allocated.
+AUTOTUNE_BYTES = 256 * 2**20
 
 
 def auto_sized(config) -> bool:
@@ -57,32 +62,38 @@ class ModelShape:
 def activation_bytes(
     shape: ModelShape, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int
 ) -> int:
-    """A generous bound on one step's transient memory: every per-token tensor of a layer alive
-    at once for a full step's tokens (residual, norm, q/k/v, attention output, gate and up, the
-    activation, down), and the sampled rows' float32 logits four times over (logits, the
-    probabilities, the sampler's sorted copy and its indices)."""
+    """A bound on what the engine allocates on the device beside its weights and pool:
+    one step's transient tensors (every per-token tensor of a layer alive at once for a full
+    step's tokens: residual, norm, q/k/v, attention output, gate and up, the activation, down;
+    and the sampled rows' float32 logits four times over: logits, the probabilities, the
+    sampler's sorted copy and its indices), the same per-token tensors for the largest decode
+    batch the CUDA graphs hold in their own pool, and the autotuner's buffer."""
     s = shape
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     per_token = (4 * s.hidden_size + qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size) * (
         dtype_bytes
     )
     rows = min(max_num_seqs, max_num_batched_tokens)
-    return max_num_batched_tokens * per_token + rows * s.vocab_size * 4 * 4
+    step = max_num_batched_tokens * per_token + rows * s.vocab_size * 4 * 4
+    return step + max_num_seqs * per_token + AUTOTUNE_BYTES
 
 
 def gpu_kv_bytes(mem: DeviceMemory, utilization: float, activations: int) -> tuple[int, str]:
     """Bytes for the KV pool of a GPU worker, and how they were found (for the log).
 
     The budget: `utilization` of the device, less what this process holds (`mem.own` and
-    NON_TORCH_BYTES) and `activations`. Capped by what is free now less `activations`. Raises
-    ValueError, naming the settings, when that leaves no room."""
+    NON_TORCH_BYTES) and `activations` (`activation_bytes`). Capped by what is free now less
+    `activations` and NON_TORCH_BYTES again: what the free memory already lacks of this process
+    is its CUDA context, not what its first steps still allocate outside torch (cuBLAS handles
+    and workspaces, made on first use) nor the allocator's rounding. Raises ValueError, naming
+    the settings, when that leaves no room."""
     budget = int(utilization * mem.total) - mem.own - NON_TORCH_BYTES - activations
-    room = mem.free - activations
+    room = mem.free - activations - NON_TORCH_BYTES
     kv = min(budget, room)
     why = (
         f"{utilization:g} of {mem.total / GIB:.1f} GiB, less {mem.own / GIB:.1f} GiB of weights "
         f"and buffers, {NON_TORCH_BYTES / GIB:.1f} GiB outside torch and "
-        f"{activations / GIB:.1f} GiB of activations"
+        f"{activations / GIB:.1f} GiB of activations, CUDA graphs and kernel tuning"
     )
     if room < budget:
         why += f"; capped by the {mem.free / GIB:.1f} GiB free on the device (other processes)"

@@ -269,11 +269,14 @@ def run_once(
 def compare_outputs(a: list[Rec], b: list[Rec]) -> dict[str, Any]:
     """Two runs' replies turn by turn: identical only when every turn of both completed with
     the same tokens. `first_difference`: each session whose replies differ, [its first such
-    turn, the first differing token's index in that reply (None: a turn missing or failed)]."""
+    turn, the first differing token's index in that reply (None: a turn missing or failed)].
+    `differing_first_turns`: the differing replies to turn 1, which no prefix of either run's
+    caches serves (each session's context is its own): differences there come from the
+    numerics of the batches a reply ran in (bf16, random weights: near-ties), not the tier."""
     ka = {(r.session, r.turn): r for r in a}
     kb = {(r.session, r.turn): r for r in b}
     keys = sorted(set(ka) | set(kb))
-    differing = 0
+    differing = differing_first = 0
     first: dict[str, list[int | None]] = {}
     for session, turn in keys:
         ra, rb = ka.get((session, turn)), kb.get((session, turn))
@@ -287,11 +290,13 @@ def compare_outputs(a: list[Rec], b: list[Rec]) -> dict[str, Any]:
         else:
             continue
         differing += 1
+        differing_first += turn == 1
         first.setdefault(str(session), [turn, token])
     return {
         "outputs_identical": bool(keys) and not differing,
         "turns_compared": len(keys),
         "differing_turns": differing,
+        "differing_first_turns": differing_first,
         "first_difference": first,
     }
 
@@ -382,6 +387,6 @@ def print_report(res: dict[str, Any]) -> None:
         f"\nTTFT p50 without / with the tier: {x(res['ttft_p50_ratio_without_over_with'])}; "
         f"goodput with / without: {x(res['goodput_ratio_with_over_without'])}; greedy replies "
         f"identical: {o['outputs_identical']} ({o['differing_turns']} of {o['turns_compared']} "
-        f"turns differ)"
+        f"turns differ, {o['differing_first_turns']} of them first turns, which no cache serves)"
     )
     print("acceptance: " + ", ".join(f"{k} {v}" for k, v in res["acceptance"].items()))

@@ -98,17 +98,19 @@ def test_replies_are_compared_turn_by_turn() -> None:
     a = [_rec(0, 1, [1, 2, 3]), _rec(0, 2, [4, 5, 6]), _rec(1, 1, [7, 8]), _rec(1, 2, [9])]
     same = kv_tier.compare_outputs(a, list(reversed(a)))
     assert same == {"outputs_identical": True, "turns_compared": 4, "differing_turns": 0,
-                    "first_difference": {}}  # fmt: skip
+                    "differing_first_turns": 0, "first_difference": {}}  # fmt: skip
     # The first conversation's second reply differs at its third token; the other's second
     # turn failed.
     b = [_rec(0, 1, [1, 2, 3]), _rec(0, 2, [4, 5, 0]), _rec(1, 1, [7, 8]),
          _rec(1, 2, [], error="UNAVAILABLE: gone")]  # fmt: skip
     got = kv_tier.compare_outputs(a, b)
     assert got["outputs_identical"] is False and got["differing_turns"] == 2
+    assert got["differing_first_turns"] == 0
     assert got["first_difference"] == {"0": [2, 2], "1": [2, None]}
     # A turn one run never got to counts as differing; a shorter reply differs where it ends.
     got = kv_tier.compare_outputs(a, [_rec(0, 1, [1, 2]), *a[1:3]])
     assert got["differing_turns"] == 2 and got["first_difference"] == {"0": [1, 2], "1": [2, None]}
+    assert got["differing_first_turns"] == 1
     assert kv_tier.compare_outputs([], [])["outputs_identical"] is False
 
 
@@ -176,6 +178,6 @@ def test_both_runs_through_real_services_give_the_same_replies(tmp_path) -> None
     assert "--kv-host-cache-gb 0.01" in with_tier["command"]
     assert "--kv-host-cache-gb 0 " in without["command"] + " "
     # Float32 weights: history copied back and history computed again give the same replies.
-    assert res["outputs"] == {"outputs_identical": True, "turns_compared": 18,
-                              "differing_turns": 0, "first_difference": {}}  # fmt: skip
+    assert res["outputs"] == {"outputs_identical": True, "turns_compared": 18, "differing_turns": 0,
+                              "differing_first_turns": 0, "first_difference": {}}  # fmt: skip
     assert res["acceptance"]["outputs_identical"]

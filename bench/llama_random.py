@@ -167,6 +167,19 @@ def tandem_engine(hf_model, tokenizer: Any = None, **engine_options: Any):
     return LLMEngine(loaded, config)
 
 
+def engine_from_checkpoint(**engine_options: Any):
+    """An `LLMEngine` over the checkpoint `engine_options["model"]`, loaded as a worker loads
+    it: on a GPU only the engine's own weights are on the device when its KV pool is sized."""
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.model.loader import load_model
+
+    config = EngineConfig(**engine_options)
+    config.validate()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[config.dtype]
+    return LLMEngine(load_model(config.model, dtype), config)
+
+
 def weight_bytes_per_step(engine) -> int:
     """Bytes of weights one decode step reads: every layer, the final norm and the LM head."""
     from tandem.engine.roofline import weight_bytes

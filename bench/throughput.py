@@ -408,9 +408,14 @@ def sharegpt_main(args: argparse.Namespace) -> int:
     if "engine" in paths:
 
         def engine_path() -> dict[str, Any]:
-            hf = lr.build_hf_model(shape, dev, torch.bfloat16 if cuda else torch.float32)
-            engine = lr.tandem_engine(hf, **engine_opts)
-            del hf
+            import serve
+
+            # The services' checkpoint and options, loaded as a worker loads them.
+            info: dict[str, Any] = {}
+            engine = lr.engine_from_checkpoint(**serve.random_services_engine(
+                cuda, args.max_num_seqs, 2 * SHAREGPT_CLIP[1], args.services_checkpoint, info,
+                **{k: v for k, v in engine_opts.items() if k not in ("device", "dtype")},
+            ))  # fmt: skip
             run_offline_engine(engine, *warm)
             out = run_offline_engine(engine, prompts, outputs)
             out["params"] = lr.weight_bytes_per_step(engine) // (2 if cuda else 4)

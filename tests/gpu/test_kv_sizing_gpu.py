@@ -3,6 +3,9 @@ what it leaves. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -40,3 +43,39 @@ def test_a_pool_sized_by_the_device_leaves_room_for_a_full_step(tmp_path):
     assert [len(o.token_ids) for o in outs] == [16] * 16
     # Everything this process's allocator held at its peak stayed within the worker's share.
     assert torch.cuda.max_memory_reserved() <= share
+
+
+# Holds `argv[1]` bytes of the device until its stdin closes: another process on the GPU.
+HOLD = (
+    "import sys, torch\n"
+    "x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda')\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_pool_beside_another_process_leaves_room_for_a_full_step(tmp_path):
+    """What is free caps the pool when another process holds part of the device; a step of the
+    whole budget still fits in what the pool leaves."""
+    import tandem
+
+    build_random_model("llama", str(tmp_path), **SHAPE)
+    total = torch.cuda.mem_get_info()[1]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(int(0.6 * total))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        free_before = torch.cuda.mem_get_info()[0]
+        llm = tandem.LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=64,
+                         max_num_batched_tokens=16384, gpu_memory_utilization=0.9)  # fmt: skip
+        kv = llm.engine.kv
+        pool = kv.data.numel() * kv.data.element_size()
+        assert pool < free_before - NON_TORCH_BYTES  # capped by what was free, not 0.9 of it
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 32000, (1024,), generator=g).tolist() for _ in range(16)]
+        sp = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, sp)  # a full step of the budget: no out-of-memory error
+        assert [len(o.token_ids) for o in outs] == [16] * 16
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)

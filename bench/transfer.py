@@ -38,6 +38,8 @@ fabric: measure there.
     .venv/bin/python bench/transfer.py --transport nixl:tcp --prompt-lens 8192
     .venv/bin/python bench/transfer.py --device cuda --transport cuda_ipc nixl \
         --out bench/results/h200_transfer.json
+    .venv/bin/python bench/transfer.py --device cuda --transport cuda_ipc_push \
+        --model DIR        # a random Llama-3-8B (bench/llama_random.py): a real model's TTFT
 
 Results go to --out (default bench/results/transfer_cpu.json) with the exact command, the git
 revision and the host; a table is printed.
@@ -104,9 +106,18 @@ def build_model(path: str) -> None:
     )
 
 
-def kv_bytes_per_token(dtype_bytes: int) -> int:
-    head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
-    return MODEL["num_hidden_layers"] * 2 * MODEL["num_key_value_heads"] * head_dim * dtype_bytes
+def model_shape(path: str) -> dict[str, int]:
+    """What this script needs of the checkpoint at `path` (its config.json)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    shape = {k: cfg[k] for k in MODEL}
+    shape["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return shape
+
+
+def kv_bytes_per_token(shape: dict[str, int], dtype_bytes: int) -> int:
+    layers, heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    return layers * 2 * heads * shape["head_dim"] * dtype_bytes
 
 
 # ---- stage processes ---------------------------------------------------------------------------
@@ -257,7 +268,7 @@ def measure(
         "--device",
         args.device,
         "--dtype",
-        "float32",
+        args.dtype,
         "--metrics-port",
         "-1",
     ]
@@ -302,6 +313,7 @@ def measure(
             sess.prefill_address = prefill.address
         sampling = api_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         g = torch.Generator().manual_seed(0)
+        vocab = model_shape(model)["vocab_size"]
         rows = []
         pulls = [spec for spec in specs if not spec.endswith("_push")]
         for n in lens:
@@ -311,7 +323,7 @@ def measure(
                 # One prefill per round, its KV handed to every decode worker in turn: inline
                 # first, as it reads through the lease, which the first import releases; the
                 # others read the prefill pool's memory, which nothing writes in between.
-                prompt = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                prompt = torch.randint(3, vocab, (n,), generator=g).tolist()
                 if pulls:  # (pushes only: no lease that nobody would take, holding the pool)
                     t0 = time.perf_counter()
                     resp = stub.Run(
@@ -326,7 +338,7 @@ def measure(
                 for spec in sorted(specs, key=lambda x: (x != "inline", x.endswith("_push"))):
                     if spec.endswith("_push"):
                         # A prompt of its own: the prefill worker's prefix cache holds this one.
-                        own = torch.randint(3, MODEL["vocab_size"], (n,), generator=g).tolist()
+                        own = torch.randint(3, vocab, (n,), generator=g).tolist()
                         admit, spec_ttft = push_admit(
                             stub, sessions[spec], own, sampling, args.admit_after_ms
                         )
@@ -350,7 +362,7 @@ def measure(
                 ss = samples[spec]
                 ttft = statistics.median(x[0] for x in ss)
                 xfer = statistics.median(x[1] for x in ss)
-                nbytes = ss[0][2] * BLOCK_SIZE * kv_bytes_per_token(4)
+                nbytes = ss[0][2] * BLOCK_SIZE * args.kv_bytes_per_token
                 rows.append(
                     {
                         "transport": spec,
@@ -384,7 +396,9 @@ def measure(
         prefill.stop()
 
 
-def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any]]:
+def copy_baseline(
+    lens: list[int], device: str, reps: int, shape: dict[str, int], dtype: torch.dtype
+) -> list[dict[str, Any]]:
     """Local copies of the same blocks between two pools in this process: `gather` is
     tandem's gather_copy (one kernel on a GPU, what the cuda_ipc path runs; index_select +
     index_copy_ on a CPU, what the shm path runs), `memcpy` one
@@ -395,11 +409,11 @@ def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    head_dim = MODEL["hidden_size"] // MODEL["num_attention_heads"]
+    head_dim = shape["head_dim"]
     blocks = max(lens) // BLOCK_SIZE + 2
-    layers, heads = MODEL["num_hidden_layers"], MODEL["num_key_value_heads"]
-    src = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, torch.float32, device)
-    dst = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, torch.float32, device)
+    layers, heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    src = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, dtype, device)
+    dst = KVCache.allocate(layers, blocks, BLOCK_SIZE, heads, head_dim, dtype, device)
     src.data.normal_()
 
     def timed(fn) -> float:
@@ -416,7 +430,7 @@ def copy_baseline(lens: list[int], device: str, reps: int) -> list[dict[str, Any
     for n in lens:
         nb = (n + BLOCK_SIZE - 1) // BLOCK_SIZE
         ids = list(range(nb))
-        nbytes = nb * BLOCK_SIZE * kv_bytes_per_token(4)
+        nbytes = nb * BLOCK_SIZE * kv_bytes_per_token(shape, dtype.itemsize)
         gather = timed(lambda ids=ids: gather_copy(dst, ids[::-1], src, ids))
         memcpy = timed(lambda nb=nb: dst.data[:, :, :nb].copy_(src.data[:, :, :nb]))
         rows.append(
@@ -485,8 +499,19 @@ def main() -> int:
         "longer prefill), so that the decode worker idles as long before every handover "
         "whatever the prompt's length (default 0: at once, as a gateway does)",
     )
+    p.add_argument(
+        "--model",
+        help="a Llama checkpoint directory to run instead of the small one this script writes "
+        "(e.g. a random Llama-3-8B from bench/llama_random.py: a real model's KV and TTFT)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="the workers' dtype (default: float32 for the small model, else bfloat16)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "transfer_cpu.json"))
     args = p.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.model else "float32")
     for t in args.transport:
         known = ("nixl", "shm", "shm_push", "inline", "cuda_ipc", "cuda_ipc_push")
         if t.partition(":")[0] not in known or (":" in t and not t.startswith("nixl:")):
@@ -498,11 +523,16 @@ def main() -> int:
     started = time.time()
     load_start = list(os.getloadavg())
     log_dir = tempfile.mkdtemp(prefix="tandem-transfer-")
-    model = os.path.join(log_dir, "model")
-    build_model(model)
+    model = args.model
+    if model is None:
+        model = os.path.join(log_dir, "model")
+        build_model(model)
+    shape = model_shape(model)
+    dtype = getattr(torch, args.dtype)
+    args.kv_bytes_per_token = kv_bytes_per_token(shape, dtype.itemsize)
     print(f"prefill + {len(args.transport)} decode workers on {args.device} (logs in {log_dir})")
     rows = measure(args.transport, model, args.prompt_lens, args.reps, args, log_dir)
-    baseline = copy_baseline(args.prompt_lens, args.device, args.reps)
+    baseline = copy_baseline(args.prompt_lens, args.device, args.reps, shape, dtype)
     inline = {r["prompt_tokens"]: r for r in rows if r["transport"] == "inline"}
     for r in rows:
         if r["prompt_tokens"] in inline:
@@ -543,7 +573,12 @@ def main() -> int:
         "duration_s": round(time.time() - started, 1),
         "host": host_info(args.device, load_start),
         "device": args.device,
-        "model": {**MODEL, "dtype": "float32", "kv_bytes_per_token": kv_bytes_per_token(4)},
+        "model": {
+            "path": args.model or "written by this script",
+            **shape,
+            "dtype": args.dtype,
+            "kv_bytes_per_token": args.kv_bytes_per_token,
+        },
         "definitions": {
             "ttft_ms": "Prefill.Run latency seen by the caller (the first token comes from it)",
             "handover_ms": "decode worker's kv_transfer_ms: admission to KV in its own blocks",

@@ -8,7 +8,9 @@ rest.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -22,6 +24,8 @@ from tandem.chat import cmd_chat
 from tandem.config import EngineConfig, GatewayConfig, StageAuthConfig, StageTlsConfig
 from tandem.config_options import dataclass_from_args
 from tandem.credentials import gateway_secret, role_secrets, stage_secret
+from tandem.kv.sizing import GIB, NON_TORCH_BYTES, ModelShape, activation_bytes
+from tandem.model.info import context_length, load_model_config
 from tandem.progress import LOGGER as PROGRESS_LOGGER
 from tandem.stage_args import (
     DEFAULT_GATEWAY_PORT,
@@ -41,6 +45,9 @@ STAGES = ("prefill", "decode", "gateway", "draft")
 # Ports of a stage's further workers (--prefill-workers, --decode-workers): worker i listens on
 # the stage's port + WORKER_PORT_STRIDE * i, clear of the gateway's neighbours (port+1..port+4).
 WORKER_PORT_STRIDE = 10
+# What a prefill worker's share holds beyond what it needs (`_prefill_need`): the allocator's
+# rounding and the small buffers beside the weights (rotary tables, sampling state).
+PREFILL_MARGIN = 0.05
 
 
 def exec_stage(stage: str, argv: list[str]) -> None:
@@ -101,8 +108,6 @@ class Child:
 def _die_with_parent() -> None:
     # A stage must not outlive `tandem up`, even when `tandem up` is killed with SIGKILL.
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
@@ -156,13 +161,22 @@ def _devices(value: str | None) -> list[str]:
     return [d.strip() for d in (value or "").split(",") if d.strip()]
 
 
+def _cuda_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library, initialized, or None where there is none or it finds no device.
+    Loading it makes no CUDA context."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return cuda if cuda.cuInit(0) == 0 else None
+
+
 def _host_has_gpu() -> bool:
     """Whether a stage given no --device would run on a GPU: torch's "auto" resolves to cuda.
 
     Asked as torch would answer, without importing it (a second and more before any stage
     starts): a CUDA build of torch, and a CUDA driver that counts a device this process may use
     (it honours CUDA_VISIBLE_DEVICES). No CUDA context is made."""
-    import ctypes
     import glob
     import importlib.util
 
@@ -172,14 +186,25 @@ def _host_has_gpu() -> bool:
     libs = [os.path.join(d, "lib", "libtorch_cuda*") for d in spec.submodule_search_locations]
     if not any(glob.glob(pattern) for pattern in libs):
         return False  # a CPU build
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
+    cuda = _cuda_driver()
     count = ctypes.c_int(0)
-    return (
-        cuda.cuInit(0) == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
-    )
+    return cuda is not None and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+
+
+def _gpu_total_memory(device: str) -> int | None:
+    """The memory of the CUDA device `device` ("cuda" is cuda:0) in bytes, as the CUDA driver
+    counts it (the devices CUDA_VISIBLE_DEVICES leaves, as torch numbers them); None where it
+    cannot be read. No torch, no CUDA context."""
+    cuda = _cuda_driver()
+    if cuda is None:
+        return None
+    index = int(device.partition(":")[2] or 0)
+    handle, total = ctypes.c_int(0), ctypes.c_size_t(0)
+    if cuda.cuDeviceGet(ctypes.byref(handle), index) != 0:
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), handle) != 0:
+        return None
+    return total.value
 
 
 def default_prefill_workers(args: argparse.Namespace) -> tuple[int, str]:
@@ -210,13 +235,16 @@ def default_prefill_workers(args: argparse.Namespace) -> tuple[int, str]:
 
 def _memory_shares(
     args: argparse.Namespace, procs: list[tuple[str, str, list[str], int]]
-) -> list[tuple[str, float, str]]:
+) -> list[tuple[str, float, str, str]]:
     """Split --gpu-memory-utilization among the workers that hold a model on one GPU.
 
     A worker whose KV pool is not sized (--num-blocks, --kv-cache-memory-gb) takes that share
     of its device's memory; two on one device would each take it all. Each worker of a shared
-    device gets an equal part (appended to its own flags: the last one wins). Returns (worker,
-    its share, the device) for each worker given one."""
+    device gets an equal part (appended to its own flags: the last one wins), except where
+    prefill and decode workers share it: a prefill worker hands each prompt's KV to a decode
+    worker and frees it, so it gets what it needs (`_prefill_need`) and the decode workers,
+    whose pools hold every running sequence, what the others leave. Returns (worker, its share,
+    the device, how the share was found: "" for an equal part) for each worker given one."""
 
     def given(name: str) -> str | None:  # a flag, else its TANDEM_* variable (non-empty)
         v = getattr(args, name, None)
@@ -226,8 +254,7 @@ def _memory_shares(
     if given("num_blocks") is not None or given("kv_cache_memory_gb") is not None:
         return []
     total = float(given("gpu_memory_utilization") or EngineConfig.gpu_memory_utilization)
-    by_device: dict[str, list[list[str]]] = {}
-    names: dict[int, str] = {}
+    by_device: dict[str, list[tuple[str, str, list[str]]]] = {}
     gpu: bool | None = None
     for stage, name, own, _ in procs:
         if stage == "gateway" or (stage == "draft" and args.draft == "ngram"):
@@ -239,17 +266,91 @@ def _memory_shares(
         if not device.startswith("cuda"):
             continue
         device = "cuda:0" if device == "cuda" else device
-        by_device.setdefault(device, []).append(own)
-        names[id(own)] = name
+        by_device.setdefault(device, []).append((stage, name, own))
     out = []
-    for device, owns in by_device.items():
-        if len(owns) < 2:
+    for device, workers in by_device.items():
+        if len(workers) < 2:
             continue
-        share = round(total / len(owns), 4)
-        for own in owns:
+        equal = round(total / len(workers), 4)
+        shares = {name: (equal, "") for _, name, _ in workers}
+        stages = [stage for stage, _, _ in workers]
+        if "prefill" in stages and "decode" in stages:
+            shares.update(_prefill_decode_shares(args, device, workers, total, equal))
+        for _, name, own in workers:
+            share, why = shares[name]
             own += ["--gpu-memory-utilization", str(share)]
-            out.append((names[id(own)], share, device))
+            out.append((name, share, device, why))
     return out
+
+
+def _prefill_decode_shares(
+    args: argparse.Namespace,
+    device: str,
+    workers: list[tuple[str, str, list[str]]],
+    total: float,
+    equal: float,
+) -> dict[str, tuple[float, str]]:
+    """{worker: (its share, why)} for the prefill and decode `workers` (stage, name, own flags)
+    of `device`, which share `total`: each prefill worker what it needs of the device, rounded
+    up, and the decode workers equal parts of what is left once every other worker (a model
+    draft) has its `equal` part. Where the need cannot be found, or leaves a prefill worker no
+    less than an equal part, every worker keeps `equal` and the prefill workers say why."""
+    prefill = [name for stage, name, _ in workers if stage == "prefill"]
+    decode = [name for stage, name, _ in workers if stage == "decode"]
+    others = [name for stage, name, _ in workers if stage not in ("prefill", "decode")]
+
+    def equal_parts(reason: str) -> dict[str, tuple[float, str]]:
+        return {name: (equal, f"an equal part: {reason}") for name in prefill}
+
+    device_bytes = _gpu_total_memory(device)
+    if device_bytes is None:
+        return equal_parts(f"the memory of {device} could not be read from the CUDA driver")
+    try:
+        config = engine_config_from_args(argparse.Namespace(**{**vars(args), "device": None}))
+        need, what = _prefill_need(config)
+    except Exception as e:  # whatever fails keeps the equal split, and says why
+        return equal_parts(f"what a prefill worker needs could not be found ({e})")
+    share = math.ceil(need / device_bytes * 1e4) / 1e4
+    what = f"{need / GIB:.1f} GiB of {device_bytes / GIB:.1f} GiB: {what}"
+    if share >= equal:
+        return equal_parts(f"a prefill worker needs {share:g}, no less than an equal part; {what}")
+    rest = (total - share * len(prefill) - equal * len(others)) / len(decode)
+    rest = math.floor(round(rest * 1e4, 6)) / 1e4
+    if rest < equal:
+        return equal_parts(f"a prefill worker's {share:g} would leave a decode worker {rest:g}")
+    taken = [f"{share:g} for {name}" for name in prefill] + [f"{equal:g} for {n}" for n in others]
+    return {
+        **{name: (share, what) for name in prefill},
+        **{name: (rest, f"the rest of {total:g} after {', '.join(taken)}") for name in decode},
+    }
+
+
+def _prefill_need(config: EngineConfig) -> tuple[int, str]:
+    """The bytes of its GPU a prefill worker of `config` needs, and of what (for the line
+    `tandem up` prints): its weights, what it holds outside torch and beside them
+    (tandem/kv/sizing.py), and a KV pool of one longest prompt or two full steps of tokens,
+    whichever is more; PREFILL_MARGIN on top. Raises where the model's config cannot be read."""
+    mc = load_model_config(config.model)
+    # As a worker on a GPU resolves them (tandem/device.py): "auto" is bfloat16, and the KV
+    # pool holds the model's dtype unless it is FP8 or INT8.
+    dtype_bytes = 4 if config.dtype == "float32" else 2
+    kv_dtype_bytes = dtype_bytes if config.kv_dtype == "auto" else 1
+    weights = mc.num_parameters() * dtype_bytes
+    shape = ModelShape(mc.hidden_size, mc.intermediate_size, mc.num_heads,
+                       mc.num_kv_heads, mc.head_dim, mc.vocab_size)  # fmt: skip
+    activations = activation_bytes(
+        shape, config.max_num_batched_tokens, config.max_num_seqs, dtype_bytes
+    )
+    longest = context_length(config.max_model_len, mc.max_position_embeddings)
+    tokens = max(2 * config.max_num_batched_tokens, longest)
+    pool = tokens * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * kv_dtype_bytes
+    need = math.ceil((weights + NON_TORCH_BYTES + activations + pool) * (1 + PREFILL_MARGIN))
+    what = (
+        f"weights {weights / GIB:.1f} GiB, KV {pool / GIB:.1f} GiB for {tokens} tokens, "
+        f"activations {activations / GIB:.1f} GiB, {NON_TORCH_BYTES / GIB:.0f} GiB outside "
+        f"torch, {PREFILL_MARGIN:.0%} margin"
+    )
+    return need, what
 
 
 @dataclass
@@ -756,8 +857,9 @@ def cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         own = ["--port", str(w.port), *(["--device", w.device] if w.device else [])]
         procs.append((w.stage, w.name, own, w.metrics_port))
     procs.append(("gateway", "gateway", [], metrics_ports["gateway"]))
-    for name, share, device in _memory_shares(args, procs):
-        print(f"{name} shares {device}: --gpu-memory-utilization {share:g}", flush=True)
+    for name, share, device, why in _memory_shares(args, procs):
+        why = f" ({why})" if why else ""
+        print(f"{name} shares {device}: --gpu-memory-utilization {share:g}{why}", flush=True)
     for stage, name, own, metrics_port in procs:
         extra = ["--host", binds[stage], *argv[stage], "--metrics-port", str(metrics_port)]
         if args.model:

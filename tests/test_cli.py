@@ -4,6 +4,8 @@ goes; `tandem chat` explains what to do when nothing listens."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import socket
 import time
 
@@ -327,16 +329,58 @@ def _procs(args: argparse.Namespace, draft_device: str | None = None) -> list:
     return procs + [("gateway", "gateway", [], -1)]
 
 
+# The settings a worker's share is sized by: a test sets them by its flags alone.
+SIZING_VARS = ("NUM_BLOCKS", "KV_CACHE_MEMORY_GB", "GPU_MEMORY_UTILIZATION", "MODEL", "DTYPE",
+               "KV_DTYPE", "MAX_NUM_BATCHED_TOKENS", "MAX_NUM_SEQS", "MAX_MODEL_LEN")  # fmt: skip
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """A host with one 80 GiB GPU and none of the sizing variables set; returns a function that
+    sets the device's memory (None: unreadable)."""
+    monkeypatch.setattr(up_module, "_host_has_gpu", lambda: True)
+    for var in SIZING_VARS:
+        monkeypatch.delenv(f"TANDEM_{var}", raising=False)
+
+    def device_memory(gib: float | None) -> None:
+        total = None if gib is None else int(gib * 2**30)
+        monkeypatch.setattr(up_module, "_gpu_total_memory", lambda device: total)
+
+    device_memory(80)
+    return device_memory
+
+
+def _shares(flags: list[str], draft_device: str | None = None) -> dict[str, tuple[float, str]]:
+    """{worker: (its share, why)} as `tandem up` would give them for `flags`."""
+    args = _up_args(flags)
+    procs = _procs(args, draft_device)
+    if not args.draft:
+        procs = procs[1:]
+    got = up_module._memory_shares(args, procs)
+    for _, name, own, _ in procs:  # each share is the last flag of the worker's own command
+        share = [s for n, s, _, _ in got if n == name]
+        if share:
+            assert own[-2:] == ["--gpu-memory-utilization", str(share[0])]
+        else:
+            assert "--gpu-memory-utilization" not in own
+    return {name: (share, why) for name, share, _, why in got}
+
+
 @pytest.mark.parametrize(
     ("flags", "draft_device", "want"),
     [
-        # A prefill and a decode worker (and a model draft) on the host's one GPU share it.
+        # A prefill and a decode worker (and a model draft) on the host's one GPU share it: the
+        # prefill worker gets what it needs. SmolLM2-135M (tied embedding, 134,515,008
+        # parameters: 0.27 GB in bfloat16), 1 GiB outside torch, 0.61 GB of activations
+        # (8192 tokens a step, 256 sequences) and KV for 16384 tokens (2 steps; 23,040 bytes a
+        # token: 0.38 GB), 5% over: 2.45 GB, 0.0286 of 80 GiB. The draft keeps its equal part.
         (["--prefill-workers", "1", "--draft", "self:4"], None,
-         {"draft": 0.3, "prefill": 0.3, "decode": 0.3}),
+         {"draft": 0.3, "prefill": 0.0286, "decode": 0.9 - 0.3 - 0.0286}),
         # A given fraction is divided; prompt lookup holds no model.
         (["--prefill-workers", "1", "--gpu-memory-utilization", "0.8", "--draft", "ngram"],
-         None, {"prefill": 0.4, "decode": 0.4}),
-        # Per device: the draft alone on its GPU keeps the whole fraction.
+         None, {"prefill": 0.0286, "decode": 0.8 - 0.0286}),
+        # Per device: the draft alone on its GPU keeps the whole fraction; decode workers alone
+        # on theirs get equal parts.
         (["--prefill-workers", "0", "--decode-workers", "2", "--device", "cuda:1",
           "--draft", "self:4"], "cuda:0", {"decode0": 0.45, "decode1": 0.45}),
         # Devices of their own, the CPU, or a pool size given: nothing to divide.
@@ -346,23 +390,106 @@ def _procs(args: argparse.Namespace, draft_device: str | None = None) -> list:
         (["--prefill-workers", "1", "--kv-cache-memory-gb", "8"], None, {}),
     ],
 )  # fmt: skip
-def test_up_divides_the_memory_of_a_shared_gpu(flags, draft_device, want, monkeypatch):
+def test_up_divides_the_memory_of_a_shared_gpu(flags, draft_device, want, gpu_host, monkeypatch):
     """Workers that size their KV pools by a share of their GPU's memory would each take the
-    whole share: `tandem up` gives the workers on one device equal parts of it."""
-    monkeypatch.setattr(up_module, "_host_has_gpu", lambda: True)
-    for var in ("TANDEM_NUM_BLOCKS", "TANDEM_KV_CACHE_MEMORY_GB", "TANDEM_GPU_MEMORY_UTILIZATION"):
-        monkeypatch.delenv(var, raising=False)
-    args = _up_args(flags)
-    procs = _procs(args, draft_device)
-    if not args.draft:
-        procs = procs[1:]
-    got = {name: share for name, share, _ in up_module._memory_shares(args, procs)}
+    whole share: `tandem up` divides it among the workers on one device."""
+    got = {name: share for name, (share, _) in _shares(flags, draft_device).items()}
     assert got == pytest.approx(want, abs=1e-4)
-    for _, name, own, _ in procs:  # each share is the last flag of the worker's own command
-        if name in want:
-            assert own[-2:] == ["--gpu-memory-utilization", str(got[name])]
-        else:
-            assert "--gpu-memory-utilization" not in own
     # The variables count as the flags do.
     monkeypatch.setenv("TANDEM_NUM_BLOCKS", "64")
     assert up_module._memory_shares(_up_args(flags), _procs(_up_args(flags), draft_device)) == []
+
+
+def _llama3_8b(directory) -> str:
+    """A Llama-3-8B config.json (no weights) in `directory`; returns its path."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def _llama3_8b_prefill_bytes(tokens: int, kv_bytes: int, step_tokens: int = 8192) -> float:
+    """What a Llama-3-8B prefill worker needs, in bfloat16 with 256 sequences: its weights, 1 GiB
+    outside torch, a step's activations, a pool of `tokens` tokens, 5% over."""
+    from tandem.kv.sizing import ModelShape, activation_bytes
+
+    h, inter, layers, kv_heads, head_dim, vocab = 4096, 14336, 32, 8, 128, 128256
+    per_layer = 2 * h * h + 2 * h * kv_heads * head_dim + 3 * h * inter + 2 * h
+    params = 2 * vocab * h + layers * per_layer + h  # embedding, layers, final norm, LM head
+    assert params == 8_030_261_248
+    shape = ModelShape(h, inter, 32, kv_heads, head_dim, vocab)
+    activations = activation_bytes(shape, step_tokens, 256, 2)
+    pool = tokens * 2 * layers * kv_heads * head_dim * kv_bytes
+    return (2 * params + 2**30 + activations + pool) * 1.05
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "tokens", "kv_bytes", "step_tokens"),
+    [
+        ([], {}, 16384, 2, 8192),  # two steps of 8192 tokens, over one 8192-token prompt
+        (["--kv-dtype", "fp8", "--max-num-batched-tokens", "2048"], {}, 8192, 1, 2048),
+        ([], {"TANDEM_MAX_NUM_BATCHED_TOKENS": "1024", "TANDEM_KV_DTYPE": "int8"}, 8192, 1, 1024),
+    ],
+)
+def test_up_gives_a_prefill_worker_what_it_needs_of_a_shared_gpu(
+    flags, env, tokens, kv_bytes, step_tokens, gpu_host, monkeypatch, tmp_path
+):
+    """A prefill worker hands each prompt's KV to the decode worker and frees it: beside the
+    decode worker on one GPU it gets its weights, activations and a pool of one longest prompt
+    or two steps, and the decode worker, whose pool holds every running sequence, the rest."""
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    model = _llama3_8b(tmp_path)
+    got = _shares(["--prefill-workers", "1", "--model", model, *flags])
+    need = math.ceil(_llama3_8b_prefill_bytes(tokens, kv_bytes, step_tokens) / 80 / 2**30 * 1e4)
+    assert got["prefill"][0] == need / 1e4
+    assert got["decode"][0] == pytest.approx(0.9 - need / 1e4, abs=1e-4)
+    assert got["prefill"][0] + got["decode"][0] <= 0.9
+    assert "weights 15.0 GiB" in got["prefill"][1] and f"for {tokens} tokens" in got["prefill"][1]
+    assert "the rest of 0.9 after" in got["decode"][1]
+
+
+def test_up_keeps_a_draft_equal_part_beside_a_prefill_worker(gpu_host, tmp_path):
+    """A model draft on the same GPU keeps the equal part it would have among three."""
+    model = _llama3_8b(tmp_path)
+    got = _shares(["--prefill-workers", "1", "--model", model, "--draft", "self:4"])
+    prefill = math.ceil(_llama3_8b_prefill_bytes(16384, 2) / 80 / 2**30 * 1e4) / 1e4
+    assert got["draft"] == (0.3, "")
+    assert got["prefill"][0] == prefill
+    assert got["decode"][0] == pytest.approx(0.9 - 0.3 - prefill, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("device_gib", "model", "reason"),
+    [
+        # On a 16 GiB device a Llama-3-8B prefill worker needs more than an equal part.
+        (16, "llama", "an equal part: a prefill worker needs"),
+        # The device's memory cannot be read (no CUDA driver).
+        (None, "llama", "an equal part: the memory of cuda:0 could not be read"),
+        # The model's config cannot be read.
+        (80, "missing", "an equal part: what a prefill worker needs could not be found"),
+    ],
+)
+def test_up_splits_a_shared_gpu_equally_where_a_prefill_need_does_not_fit(
+    device_gib, model, reason, gpu_host, tmp_path
+):
+    gpu_host(device_gib)
+    path = _llama3_8b(tmp_path) if model == "llama" else str(tmp_path)
+    got = _shares(["--prefill-workers", "1", "--model", path])
+    assert {name: share for name, (share, _) in got.items()} == {"prefill": 0.45, "decode": 0.45}
+    assert got["prefill"][1].startswith(reason)
+    assert got["decode"][1] == ""
+
+
+def test_up_reads_a_gpu_memory_as_torch_does():
+    import torch
+
+    got = up_module._gpu_total_memory("cuda")
+    if torch.cuda.is_available():
+        assert got == torch.cuda.get_device_properties(0).total_memory
+    else:
+        assert got is None or up_module._cuda_driver() is not None

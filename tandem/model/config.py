@@ -40,6 +40,17 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
 
+    def num_parameters(self) -> int:
+        """The checkpoint's parameters, unquantized: the token embedding, each layer's attention
+        (q, k, v, o and their biases) and MLP (gate, up, down) and its two norms, the final norm,
+        and the LM head unless it is the embedding."""
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attention_bias else 0)
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a parsed `config.json`; raises `UnsupportedModelError` naming the architecture."""

@@ -60,14 +60,29 @@ def load_model_info(path: str | None = None) -> tuple[ModelConfig, Tokenizer, st
     if os.path.isfile(path):
         from tandem.model import gguf_meta  # needs the gguf package
 
-        reader = gguf_meta.open_reader(path)
-        meta = gguf_meta.Metadata(reader, path)
-        tensors = {t.name: t for t in reader.tensors}
-        cfg = gguf_meta.config_from_metadata(meta, tensors, path)
+        cfg, meta = _gguf_config(path)
         return cfg, gguf_meta.load_tokenizer(path, meta, cfg.eos_token_ids), path
-    name = os.path.basename(os.path.normpath(path))
-    cfg = ModelConfig.from_hf(read_hf_config(path), name=name)
+    cfg = load_model_config(path)
     return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), path
+
+
+def load_model_config(path: str | None = None) -> ModelConfig:
+    """The config alone (no tokenizer, no weights) of the checkpoint `path` names (`None`: the
+    default SmolLM2 GGUF): a GGUF file's metadata, or a model directory's config.json."""
+    path = resolve_model_path(path)
+    if os.path.isfile(path):
+        return _gguf_config(path)[0]
+    return ModelConfig.from_hf(read_hf_config(path), name=os.path.basename(os.path.normpath(path)))
+
+
+def _gguf_config(path: str) -> tuple[ModelConfig, Any]:
+    """The config of the GGUF file `path`, and its metadata (a `gguf_meta.Metadata`)."""
+    from tandem.model import gguf_meta  # needs the gguf package
+
+    reader = gguf_meta.open_reader(path)
+    meta = gguf_meta.Metadata(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    return gguf_meta.config_from_metadata(meta, tensors, path), meta
 
 
 def context_length(max_model_len: int | None, max_position_embeddings: int) -> int:

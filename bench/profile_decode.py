@@ -5,7 +5,13 @@ until every sequence has its first token, then the profiler records `--steps` de
 the kernels are grouped by name: GPU microseconds per step, launches per step, and the share of
 the step. Beside it, the roofline of that step (weights + live KV over the copy bandwidth).
 
+`--prefill N` also profiles prompt steps of N tokens (N / --prompt prompts at once, the size of
+the steps a burst of requests begins with): the kernels of the steps that give every prompt its
+first token, and the model FLOP/s they reach (matmul FLOPs: 2 x the layers' parameters a token,
+the LM head once a prompt, causal attention).
+
     python bench/profile_decode.py --batch 1 64 --out bench/results/h200_profile_decode.json
+    python bench/profile_decode.py --batch 32 512 --prompt 256 --prefill 16384
 """
 
 from __future__ import annotations
@@ -42,6 +48,80 @@ def int4_engine(hf, **opts):
     return LLMEngine(loaded, config)
 
 
+def kernel_table(prof, steps: int) -> tuple[float, float, list[dict]]:
+    """(GPU us per step, launches per step, kernels grouped by name, longest first)."""
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name][0] += ev.device_time
+            per[ev.name][1] += 1
+    total = sum(v[0] for v in per.values()) / steps
+    kernels = sorted(
+        (
+            {
+                "kernel": name[:120],
+                "us_per_step": t / steps,
+                "launches_per_step": n / steps,
+                "share": t / steps / total,
+            }
+            for name, (t, n) in per.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )
+    return total, sum(v[1] for v in per.values()) / steps, kernels
+
+
+def profile_prefill(hf, tokens: int, prompt: int) -> dict:
+    """The prompt steps of `tokens // prompt` prompts of `prompt` tokens, all admitted at once
+    with a token budget of `tokens`."""
+    n = tokens // prompt
+    engine = lr.tandem_engine(
+        hf,
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=4096,
+        kv_cache_memory_gb=16.0,
+        max_num_seqs=max(8, n),
+        max_num_batched_tokens=tokens,
+        cuda_graphs=True,
+        async_scheduling=True,
+    )
+    vocab = hf.config.vocab_size
+    lr.run_engine(engine, lr.random_prompts(n, prompt, vocab), 2)  # compiles, tunes
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    lr.sync()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    steps = 0
+    with torch.profiler.profile(activities=acts) as prof:
+        # New prompts: the prefix cache holds the warm-up's.
+        seqs = [engine.add_request(p, sp) for p in lr.random_prompts(n, prompt, vocab, seed=1)]
+        while not all(s.output_token_ids for s in seqs):
+            engine.step()
+            steps += 1
+        lr.sync()
+    while engine.has_unfinished():
+        engine.step()
+    gpu_us, launches, kernels = kernel_table(prof, 1)
+    c = hf.config
+    layer_params = sum(p.numel() for p in hf.model.layers.parameters())
+    head = c.vocab_size * c.hidden_size
+    attention = 2 * c.num_hidden_layers * c.hidden_size * prompt * prompt  # QK^T and PV, causal
+    flops = 2 * layer_params * n * prompt + 2 * head * n + attention * n
+    del engine
+    torch.cuda.empty_cache()
+    return {
+        "prefill_tokens": n * prompt,
+        "prompts": n,
+        "prompt": prompt,
+        "engine_steps": steps,
+        "gpu_us": gpu_us,
+        "launches": launches,
+        "model_tflops": flops / 1e12,
+        "model_tflop_per_s": flops / (gpu_us / 1e6) / 1e12,
+        "kernels": kernels,
+    }
+
+
 def profile_batch(
     hf, batch: int, prompt: int, steps: int, bw: float, int4: bool = False, kv_dtype: str = "auto"
 ) -> dict:
@@ -73,24 +153,7 @@ def profile_batch(
         lr.sync()
     while engine.has_unfinished():
         engine.step()
-    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name][0] += ev.device_time
-            per[ev.name][1] += 1
-    total = sum(v[0] for v in per.values()) / steps
-    kernels = sorted(
-        (
-            {
-                "kernel": name[:120],
-                "us_per_step": t / steps,
-                "launches_per_step": n / steps,
-                "share": t / steps / total,
-            }
-            for name, (t, n) in per.items()
-        ),
-        key=lambda r: -r["us_per_step"],
-    )
+    total, launches, kernels = kernel_table(prof, steps)
     ctx = prompt + 10 + steps // 2
     wb = lr.weight_bytes_per_step(engine)
     kvb = lr.kv_bytes_per_token(engine) * ctx * batch
@@ -101,7 +164,7 @@ def profile_batch(
         "prompt": prompt,
         "context_tokens_mid": ctx,
         "gpu_us_per_step": total,
-        "launches_per_step": sum(v[1] for v in per.values()) / steps,
+        "launches_per_step": launches,
         "roofline_us_per_step": (wb + kvb) / bw * 1e6,
         "fraction_of_roofline": (wb + kvb) / bw * 1e6 / total,
         "kernels": kernels,
@@ -115,6 +178,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--int4", action="store_true", help="also profile INT4 g128 weights")
     ap.add_argument("--kv-fp8", action="store_true", help="also profile an FP8 KV cache")
+    ap.add_argument(
+        "--prefill", type=int, nargs="*", default=[], help="also profile prompt steps of N tokens"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     res = {"benchmark": "profile_decode", **lr.run_info(sys.argv)}
@@ -134,6 +200,17 @@ def main() -> int:
               f"{row['launches_per_step']:.0f} launches, roofline {row['roofline_us_per_step']:.0f}"
               f" us ({row['fraction_of_roofline']:.3f})")  # fmt: skip
         print(f"{'us/step':>9} {'n':>5} {'share':>6}  kernel")
+        for k in row["kernels"][:14]:
+            print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:5.0f} {k['share']:6.3f}  "
+                  f"{k['kernel'][:90]}")  # fmt: skip
+    res["prefill_rows"] = []
+    for tokens in args.prefill:
+        row = profile_prefill(hf, tokens, args.prompt)
+        res["prefill_rows"].append(row)
+        print(f"\nprefill {row['prefill_tokens']} tokens ({row['prompts']} x {row['prompt']}) in "
+              f"{row['engine_steps']} steps: {row['gpu_us'] / 1e3:.1f} ms GPU, "
+              f"{row['model_tflop_per_s']:.0f} model TFLOP/s")  # fmt: skip
+        print(f"{'us':>9} {'n':>5} {'share':>6}  kernel")
         for k in row["kernels"][:14]:
             print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:5.0f} {k['share']:6.3f}  "
                   f"{k['kernel'][:90]}")  # fmt: skip

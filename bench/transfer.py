@@ -39,7 +39,7 @@ fabric: measure there.
     .venv/bin/python bench/transfer.py --device cuda --transport cuda_ipc nixl \
         --out bench/results/h200_transfer.json
     .venv/bin/python bench/transfer.py --device cuda --transport cuda_ipc_push \
-        --model DIR        # a random Llama-3-8B (bench/llama_random.py): a real model's TTFT
+        --prompt-lens 2048 8000 --model DIR  # a random Llama-3-8B: a real model's TTFT
 
 Results go to --out (default bench/results/transfer_cpu.json) with the exact command, the git
 revision and the host; a table is printed.
@@ -528,6 +528,9 @@ def main() -> int:
         model = os.path.join(log_dir, "model")
         build_model(model)
     shape = model_shape(model)
+    if max(args.prompt_lens) >= shape["max_position_embeddings"]:
+        p.error(f"--prompt-lens: the model's context is {shape['max_position_embeddings']} "
+                "tokens (prompt and output): each prompt must be shorter")  # fmt: skip
     dtype = getattr(torch, args.dtype)
     args.kv_bytes_per_token = kv_bytes_per_token(shape, dtype.itemsize)
     print(f"prefill + {len(args.transport)} decode workers on {args.device} (logs in {log_dir})")

@@ -3,6 +3,7 @@ what it leaves. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -30,19 +31,28 @@ def test_a_pool_sized_by_the_device_leaves_room_for_a_full_step(tmp_path):
     total = torch.cuda.mem_get_info()[1]
     llm = tandem.LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=64,
                      max_num_batched_tokens=budget_tokens, gpu_memory_utilization=util)  # fmt: skip
-    kv = llm.engine.kv
-    pool = kv.data.numel() * kv.data.element_size()
-    share = util * total - NON_TORCH_BYTES
-    # The pool takes most of the share: weights (0.4 GB) and a step's activations are small.
-    assert 0.7 * (share - before) < pool < share - before
-    # Sixteen 1,024-token prompts: one step of the whole budget, then decodes of all 16.
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 32000, (1024,), generator=g).tolist() for _ in range(16)]
-    sp = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = llm.generate(prompts, sp)
-    assert [len(o.token_ids) for o in outs] == [16] * 16
-    # Everything this process's allocator held at its peak stayed within the worker's share.
-    assert torch.cuda.max_memory_reserved() <= share
+    try:
+        kv = llm.engine.kv
+        pool = kv.data.numel() * kv.data.element_size()
+        share = util * total - NON_TORCH_BYTES
+        # The pool takes most of the share: weights (0.4 GB) and a step's activations are small.
+        assert 0.7 * (share - before) < pool < share - before
+        # Sixteen 1,024-token prompts: one step of the whole budget, then decodes of all 16.
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 32000, (1024,), generator=g).tolist() for _ in range(16)]
+        sp = tandem.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, sp)
+        assert [len(o.token_ids) for o in outs] == [16] * 16
+        # Everything this process's allocator held at its peak stayed within the worker's share.
+        peak = torch.cuda.max_memory_reserved()
+        assert peak <= share, f"peak {peak / 2**30:.2f} GiB over the share {share / 2**30:.2f}"
+    finally:
+        # The pool goes back to the device even when an assertion fails (a failure's traceback
+        # keeps this frame's locals): the next test sizes its own from what is free.
+        del llm
+        kv = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 # Holds `argv[1]` bytes of the device until its stdin closes: another process on the GPU.

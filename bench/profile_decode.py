@@ -48,6 +48,19 @@ def int4_engine(hf, **opts):
     return LLMEngine(loaded, config)
 
 
+# Every profiled engine's settings: bf16 on the GPU, CUDA graphs, asynchronous scheduling.
+ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=4096, cuda_graphs=True,
+              async_scheduling=True)  # fmt: skip
+
+
+def print_kernels(kernels: list[dict], unit: str = "us/step") -> None:
+    """The longest kernels of a profile, a line each."""
+    print(f"{unit:>9} {'n':>5} {'share':>6}  kernel")
+    for k in kernels[:14]:
+        print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:5.0f} {k['share']:6.3f}  "
+              f"{k['kernel'][:90]}")  # fmt: skip
+
+
 def kernel_table(prof, steps: int) -> tuple[float, float, list[dict]]:
     """(GPU us per step, launches per step, kernels grouped by name, longest first)."""
     per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -75,17 +88,8 @@ def profile_prefill(hf, tokens: int, prompt: int) -> dict:
     """The prompt steps of `tokens // prompt` prompts of `prompt` tokens, all admitted at once
     with a token budget of `tokens`."""
     n = tokens // prompt
-    engine = lr.tandem_engine(
-        hf,
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=4096,
-        kv_cache_memory_gb=16.0,
-        max_num_seqs=max(8, n),
-        max_num_batched_tokens=tokens,
-        cuda_graphs=True,
-        async_scheduling=True,
-    )
+    engine = lr.tandem_engine(hf, **ENGINE, kv_cache_memory_gb=16.0, max_num_seqs=max(8, n),
+                              max_num_batched_tokens=tokens)  # fmt: skip
     vocab = hf.config.vocab_size
     lr.run_engine(engine, lr.random_prompts(n, prompt, vocab), 2)  # compiles, tunes
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -126,17 +130,8 @@ def profile_batch(
     hf, batch: int, prompt: int, steps: int, bw: float, int4: bool = False, kv_dtype: str = "auto"
 ) -> dict:
     make = int4_engine if int4 else lr.tandem_engine
-    engine = make(
-        hf,
-        kv_dtype=kv_dtype,
-        device="cuda",
-        dtype="bfloat16",
-        max_model_len=4096,
-        kv_cache_memory_gb=8.0,
-        max_num_seqs=max(8, batch),
-        cuda_graphs=True,
-        async_scheduling=True,
-    )
+    engine = make(hf, **ENGINE, kv_dtype=kv_dtype, kv_cache_memory_gb=8.0,
+                  max_num_seqs=max(8, batch))  # fmt: skip
     prompts = lr.random_prompts(batch, prompt, hf.config.vocab_size)
     lr.run_engine(engine, prompts, 8)  # warm-up: compiles, captures the bucket's graph
     sp = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
@@ -199,10 +194,7 @@ def main() -> int:
         print(f"\nbatch {b} {row['weights']} kv {kvd}: {row['gpu_us_per_step']:.0f} us/step GPU, "
               f"{row['launches_per_step']:.0f} launches, roofline {row['roofline_us_per_step']:.0f}"
               f" us ({row['fraction_of_roofline']:.3f})")  # fmt: skip
-        print(f"{'us/step':>9} {'n':>5} {'share':>6}  kernel")
-        for k in row["kernels"][:14]:
-            print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:5.0f} {k['share']:6.3f}  "
-                  f"{k['kernel'][:90]}")  # fmt: skip
+        print_kernels(row["kernels"])
     res["prefill_rows"] = []
     for tokens in args.prefill:
         row = profile_prefill(hf, tokens, args.prompt)
@@ -210,10 +202,7 @@ def main() -> int:
         print(f"\nprefill {row['prefill_tokens']} tokens ({row['prompts']} x {row['prompt']}) in "
               f"{row['engine_steps']} steps: {row['gpu_us'] / 1e3:.1f} ms GPU, "
               f"{row['model_tflop_per_s']:.0f} model TFLOP/s")  # fmt: skip
-        print(f"{'us':>9} {'n':>5} {'share':>6}  kernel")
-        for k in row["kernels"][:14]:
-            print(f"{k['us_per_step']:9.1f} {k['launches_per_step']:5.0f} {k['share']:6.3f}  "
-                  f"{k['kernel'][:90]}")  # fmt: skip
+        print_kernels(row["kernels"], "us")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

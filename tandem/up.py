@@ -306,7 +306,7 @@ def _prefill_decode_shares(
     if device_bytes is None:
         return equal_parts(f"the memory of {device} could not be read from the CUDA driver")
     try:
-        config = engine_config_from_args(argparse.Namespace(**{**vars(args), "device": None}))
+        config = _engine_config(args)
         need, what = _prefill_need(config)
     except Exception as e:  # whatever fails keeps the equal split, and says why
         return equal_parts(f"what a prefill worker needs could not be found ({e})")
@@ -323,6 +323,12 @@ def _prefill_decode_shares(
         **{name: (share, what) for name in prefill},
         **{name: (rest, f"the rest of {total:g} after {', '.join(taken)}") for name in decode},
     }
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings every worker `tandem up` starts shares (its flags, then TANDEM_*
+    variables, then defaults); --device is left out: it may list one device a worker."""
+    return engine_config_from_args(argparse.Namespace(**{**vars(args), "device": None}))
 
 
 def _prefill_need(config: EngineConfig) -> tuple[int, str]:
@@ -716,7 +722,7 @@ def _validate_up(args: argparse.Namespace, ports: list[tuple[str, int]]) -> str 
             f"the first of a stage take its port + {WORKER_PORT_STRIDE}*i)"
         )
     try:
-        engine_config_from_args(argparse.Namespace(**{**vars(args), "device": None}))
+        _engine_config(args)
         gateway_config_from_args(args)
         _secrets(args)
     except (TypeError, ValueError) as e:

@@ -34,13 +34,27 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
 PendingIds = tuple[list[int], list[int], torch.Tensor]
 
 
+# The side stream of each device that every capture's warm-up runs on. cuBLAS keeps a workspace
+# per stream it ran on for the life of the process (tandem/kv/sizing.py counts them): a new
+# stream per capture would hold one more for every graph size.
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def warmup_stream() -> torch.cuda.Stream:
+    """The current device's warm-up stream, made on first use."""
+    device = torch.cuda.current_device()
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
+
+
 def capture_graph(
     fn: Callable[[], Any], warmups: int = 1, pool: Any = None
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """fn() captured in a CUDA graph, after `warmups` calls on a side stream (they compile the
     kernels and settle the allocator outside the capture): (the graph, what the captured call
     returned, whose buffers each replay rewrites)."""
-    side = torch.cuda.Stream()
+    side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):

@@ -6,7 +6,8 @@
   /dev/shm, and host memory is shared with everything else on the machine);
 - on a GPU, the pool takes what `--gpu-memory-utilization` of the device's memory leaves once
   this process's weights are loaded and what it allocates beside them is set aside (one
-  step's activations, the CUDA graphs' pool, the kernel autotuner's buffer), as vLLM's
+  step's activations, the CUDA graphs' pool, the kernel autotuner's buffer, cuBLAS's
+  workspaces), as vLLM's
   `gpu_memory_utilization` and SGLang's `mem_fraction_static` do. The fraction is this
   worker's share of the whole device, everything it allocates included: workers sharing one
   device need fractions that add up to at most one (`tandem up` splits it among the workers
@@ -31,6 +32,11 @@ NON_TORCH_BYTES = GIB
 # through a 256 MiB buffer (triton.testing.do_bench); the batch-1 GEMV tunes while the CUDA
 # graphs are captured, after the pool is allocated.
 AUTOTUNE_BYTES = 256 * 2**20
+# cuBLAS keeps a workspace for each stream it has run on, from torch's allocator, for the life of
+# the process: 32 MiB each on Hopper by torch's default (less on older cards; a larger
+# CUBLAS_WORKSPACE_CONFIG is not counted). The engine's GEMMs run on three streams: its own, the
+# CUDA graphs' warm-up stream and torch's graph capture stream.
+CUBLAS_WORKSPACE_BYTES = 3 * 32 * 2**20
 
 
 def auto_sized(config) -> bool:
@@ -67,7 +73,8 @@ def activation_bytes(
     step's tokens: residual, norm, q/k/v, attention output, gate and up, the activation, down;
     and the sampled rows' float32 logits four times over: logits, the probabilities, the
     sampler's sorted copy and its indices), the same per-token tensors for the largest decode
-    batch the CUDA graphs hold in their own pool, and the autotuner's buffer."""
+    batch the CUDA graphs hold in their own pool, the autotuner's buffer and cuBLAS's
+    workspaces."""
     s = shape
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     per_token = (4 * s.hidden_size + qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size) * (
@@ -75,7 +82,7 @@ def activation_bytes(
     )
     rows = min(max_num_seqs, max_num_batched_tokens)
     step = max_num_batched_tokens * per_token + rows * s.vocab_size * 4 * 4
-    return step + max_num_seqs * per_token + AUTOTUNE_BYTES
+    return step + max_num_seqs * per_token + AUTOTUNE_BYTES + CUBLAS_WORKSPACE_BYTES
 
 
 def gpu_kv_bytes(mem: DeviceMemory, utilization: float, activations: int) -> tuple[int, str]:

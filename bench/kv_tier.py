@@ -32,7 +32,9 @@ it ~173k (the other ~760k, 93 GiB, are copied back). Each run: ~60 s to start th
 3 turns against a 48-block pool (4.8x), about a minute and a half in all. Pass `--quantization
 none` to `tandem up` (after `--`) for float weights: the GGUF's Q4_1 matmuls round a history
 computed again differently from the one computed turn by turn, which flips some near-tied
-greedy tokens (so can bfloat16).
+greedy tokens (so can bfloat16). For replies compared exactly on a GPU, float32 weights of
+Llama-3.2-1B's shape (64 KiB of KV a token: the same sessions are 5.3x a 2 GiB pool):
+`--random-shape llama3.2-1b --tier-pool-gb 2 -- --dtype float32`.
 """
 
 from __future__ import annotations

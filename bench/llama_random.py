@@ -38,6 +38,16 @@ LLAMA3_8B = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+# Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads of 64, 8 KV heads, tied embedding): a
+# float32 run on a GPU in the time a bfloat16 Llama-3-8B takes.
+LLAMA32_1B = dict(
+    LLAMA3_8B,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    tie_word_embeddings=True,
+)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B}
 # A few-MB model of the same family, for --smoke runs on CPU.
 SMOKE = dict(
     LLAMA3_8B,
@@ -48,6 +58,7 @@ SMOKE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+SHAPES["smoke"] = SMOKE
 
 
 def run_info(argv: list[str]) -> dict[str, Any]:
@@ -110,7 +121,7 @@ def build_hf_model(shape: dict[str, Any], device: str, dtype: torch.dtype):
 
 
 def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> str:
-    """A Hugging Face directory with random weights of `shape` (llama3-8b | smoke) and a
+    """A Hugging Face directory with random weights of `shape` (a key of SHAPES) and a
     word-level tokenizer over its vocabulary; reused when it already exists (it is written
     beside `path` and renamed into place, so an interrupted write leaves no partial one)."""
     if os.path.exists(os.path.join(path, "config.json")):
@@ -122,7 +133,7 @@ def write_random_checkpoint(path: str, shape: str, dtype: str = "bfloat16") -> s
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    dims = {"llama3-8b": LLAMA3_8B, "smoke": SMOKE}[shape]
+    dims = SHAPES[shape]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = build_hf_model(dims, device, getattr(torch, dtype))

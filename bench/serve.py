@@ -632,7 +632,9 @@ def add_goodput_args(ap: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--random-llama", default=None, help="write (once) and serve random weights here"
     )
-    m.add_argument("--random-shape", choices=["llama3-8b", "smoke"], default="llama3-8b")
+    m.add_argument(
+        "--random-shape", choices=["llama3-8b", "llama3.2-1b", "smoke"], default="llama3-8b"
+    )
     g.add_argument("--sessions", type=int, help="chat, tier: conversations")
     g.add_argument("--turns", type=int, help="chat, tier: turns per conversation")
     g.add_argument("--session-rate", type=float, help="chat, tier: sessions/s (Poisson)")

@@ -148,6 +148,21 @@ def test_the_default_load_refuses_a_pool_it_would_not_outgrow(tmp_path) -> None:
     assert not out.exists()
 
 
+def test_the_float32_gpu_run_outgrows_its_pool_and_fits_its_tier() -> None:
+    # The documented float32 run: Llama-3.2-1B's shape (1,235,814,400 parameters, as Meta
+    # publishes it) has 16 layers of 8 KV heads of 64: 16 * 8 * 64 * 2 * 4 = 64 KiB a token.
+    import llama_random
+
+    mc = ModelConfig.from_hf({"model_type": "llama", **llama_random.LLAMA32_1B})
+    assert mc.num_parameters() == 1_235_814_400
+    args = _args(**{**kv_tier.DEFAULTS, "tier_pool_gb": 2.0, "up_args": ["--dtype", "float32"]})
+    plan = goodput.chat_plan(args, mc.vocab_size, shared_system=False)
+    s = kv_tier.sizing(plan, args, mc, kv_tier.engine_settings(args))
+    assert s["kv_bytes_per_token"] == 64 * 2**10 and s["pool_tokens"] == 32768
+    assert s["working_set_over_pool"] == pytest.approx(5.3, abs=0.05)
+    assert kv_tier.sizing_problems(s) == ([], [])
+
+
 @pytest.mark.timeout(300)
 def test_both_runs_through_real_services_give_the_same_replies(tmp_path) -> None:
     out = tmp_path / "tier.json"

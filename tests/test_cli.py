@@ -371,14 +371,15 @@ def _shares(flags: list[str], draft_device: str | None = None) -> dict[str, tupl
     [
         # A prefill and a decode worker (and a model draft) on the host's one GPU share it: the
         # prefill worker gets what it needs. SmolLM2-135M (tied embedding, 134,515,008
-        # parameters: 0.27 GB in bfloat16), 1 GiB outside torch, 0.71 GB of activations
+        # parameters: 0.27 GB in bfloat16), 1 GiB outside torch, 0.68 GB of activations
         # (8192 tokens a step, 256 sequences) and KV for 16384 tokens (2 steps; 23,040 bytes a
-        # token: 0.38 GB), 5% over: 2.56 GB, 0.0298 of 80 GiB. The draft keeps its equal part.
+        # token: 0.38 GB), 5% over: 2.52 GB, 0.0294 of 80 GiB (rounded up). The draft keeps its
+        # equal part.
         (["--prefill-workers", "1", "--draft", "self:4"], None,
-         {"draft": 0.3, "prefill": 0.0298, "decode": 0.9 - 0.3 - 0.0298}),
+         {"draft": 0.3, "prefill": 0.0294, "decode": 0.9 - 0.3 - 0.0294}),
         # A given fraction is divided; prompt lookup holds no model.
         (["--prefill-workers", "1", "--gpu-memory-utilization", "0.8", "--draft", "ngram"],
-         None, {"prefill": 0.0298, "decode": 0.8 - 0.0298}),
+         None, {"prefill": 0.0294, "decode": 0.8 - 0.0294}),
         # Per device: the draft alone on its GPU keeps the whole fraction; decode workers alone
         # on theirs get equal parts.
         (["--prefill-workers", "0", "--decode-workers", "2", "--device", "cuda:1",

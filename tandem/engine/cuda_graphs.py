@@ -34,35 +34,36 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024)
 PendingIds = tuple[list[int], list[int], torch.Tensor]
 
 
-# The side stream of each device that every capture's warm-up runs on. cuBLAS keeps a workspace
-# per stream it ran on for the life of the process (tandem/kv/sizing.py counts them): a new
-# stream per capture would hold one more for every graph size.
-_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+# The side stream of each device that every capture runs on, warm-ups and capture alike. cuBLAS
+# keeps a workspace per stream it ran on for the life of the process (tandem/kv/sizing.py counts
+# them): a new stream per capture would hold one more for every graph size, and a capture on a
+# stream the warm-ups did not use would make its workspace inside the capture.
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def warmup_stream() -> torch.cuda.Stream:
-    """The current device's warm-up stream, made on first use."""
+def capture_stream() -> torch.cuda.Stream:
+    """The current device's capture stream, made on first use."""
     device = torch.cuda.current_device()
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
-    return _WARMUP_STREAMS[device]
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 
 def capture_graph(
     fn: Callable[[], Any], warmups: int = 1, pool: Any = None
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """fn() captured in a CUDA graph, after `warmups` calls on a side stream (they compile the
-    kernels and settle the allocator outside the capture): (the graph, what the captured call
-    returned, whose buffers each replay rewrites)."""
-    side = warmup_stream()
+    """fn() captured in a CUDA graph, after `warmups` calls on the capture stream (they compile
+    the kernels and settle the allocator and cuBLAS outside the capture): (the graph, what the
+    captured call returned, whose buffers each replay rewrites)."""
+    side = capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):
             fn()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=side):
         out = fn()
+    torch.cuda.current_stream().wait_stream(side)
     return graph, out
 
 

@@ -34,9 +34,9 @@ NON_TORCH_BYTES = GIB
 AUTOTUNE_BYTES = 256 * 2**20
 # cuBLAS keeps a workspace for each stream it has run on, from torch's allocator, for the life of
 # the process: 32 MiB each on Hopper by torch's default (less on older cards; a larger
-# CUBLAS_WORKSPACE_CONFIG is not counted). The engine's GEMMs run on three streams: its own, the
-# CUDA graphs' warm-up stream and torch's graph capture stream.
-CUBLAS_WORKSPACE_BYTES = 3 * 32 * 2**20
+# CUBLAS_WORKSPACE_CONFIG is not counted). The engine's GEMMs run on two streams: its own and
+# the one its CUDA graphs are captured on.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 
 def auto_sized(config) -> bool:

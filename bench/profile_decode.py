@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_random as lr  # noqa: E402
 
 from tandem.api.sampling_params import SamplingParams  # noqa: E402
+from tandem.config import EngineConfig  # noqa: E402
 
 
 def int4_engine(hf, **opts):
     """The engine over the same weights, every linear layer RTN-quantized to INT4 g128."""
-    from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.formats.weight import LayerSpec, quantize_weights
     from tandem.model.config import ModelConfig
@@ -48,6 +48,7 @@ def int4_engine(hf, **opts):
     return LLMEngine(loaded, config)
 
 
+BLOCK_SIZE = EngineConfig.block_size  # the engines' KV block (the default)
 # Every profiled engine's settings: bf16 on the GPU, CUDA graphs, asynchronous scheduling.
 ENGINE = dict(device="cuda", dtype="bfloat16", max_model_len=4096, cuda_graphs=True,
               async_scheduling=True)  # fmt: skip
@@ -126,26 +127,39 @@ def profile_prefill(hf, tokens: int, prompt: int) -> dict:
     }
 
 
+def pool_blocks(batch: int, tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """KV blocks for `batch` sequences of `tokens` tokens each, all at once."""
+    return batch * -(-tokens // block_size)
+
+
 def profile_batch(
     hf, batch: int, prompt: int, steps: int, bw: float, int4: bool = False, kv_dtype: str = "auto"
 ) -> dict:
     make = int4_engine if int4 else lr.tandem_engine
-    engine = make(hf, **ENGINE, kv_dtype=kv_dtype, kv_cache_memory_gb=8.0,
+    max_tokens = steps + 40
+    # A pool that holds the whole batch at its longest: the profiled steps decode every sequence.
+    engine = make(hf, **ENGINE, kv_dtype=kv_dtype, num_blocks=pool_blocks(batch, prompt + max_tokens),
                   max_num_seqs=max(8, batch))  # fmt: skip
     prompts = lr.random_prompts(batch, prompt, hf.config.vocab_size)
     lr.run_engine(engine, prompts, 8)  # warm-up: compiles, captures the bucket's graph
-    sp = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(p, sp) for p in prompts]
     while not all(s.output_token_ids for s in seqs):
         engine.step()
     for _ in range(10):
         engine.step()
     lr.sync()
+    sched = engine.scheduler
+    preempted = sched.num_preemptions
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
+            if len(sched.running) != batch:
+                raise RuntimeError(f"{len(sched.running)} of {batch} sequences ran a profiled step")
         lr.sync()
+    if sched.num_preemptions != preempted:
+        raise RuntimeError(f"{sched.num_preemptions - preempted} sequences were preempted")
     while engine.has_unfinished():
         engine.step()
     total, launches, kernels = kernel_table(prof, steps)

@@ -153,7 +153,6 @@ FUNCTION_LEVEL: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "bench.profile_decode": (
         (
-            "tandem.config",
             "tandem.engine.llm_engine",
             "tandem.formats.weight",
             "tandem.model.config",

@@ -100,7 +100,7 @@ def gpu_kv_bytes(mem: DeviceMemory, utilization: float, activations: int) -> tup
     why = (
         f"{utilization:g} of {mem.total / GIB:.1f} GiB, less {mem.own / GIB:.1f} GiB of weights "
         f"and buffers, {NON_TORCH_BYTES / GIB:.1f} GiB outside torch and "
-        f"{activations / GIB:.1f} GiB of activations, CUDA graphs and kernel tuning"
+        f"{activations / GIB:.1f} GiB of activations, CUDA graphs, kernel tuning and cuBLAS"
     )
     if room < budget:
         why += f"; capped by the {mem.free / GIB:.1f} GiB free on the device (other processes)"

@@ -7,11 +7,10 @@
 - on a GPU, the pool takes what `--gpu-memory-utilization` of the device's memory leaves once
   this process's weights are loaded and what it allocates beside them is set aside (one
   step's activations, the CUDA graphs' pool, the kernel autotuner's buffer, cuBLAS's
-  workspaces), as vLLM's
-  `gpu_memory_utilization` and SGLang's `mem_fraction_static` do. The fraction is this
-  worker's share of the whole device, everything it allocates included: workers sharing one
-  device need fractions that add up to at most one (`tandem up` splits it among the workers
-  it starts on one device). The rest of the device (a tenth by default) is headroom. The pool
+  workspaces), as vLLM's `gpu_memory_utilization` and SGLang's `mem_fraction_static` do. The
+  fraction is this worker's share of the whole device, everything it allocates included:
+  workers sharing one device need fractions that add up to at most one (`tandem up` splits it
+  among the workers it starts on one device). The rest of the device (a tenth by default) is headroom. The pool
   never takes more than is free on the device now less the same set-aside, so another process
   already on the device is never pushed out of memory.
 

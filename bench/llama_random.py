@@ -47,7 +47,6 @@ LLAMA32_1B = dict(
     num_hidden_layers=16,
     tie_word_embeddings=True,
 )
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B}
 # A few-MB model of the same family, for --smoke runs on CPU.
 SMOKE = dict(
     LLAMA3_8B,
@@ -58,7 +57,7 @@ SMOKE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
-SHAPES["smoke"] = SMOKE
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.2-1b": LLAMA32_1B, "smoke": SMOKE}
 
 
 def run_info(argv: list[str]) -> dict[str, Any]:

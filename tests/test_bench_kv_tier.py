@@ -163,6 +163,17 @@ def test_the_float32_gpu_run_outgrows_its_pool_and_fits_its_tier() -> None:
     assert kv_tier.sizing_problems(s) == ([], [])
 
 
+def test_serve_offers_every_random_shape() -> None:
+    # bench/serve.py lists the shapes itself (it imports no torch before a run needs it).
+    import llama_random
+    import serve
+
+    ap = argparse.ArgumentParser()
+    serve.add_goodput_args(ap)
+    action = next(a for a in ap._actions if a.dest == "random_shape")
+    assert list(action.choices) == list(llama_random.SHAPES)
+
+
 @pytest.mark.timeout(300)
 def test_both_runs_through_real_services_give_the_same_replies(tmp_path) -> None:
     out = tmp_path / "tier.json"

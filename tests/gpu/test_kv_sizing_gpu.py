@@ -3,7 +3,6 @@ what it leaves. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 
@@ -51,11 +50,10 @@ def test_a_pool_sized_by_the_device_leaves_room_for_a_full_step(tmp_path):
         assert peak <= share, f"peak reserved over the share (GiB): {gib}"
     finally:
         # The pool goes back to the device even when an assertion fails (a failure's traceback
-        # keeps this frame's locals): the next test sizes its own from what is free.
+        # keeps this frame's locals; tests/conftest.py collects and empties the cache after the
+        # test): the next test sizes its own from what is free.
         del llm
         kv = None
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # Holds `argv[1]` bytes of the device until its stdin closes: another process on the GPU.

@@ -1,8 +1,9 @@
 """Decode attention over the paged cache, the kernel alone: as a captured step launches it, and
 with a grid sized for the batch's own longest context.
 
-A captured decode step (CUDA graphs) fixes the kernel's grid at capture for the longest context
-the model takes (`max_model_len`), so a batch of short contexts launches programs for partitions
+Each launch takes the engine's partition size and L2 prefetch for the batch. A captured decode
+step (CUDA graphs) fixes the kernel's grid at capture for the longest context the model takes
+(`max_model_len`), so a batch of short contexts launches programs for partitions
 that hold no tokens; they return at once, but each takes a program slot. Per case: the
 `captured` launch (block tables as wide as max_model_len, the engine's partition size for the
 batch), the `fitted` launch (the same call with max_context_len = the batch's longest context
@@ -12,6 +13,12 @@ Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, random K/V and block tabl
 
     python bench/decode_attention.py --out bench/results/h200_decode_attention.json
     python bench/decode_attention.py --smoke      # tiny, CPU (Triton interpreter)
+
+`--sweep` times stage 1's tilings instead (tokens per inner iteration, warps, pipeline stages,
+the L2 prefetch before the PDL wait, the partition size) on the large-batch cases, each checked
+against the reference, and prints the GB/s of every tiling and the best per case.
+
+    python bench/decode_attention.py --sweep --out bench/results/h100_decode_tiling.json
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import llama_random as lr  # noqa: E402
 
 from tandem.kernels.paged_attention import paged_attention_decode_triton  # noqa: E402
 from tandem.kernels.paged_attention_ref import paged_attention_decode_ref  # noqa: E402
-from tandem.layers.attention import decode_partition_size  # noqa: E402
+from tandem.layers.attention import decode_partition_size, decode_prefetch  # noqa: E402
 
 
 def mixed(batch: int, seed: int = 1, hi: int = 4000) -> list[int]:
@@ -54,6 +61,20 @@ CASES = {
     "b256 4x4000 + 252x150": [4000] * 4 + [150] * 252,
 }
 SMOKE = {"b2 ctx 5, 40": [5, 40], "b3 ctx 7, 70, 100": [7, 70, 100]}
+SWEEP_CASES = {
+    "b1 ctx 4000": [4000],
+    "b8 ctx 1000": [1000] * 8,
+    "b32 ctx 512": [512] * 32,
+    "b64 ctx 512": [512] * 64,
+    "b256 ctx 512": [512] * 256,
+    "b512 ctx 512": [512] * 512,
+    "b256 mixed": mixed(256),
+    "b1024 ctx 400": [400] * 1024,
+}
+# (block_n, num_warps, num_stages or None for Triton's default, prefetch)
+TILINGS = [(n, w, st, pf) for n in (32, 64, 128) for w in (4, 8)
+           for st, pf in ((None, True), (None, False), (2, True), (4, True))]  # fmt: skip
+SMOKE_TILINGS = [(64, 4, None, True), (32, 4, 2, False)]  # the engine's first
 
 
 def timed(fn, reps: int, cuda: bool) -> float:
@@ -89,16 +110,105 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return best
 
 
+def make_case(lens, pool, width, bs, hq, d, dev, dtype):
+    """Query and block table of a batch with context lengths `lens`: each sequence's blocks are
+    distinct pool blocks in a random order; the rest of its row 0."""
+    b = len(lens)
+    q = torch.randn(b, hq, d, device=dev).to(dtype)
+    perm = torch.randperm(pool, device=dev).to(torch.int32)
+    table = torch.zeros(b, width, dtype=torch.int32, device=dev)
+    used = 0
+    for i, c in enumerate(lens):
+        nb = -(-c // bs)
+        table[i, :nb] = perm[used : used + nb]
+        used += nb
+    return q, table, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
+    """Every tiling of TILINGS (and partition sizes) on SWEEP_CASES: GB/s, best per case."""
+    hq, hkv, d, bs = (32, 8, 128, 16) if not args.smoke else (4, 2, 32, 8)
+    max_len = args.max_model_len if not args.smoke else 128
+    cases = SMOKE if args.smoke else SWEEP_CASES
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases}
+    tilings = SMOKE_TILINGS if args.smoke else TILINGS
+    scale = d**-0.5
+    width = max_len // bs
+    pool = max(sum(-(-c // bs) for c in lens) for lens in cases.values())
+    torch.manual_seed(0)
+    kc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
+    vc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
+    res = {"benchmark": "decode_attention_tiling", **lr.run_info(sys.argv), "smoke": args.smoke,
+           "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs,
+                     "dtype": str(dtype), "max_model_len": max_len}, "cases": {}}  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, lens in cases.items():
+        q, table, ctx = make_case(lens, pool, width, bs, hq, d, dev, dtype)
+        kf, vf = kc.float(), vc.float()
+        ref = torch.cat([paged_attention_decode_ref(q[i : i + 64].float(), kf, vf,
+                                                    table[i : i + 64], ctx[i : i + 64], scale)
+                         for i in range(0, len(lens), 64)])  # fmt: skip
+        del kf, vf
+        kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
+        engine_ps = decode_partition_size(len(lens), hkv)
+        rows = []
+        for ps in sorted({engine_ps, 1024} if cuda else {engine_ps}):
+            for n, w, st, pf in tilings:
+                if n > ps:
+                    continue
+
+                def call(q=q, table=table, ctx=ctx, ps=ps, n=n, w=w, st=st, pf=pf):
+                    return paged_attention_decode_triton(
+                        q, kc, vc, table, ctx, scale, partition_size=ps, block_n=n,
+                        num_warps=w, num_stages=st, prefetch=pf,
+                    )  # fmt: skip
+
+                try:
+                    diff = (call().float() - ref).abs().max().item()
+                except Exception as e:  # a tiling that does not fit the device (shared memory)
+                    print(f"   ps {ps} {n, w, st, pf}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                if diff > tol:
+                    raise SystemExit(f"{name} {ps, n, w, st, pf}: differs by {diff:.2e}")
+                t = timed(call, 2 if args.smoke else args.reps, cuda)
+                rows.append({"partition_size": ps, "block_n": n, "num_warps": w,
+                             "num_stages": st, "prefetch": pf, "s": t,
+                             "GBps": kv_bytes / t / 1e9})  # fmt: skip
+        # The engine's tiling: its partition size, 64 tokens, 4 warps, Triton's stages, and the
+        # prefetch as decode_prefetch chooses it for this batch.
+        engine = (engine_ps, 64, 4, None, decode_prefetch(len(lens), hkv))
+        now = next(r for r in rows if (r["partition_size"], r["block_n"], r["num_warps"],
+                                       r["num_stages"], r["prefetch"]) == engine)  # fmt: skip
+        rows.sort(key=lambda r: r["s"])
+        res["cases"][name] = {"batch": len(lens), "context_lens_mean": sum(lens) / len(lens),
+                              "engine_default": now, "tilings": rows}  # fmt: skip
+        print(f"{name}: engine's tiling {now['GBps']:.0f} GB/s ({now['s'] * 1e6:.1f} us); best:")
+        for r in rows[:6]:
+            print(f"   ps {r['partition_size']:5} n {r['block_n']:4} warps {r['num_warps']} "
+                  f"stages {r['num_stages']} prefetch {r['prefetch']!s:5} "
+                  f"{r['s'] * 1e6:8.1f} us {r['GBps']:6.0f} GB/s {now['s'] / r['s']:5.2f}x")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="time stage 1's tilings")
+    ap.add_argument("--cases", nargs="+", default=None, help="--sweep: only these cases")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
+    if args.sweep:
+        return sweep(args, cuda, dev, dtype)
     hq, hkv, d, bs = (32, 8, 128, 16) if not args.smoke else (4, 2, 32, 8)
     max_len = args.max_model_len if not args.smoke else 128
     cases = SMOKE if args.smoke else CASES
@@ -115,25 +225,20 @@ def main() -> int:
           f"{'ratio':>7}{'GB/s':>8}{'max diff':>10}")  # fmt: skip
     for name, lens in cases.items():
         b = len(lens)
-        q = torch.randn(b, hq, d, device=dev).to(dtype)
-        # Each sequence's blocks: distinct pool blocks in a random order; the rest of the row 0.
-        perm = torch.randperm(pool, device=dev).to(torch.int32)
-        table = torch.zeros(b, width, dtype=torch.int32, device=dev)
-        used = 0
-        for i, c in enumerate(lens):
-            nb = -(-c // bs)
-            table[i, :nb] = perm[used : used + nb]
-            used += nb
-        ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q, table, ctx = make_case(lens, pool, width, bs, hq, d, dev, dtype)
         ps = decode_partition_size(b, hkv)
         fitted_len = -(-max(lens) // ps) * ps
 
-        def captured(q=q, table=table, ctx=ctx, ps=ps):
-            return paged_attention_decode_triton(q, kc, vc, table, ctx, scale, partition_size=ps)
+        pf = decode_prefetch(b, hkv)
 
-        def fitted(q=q, table=table, ctx=ctx, ps=ps, n=fitted_len):
+        def captured(q=q, table=table, ctx=ctx, ps=ps, pf=pf):
             return paged_attention_decode_triton(
-                q, kc, vc, table, ctx, scale, partition_size=ps, max_context_len=n
+                q, kc, vc, table, ctx, scale, partition_size=ps, prefetch=pf
+            )
+
+        def fitted(q=q, table=table, ctx=ctx, ps=ps, n=fitted_len, pf=pf):
+            return paged_attention_decode_triton(
+                q, kc, vc, table, ctx, scale, partition_size=ps, max_context_len=n, prefetch=pf
             )
 
         ref = paged_attention_decode_ref(q.float(), kc.float(), vc.float(), table, ctx, scale)

@@ -90,6 +90,7 @@ def _decode_partition_kernel(
     PREWAIT: tl.constexpr = False,  # context length and an L2 prefetch of stable K/V first
     PREFETCH_LINES: tl.constexpr = 1,  # 128-byte lines per K/V row (a power of 2), for PREWAIT
     SCATTER: tl.constexpr = False,  # output elements placed by oidx_ptr
+    PREFETCH: tl.constexpr = True,  # PREWAIT: the L2 prefetch of K/V too
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -108,11 +109,12 @@ def _decode_partition_kernel(
         # FP8 / INT8 write may re-code the rest of its block). An empty partition (whose prefetch
         # asks for nothing) leaves here, giving its slot back while the kernel before still runs.
         context_len = tl.load(context_lens_ptr + seq)
-        prefetch_partition(
-            k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-            block_tables_ptr + seq * stride_btb, stride_btn, start, context_len,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE, PREFETCH_LINES,
-        )  # fmt: skip
+        if PREFETCH:
+            prefetch_partition(
+                k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+                block_tables_ptr + seq * stride_btb, stride_btn, start, context_len, stride_kb,
+                stride_kt, stride_vb, stride_vt, BLOCK_SIZE, PARTITION_SIZE, PREFETCH_LINES,
+            )  # fmt: skip
         if start >= tl.maximum(context_len, 1):
             return
         if SCATTER:  # the group's output places (a weight), one address per 128-byte line
@@ -384,8 +386,16 @@ def paged_attention_decode_triton(
     v_scale: torch.Tensor | None = None,
     merge_last: bool = True,
     out_index: torch.Tensor | None = None,  # int32 [Hq * D]
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """Decode attention over the paged cache with the two-stage Triton kernel; returns [B, Hq, D].
+
+    block_n (context tokens per inner iteration, capped at partition_size), num_warps and
+    num_stages (Triton's; None: its default) tile stage 1; prefetch=False skips the L2 prefetch
+    of K/V before the PDL wait (`tandem.layers.attention.decode_prefetch` chooses).
 
     out_index: each sequence's output row (viewed as [Hq * D]) is written permuted, element i
     going to position out_index[i], in the same stores (the input order of an act-order output
@@ -432,7 +442,7 @@ def paged_attention_decode_triton(
     group = num_q_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
     num_parts = max(1, triton.cdiv(max_len, partition_size))
-    block_n = min(64, partition_size)
+    block_n = min(block_n, partition_size)
     # The Triton interpreter (CPU tensors) stores bf16 as raw uint16 and its tl.dot multiplies
     # the bit patterns (triton-lang/triton#11584), so bf16 is upcast there; on CUDA the native
     # 16-bit dot runs on the tensor cores. fp32 inputs always take the fp32 dot.
@@ -487,7 +497,9 @@ def paged_attention_decode_triton(
         # A row shorter than a line (FP8 at head dim 64: 64 bytes) is still one line to fetch.
         PREFETCH_LINES=triton.next_power_of_2(-(-head_dim * k_cache.element_size() // 128)),
         SCATTER=scatter,
-        num_warps=4,
+        PREFETCH=prefetch,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
         **pdl.launch_options(q),
     )
     if not direct and not merge:

@@ -73,6 +73,30 @@ def test_decode_triton_matches_f64(
     torch.testing.assert_close(out.double(), expect, **TOL[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_decode_triton_without_prefetch(pa: ModuleType, kv_dtype: torch.dtype) -> None:
+    """Large batches skip the L2 prefetch before the PDL wait (decode_prefetch); the prefetch
+    only moves data into L2, so both launches give the same bits, and match float64."""
+    q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, 16, torch.bfloat16)
+    ks = vs = None
+    if kv_dtype != torch.bfloat16:
+        # Per-(block, head) scales that map each block's largest value to FP8's largest.
+        ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+        vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+        kc = (kc.float() / ks[:, None, :, None]).to(kv_dtype)
+        vc = (vc.float() / vs[:, None, :, None]).to(kv_dtype)
+    runs = [
+        pa.paged_attention_decode_triton(
+            q, kc, vc, table, ctx, 128**-0.5, k_scale=ks, v_scale=vs, prefetch=prefetch
+        )
+        for prefetch in (True, False)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    if ks is None:
+        expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
+        torch.testing.assert_close(runs[1].double(), expect, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("bs", [8, 32])
 def test_decode_triton_other_block_sizes(pa: ModuleType, bs: int) -> None:
     q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, bs, torch.bfloat16)

@@ -290,6 +290,26 @@ def test_quantized_kv_attention_matches_f64(kv_dtype) -> None:
     torch.testing.assert_close(out.double(), expect_v, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quantized_kv_attention_16bit_queries_match_f64(kv_dtype, q_dtype) -> None:
+    """16-bit queries over FP8 / INT8 codes, against float64 over the dequantized cache."""
+    lens = [1, 9, 23, 40, 70]
+    hq, hkv, d = 8, 2, 32
+    tables, kc, vc, ks, vs, _, _ = _quantized_pool(kv_dtype, lens, hkv, d)
+    q = (torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(4)) * 3).to(q_dtype)
+    k_deq = kc.double() * ks[:, None, :, None]
+    v_deq = vc.double() * vs[:, None, :, None]
+    expect = _attention_f64(q.double(), k_deq, v_deq, tables, lens, d**-0.5)
+    for ps in (16, 64):  # several partitions merged; one
+        tri = pa.paged_attention_decode_triton(
+            q, kc, vc, tables, torch.tensor(lens), d**-0.5, partition_size=ps,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        assert tri.dtype == q_dtype
+        torch.testing.assert_close(tri.double(), expect, rtol=2e-2, atol=2e-2)
+
+
 def test_shared_pool_and_gather_copy_carry_scales() -> None:
     from tandem.kv.block_copy import gather_copy
     from tandem.kv.cache import KVCache

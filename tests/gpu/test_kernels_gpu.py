@@ -76,7 +76,8 @@ def test_decode_triton_matches_f64(
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_decode_triton_without_prefetch(pa: ModuleType, kv_dtype: torch.dtype) -> None:
     """Large batches skip the L2 prefetch before the PDL wait (decode_prefetch); the prefetch
-    only moves data into L2, so both launches give the same bits, and match float64."""
+    only moves data into L2, so both launches give the same bits, and match float64 (FP8: over
+    the codes times their scales)."""
     q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, 16, torch.bfloat16)
     ks = vs = None
     if kv_dtype != torch.bfloat16:
@@ -92,9 +93,11 @@ def test_decode_triton_without_prefetch(pa: ModuleType, kv_dtype: torch.dtype) -
         for prefetch in (True, False)
     ]
     assert torch.equal(runs[0], runs[1])
-    if ks is None:
-        expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
-        torch.testing.assert_close(runs[1].double(), expect, **TOL[torch.bfloat16])
+    if ks is not None:  # the codes times their scales: what the kernel should attend over
+        kc = kc.double() * ks.double()[:, None, :, None]
+        vc = vc.double() * vs.double()[:, None, :, None]
+    expect = attention_decode_f64(q, kc, vc, table, LENS, 128**-0.5)
+    torch.testing.assert_close(runs[1].double(), expect, **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("bs", [8, 32])

@@ -66,3 +66,28 @@ def test_byte_fallback_tokens_join_to_the_text(text):
     if any(len(c.encode()) > 1 and c != "é" for c in text):
         assert any(p.startswith("<0x") for p in pieces)  # bytes outside the vocabulary
         assert any(len(b) == 1 and b[0] >= 0x80 for b in parts)
+
+
+@pytest.mark.parametrize("vocab", ["smollm2", "sentencepiece"])
+def test_token_pieces_are_each_tokens_text_and_bytes(smollm2, vocab, monkeypatch):
+    """What the chat API's logprobs report per token, remembered per id: the same as decoding
+    the token alone and its bytes, on a first call, from the cache, and after the cache (made
+    small here) is cleared."""
+    from tandem.model import tokenizer as tokenizer_module
+
+    tok = smollm2 if vocab == "smollm2" else _sentencepiece_like()
+    monkeypatch.setattr(tokenizer_module, "PIECES_CACHED", 64)
+    ids = list(range(0, tok.vocab_size, max(1, tok.vocab_size // 150)))[:150]
+    ids += ids[:10] + tok.encode("<|im_start|>é 😀", add_special_tokens=False)
+    want = [
+        (tok.decode([t], skip_special_tokens=False), list(tok.token_bytes([t])[0])) for t in ids
+    ]
+    for start in range(0, len(ids), 40):  # batches that hit, miss and overflow the cache
+        assert tok.token_pieces(ids[start : start + 40]) == want[start : start + 40]
+    assert tok.token_pieces(ids[:5]) == want[:5]
+    assert len(tok._pieces) <= 64
+
+
+def test_vocab_kind_from_the_decoder(smollm2):
+    assert smollm2._vocab_kind == "byte_level"
+    assert _sentencepiece_like()._vocab_kind == "metaspace"

@@ -431,17 +431,15 @@ class OpenAIServer:
                         choice["logprobs"] = {k: v + tail[k] for k, v in head.items()}
                     else:
                         choice["logprobs"] = legacy_logprobs(self.fe.tokenizer, c.logprobs, 0)[0]
-                out.append(choice)
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": out,
-                    "usage": _usage([c.finished for c in choices], n),
-                }
-            )
+                out.append(json.dumps(choice))
+                if len(choices) > 1:
+                    # A choice at a time, so that a response of many choices (with logprobs,
+                    # megabytes of JSON) never holds the event loop from other streams for long.
+                    await asyncio.sleep(0)
+            head = json.dumps({"id": rid, "object": obj, "created": created, "model": model})
+            usage = json.dumps(_usage([c.finished for c in choices], n))
+            body = f'{head[:-1]}, "choices": [{", ".join(out)}], "usage": {usage}}}'
+            return web.Response(text=body, content_type="application/json")
         # The 200 waits for the first event: a request refused before its first token (a full
         # worker, a stage down) gets its own status (429, 503, 400), not a stream with an error.
         try:

@@ -535,12 +535,12 @@ def chat_logprobs(tok, lps) -> dict:
     with its text and its bytes (a character split over several tokens has part of its UTF-8
     bytes in each, where the text of each alone is U+FFFD)."""
 
-    ids = sorted({t for lp in lps for t in (lp.token_id, *(i for i, _ in lp.top))})
-    raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
+    ids = list({t for lp in lps for t in (lp.token_id, *(i for i, _ in lp.top))})
+    pieces = dict(zip(ids, tok.token_pieces(ids), strict=True))
 
     def entry(t: int, logprob: float) -> dict:
-        text = tok.decode([t], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(raw[t])}
+        text, raw = pieces[t]
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
     return {
         "content": [

@@ -8,6 +8,9 @@ from collections.abc import Callable, Sequence
 from functools import cache, cached_property
 from typing import Any
 
+# Token ids whose text and bytes a Tokenizer remembers for logprobs (a few MB).
+PIECES_CACHED = 1 << 16
+
 # SentencePiece's byte-fallback pieces: one byte each.
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -114,14 +117,34 @@ class Tokenizer:
                 out.append(self.decode([t], skip_special_tokens=False).encode())
         return out
 
+    def token_pieces(self, ids: Sequence[int]) -> list[tuple[str, list[int]]]:
+        """Each token's text alone (`decode([t])`, special tokens kept) and its bytes
+        (`token_bytes`) as a list, as the logprobs of the chat API report them. Remembered per id
+        (up to PIECES_CACHED ids), so that a response of many tokens, each with its top
+        alternatives, costs a lookup per entry. The lists are shared: read, never change them."""
+        cache = self._pieces
+        missing = [t for t in dict.fromkeys(ids) if t not in cache]
+        if missing:
+            if len(cache) + len(missing) > PIECES_CACHED:
+                cache.clear()
+            for t, raw in zip(missing, self.token_bytes(missing), strict=True):
+                cache[t] = (self.decode([t], skip_special_tokens=False), list(raw))
+        return [cache[t] for t in ids]
+
+    @cached_property
+    def _pieces(self) -> dict[int, tuple[str, list[int]]]:
+        return {}
+
     @cached_property
     def _vocab_kind(self) -> str:
         """The vocabulary's kind, from the tokenizer's decoder: byte_level (GPT-2's byte
         alphabet), metaspace (SentencePiece: U+2581 for a space, <0xNN> byte pieces) or other."""
         backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None:
+        decoder = getattr(backend, "decoder", None)
+        if decoder is None:
             return "other"
-        dec = json.loads(backend.to_str()).get("decoder") or {}
+        # The decoder's own JSON (a few bytes), not the whole tokenizer's (megabytes).
+        dec = json.loads(decoder.__getstate__())
         types = {dec.get("type")} | {d.get("type") for d in dec.get("decoders") or []}
         if "ByteLevel" in types:
             return "byte_level"

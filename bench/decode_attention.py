@@ -16,7 +16,8 @@ Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, random K/V and block tabl
 
 `--sweep` times stage 1's tilings instead (tokens per inner iteration, warps, pipeline stages,
 the L2 prefetch before the PDL wait, the partition size) on the large-batch cases, each checked
-against the reference, and prints the GB/s of every tiling and the best per case.
+against the reference, and prints the GB/s of every tiling and the best per case; `--kv-fp8`
+over an FP8 cache with per-(block, head) scales.
 
     python bench/decode_attention.py --sweep --out bench/results/h100_decode_tiling.json
 """
@@ -139,15 +140,23 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
     torch.manual_seed(0)
     kc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
     vc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
+    ks = vs = None
+    if args.kv_fp8:  # FP8 codes, each (block, head) scaled so its largest value is FP8's largest
+        ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+        vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+        kc = (kc.float() / ks[:, None, :, None]).to(torch.float8_e4m3fn)
+        vc = (vc.float() / vs[:, None, :, None]).to(torch.float8_e4m3fn)
     res = {"benchmark": "decode_attention_tiling", **lr.run_info(sys.argv), "smoke": args.smoke,
            "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs,
-                     "dtype": str(dtype), "max_model_len": max_len}, "cases": {}}  # fmt: skip
+                     "dtype": str(dtype), "kv_dtype": str(kc.dtype), "max_model_len": max_len},
+           "cases": {}}  # fmt: skip
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for name, lens in cases.items():
         q, table, ctx = make_case(lens, pool, width, bs, hq, d, dev, dtype)
-        kf, vf = kc.float(), vc.float()
+        kf, vf = (kc.float(), vc.float()) if ks is None else (kc, vc)
         ref = torch.cat([paged_attention_decode_ref(q[i : i + 64].float(), kf, vf,
-                                                    table[i : i + 64], ctx[i : i + 64], scale)
+                                                    table[i : i + 64], ctx[i : i + 64], scale,
+                                                    ks, vs)
                          for i in range(0, len(lens), 64)])  # fmt: skip
         del kf, vf
         kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
@@ -161,7 +170,7 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
                 def call(q=q, table=table, ctx=ctx, ps=ps, n=n, w=w, st=st, pf=pf):
                     return paged_attention_decode_triton(
                         q, kc, vc, table, ctx, scale, partition_size=ps, block_n=n,
-                        num_warps=w, num_stages=st, prefetch=pf,
+                        num_warps=w, num_stages=st, prefetch=pf, k_scale=ks, v_scale=vs,
                     )  # fmt: skip
 
                 try:
@@ -202,6 +211,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time stage 1's tilings")
     ap.add_argument("--cases", nargs="+", default=None, help="--sweep: only these cases")
+    ap.add_argument("--kv-fp8", action="store_true", help="--sweep: an FP8 cache with scales")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,16 +32,18 @@ def test_smoke_run_writes_rows_that_match_the_reference(tmp_path) -> None:
         assert row["captured_s"] > 0 and row["fitted_s"] > 0
 
 
-def test_sweep_smoke_times_tilings_checked_against_the_reference(tmp_path) -> None:
+@pytest.mark.parametrize("kv", ["model dtype", "fp8"])
+def test_sweep_smoke_times_tilings_checked_against_the_reference(tmp_path, kv) -> None:
     out = tmp_path / "tiling.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "decode_attention.py"), "--smoke",
-         "--sweep", "--out", str(out)],
+         "--sweep", "--out", str(out), *(["--kv-fp8"] if kv == "fp8" else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["benchmark"] == "decode_attention_tiling"
+    assert res["shape"]["kv_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
     assert list(res["cases"]) == ["b2 ctx 5, 40", "b3 ctx 7, 70, 100"]
     for case in res["cases"].values():
         tried = {(r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"])

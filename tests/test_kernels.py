@@ -204,6 +204,46 @@ def test_cpu_varlen_batches_the_decodes_of_a_mixed_step_and_matches_f64(lens, q_
     torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "lens, groups",
+    [
+        (
+            [700] + [9, 40, 20, 33, 1, 17, 64] * 2,
+            [[700], [64, 64, 40, 40, 33, 33, 20, 20, 17, 17, 9, 9, 1, 1]],
+        ),  # fmt: skip
+        ([300, 290, 280, 5, 6], [[300, 290, 280, 6, 5]]),  # padding the two costs too little
+        # 600 and 30 split would save 4 x 570 padded tokens: too few for a group of its own.
+        ([1500, 600, 30, 30, 30, 30], [[1500], [600, 30, 30, 30, 30]]),
+        ([48, 48, 48], [[48, 48, 48]]),  # one length: no mask
+    ],
+)
+def test_cpu_decode_pads_each_sequence_to_its_groups_longest_and_matches_f64(lens, groups):
+    """A long context beside short ones: the short ones are padded to the longest of their own
+    group, not to the long one, and every row still equals float64."""
+    from tandem.layers.attention import AttentionMetadata, CpuDecodeAttention
+
+    q, kc, vc, table, ctx = make_paged(lens, 6, 2, 64, 16, torch.float32, extra_table_cols=2)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.long),
+        block_tables=table,
+        context_lens=ctx,
+        context_lens_list=lens,
+        query_start_loc=list(range(len(lens) + 1)),
+        decode_only=True,
+    )
+    attn = CpuDecodeAttention(meta, 16)
+    got_groups = [
+        [lens[i] for i in (g.rows.tolist() if g.rows is not None else range(len(lens)))]
+        for g in attn.groups
+    ]
+    assert [sorted(g, reverse=True) for g in got_groups] == groups
+    assert [g.length for g in attn.groups] == [max(g) for g in groups]
+    assert [g.mask is None for g in attn.groups] == [len(set(g)) == 1 for g in groups]
+    got = attn(q, torch.stack([kc, vc]), 0.125)
+    expect = attention_decode_f64(q, kc, vc, table, lens, 0.125)
+    torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-4)
+
+
 # (context_lens, q_lens, Hq, Hkv, head_dim, block_size, block_m, block_n)
 VARLEN_CASES = [
     # Whole prompts (q_len == context), a chunk after a cached prefix, a sequence without queries,

@@ -53,33 +53,81 @@ class AttentionMetadata:
     varlen_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+# A decode step on CPU splits its sequences where padding the shorter ones to the longer would at
+# least double their work and cost at least this many padded tokens (a group's fixed cost is an
+# index_select and an SDPA call per layer).
+SPLIT_MIN_TOKENS = 4096
+
+
+@dataclass
+class _DecodeGroup:
+    """Sequences of a CPU decode step attended together, padded to the longest of them."""
+
+    rows: torch.Tensor | None  # their rows of the step (None: every row, in order)
+    batch: int
+    flat_blocks: torch.Tensor  # their block tables, as wide as the longest needs, flattened
+    length: int  # the longest context
+    mask: torch.Tensor | None  # [batch, 1, 1, length]: None when every context is that long
+
+
 class CpuDecodeAttention:
     """Decode attention on CPU, the same maths as `paged_attention_decode_ref` but with what
     every layer shares (flat block ids, the padding mask) built once per step, K and V gathered
     by one `index_select`, and no mask at all when every sequence has the same length (batch 1):
     the keys are then sliced to the context instead (transformers' unpadded call, too).
+
+    Sequences are padded to the longest of their group, not of the step: sorted by length, a new
+    group starts where the rest are at most half as long as the group's longest and padding them
+    would cost at least SPLIT_MIN_TOKENS. One 7,000-token conversation beside 63 short chats so
+    costs its own context, instead of making every one of them gather 7,000 tokens a layer.
     """
 
     def __init__(self, meta: AttentionMetadata, block_size: int) -> None:
-        b, nb = meta.block_tables.shape
-        self.batch = b
-        self.flat_blocks = meta.block_tables.reshape(-1)
         lens = meta.context_lens_list
-        self.mask: torch.Tensor | None = None
-        if all(n == lens[0] for n in lens):
-            self.length = lens[0]
-        else:
-            self.length = nb * block_size
-            pos = torch.arange(self.length, device=meta.context_lens.device)
-            self.mask = (pos[None, :] < meta.context_lens[:, None])[:, None, None, :]
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        groups: list[list[int]] = [[]]
+        top = lens[order[0]] if order else 0
+        for k, i in enumerate(order):
+            n = lens[i]
+            if groups[-1] and top >= 2 * n and (len(order) - k) * (top - n) >= SPLIT_MIN_TOKENS:
+                groups.append([])
+                top = n
+            groups[-1].append(i)
+        self.batch = len(lens)
+        split = len(groups) > 1
+        self.groups = [self._group(meta, block_size, g if split else None) for g in groups]
+
+    @staticmethod
+    def _group(meta: AttentionMetadata, block_size: int, rows: list[int] | None) -> _DecodeGroup:
+        lens = meta.context_lens_list if rows is None else [meta.context_lens_list[i] for i in rows]
+        length = max(lens)
+        width = (length + block_size - 1) // block_size
+        tables, ctx, idx = meta.block_tables, meta.context_lens, None
+        if rows is not None:
+            idx = torch.tensor(rows, dtype=torch.long, device=tables.device)
+            tables, ctx = tables.index_select(0, idx), ctx.index_select(0, idx)
+        mask = None
+        if any(n != length for n in lens):
+            pos = torch.arange(length, device=ctx.device)
+            mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
+        return _DecodeGroup(idx, len(lens), tables[:, :width].reshape(-1), length, mask)
 
     def __call__(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D], layer_kv [2, num_blocks, block_size, Hkv, D] -> [B, Hq, D]."""
+        if len(self.groups) == 1:
+            return self._attend(self.groups[0], q, layer_kv, scale)
+        out = torch.empty_like(q)
+        for g in self.groups:
+            out.index_copy_(0, g.rows, self._attend(g, q.index_select(0, g.rows), layer_kv, scale))
+        return out
+
+    @staticmethod
+    def _attend(g: _DecodeGroup, q: torch.Tensor, layer_kv: torch.Tensor, scale: float):
         hkv, d = layer_kv.shape[-2], layer_kv.shape[-1]
-        kv = layer_kv.index_select(1, self.flat_blocks).view(2, self.batch, -1, hkv, d)
-        kv = kv[:, :, : self.length].transpose(2, 3)  # [2, B, Hkv, L, D]
+        kv = layer_kv.index_select(1, g.flat_blocks).view(2, g.batch, -1, hkv, d)
+        kv = kv[:, :, : g.length].transpose(2, 3)  # [2, B, Hkv, L, D]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=self.mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=g.mask, scale=scale, enable_gqa=True
         )
         return out.squeeze(2)
 

@@ -126,20 +126,28 @@ def make_case(lens, pool, width, bs, hq, d, dev, dtype):
     return q, table, torch.tensor(lens, dtype=torch.int32, device=dev)
 
 
-def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
-    """Every tiling of TILINGS (and partition sizes) on SWEEP_CASES: GB/s, best per case."""
+def random_pool(args, cases: dict, dev: str, dtype: torch.dtype):
+    """Llama-3-8B heads (the smoke run's tiny ones), max_model_len, and a pool of random K/V with
+    room for the largest case: (hq, hkv, d, bs, max_len, kc, vc)."""
     hq, hkv, d, bs = (32, 8, 128, 16) if not args.smoke else (4, 2, 32, 8)
     max_len = args.max_model_len if not args.smoke else 128
-    cases = SMOKE if args.smoke else SWEEP_CASES
-    if args.cases:
-        cases = {k: v for k, v in cases.items() if k in args.cases}
-    tilings = SMOKE_TILINGS if args.smoke else TILINGS
-    scale = d**-0.5
-    width = max_len // bs
     pool = max(sum(-(-c // bs) for c in lens) for lens in cases.values())
     torch.manual_seed(0)
     kc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
     vc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
+    return hq, hkv, d, bs, max_len, kc, vc
+
+
+def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
+    """Every tiling of TILINGS (and partition sizes) on SWEEP_CASES: GB/s, best per case."""
+    cases = SMOKE if args.smoke else SWEEP_CASES
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases}
+    tilings = SMOKE_TILINGS if args.smoke else TILINGS
+    hq, hkv, d, bs, max_len, kc, vc = random_pool(args, cases, dev, dtype)
+    scale = d**-0.5
+    width = max_len // bs
+    pool = kc.shape[0]
     ks = vs = None
     if args.kv_fp8:  # FP8 codes, each (block, head) scaled so its largest value is FP8's largest
         ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
@@ -219,15 +227,11 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     if args.sweep:
         return sweep(args, cuda, dev, dtype)
-    hq, hkv, d, bs = (32, 8, 128, 16) if not args.smoke else (4, 2, 32, 8)
-    max_len = args.max_model_len if not args.smoke else 128
     cases = SMOKE if args.smoke else CASES
+    hq, hkv, d, bs, max_len, kc, vc = random_pool(args, cases, dev, dtype)
     scale = d**-0.5
     width = max_len // bs
-    pool = max(sum(-(-c // bs) for c in lens) for lens in cases.values())
-    torch.manual_seed(0)
-    kc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
-    vc = torch.randn(pool, bs, hkv, d, device=dev).to(dtype)
+    pool = kc.shape[0]
     res = {"benchmark": "decode_attention", **lr.run_info(sys.argv), "smoke": args.smoke,
            "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs,
                      "dtype": str(dtype), "max_model_len": max_len}, "rows": []}  # fmt: skip

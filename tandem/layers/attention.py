@@ -93,7 +93,6 @@ class CpuDecodeAttention:
                 groups.append([])
                 top = n
             groups[-1].append(i)
-        self.batch = len(lens)
         split = len(groups) > 1
         self.groups = [self._group(meta, block_size, g if split else None) for g in groups]
 

@@ -65,6 +65,7 @@ class Tokenizer:
         self.eos_token_ids: list[int] = eos
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self._backend_decode = _backend_decode(hf_tokenizer)
+        self._pieces: dict[int, tuple[str, list[int]]] = {}  # token_pieces' memory
 
     @classmethod
     def from_dir(cls, path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -130,10 +131,6 @@ class Tokenizer:
             for t, raw in zip(missing, self.token_bytes(missing), strict=True):
                 cache[t] = (self.decode([t], skip_special_tokens=False), list(raw))
         return [cache[t] for t in ids]
-
-    @cached_property
-    def _pieces(self) -> dict[int, tuple[str, list[int]]]:
-        return {}
 
     @cached_property
     def _vocab_kind(self) -> str:

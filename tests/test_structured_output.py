@@ -21,6 +21,8 @@ from tandem.engine.sampler import (
     sample,
 )
 from tandem.kv.block_copy import gather_copy
+from tandem.rpc import api_pb2
+from tandem.rpc.convert import sampling_from_proto
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -77,6 +79,46 @@ def test_openai_penalties_match_float64_reference():
     )
     others = [j for j in range(vocab) if j not in (4, 9)]
     assert torch.equal(biased[:, others], logits[:, others])
+
+
+def test_logit_bias_rows_match_a_per_entry_sum_and_are_converted_once():
+    g = torch.Generator().manual_seed(5)
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=g)
+    params = [
+        SamplingParams(logit_bias={int(t): float(b) for t, b in zip(
+            torch.randint(0, vocab + 20, (n,), generator=g),  # a few past the logits' width
+            torch.empty(n).uniform_(-100, 100, generator=g), strict=True)})
+        for n in (0, 1, 40, 0, 300, 7)
+    ]  # fmt: skip
+    want = logits.double()
+    for r, p in enumerate(params):
+        for t, b in p.logit_bias.items():
+            if t < vocab:
+                want[r, t] += b
+    got = apply_logit_bias(logits, params)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    kept = params[4].__dict__["_bias_arrays"][2]
+    assert torch.equal(apply_logit_bias(logits, params), got)
+    assert params[4].__dict__["_bias_arrays"][2] is kept  # the step reuses the tensors
+    params[4].logit_bias = {3: 50.0}  # another dict: converted again
+    assert torch.allclose(apply_logit_bias(logits, params)[4] - logits[4],
+                          torch.nn.functional.one_hot(torch.tensor(3), vocab).float() * 50)  # fmt: skip
+
+
+def test_logit_bias_and_stop_token_ids_are_bounded():
+    SamplingParams(logit_bias=dict.fromkeys(range(1024), 1.0)).validate(2048)
+    with pytest.raises(ValueError, match="logit_bias holds 1025 entries; at most 1024"):
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0)).validate(2048)
+    SamplingParams(stop_token_ids=list(range(128))).validate(2048)
+    with pytest.raises(ValueError, match="stop_token_ids holds 129 entries; at most 128"):
+        SamplingParams(stop_token_ids=list(range(129))).validate(2048)
+    # Refused before a message's entries are converted one by one.
+    m = api_pb2.SamplingParams()
+    for t in range(5000):
+        m.logit_bias[t] = 1.0
+    with pytest.raises(ValueError, match="logit_bias holds 5000 entries"):
+        sampling_from_proto(m)
 
 
 def test_logit_bias_bans_the_greedy_token():

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1  # the wire format's int32
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+# Entries a request may carry, as vLLM's GPU sampler takes them: every step of every sequence
+# in the batch applies them, and their conversions run on the gateway's event loop.
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 128
 
 # The range of the 32-bit floats that carry sampling fields between processes.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -47,6 +51,13 @@ def check_structured_fields(so: StructuredOutput, vocab_size: int | None = None)
             raise ValueError(
                 f"structured output accepted holds {t}, outside the vocabulary [0, {vocab_size})"
             )
+
+
+def check_entries(name: str, n: int) -> None:
+    """ValueError when field `name` (logit_bias, stop_token_ids) holds more than its limit."""
+    limit = MAX_LOGIT_BIAS if name == "logit_bias" else MAX_STOP_TOKEN_IDS
+    if n > limit:
+        raise ValueError(f"{name} holds {n} entries; at most {limit} are allowed")
 
 
 @dataclass
@@ -159,6 +170,7 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
+        check_entries("stop_token_ids", len(self.stop_token_ids))
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
@@ -179,6 +191,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias must map token ids to numbers")
+        check_entries("logit_bias", len(self.logit_bias))
         for t, b in self.logit_bias.items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {t!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tandem.api.logprobs import TokenLogprobs
@@ -110,23 +111,45 @@ def apply_openai_penalties(
     return out
 
 
+def _bias_arrays(p: SamplingParams) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """`p.logit_bias` as arrays (token ids int64, biases float32) with the smallest and largest
+    id, made once per params object and kept on it: a step then adds a sequence's biases
+    without a Python pass over them (a thousand entries in each of 64 rows cost about 19 ms a
+    step that way). Made again should the field be given another dict."""
+    lb = p.logit_bias
+    got = p.__dict__.get("_bias_arrays")
+    if got is None or got[0] is not lb or got[1] != len(lb):
+        ids = np.fromiter(lb, dtype=np.int64, count=len(lb))
+        vals = np.fromiter(lb.values(), dtype=np.float32, count=len(lb))
+        got = (lb, len(lb), ids, vals, int(ids.min()), int(ids.max()))
+        p.__dict__["_bias_arrays"] = got
+    return got[2], got[3], got[4], got[5]
+
+
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Add each row's `logit_bias` to its logits; a new tensor, or `logits` when none has one."""
+    """Add each row's `logit_bias` to its logits; a new tensor, or `logits` when none has one.
+    Ids outside the logits' width are skipped."""
     rows = [i for i, p in enumerate(params) if p.logit_bias]
     if not rows:
         return logits
     vocab = logits.shape[1]
-    lin, vals = [], []
+    idx, vals = [], []
+    outside = False
     for i in rows:
-        for t, b in params[i].logit_bias.items():
-            if 0 <= t < vocab:
-                lin.append(i * vocab + int(t))
-                vals.append(float(b))
+        t, b, lo, hi = _bias_arrays(params[i])
+        idx.append(t + i * vocab)
+        vals.append(b)
+        outside |= lo < 0 or hi >= vocab
+    lin, add = np.concatenate(idx), np.concatenate(vals)
+    if outside:
+        flat = lin - np.repeat(np.asarray(rows) * vocab, [len(b) for b in vals])
+        keep = (flat >= 0) & (flat < vocab)
+        lin, add = lin[keep], add[keep]
     out = logits.clone(memory_format=torch.contiguous_format)
-    if lin:
-        view = out.view(-1)
-        idx = device_tensor(lin, torch.long, logits.device)
-        view.index_add_(0, idx, device_tensor(vals, logits.dtype, logits.device))
+    dev = logits.device
+    out.view(-1).index_add_(
+        0, to_device(torch.from_numpy(lin), dev), to_device(torch.from_numpy(add), dev).to(out)
+    )
     return out
 
 

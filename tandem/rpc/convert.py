@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from tandem.api.logprobs import TokenLogprobs
-from tandem.api.sampling_params import SamplingParams, StructuredOutput
+from tandem.api.sampling_params import SamplingParams, StructuredOutput, check_entries
 from tandem.errors import ResourceExhausted
 from tandem.rpc import api_pb2, stages_pb2
 
@@ -20,7 +20,10 @@ DEFAULT_MAX_TOKENS = 256
 def sampling_from_proto(
     m: api_pb2.SamplingParams, default_max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> SamplingParams:
-    """Proto -> `SamplingParams` (unset fields take the engine defaults). Not validated here."""
+    """Proto -> `SamplingParams` (unset fields take the engine defaults). Validated later, but
+    the sizes of its lists first: a message may carry far more than a request may hold."""
+    check_entries("logit_bias", len(m.logit_bias))
+    check_entries("stop_token_ids", len(m.stop_token_ids))
     return SamplingParams(
         max_tokens=m.max_tokens if m.HasField("max_tokens") else default_max_tokens,
         temperature=m.temperature if m.HasField("temperature") else 1.0,

@@ -603,6 +603,8 @@ def test_tools_from_nested_pydantic_models(client):
         ({"response_format": {"type": "regex", "regex": "(unclosed"}}, "response_format"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"logit_bias": {str(t): 1 for t in range(1025)}}, "logit_bias"),
+        ({"stop_token_ids": list(range(129))}, "stop_token_ids"),
         ({"n": 0}, "n"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"tool_choice": "required"}, "tool_choice"),

@@ -247,6 +247,27 @@ def test_repetition_penalty_matches_hf() -> None:
     torch.testing.assert_close(out2[0], out[0])
 
 
+def test_a_sequences_penalty_history_grows_with_its_outputs() -> None:
+    """The history kept between steps penalises what the whole token list does, as HF does."""
+    from tandem.engine.sequence import Sequence
+    from tandem.kv.block_table import BlockTable
+
+    vocab = 64
+    logits = _logits(1, vocab, seed=8)
+    seq = Sequence("s", [5, 9, 5, 5, 63, 9], SamplingParams(), BlockTable(16))
+    g = torch.Generator().manual_seed(3)
+    for step in range(300):  # past the buffer's first size: it grows
+        h = seq.penalty_history()
+        assert h.dtype == np.int64
+        got = apply_repetition_penalty(logits, [1.4], [h])
+        ids = torch.tensor([seq.all_token_ids])
+        ref = RepetitionPenaltyLogitsProcessor(1.4)(ids, logits.clone())
+        torch.testing.assert_close(got, ref)
+        seq.output_token_ids += torch.randint(0, vocab, (step % 3,), generator=g).tolist()
+    seq.prompt_token_ids.append(7)  # a prompt that changed: made again
+    assert 7 in seq.penalty_history().tolist()
+
+
 def test_repetition_penalty_applies_to_greedy() -> None:
     logits = torch.tensor([[3.0, 2.5, -1.0, 0.5], [-0.5, -0.6, -3.0, -4.0]])
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.5)] * 2

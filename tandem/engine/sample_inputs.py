@@ -129,7 +129,7 @@ class SampleInputs:
     @staticmethod
     def histories(seqs: list[Sequence]) -> tuple[list, list | None]:
         """Histories for the repetition penalty and generated tokens for OpenAI's penalties."""
-        hist = [s.all_token_ids if s.params.repetition_penalty != 1.0 else () for s in seqs]
+        hist = [s.penalty_history() if s.params.repetition_penalty != 1.0 else () for s in seqs]
         outs = None
         if any(s.params.frequency_penalty or s.params.presence_penalty for s in seqs):
             outs = [s.output_token_ids for s in seqs]

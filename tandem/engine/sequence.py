@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.api.logprobs import TokenLogprobs
@@ -56,6 +57,8 @@ class Sequence:
     # Structured output: the sequence's xgrammar GrammarMatcher (tandem/engine/grammar.py), which
     # has accepted every token in output_token_ids; None when unconstrained.
     matcher: Any = None
+    # The repetition penalty's history as an array, kept between steps (penalty_history).
+    _history: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and not self.prompt_logprobs:
@@ -64,6 +67,28 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def penalty_history(self) -> np.ndarray:
+        """What the repetition penalty reads (int64): the prompt's distinct ids, then every
+        output id. Made once and extended by each step's new outputs, so that a step does not
+        convert a long prompt again (64 sequences of 4,000 tokens: tens of ms a step)."""
+        prompt, outs = self.prompt_token_ids, self.output_token_ids
+        h = self._history  # [buffer, ids used, prompt length, outputs included]
+        if h is None or h[2] != len(prompt) or h[3] > len(outs):
+            distinct = np.unique(np.fromiter(prompt, dtype=np.int64, count=len(prompt)))
+            buf = np.empty(len(distinct) + max(64, 2 * len(outs)), dtype=np.int64)
+            buf[: len(distinct)] = distinct
+            h = self._history = [buf, len(distinct), len(prompt), 0]
+        new = len(outs) - h[3]
+        if new:
+            used = h[1] + new
+            if used > len(h[0]):
+                grown = np.empty(2 * used, dtype=np.int64)
+                grown[: h[1]] = h[0][: h[1]]
+                h[0] = grown
+            h[0][h[1] : used] = outs[h[3] :]
+            h[1], h[3] = used, len(outs)
+        return h[0][: h[1]]
 
     @property
     def step_token_ids(self) -> list[int]:

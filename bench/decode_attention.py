@@ -17,7 +17,7 @@ Llama-3-8B heads (32 query, 8 KV, head_dim 128), bf16, random K/V and block tabl
 `--sweep` times stage 1's tilings instead (tokens per inner iteration, warps, pipeline stages,
 the L2 prefetch before the PDL wait, the partition size) on the large-batch cases, each checked
 against the reference, and prints the GB/s of every tiling and the best per case; `--kv-fp8`
-over an FP8 cache with per-(block, head) scales.
+(`--kv-int8`) over an FP8 (INT8) cache with per-(block, head) scales.
 
     python bench/decode_attention.py --sweep --out bench/results/h100_decode_tiling.json
 """
@@ -41,7 +41,11 @@ import llama_random as lr  # noqa: E402
 
 from tandem.kernels.paged_attention import paged_attention_decode_triton  # noqa: E402
 from tandem.kernels.paged_attention_ref import paged_attention_decode_ref  # noqa: E402
-from tandem.layers.attention import decode_partition_size, decode_prefetch  # noqa: E402
+from tandem.layers.attention import (  # noqa: E402
+    decode_block_n,
+    decode_partition_size,
+    decode_prefetch,
+)
 
 
 def mixed(batch: int, seed: int = 1, hi: int = 4000) -> list[int]:
@@ -149,11 +153,14 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
     width = max_len // bs
     pool = kc.shape[0]
     ks = vs = None
-    if args.kv_fp8:  # FP8 codes, each (block, head) scaled so its largest value is FP8's largest
-        ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
-        vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
-        kc = (kc.float() / ks[:, None, :, None]).to(torch.float8_e4m3fn)
-        vc = (vc.float() / vs[:, None, :, None]).to(torch.float8_e4m3fn)
+    if args.kv_fp8 or args.kv_int8:  # codes, each (block, head) scaled to the codes' range
+        top, code = (448, torch.float8_e4m3fn) if args.kv_fp8 else (127, torch.int8)
+        ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / top + 1e-6
+        vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / top + 1e-6
+        kc, vc = (kc.float() / ks[:, None, :, None], vc.float() / vs[:, None, :, None])
+        if code == torch.int8:
+            kc, vc = kc.round().clamp(-127, 127), vc.round().clamp(-127, 127)
+        kc, vc = kc.to(code), vc.to(code)
     res = {"benchmark": "decode_attention_tiling", **lr.run_info(sys.argv), "smoke": args.smoke,
            "shape": {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "block_size": bs,
                      "dtype": str(dtype), "kv_dtype": str(kc.dtype), "max_model_len": max_len},
@@ -168,9 +175,10 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
                          for i in range(0, len(lens), 64)])  # fmt: skip
         del kf, vf
         kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
-        engine_ps = decode_partition_size(len(lens), hkv)
+        fp8 = kc.dtype == torch.float8_e4m3fn
+        engine_ps = decode_partition_size(len(lens), hkv, fp8)
         rows = []
-        for ps in sorted({engine_ps, 1024} if cuda else {engine_ps}):
+        for ps in sorted({engine_ps, 512, 1024} if cuda else {engine_ps}):
             for n, w, st, pf in tilings:
                 if n > ps:
                     continue
@@ -192,9 +200,10 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
                 rows.append({"partition_size": ps, "block_n": n, "num_warps": w,
                              "num_stages": st, "prefetch": pf, "s": t,
                              "GBps": kv_bytes / t / 1e9})  # fmt: skip
-        # The engine's tiling: its partition size, 64 tokens, 4 warps, Triton's stages, and the
-        # prefetch as decode_prefetch chooses it for this batch.
-        engine = (engine_ps, 64, 4, None, decode_prefetch(len(lens), hkv))
+        # The engine's tiling: its partition size and tokens an iteration, 4 warps, Triton's
+        # stages, and the prefetch as decode_prefetch chooses it for this batch.
+        engine_n = min(decode_block_n(fp8), engine_ps)
+        engine = (engine_ps, engine_n, 4, None, decode_prefetch(len(lens), hkv))
         now = next(r for r in rows if (r["partition_size"], r["block_n"], r["num_warps"],
                                        r["num_stages"], r["prefetch"]) == engine)  # fmt: skip
         rows.sort(key=lambda r: r["s"])
@@ -219,7 +228,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time stage 1's tilings")
     ap.add_argument("--cases", nargs="+", default=None, help="--sweep: only these cases")
-    ap.add_argument("--kv-fp8", action="store_true", help="--sweep: an FP8 cache with scales")
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--kv-fp8", action="store_true", help="--sweep: an FP8 cache with scales")
+    kv.add_argument("--kv-int8", action="store_true", help="--sweep: an INT8 cache with scales")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke

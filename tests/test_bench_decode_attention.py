@@ -32,18 +32,19 @@ def test_smoke_run_writes_rows_that_match_the_reference(tmp_path) -> None:
         assert row["captured_s"] > 0 and row["fitted_s"] > 0
 
 
-@pytest.mark.parametrize("kv", ["model dtype", "fp8"])
+@pytest.mark.parametrize("kv", ["model dtype", "fp8", "int8"])
 def test_sweep_smoke_times_tilings_checked_against_the_reference(tmp_path, kv) -> None:
     out = tmp_path / "tiling.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "decode_attention.py"), "--smoke",
-         "--sweep", "--out", str(out), *(["--kv-fp8"] if kv == "fp8" else [])],
+         "--sweep", "--out", str(out), *([f"--kv-{kv}"] if kv != "model dtype" else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["benchmark"] == "decode_attention_tiling"
-    assert res["shape"]["kv_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
+    want = {"fp8": "torch.float8_e4m3fn", "int8": "torch.int8"}.get(kv, "torch.float32")
+    assert res["shape"]["kv_dtype"] == want
     assert list(res["cases"]) == ["b2 ctx 5, 40", "b3 ctx 7, 70, 100"]
     for case in res["cases"].values():
         tried = {(r["block_n"], r["num_warps"], r["num_stages"], r["prefetch"])

@@ -301,9 +301,10 @@ def test_quantized_kv_attention_16bit_queries_match_f64(kv_dtype, q_dtype) -> No
     k_deq = kc.double() * ks[:, None, :, None]
     v_deq = vc.double() * vs[:, None, :, None]
     expect = _attention_f64(q.double(), k_deq, v_deq, tables, lens, d**-0.5)
-    for ps in (16, 64):  # several partitions merged; one
+    # Several partitions merged; one; the engine's one-byte tiling (iterations spanning blocks).
+    for ps, n in ((16, 16), (64, 64), (1024, 128)):
         tri = pa.paged_attention_decode_triton(
-            q, kc, vc, tables, torch.tensor(lens), d**-0.5, partition_size=ps,
+            q, kc, vc, tables, torch.tensor(lens), d**-0.5, partition_size=ps, block_n=n,
             k_scale=ks, v_scale=vs,
         )  # fmt: skip
         assert tri.dtype == q_dtype

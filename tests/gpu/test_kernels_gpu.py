@@ -100,6 +100,29 @@ def test_decode_triton_without_prefetch(pa: ModuleType, kv_dtype: torch.dtype) -
     torch.testing.assert_close(runs[1].double(), expect, **TOL[torch.bfloat16])
 
 
+def test_decode_triton_fp8_engine_tiling(pa: ModuleType) -> None:
+    """The tiling the engine takes over an FP8 cache past the smallest batches (partition 1024,
+    128 tokens an iteration, no prefetch) against float64 over the codes times their scales."""
+    from tandem.layers.attention import decode_block_n, decode_partition_size
+
+    lens = [1, 100, 300, 17, 1500, 64] * 6  # 36 sequences x 8 kv heads: past 64 pairs
+    q, kc, vc, table, ctx = make_paged(lens, 32, 8, 128, 16, torch.bfloat16)
+    ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+    vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
+    kc = (kc.float() / ks[:, None, :, None]).to(torch.float8_e4m3fn)
+    vc = (vc.float() / vs[:, None, :, None]).to(torch.float8_e4m3fn)
+    ps, n = decode_partition_size(len(lens), 8, fp8=True), decode_block_n(True)
+    assert (ps, n) == (1024, 128)
+    out = pa.paged_attention_decode_triton(
+        q, kc, vc, table, ctx, 128**-0.5, partition_size=ps, block_n=n, prefetch=False,
+        k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    kd = kc.double() * ks.double()[:, None, :, None]
+    vd = vc.double() * vs.double()[:, None, :, None]
+    expect = attention_decode_f64(q, kd, vd, table, lens, 128**-0.5)
+    torch.testing.assert_close(out.double(), expect, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("bs", [8, 32])
 def test_decode_triton_other_block_sizes(pa: ModuleType, bs: int) -> None:
     q, kc, vc, table, ctx = make_paged(LENS, 32, 8, 128, bs, torch.bfloat16)

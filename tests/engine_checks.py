@@ -1,6 +1,6 @@
-"""What the engine tests share: random prompts, prefilling on one engine for another (the
-prefill worker's half of a KV handover), running an engine dry, and comparing a quantized
-engine's tokens with a float one's up to near-ties."""
+"""What the engine tests share: random prompts, transformers' greedy tokens, prefilling on one
+engine for another (the prefill worker's half of a KV handover), running an engine dry, and
+comparing a quantized engine's tokens with a float one's up to near-ties."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ def rand_ids(n: int, seed: int) -> list[int]:
     """`n` random token ids in [3, 512) (no special tokens of the test models)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def hf_greedy(model, prompt: list[int], new: int, **kw) -> list[int]:
+    """transformers' greedy continuation of `prompt`: `new` tokens, `generate`'s options `kw`
+    (its end-of-sequence ids none unless given)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        **{"eos_token_id": None, **kw},
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def prefill_only(pre, prompt: list[int], rid: str, params) -> tuple[int, list[int]]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tandem
+from tests.engine_checks import hf_greedy
 
 LENGTHS = [5, 17, 3, 33]
 NEW = 24
@@ -22,15 +23,7 @@ def _prompts(seed: int = 3) -> list[list[int]]:
 
 
 def _hf(model, prompt: list[int], stop: list[int], min_new: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=NEW,
-        min_new_tokens=min_new,
-        do_sample=False,
-        eos_token_id=stop,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(model, prompt, NEW, min_new_tokens=min_new, eos_token_id=stop)
 
 
 @pytest.fixture(scope="module")

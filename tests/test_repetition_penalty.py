@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tandem
+from tests.engine_checks import hf_greedy
 
 NEW = 40
 
@@ -33,12 +34,5 @@ def test_greedy_with_a_repetition_penalty_matches_transformers(model_factory, pe
         ),
     )
     for prompt, out in zip(prompts, outs, strict=True):
-        want = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW,
-            do_sample=False,
-            repetition_penalty=penalty,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(prompt) :].tolist()
+        want = hf_greedy(hf, prompt, NEW, repetition_penalty=penalty)
         assert out.token_ids == want, (len(prompt), penalty)

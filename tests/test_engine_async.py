@@ -70,16 +70,35 @@ def test_stop_tokens_end_sequences_at_the_same_token(pair):
     assert run_ahead.engine.pool.num_used == 0
 
 
-def test_mixed_logprobs_fall_back_and_match(pair):
+def test_logprobs_run_ahead_and_equal_sync(pair):
+    """A sequence asking for logprobs no longer holds its batch to step-by-step: its logprobs
+    are computed on the device, read with its token, and equal step-by-step's."""
     sync, run_ahead = pair
     prompts = _prompts(seed=6)
     params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True) for _ in prompts]
     params[2] = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    params[0] = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True, logprobs=0)
     want = sync.generate(prompts, params)
-    got = run_ahead.generate(prompts, params)
+    ahead = run_ahead.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append({s.params.logprobs for s, _ in items})
+        return launch(items, prev)
+
+    ahead.launch = spy
+    try:
+        got = run_ahead.generate(prompts, params)
+    finally:
+        ahead.launch = launch
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids
-    assert got[2].logprobs is not None and all(lp is not None for lp in got[2].logprobs)
+        assert b.logprobs == a.logprobs
+    assert all(lp is not None and len(lp.top) == 2 for lp in got[2].logprobs)
+    assert all(lp is not None and lp.top == [] for lp in got[0].logprobs)
+    assert got[1].logprobs is None or all(lp is None for lp in got[1].logprobs)
+    assert sum(2 in s for s in launched) >= 6, launched  # its decode steps ran ahead
 
 
 def test_prompt_chunks_beside_decodes_run_ahead_and_equal_sync(model_factory):

@@ -2,7 +2,7 @@
 so the device has the next step queued while the host waits.
 
 A step in flight (`InFlightStep`) holds its sampled ids on the device and their copy into a
-pinned host buffer; the next call launches the following step (its input tokens read on the
+pinned host buffer (with the logprobs of the sequences that asked for them); the next call launches the following step (its input tokens read on the
 device from the ids in flight) and only then reads that copy. A sequence finished by the step
 in flight has one more token computed, which is dropped when collected.
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.reporting import decode_kv_tokens
-from tandem.engine.sampler import sample_ids
+from tandem.engine.sampler import logprob_tensors, sample_ids, token_logprobs
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
@@ -49,6 +49,10 @@ class InFlightStep:
     # perf_counter() when the step before it was seen complete, if this step was queued on the
     # device by then (it then ran right after it): the start of its time on the device.
     queued_at: float | None = None
+    # Rows that asked for logprobs, and their values (`logprob_tensors`) copied to the host with
+    # the ids: valid once `event` completes.
+    want: list[int] | None = None
+    scores: tuple[torch.Tensor, ...] = ()
 
 
 class AsyncStep:
@@ -102,11 +106,11 @@ class AsyncStep:
     def can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
         """Decodes run ahead, with any prompt chunks beside them; a step of prompts alone does
         not (no decode waits behind it, and its first tokens come at once), nor drafts to
-        verify, a prompt for another worker, logprobs or penalties (read on the host)."""
+        verify, a prompt for another worker, prompt logprobs or penalties (read on the host).
+        A sequence's logprobs are computed on the device and read with its token."""
         return any(n == 1 and s.num_computed + 1 >= s.num_tokens for s, n in items) and all(
             not s.spec_tokens
             and not s.prefill_only
-            and s.params.logprobs is None
             and s.params.prompt_logprobs is None
             and not s.params.penalized
             for s, _ in items
@@ -163,27 +167,39 @@ class AsyncStep:
             mask_rows=mask_rows,
             banned=self.sample_inputs.bans(seqs),
         )
+        want = [j for j, p in enumerate(params) if p.logprobs is not None] or None
+        scores = logprob_tensors(logits, ids, params, want) if want else ()
         for seq in seqs:
             seq.num_pending += 1
         host = self._ring[self._ring_next][: len(items)]
         self._ring_next ^= 1
+        pinned = ids.is_cuda
+        host_scores = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in scores)
         event = None
         if ids.is_cuda and self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(ids.device))
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(ids, non_blocking=True)
+                for h, t in zip(host_scores, scores, strict=True):
+                    h.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            ids.record_stream(self._copy_stream)  # not reused before the copy has read it
+            for t in (ids, *scores):  # not reused before the copy has read them
+                t.record_stream(self._copy_stream)
         elif ids.is_cuda:
             host.copy_(ids, non_blocking=True)
+            for h, t in zip(host_scores, scores, strict=True):
+                h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
             host.copy_(ids)
+            for h, t in zip(host_scores, scores, strict=True):
+                h.copy_(t)
         step = InFlightStep(
-            items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens
-        )
+            items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens,
+            want=want, scores=host_scores,
+        )  # fmt: skip
         if prev is not None:
             outs = self.collect(prev)
         if event is None:  # a CPU step ran within this call: its time is the call's
@@ -202,14 +218,19 @@ class AsyncStep:
             self.reporting.read = (step.kv_tokens, self.collected_at - step.queued_at)
         outs: list[StepOutput] = []
         append = self.recorder.append
-        for (seq, _), tok in zip(step.items, step.host.tolist(), strict=True):
+        toks = step.host.tolist()
+        lps: list = [None] * len(toks)
+        if step.want:
+            params = [s.params for s, _ in step.items]
+            lps = token_logprobs(toks, params, step.want, *(t.tolist() for t in step.scores))
+        for (seq, _), tok, lp in zip(step.items, toks, lps, strict=True):
             if seq.is_finished or seq.num_pending == 0:
                 continue  # finished (stop token, abort) while this step was in flight
             seq.num_pending -= 1
-            reason = append(seq, tok, None)
+            reason = append(seq, tok, lp)
             if reason is not None:
                 seq.num_pending = 0  # a later step's token for it is dropped
                 self.scheduler.finish_request(seq, reason)
                 self.seqs.pop(seq.seq_id, None)
-            outs.append(StepOutput(seq, [tok], [None], reason is not None))
+            outs.append(StepOutput(seq, [tok], [lp], reason is not None))
         return outs

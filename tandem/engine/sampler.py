@@ -354,27 +354,43 @@ def sample(
     """
     ids_t = sample_ids(logits, params, generators, histories, outputs, bitmask, mask_rows, banned)
     ids = ids_t.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(ids)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
-        return ids, logprobs
+        return ids, [None] * len(ids)
+    scores = logprob_tensors(logits, ids_t, params, want)
+    return ids, token_logprobs(ids, params, want, *(t.tolist() for t in scores))
 
-    sel = torch.tensor(want, dtype=torch.long, device=logits.device)
-    # Raw logits, before penalty / temperature / truncation (vLLM's default "raw_logprobs").
+
+def logprob_tensors(
+    logits: torch.Tensor, ids: torch.Tensor, params: Sequence[SamplingParams], want: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows `want` (each asked for logprobs), on the logits' device: the sampled token's
+    logprob [W], and the top logprobs [W, n] with their ids, n the most any row asked for. From
+    the raw logits, before penalty / temperature / truncation (vLLM's default "raw_logprobs")."""
+    sel = device_tensor(want, torch.long, logits.device)
     lp = torch.log_softmax(logits.index_select(0, sel).float(), dim=-1)
-    chosen = lp.gather(1, ids_t.index_select(0, sel).unsqueeze(1)).squeeze(1).tolist()
-    n_max = max(int(params[i].logprobs or 0) for i in want)
-    n_max = min(n_max, lp.shape[1])
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if n_max > 0:
-        top_v, top_i = lp.topk(n_max, dim=-1)
-        top_vals, top_ids = top_v.tolist(), top_i.tolist()
+    chosen = lp.gather(1, ids.index_select(0, sel).unsqueeze(1)).squeeze(1)
+    n_max = min(max(int(params[i].logprobs or 0) for i in want), lp.shape[1])
+    top_v, top_i = lp.topk(n_max, dim=-1)
+    return chosen, top_v, top_i
+
+
+def token_logprobs(
+    ids: Sequence[int],
+    params: Sequence[SamplingParams],
+    want: list[int],
+    chosen: list[float],
+    top_vals: list[list[float]],
+    top_ids: list[list[int]],
+) -> list[TokenLogprobs | None]:
+    """Per row, its `TokenLogprobs` from `logprob_tensors`' values read on the host (None for a
+    row that asked for none)."""
+    out: list[TokenLogprobs | None] = [None] * len(ids)
     for j, i in enumerate(want):
-        n = min(int(params[i].logprobs or 0), n_max)
+        n = int(params[i].logprobs or 0)
         top = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
-        logprobs[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], top=top)
-    return ids, logprobs
+        out[i] = TokenLogprobs(token_id=ids[i], logprob=chosen[j], top=top)
+    return out
 
 
 def _check_inputs(

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from services.gateway.openai_tools import ToolError, history_tool_calls
-from tandem.api.sampling_params import MAX_LOGIT_BIAS, StructuredOutput
+from tandem.api.sampling_params import StructuredOutput, check_entries
 
 MAX_N = 16
 
@@ -79,11 +79,10 @@ def logit_bias_from_body(body: dict) -> dict[int, float]:
         return {}
     if not isinstance(lb, dict):
         raise FieldError("logit_bias must map token ids to numbers", "logit_bias")
-    if len(lb) > MAX_LOGIT_BIAS:
-        raise FieldError(
-            f"logit_bias holds {len(lb)} entries; at most {MAX_LOGIT_BIAS} are allowed",
-            "logit_bias",
-        )
+    try:
+        check_entries("logit_bias", len(lb))  # before the loop below
+    except ValueError as e:
+        raise FieldError(str(e), "logit_bias") from None
     out = {}
     for k, v in lb.items():
         try:

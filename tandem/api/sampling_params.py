@@ -9,8 +9,7 @@ MAX_TOP_K = 2**31 - 1  # the wire format's int32
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Entries a request may carry, as vLLM's GPU sampler takes them: every step of every sequence
 # in the batch applies them, and their conversions run on the gateway's event loop.
-MAX_LOGIT_BIAS = 1024
-MAX_STOP_TOKEN_IDS = 128
+MAX_ENTRIES = {"logit_bias": 1024, "stop_token_ids": 128}
 
 # The range of the 32-bit floats that carry sampling fields between processes.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -55,7 +54,7 @@ def check_structured_fields(so: StructuredOutput, vocab_size: int | None = None)
 
 def check_entries(name: str, n: int) -> None:
     """ValueError when field `name` (logit_bias, stop_token_ids) holds more than its limit."""
-    limit = MAX_LOGIT_BIAS if name == "logit_bias" else MAX_STOP_TOKEN_IDS
+    limit = MAX_ENTRIES[name]
     if n > limit:
         raise ValueError(f"{name} holds {n} entries; at most {limit} are allowed")
 

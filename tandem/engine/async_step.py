@@ -2,8 +2,9 @@
 so the device has the next step queued while the host waits.
 
 A step in flight (`InFlightStep`) holds its sampled ids on the device and their copy into a
-pinned host buffer (with the logprobs of the sequences that asked for them); the next call launches the following step (its input tokens read on the
-device from the ids in flight) and only then reads that copy. A sequence finished by the step
+pinned host buffer (with the logprobs of the sequences that asked for them); the next call
+launches the following step (its input tokens read on the device from the ids in flight) and
+only then reads that copy. A sequence finished by the step
 in flight has one more token computed, which is dropped when collected.
 
 Steps that carry prompt chunks beside decodes (most steps of a loaded run) run ahead too: a
@@ -173,29 +174,25 @@ class AsyncStep:
             seq.num_pending += 1
         host = self._ring[self._ring_next][: len(items)]
         self._ring_next ^= 1
-        pinned = ids.is_cuda
-        host_scores = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in scores)
+        cuda = ids.is_cuda
+        host_scores = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in scores)
+        copies = [(host, ids), *zip(host_scores, scores, strict=True)]
         event = None
-        if ids.is_cuda and self._copy_stream is not None:
+        if cuda and self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(ids.device))
             with torch.cuda.stream(self._copy_stream):
-                host.copy_(ids, non_blocking=True)
-                for h, t in zip(host_scores, scores, strict=True):
+                for h, t in copies:
                     h.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            for t in (ids, *scores):  # not reused before the copy has read them
+            for _, t in copies:  # not reused before the copy has read them
                 t.record_stream(self._copy_stream)
-        elif ids.is_cuda:
-            host.copy_(ids, non_blocking=True)
-            for h, t in zip(host_scores, scores, strict=True):
-                h.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
         else:
-            host.copy_(ids)
-            for h, t in zip(host_scores, scores, strict=True):
-                h.copy_(t)
+            for h, t in copies:
+                h.copy_(t, non_blocking=cuda)
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
         step = InFlightStep(
             items, ids, host, event, {s.seq_id: j for j, s in enumerate(seqs)}, kv_tokens,
             want=want, scores=host_scores,

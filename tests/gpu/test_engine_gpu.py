@@ -337,6 +337,47 @@ def test_constrained_decodes_run_ahead_on_cuda(model_factory):
     assert run_ahead.engine.pool.num_used == 0
 
 
+def test_logprobs_run_ahead_on_cuda(model_factory):
+    """Rows asking for logprobs run ahead under CUDA graphs: their logprobs, computed on the
+    device and copied beside the ids, equal step-by-step decoding's, and the batch's decode
+    steps are launched ahead."""
+    import tandem
+
+    _, path = model_factory("llama")
+    prompts = _prompts(seed=6)
+    params = [tandem.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * len(prompts)
+    params[2] = tandem.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    params[0] = tandem.SamplingParams(
+        max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, logprobs=0
+    )
+    opts = dict(device="cuda", dtype="float32", num_blocks=128)
+    want = tandem.LLM(path, **opts, async_scheduling=False).generate(prompts, params)
+    run_ahead = tandem.LLM(path, **opts, async_scheduling=True)
+    ahead = run_ahead.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append({s.params.logprobs for s, _ in items})
+        return launch(items, prev)
+
+    ahead.launch = spy
+    got = run_ahead.generate(prompts, params)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        if a.logprobs is None or all(lp is None for lp in a.logprobs):
+            continue
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert y.token_id == x.token_id
+            assert abs(y.logprob - x.logprob) <= 1e-5, (x, y)
+            assert [t for t, _ in y.top] == [t for t, _ in x.top]
+            for (_, lx), (_, ly) in zip(x.top, y.top, strict=True):
+                assert abs(ly - lx) <= 1e-5
+    assert all(lp is not None and len(lp.top) == 3 for lp in got[2].logprobs)
+    assert sum(3 in s for s in launched) >= 8, launched
+    assert run_ahead.engine.pool.num_used == 0
+
+
 def test_prompt_logprobs_on_cuda_match_transformers(model_factory):
     """Prompt logprobs computed on the GPU (float32, chunked prefill) equal transformers'
     float32 log_softmax over the prompt."""

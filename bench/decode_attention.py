@@ -42,9 +42,8 @@ import llama_random as lr  # noqa: E402
 from tandem.kernels.paged_attention import paged_attention_decode_triton  # noqa: E402
 from tandem.kernels.paged_attention_ref import paged_attention_decode_ref  # noqa: E402
 from tandem.layers.attention import (  # noqa: E402
-    decode_block_n,
-    decode_partition_size,
     decode_prefetch,
+    decode_tiling,
 )
 
 
@@ -175,8 +174,7 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
                          for i in range(0, len(lens), 64)])  # fmt: skip
         del kf, vf
         kv_bytes = sum(lens) * hkv * d * 2 * kc.element_size()
-        fp8 = kc.dtype == torch.float8_e4m3fn
-        engine_ps = decode_partition_size(len(lens), hkv, fp8)
+        engine_ps, engine_n = decode_tiling(len(lens), hkv, kc.dtype)
         rows = []
         for ps in sorted({engine_ps, 512, 1024} if cuda else {engine_ps}):
             for n, w, st, pf in tilings:
@@ -202,7 +200,6 @@ def sweep(args, cuda: bool, dev: str, dtype: torch.dtype) -> int:
                              "GBps": kv_bytes / t / 1e9})  # fmt: skip
         # The engine's tiling: its partition size and tokens an iteration, 4 warps, Triton's
         # stages, and the prefetch as decode_prefetch chooses it for this batch.
-        engine_n = min(decode_block_n(fp8), engine_ps)
         engine = (engine_ps, engine_n, 4, None, decode_prefetch(len(lens), hkv))
         now = next(r for r in rows if (r["partition_size"], r["block_n"], r["num_warps"],
                                        r["num_stages"], r["prefetch"]) == engine)  # fmt: skip
@@ -251,7 +248,7 @@ def main() -> int:
     for name, lens in cases.items():
         b = len(lens)
         q, table, ctx = make_case(lens, pool, width, bs, hq, d, dev, dtype)
-        ps = decode_partition_size(b, hkv)
+        ps, _ = decode_tiling(b, hkv, kc.dtype)
         fitted_len = -(-max(lens) // ps) * ps
 
         pf = decode_prefetch(b, hkv)

@@ -179,33 +179,31 @@ class CpuVarlenAttention:
         return out
 
 
-def decode_partition_size(batch: int, kv_heads: int, fp8: bool = False) -> int:
-    """Context tokens per program of the split-K decode kernel for a batch of `batch` sequences
-    (`fp8`: over an FP8 cache).
+def decode_tiling(batch: int, kv_heads: int, cache_dtype: torch.dtype) -> tuple[int, int]:
+    """(context tokens per program, tokens per inner iteration) of the split-K decode kernel for
+    a batch of `batch` sequences over a cache of `cache_dtype` (16-bit, FP8 or INT8 codes).
 
     Small batches split the context finely so that enough programs run to keep the memory system
     busy (batch 1 with 8 KV heads would otherwise use 8 multiprocessors of 132); large batches
-    already fill the GPU, and longer partitions cost less in the merge. An FP8 cache reads half
-    the bytes a token, so the merge weighs twice as much: past the smallest batches it takes
-    1024 (H100, 512-token contexts, with `decode_block_n`: batch 32 1.9x, 64 1.2x, 256 1.3x
-    faster than the 16-bit choice; `bench/results/h100_decode_tiling_fp8.json`).
+    already fill the GPU, and longer partitions cost less in the merge. A 16-bit cache loads 64
+    tokens an iteration (16 KiB of K and of V at head dim 128).
+
+    A one-byte cache reads half the bytes a token, so the merge weighs twice as much. FP8 takes
+    partition 1024 with 128 tokens an iteration past the smallest batches (H100, 512-token
+    contexts: batch 32 1.9x, 64 1.2x, 256 1.3x faster than the 16-bit tiling;
+    `bench/results/h100_decode_tiling_fp8.json`). INT8, whose codes are converted and scaled in
+    the loop, takes partition 512 with 128 tokens up to 256 batch x kv-head pairs (batch 32
+    1.7x) and 32 tokens beyond (batch 64 1.19x, 256 1.24x, 1024 1.32x;
+    `bench/results/h100_decode_tiling_int8.json`).
     """
     pairs = batch * kv_heads
     if pairs <= 64:
-        return 64
-    if fp8:
-        return 1024
-    if pairs <= 256:
-        return 128
-    return 512
-
-
-def decode_block_n(fp8: bool) -> int:
-    """Context tokens per inner iteration of the decode kernel: 64 of a 16-bit cache, 128 of an
-    FP8 one, so that each iteration loads the same bytes (16 KiB of K and of V at head dim 128).
-    With 64, a batch of 256 over an FP8 cache took as long as over bf16. (INT8 keeps the 16-bit
-    tiling until it is measured: `bench/decode_attention.py --sweep --kv-int8`.)"""
-    return 128 if fp8 else 64
+        return 64, 64
+    if cache_dtype == torch.float8_e4m3fn:
+        return 1024, 128
+    if cache_dtype == torch.int8:
+        return 512, 128 if pairs <= 256 else 32
+    return (128 if pairs <= 256 else 512), 64
 
 
 def decode_prefetch(batch: int, kv_heads: int) -> bool:
@@ -263,7 +261,7 @@ class Attention:
     def _cuda(self, q, k_cache, v_cache, k_scale, v_scale, step: Step) -> torch.Tensor:
         meta = step.meta
         if meta.decode_only:
-            fp8 = k_cache.dtype == torch.float8_e4m3fn
+            partition, block_n = decode_tiling(q.shape[0], self.kv_heads, k_cache.dtype)
             return paged_attention_decode_triton(
                 q,
                 k_cache,
@@ -271,8 +269,8 @@ class Attention:
                 meta.block_tables,
                 meta.context_lens,
                 self.scale,
-                partition_size=decode_partition_size(q.shape[0], self.kv_heads, fp8),
-                block_n=decode_block_n(fp8),
+                partition_size=partition,
+                block_n=block_n,
                 prefetch=decode_prefetch(q.shape[0], self.kv_heads),
                 k_scale=k_scale,
                 v_scale=v_scale,

@@ -100,19 +100,34 @@ def test_decode_triton_without_prefetch(pa: ModuleType, kv_dtype: torch.dtype) -
     torch.testing.assert_close(runs[1].double(), expect, **TOL[torch.bfloat16])
 
 
-def test_decode_triton_fp8_engine_tiling(pa: ModuleType) -> None:
-    """The tiling the engine takes over an FP8 cache past the smallest batches (partition 1024,
-    128 tokens an iteration, no prefetch) against float64 over the codes times their scales."""
-    from tandem.layers.attention import decode_block_n, decode_partition_size
+@pytest.mark.parametrize(
+    "code, seqs, tiling",
+    [
+        (torch.float8_e4m3fn, 36, (1024, 128)),
+        (torch.int8, 24, (512, 128)),
+        (torch.int8, 36, (512, 32)),
+    ],
+    ids=["fp8", "int8-b24", "int8-b36"],
+)
+def test_decode_triton_one_byte_engine_tiling(
+    pa: ModuleType, code: torch.dtype, seqs: int, tiling: tuple[int, int]
+) -> None:
+    """The tilings the engine takes over an FP8 or INT8 cache past the smallest batches (8 kv
+    heads: 24 sequences are 192 pairs, 36 are 288), no prefetch, against float64 over the codes
+    times their scales."""
+    from tandem.layers.attention import decode_tiling
 
-    lens = [1, 100, 300, 17, 1500, 64] * 6  # 36 sequences x 8 kv heads: past 64 pairs
+    lens = ([1, 100, 300, 17, 1500, 64] * 6)[:seqs]
     q, kc, vc, table, ctx = make_paged(lens, 32, 8, 128, 16, torch.bfloat16)
-    ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
-    vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / 448 + 1e-6
-    kc = (kc.float() / ks[:, None, :, None]).to(torch.float8_e4m3fn)
-    vc = (vc.float() / vs[:, None, :, None]).to(torch.float8_e4m3fn)
-    ps, n = decode_partition_size(len(lens), 8, fp8=True), decode_block_n(True)
-    assert (ps, n) == (1024, 128)
+    top = 448 if code == torch.float8_e4m3fn else 127
+    ks = kc.float().abs().amax(dim=(1, 3)).contiguous() / top + 1e-6
+    vs = vc.float().abs().amax(dim=(1, 3)).contiguous() / top + 1e-6
+    kc, vc = kc.float() / ks[:, None, :, None], vc.float() / vs[:, None, :, None]
+    if code == torch.int8:
+        kc, vc = kc.round().clamp(-127, 127), vc.round().clamp(-127, 127)
+    kc, vc = kc.to(code), vc.to(code)
+    ps, n = decode_tiling(len(lens), 8, code)
+    assert (ps, n) == tiling
     out = pa.paged_attention_decode_triton(
         q, kc, vc, table, ctx, 128**-0.5, partition_size=ps, block_n=n, prefetch=False,
         k_scale=ks, v_scale=vs,

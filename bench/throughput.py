@@ -385,7 +385,7 @@ def sharegpt_main(args: argparse.Namespace) -> int:
                        if cuda else 0.25,
                        max_num_seqs=args.max_num_seqs, max_queued_seqs=max(1024, n),
                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=True,
-                       async_scheduling=True)  # fmt: skip
+                       async_scheduling=True, kv_dtype=args.kv_dtype)  # fmt: skip
     res["engine_options"] = engine_opts
 
     def save() -> None:
@@ -571,6 +571,12 @@ def main() -> int:
         type=lambda v: v if v == "auto" else str(float(v)),
         default="auto",
         help="KV pool per engine on a GPU, GB (default auto: --gpu-memory-utilization's share)",
+    )
+    sg.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8", "int8"),
+        default="auto",
+        help="the KV cache's element type, engine and services (default auto: the model's)",
     )
     sg.add_argument("--client-procs", type=int, default=4, help="services: client processes")
     sg.add_argument(

@@ -70,6 +70,45 @@ def test_stop_tokens_end_sequences_at_the_same_token(pair):
     assert run_ahead.engine.pool.num_used == 0
 
 
+def test_penalties_run_ahead_and_equal_sync(pair):
+    """Penalised sequences run ahead too: the token sampled by the step in flight, not yet in
+    the host's history, is counted from the device, so each penalty sees what step by step's
+    sees (repetition, frequency and presence; greedy and seeded; beside a plain row)."""
+    sync, run_ahead = pair
+    prompts = _prompts(seed=8)
+    base = dict(max_tokens=16, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, **base),
+        SamplingParams(temperature=0, frequency_penalty=-2.0, **base),
+        SamplingParams(temperature=0.9, seed=3, presence_penalty=1.2, repetition_penalty=0.7,
+                       **base),
+        SamplingParams(temperature=0, **base),
+        SamplingParams(temperature=0, frequency_penalty=-1.0, presence_penalty=2.0, **base),
+    ]  # fmt: skip
+    want = sync.generate(prompts, params)
+    plain = sync.generate(prompts, SamplingParams(temperature=0, **base))
+    ahead = run_ahead.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append(sum(s.params.penalized for s, _ in items))
+        return launch(items, prev)
+
+    ahead.launch = spy
+    try:
+        got = run_ahead.generate(prompts, params)
+    finally:
+        ahead.launch = launch
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+    # The penalties changed what greedy decoding chose (so the pending token mattered).
+    changed = [a.token_ids != b.token_ids for a, b in zip(got, plain, strict=True)]
+    assert changed == [True, True, True, False, True], changed
+    assert sum(n == 4 for n in launched) >= 12, launched  # decode steps of all four ran ahead
+    assert run_ahead.engine.pool.num_used == 0
+
+
 def test_logprobs_run_ahead_and_equal_sync(pair):
     """A sequence asking for logprobs no longer holds its batch to step-by-step: its logprobs
     are computed on the device, read with its token, and equal step-by-step's."""

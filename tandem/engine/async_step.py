@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.reporting import decode_kv_tokens
-from tandem.engine.sampler import logprob_tensors, sample_ids, token_logprobs
+from tandem.engine.sampler import Pending, logprob_tensors, sample_ids, token_logprobs
 from tandem.engine.sequence import Sequence
 from tandem.engine.step_output import StepOutput, TokenRecorder
 from tandem.host_copy import device_tensor
@@ -107,13 +107,11 @@ class AsyncStep:
     def can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
         """Decodes run ahead, with any prompt chunks beside them; a step of prompts alone does
         not (no decode waits behind it, and its first tokens come at once), nor drafts to
-        verify, a prompt for another worker, prompt logprobs or penalties (read on the host).
-        A sequence's logprobs are computed on the device and read with its token."""
+        verify, a prompt for another worker, or prompt logprobs. A sequence's logprobs are
+        computed on the device and read with its token; its penalties count the token of the
+        step in flight from the device."""
         return any(n == 1 and s.num_computed + 1 >= s.num_tokens for s, n in items) and all(
-            not s.spec_tokens
-            and not s.prefill_only
-            and s.params.prompt_logprobs is None
-            and not s.params.penalized
+            not s.spec_tokens and not s.prefill_only and s.params.prompt_logprobs is None
             for s, _ in items
         )
 
@@ -159,14 +157,28 @@ class AsyncStep:
             bitmask, mask_rows = self.sample_inputs.masks(
                 [s for s in seqs if not s.is_finished], seqs
             )
+        # A penalised sequence's token sampled by `prev` is not in its history yet: the
+        # penalties read it from `prev`'s ids on the device.
+        hist, gen, pending = [()] * len(seqs), None, None
+        if any(p.penalized for p in params):
+            hist, gen = self.sample_inputs.histories(seqs)
+            late = [(j, s) for j, s in enumerate(seqs) if s.num_pending and s.params.penalized]
+            if late:
+                assert prev is not None, "a pending token without a step in flight"
+                at = device_tensor(
+                    [prev.rows[s.seq_id] for _, s in late], torch.long, logits.device
+                )
+                pending = Pending([j for j, _ in late], prev.ids.index_select(0, at))
         ids = sample_ids(
             logits,
             params,
             [s.generator for s in seqs],
-            [()] * len(seqs),
+            hist,
+            gen,
             bitmask=bitmask,
             mask_rows=mask_rows,
             banned=self.sample_inputs.bans(seqs),
+            pending=pending,
         )
         want = [j for j, p in enumerate(params) if p.logprobs is not None] or None
         scores = logprob_tensors(logits, ids, params, want) if want else ()

@@ -332,9 +332,9 @@ class LLMEngine:
     def _step_async(self) -> list[StepOutput]:
         """Launch the next step, then read the step in flight; returns its tokens.
 
-        A batch that cannot run ahead (draft tokens, prompt logprobs, a penalty, a prompt for
-        another worker) first waits for the step in flight; it is then scheduled again by
-        the next call.
+        A batch that cannot run ahead (draft tokens, prompt logprobs, a prompt for another
+        worker) first waits for the step in flight; it is then scheduled again by the next
+        call.
         """
         ahead = self.async_step
         prev, ahead.inflight = ahead.inflight, None

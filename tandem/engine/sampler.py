@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,15 +35,27 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+@dataclass(frozen=True)
+class Pending:
+    """Tokens sampled by the step in flight and not yet read on the host: row `rows[k]` of the
+    batch has `ids[k]` (a device tensor) after its history. The penalties count them, so that a
+    penalised sequence can run ahead."""
+
+    rows: list[int]
+    ids: torch.Tensor
+
+
 def apply_repetition_penalty(
     logits: torch.Tensor,
     penalties: Sequence[float],
     histories: Sequence[Sequence[int] | torch.Tensor],
+    pending: Pending | None = None,
 ) -> torch.Tensor:
     """Penalise every token already in a row's history (HF's RepetitionPenaltyLogitsProcessor).
 
     Returns a new tensor (the input is left untouched) or `logits` itself when every penalty is 1.
-    Ids at or above the vocabulary size are ignored, as HF does.
+    Ids at or above the vocabulary size are ignored, as HF does. `pending`: tokens sampled by a
+    step still in flight, on the device, each one more of its row's history.
     """
     rows = [i for i, p in enumerate(penalties) if p != 1.0]
     if not rows:
@@ -52,21 +65,28 @@ def apply_repetition_penalty(
     lengths = torch.tensor([t.numel() for t in ids_per_row], dtype=torch.long)
     flat = torch.cat(ids_per_row)
     out = logits.clone(memory_format=torch.contiguous_format)
-    if flat.numel() == 0:
+    extra = _pending_rows(pending, rows)
+    if flat.numel() == 0 and extra is None:
         return out
-    lo, hi = torch.aminmax(flat)
-    if int(lo) < 0:
-        raise ValueError("histories hold a negative token id")
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
     pens = torch.tensor([float(penalties[i]) for i in rows], dtype=logits.dtype)
     pen_of = torch.repeat_interleave(pens, lengths)
-    if int(hi) >= vocab:
-        keep = flat < vocab
-        flat, row_of, pen_of = flat[keep], row_of[keep], pen_of[keep]
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0:
+            raise ValueError("histories hold a negative token id")
+        if int(hi) >= vocab:
+            keep = flat < vocab
+            flat, row_of, pen_of = flat[keep], row_of[keep], pen_of[keep]
     # Index math stays on the host; one copy per tensor moves it, and only the history positions
     # are touched on the device (a full [B, V] pass would cost far more).
     lin = to_device(row_of * vocab + flat, logits.device)
     pen_of = to_device(pen_of, logits.device)
+    if extra is not None:  # pending ids are sampled ones: within the vocabulary
+        at, ids = extra
+        lin = torch.cat([lin, device_tensor([rows[k] for k in at], torch.long, lin.device) * vocab
+                         + ids])  # fmt: skip
+        pen_of = torch.cat([pen_of, to_device(pens[at], logits.device)])
     view = out.view(-1)
     seen = view.index_select(0, lin)
     # Repeated ids write the same value (penalised once, from the original logit), as in HF.
@@ -74,12 +94,31 @@ def apply_repetition_penalty(
     return out
 
 
+def _pending_rows(
+    pending: Pending | None, rows: Sequence[int]
+) -> tuple[list[int], torch.Tensor] | None:
+    """(positions in `rows`, their pending ids on the device) of the rows `rows` with a pending
+    token; None when none has one."""
+    if pending is None:
+        return None
+    at = {r: k for k, r in enumerate(rows)}
+    picks = [(at[r], j) for j, r in enumerate(pending.rows) if r in at]
+    if not picks:
+        return None
+    ids = pending.ids
+    if len(picks) < len(pending.rows):  # only some pending rows are penalised
+        ids = ids.index_select(0, device_tensor([j for _, j in picks], torch.long, ids.device))
+    return [k for k, _ in picks], ids
+
+
 def apply_openai_penalties(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     outputs: Sequence[Sequence[int] | torch.Tensor],
+    pending: Pending | None = None,
 ) -> torch.Tensor:
-    """OpenAI's frequency and presence penalties over each row's generated tokens:
+    """OpenAI's frequency and presence penalties over each row's generated tokens (and its
+    `pending` one, sampled by the step in flight):
     logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0).
 
     Returns a new tensor, or `logits` itself when no row has a penalty.
@@ -94,11 +133,15 @@ def apply_openai_penalties(
     lengths = torch.tensor([t.numel() for t in ids_per_row], dtype=torch.long)
     out = logits.clone(memory_format=torch.contiguous_format)
     flat = torch.cat(ids_per_row)
-    if flat.numel() == 0:
+    extra = _pending_rows(pending, rows)
+    if flat.numel() == 0 and extra is None:
         return out
     row_of = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.long), lengths)
     keep = (flat >= 0) & (flat < vocab)
     lin = to_device(row_of[keep] * vocab + flat[keep], logits.device)
+    if extra is not None:
+        at, ids = extra
+        lin = torch.cat([lin, device_tensor(at, torch.long, lin.device) * vocab + ids])
     counts = torch.zeros(len(rows) * vocab, dtype=logits.dtype, device=logits.device)
     counts.index_add_(0, lin, torch.ones(lin.numel(), dtype=logits.dtype, device=logits.device))
     counts = counts.view(len(rows), vocab)
@@ -173,14 +216,16 @@ def process_logits(
     bitmask: torch.Tensor | None = None,
     mask_rows: Sequence[int] = (),
     banned: Sequence[tuple[int, Sequence[int]]] = (),
+    pending: Pending | None = None,
 ) -> torch.Tensor:
     """Every logits processor before temperature: repetition penalty (over `histories`,
     prompt + output), frequency / presence penalties (over `outputs`), logit_bias, the tokens
     `banned` per row (the stop tokens of a sequence short of its `min_tokens`), and the
-    structured-output mask (`bitmask` row i constrains logits row i, for each i in `mask_rows`)."""
-    x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories)
+    structured-output mask (`bitmask` row i constrains logits row i, for each i in `mask_rows`).
+    `pending`: tokens of the step in flight that the histories and outputs do not hold yet."""
+    x = apply_repetition_penalty(logits, [p.repetition_penalty for p in params], histories, pending)
     if outputs is not None:
-        x = apply_openai_penalties(x, params, outputs)
+        x = apply_openai_penalties(x, params, outputs, pending)
     x = apply_logit_bias(x, params)
     if banned:
         x = ban_tokens(x, banned)  # a copy when it bans anything
@@ -280,16 +325,18 @@ def sample_ids(
     bitmask: torch.Tensor | None = None,
     mask_rows: Sequence[int] = (),
     banned: Sequence[tuple[int, Sequence[int]]] = (),
+    pending: Pending | None = None,
 ) -> torch.Tensor:
     """Pick one token per row and return the ids as a [B] int64 tensor on `logits.device`.
 
     Unlike `sample`, this never reads the ids back to the host, so a caller can copy them out
-    asynchronously (small per-call index tensors still travel host -> device).
+    asynchronously (small per-call index tensors still travel host -> device). `pending`: the
+    tokens of a step in flight, which the penalties count beside `histories` and `outputs`.
     """
     batch = _check_inputs(logits, params, generators, histories)
     if logits.dtype != torch.float32:
         logits = logits.float()
-    x = process_logits(logits, params, histories, outputs, bitmask, mask_rows, banned)
+    x = process_logits(logits, params, histories, outputs, bitmask, mask_rows, banned, pending)
     ids = argmax_rows(x)  # one Triton launch on CUDA, equal to x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

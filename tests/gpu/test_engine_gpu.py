@@ -378,6 +378,38 @@ def test_logprobs_run_ahead_on_cuda(model_factory):
     assert run_ahead.engine.pool.num_used == 0
 
 
+def test_penalties_run_ahead_on_cuda(model_factory):
+    """Penalised rows run ahead under CUDA graphs, the step in flight's token counted from the
+    device: the tokens equal step-by-step decoding's."""
+    import tandem
+
+    _, path = model_factory("llama")
+    prompts = _prompts(seed=8)
+    base = dict(max_tokens=16, ignore_eos=True)
+    params = [tandem.SamplingParams(temperature=0, **base)] * len(prompts)
+    params[0] = tandem.SamplingParams(temperature=0, repetition_penalty=1.5, **base)
+    params[1] = tandem.SamplingParams(temperature=0, frequency_penalty=-2.0, **base)
+    params[2] = tandem.SamplingParams(
+        temperature=0.9, seed=3, presence_penalty=1.2, repetition_penalty=0.7, **base
+    )
+    opts = dict(device="cuda", dtype="float32", num_blocks=128)
+    want = tandem.LLM(path, **opts, async_scheduling=False).generate(prompts, params)
+    run_ahead = tandem.LLM(path, **opts, async_scheduling=True)
+    ahead = run_ahead.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append(sum(s.params.penalized for s, _ in items))
+        return launch(items, prev)
+
+    ahead.launch = spy
+    got = run_ahead.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(n == 3 for n in launched) >= 12, launched
+    assert run_ahead.engine.pool.num_used == 0
+
+
 def test_prompt_logprobs_on_cuda_match_transformers(model_factory):
     """Prompt logprobs computed on the GPU (float32, chunked prefill) equal transformers'
     float32 log_softmax over the prompt."""

@@ -109,6 +109,36 @@ def test_penalties_run_ahead_and_equal_sync(pair):
     assert run_ahead.engine.pool.num_used == 0
 
 
+def test_prompt_logprobs_hold_the_batch_only_until_the_first_token(pair):
+    """A sequence whose prompt logprobs are scored holds its batch to step by step until its
+    first token (which carries them); its decode steps then run ahead, and every token and
+    score equals step by step's."""
+    sync, run_ahead = pair
+    prompts = _prompts(seed=9)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
+    params[3] = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    want = sync.generate(prompts, params)
+    ahead = run_ahead.engine.async_step
+    launched = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        launched.append(any(s.params.prompt_logprobs for s, _ in items))
+        return launch(items, prev)
+
+    ahead.launch = spy
+    try:
+        got = run_ahead.generate(prompts, params)
+    finally:
+        ahead.launch = launch
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.prompt_logprobs == a.prompt_logprobs
+    assert got[3].prompt_logprobs is not None and len(got[3].prompt_logprobs) == LENGTHS[3]
+    assert sum(launched) >= 8, launched  # its decode steps ran ahead
+    assert run_ahead.engine.pool.num_used == 0
+
+
 def test_logprobs_run_ahead_and_equal_sync(pair):
     """A sequence asking for logprobs no longer holds its batch to step-by-step: its logprobs
     are computed on the device, read with its token, and equal step-by-step's."""

@@ -107,11 +107,14 @@ class AsyncStep:
     def can_run_ahead(items: list[tuple[Sequence, int]]) -> bool:
         """Decodes run ahead, with any prompt chunks beside them; a step of prompts alone does
         not (no decode waits behind it, and its first tokens come at once), nor drafts to
-        verify, a prompt for another worker, or prompt logprobs. A sequence's logprobs are
-        computed on the device and read with its token; its penalties count the token of the
-        step in flight from the device."""
+        verify, a prompt for another worker, or a prompt whose logprobs are scored (until its
+        first token, which carries them). A sequence's logprobs are computed on the device and
+        read with its token; its penalties count the token of the step in flight from the
+        device."""
         return any(n == 1 and s.num_computed + 1 >= s.num_tokens for s, n in items) and all(
-            not s.spec_tokens and not s.prefill_only and s.params.prompt_logprobs is None
+            not s.spec_tokens
+            and not s.prefill_only
+            and (s.params.prompt_logprobs is None or s.output_token_ids)
             for s, _ in items
         )
 

@@ -1,8 +1,13 @@
 """What the engine tests share: random prompts, transformers' greedy tokens, prefilling on one
 engine for another (the prefill worker's half of a KV handover), running an engine dry, and
-comparing a quantized engine's tokens with a float one's up to near-ties."""
+comparing a quantized engine's tokens with a float one's up to near-ties, and watching the
+steps an engine launches ahead."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -62,3 +67,22 @@ def assert_equal_up_to_a_near_tie(got: list, want: list) -> None:
         if i < len(ta):
             (_, best), (_, second) = lb[i].top[:2]
             assert best - second <= NEAR_TIE, f"differs at {i}, not a near-tie: {lb[i]}"
+
+
+@contextlib.contextmanager
+def launched_ahead(llm, of: Callable[[list], Any]) -> Iterator[list]:
+    """Within the block, `of(items)` for every step `llm`'s engine launches ahead (its
+    asynchronous path), in order."""
+    ahead = llm.engine.async_step
+    seen: list = []
+    launch = ahead.launch
+
+    def spy(items, prev):
+        seen.append(of(items))
+        return launch(items, prev)
+
+    ahead.launch = spy
+    try:
+        yield seen
+    finally:
+        ahead.launch = launch

@@ -13,6 +13,7 @@ from tandem.engine.cuda_graphs import fill_decode_inputs
 from tandem.engine.sequence import Sequence
 from tandem.kv.block_pool import BlockPool
 from tandem.kv.block_table import BlockTable
+from tests.engine_checks import launched_ahead
 
 LENGTHS = [5, 17, 3, 33, 9]
 
@@ -87,19 +88,10 @@ def test_penalties_run_ahead_and_equal_sync(pair):
     ]  # fmt: skip
     want = sync.generate(prompts, params)
     plain = sync.generate(prompts, SamplingParams(temperature=0, **base))
-    ahead = run_ahead.engine.async_step
-    launched = []
-    launch = ahead.launch
-
-    def spy(items, prev):
-        launched.append(sum(s.params.penalized for s, _ in items))
-        return launch(items, prev)
-
-    ahead.launch = spy
-    try:
+    with launched_ahead(
+        run_ahead, lambda items: sum(s.params.penalized for s, _ in items)
+    ) as launched:
         got = run_ahead.generate(prompts, params)
-    finally:
-        ahead.launch = launch
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids
     # The penalties changed what greedy decoding chose (so the pending token mattered).
@@ -118,19 +110,10 @@ def test_prompt_logprobs_hold_the_batch_only_until_the_first_token(pair):
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in prompts]
     params[3] = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=2)
     want = sync.generate(prompts, params)
-    ahead = run_ahead.engine.async_step
-    launched = []
-    launch = ahead.launch
-
-    def spy(items, prev):
-        launched.append(any(s.params.prompt_logprobs for s, _ in items))
-        return launch(items, prev)
-
-    ahead.launch = spy
-    try:
+    with launched_ahead(
+        run_ahead, lambda items: any(s.params.prompt_logprobs for s, _ in items)
+    ) as launched:
         got = run_ahead.generate(prompts, params)
-    finally:
-        ahead.launch = launch
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids
         assert b.prompt_logprobs == a.prompt_logprobs
@@ -148,19 +131,8 @@ def test_logprobs_run_ahead_and_equal_sync(pair):
     params[2] = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     params[0] = SamplingParams(max_tokens=6, temperature=0.8, seed=5, ignore_eos=True, logprobs=0)
     want = sync.generate(prompts, params)
-    ahead = run_ahead.engine.async_step
-    launched = []
-    launch = ahead.launch
-
-    def spy(items, prev):
-        launched.append({s.params.logprobs for s, _ in items})
-        return launch(items, prev)
-
-    ahead.launch = spy
-    try:
+    with launched_ahead(run_ahead, lambda items: {s.params.logprobs for s, _ in items}) as launched:
         got = run_ahead.generate(prompts, params)
-    finally:
-        ahead.launch = launch
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids
         assert b.logprobs == a.logprobs

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.device_busy import queue_busy_ms
+from tests.engine_checks import launched_ahead
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -353,16 +354,8 @@ def test_logprobs_run_ahead_on_cuda(model_factory):
     opts = dict(device="cuda", dtype="float32", num_blocks=128)
     want = tandem.LLM(path, **opts, async_scheduling=False).generate(prompts, params)
     run_ahead = tandem.LLM(path, **opts, async_scheduling=True)
-    ahead = run_ahead.engine.async_step
-    launched = []
-    launch = ahead.launch
-
-    def spy(items, prev):
-        launched.append({s.params.logprobs for s, _ in items})
-        return launch(items, prev)
-
-    ahead.launch = spy
-    got = run_ahead.generate(prompts, params)
+    with launched_ahead(run_ahead, lambda items: {s.params.logprobs for s, _ in items}) as launched:
+        got = run_ahead.generate(prompts, params)
     for a, b in zip(want, got, strict=True):
         assert b.token_ids == a.token_ids
         if a.logprobs is None or all(lp is None for lp in a.logprobs):
@@ -395,16 +388,10 @@ def test_penalties_run_ahead_on_cuda(model_factory):
     opts = dict(device="cuda", dtype="float32", num_blocks=128)
     want = tandem.LLM(path, **opts, async_scheduling=False).generate(prompts, params)
     run_ahead = tandem.LLM(path, **opts, async_scheduling=True)
-    ahead = run_ahead.engine.async_step
-    launched = []
-    launch = ahead.launch
-
-    def spy(items, prev):
-        launched.append(sum(s.params.penalized for s, _ in items))
-        return launch(items, prev)
-
-    ahead.launch = spy
-    got = run_ahead.generate(prompts, params)
+    with launched_ahead(
+        run_ahead, lambda items: sum(s.params.penalized for s, _ in items)
+    ) as launched:
+        got = run_ahead.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(n == 3 for n in launched) >= 12, launched
     assert run_ahead.engine.pool.num_used == 0

@@ -114,7 +114,7 @@ def _message_refused(msg: dict) -> str:
     from services.gateway.openai_request import FieldError, normalize_messages
 
     with pytest.raises(FieldError) as e:
-        normalize_messages([msg])
+        normalize_messages([msg], 512)
     assert e.value.param == "messages"
     return str(e.value)
 
@@ -136,7 +136,7 @@ def test_message_keys_not_served_are_refused_by_name(msg, key):
 def test_message_name_goes_to_the_template_and_must_be_a_string():
     from services.gateway.openai_request import normalize_messages
 
-    (m,) = normalize_messages([{"role": "user", "content": "x", "name": "bob"}])
+    (m,) = normalize_messages([{"role": "user", "content": "x", "name": "bob"}], 512)
     assert m == {"role": "user", "content": "x", "name": "bob"}
     assert "messages[0].name must be a string" in _message_refused(
         {"role": "user", "content": "x", "name": 5}
@@ -157,4 +157,4 @@ def test_a_reply_sent_back_as_history_is_accepted():
         "function_call": None,
         "tool_calls": None,
     }
-    assert normalize_messages([reply]) == [{"role": "assistant", "content": "Paris."}]
+    assert normalize_messages([reply], 512) == [{"role": "assistant", "content": "Paris."}]

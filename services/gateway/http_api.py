@@ -46,6 +46,7 @@ from services.gateway.openai_wire import (
     _trace_header,
     _usage,
     chat_logprobs,
+    check_json_bytes,
     echo_logprobs,
     error_response,
     errors_middleware,
@@ -188,6 +189,7 @@ class OpenAIServer:
             raise RequestError(
                 f"request body did not arrive within {self.body_timeout_s:g} s", status=408
             ) from None
+        escaped = check_json_bytes(raw)
         try:
             body = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -202,7 +204,7 @@ class OpenAIServer:
             ) from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
-        _check_json(body)
+        _check_json(body, strings=escaped)
         _refuse_fields(body, allowed)
         return body
 
@@ -219,7 +221,7 @@ class OpenAIServer:
             body = await self._body(request, CHAT_FIELDS)
             self.fe.check_model(body.get("model") or "")
             tools = parse_tools(body)
-            msgs = normalize_messages(body.get("messages"))
+            msgs = normalize_messages(body.get("messages"), self.fe.limits.max_messages)
             native = template_takes_tools(self.fe.tokenizer.chat_template)
             rendered, template_tools = render_messages(msgs, tools, native)
             ids = await self.fe.chat_ids(rendered, template_tools)
@@ -237,7 +239,7 @@ class OpenAIServer:
         try:
             body = await self._body(request, COMPLETION_FIELDS)
             self.fe.check_model(body.get("model") or "")
-            texts = prompts_from_body(body)
+            texts = prompts_from_body(body, self.fe.limits.max_inflight)
             prompts = [t if isinstance(t, list) else await self.fe.prompt_ids(t) for t in texts]
             params = sampling_from_body(body, chat=False)
             echo = body.get("echo", False)

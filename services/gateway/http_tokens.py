@@ -63,7 +63,7 @@ class TokenEndpoints:
                         "add_special_tokens",
                     )
                 opened = _flag(body, "add_generation_prompt", True)
-                msgs = normalize_messages(body["messages"])
+                msgs = normalize_messages(body["messages"], self.fe.limits.max_messages)
                 ids = await self.fe.chat_ids(msgs, add_generation_prompt=opened)
         except ValueError as e:
             return refusal(e)

@@ -468,7 +468,7 @@ class ResponsesAPI:
             if instructions is not None and not isinstance(instructions, str):
                 raise RequestError("instructions must be a string", "instructions")
             system = [{"role": "system", "content": instructions}] if instructions else []
-            msgs = normalize_messages(system + conversation)
+            msgs = normalize_messages(system + conversation, self.fe.limits.max_messages)
             native = template_takes_tools(self.fe.tokenizer.chat_template)
             rendered, template_tools = render_messages(msgs, tools, native)
             ids = await self.fe.chat_ids(rendered, template_tools)

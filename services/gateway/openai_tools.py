@@ -58,6 +58,10 @@ class ToolRequest:
         return self.choice in ("required", "named")
 
 
+# OpenAI's own limit on the functions of one request.
+MAX_TOOLS = 128
+
+
 def parse_tools(body: dict) -> ToolRequest | None:
     """The request's tools and tool_choice, checked; None without tools."""
     tools = body.get("tools")
@@ -71,6 +75,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise ToolError("tools must be a non-empty list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
     seen = set()
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -421,30 +422,68 @@ _REFUSED = {
 
 
 MAX_JSON_DEPTH = 32
+# Arrays and objects in one body. A request holds a few thousand at most (messages and their
+# content parts, tools' schemas, a list of prompts); a body of millions cost seconds of the event
+# loop to parse and walk before it was refused.
+MAX_JSON_CONTAINERS = 65_536
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A lone surrogate can only arrive escaped (\ud800 to \udfff): UTF-8 cannot carry one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _check_json(body: dict) -> None:
-    """Refuse a body nested deeper than MAX_JSON_DEPTH or holding text that is not Unicode (a
-    lone UTF-16 surrogate such as "\\ud800" parses as JSON but cannot be encoded)."""
+def check_json_bytes(raw: bytes) -> bool:
+    """Refuse, before it is parsed, a body of more than MAX_JSON_CONTAINERS arrays and objects
+    (brackets counted outside its strings); returns whether its text may hold a lone surrogate
+    (for `_check_json`). Byte scans: milliseconds for the largest body."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_CONTAINERS:
+        bare = _JSON_STRING.sub(b"", raw)  # only brackets outside strings make containers
+        n = bare.count(b"[") + bare.count(b"{")
+        if n > MAX_JSON_CONTAINERS:
+            raise RequestError(
+                f"request body holds {n} arrays and objects; at most {MAX_JSON_CONTAINERS} "
+                "are allowed"
+            )
+    return _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def _check_json(body: dict, strings: bool = True) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH or (`strings`) holding text that is not
+    Unicode (a lone UTF-16 surrogate such as "\\ud800" parses as JSON but cannot be encoded).
+    Only containers are visited one by one: an array's scalars are told apart by their types at
+    C speed, so a long list of numbers costs no Python loop."""
     stack: list[tuple[Any, str, int]] = [(body, "body", 1)]
     while stack:
         v, where, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise RequestError(f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise RequestError(
-                    f"{where} holds a lone surrogate ({v[e.start]!r}): not valid Unicode text",
-                    where.split(".", 2)[1].split("[")[0] if where.count(".") else None,
-                ) from None
-        elif isinstance(v, dict):
+        if isinstance(v, dict):
+            if strings:
+                for k in v:
+                    _check_text(k, f"{where} key")
             for k, x in v.items():
-                stack.append((k, f"{where} key", depth + 1))
-                stack.append((x, f"{where}.{k}", depth + 1))
-        elif isinstance(v, list):
-            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+                if isinstance(x, (dict, list)):
+                    stack.append((x, f"{where}.{k}", depth + 1))
+                elif strings and isinstance(x, str):
+                    _check_text(x, f"{where}.{k}")
+            continue
+        kinds = set(map(type, v))
+        if not (dict in kinds or list in kinds or (strings and str in kinds)):
+            continue
+        for i, x in enumerate(v):
+            if isinstance(x, (dict, list)):
+                stack.append((x, f"{where}[{i}]", depth + 1))
+            elif strings and isinstance(x, str):
+                _check_text(x, f"{where}[{i}]")
+
+
+def _check_text(v: str, where: str) -> None:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            f"{where} holds a lone surrogate ({v[e.start]!r}): not valid Unicode text",
+            where.split(".", 2)[1].split("[")[0] if where.count(".") else None,
+        ) from None
 
 
 def _error_for(e: Exception) -> web.Response:

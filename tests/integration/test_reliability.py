@@ -168,6 +168,23 @@ HTTP_CASES = [
     ("completions", {"prompt": [1, 10**7]}, "vocabulary"),
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": ["x"] * 40}, "stop"),
+    # Counts refused before any item is looked at (the gateway's max_inflight, max_messages,
+    # OpenAI's 128 tools, the arrays and objects of one body).
+    ("completions", {"prompt": ["hi"] * 1025}, "prompt"),
+    ("completions", {"prompt": [[5, 6]] * 1025}, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}] * 513}, "messages"),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)],
+        },
+        "tools",
+    ),
+    ("completions", b'{"prompt": "hi", "x": [' + b"[0]," * 70_000 + b"[0]]}", "arrays and objects"),
+    # A lone surrogate among a list's strings, and in a key.
+    ("completions", {"prompt": ["fine", "hi \udc00"]}, "surrogate"),
+    ("completions", {"prompt": "hi", "logit_bias": {"\ud800": 1}}, "surrogate"),
 ]
 
 

@@ -652,20 +652,26 @@ def test_http_limits_and_an_api_key_from_a_file(stack, tmp_path):
         gw.stop()
 
 
+def _short_request_s(gateway: Stage) -> float:
+    """Seconds a one-token completion takes (it must succeed)."""
+    t0 = time.perf_counter()
+    status, payload = _http(gateway, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+    assert status == 200, payload
+    return time.perf_counter() - t0
+
+
+def _short_requests_s(gateway: Stage, warm: bool = True) -> list[float]:
+    """Five one-token completions' seconds, after one to warm up (`warm`)."""
+    if warm:
+        _short_request_s(gateway)
+    return [_short_request_s(gateway) for _ in range(5)]
+
+
 def test_long_prompts_are_tokenized_off_the_event_loop(stack):
     """Four prompts of 980k characters (about a second of tokenizer time each) being tokenized
     do not hold a concurrent short request: it takes under twice its time alone."""
     *_, gateway = stack
-    short = {"prompt": "Hi", "max_tokens": 1}
-
-    def short_request_s() -> float:
-        t0 = time.perf_counter()
-        status, payload = _http(gateway, "/v1/completions", short)
-        assert status == 200, payload
-        return time.perf_counter() - t0
-
-    short_request_s()  # warm
-    alone = [short_request_s() for _ in range(5)]
+    alone = _short_requests_s(gateway)
     words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
     long_prompt = (words * (980_000 // len(words) + 1))[:980_000]
     statuses: list[int] = []
@@ -680,10 +686,10 @@ def test_long_prompts_are_tokenized_off_the_event_loop(stack):
     time.sleep(0.5)  # their bodies are sent, their tokenization under way
     loaded = []
     while any(t.is_alive() for t in threads):
-        loaded.append(short_request_s())
+        loaded.append(_short_request_s(gateway))
     for t in threads:
         t.join()
-    alone += [short_request_s() for _ in range(5)]  # before and after: the host's load drifts
+    alone += _short_requests_s(gateway, warm=False)  # before and after: the host's load drifts
     assert statuses == [400] * 4  # more tokens than the model's context: refused, once counted
     assert statistics.median(loaded) < 2 * statistics.median(alone), (
         f"short requests took {loaded} s during the long prompts' tokenization, {alone} s alone"
@@ -703,20 +709,10 @@ def _post_raw(gateway: Stage, raw: bytes) -> tuple[int, dict]:
 def test_bodies_of_millions_of_items_are_refused_without_holding_others(stack):
     """Bodies near the 8 MB limit built to cost the event loop (1.5 million prompts; 1.9
     million arrays), four of each at once, are refused with a 400 naming what was too many,
-    and no concurrent short request waits behind them for seconds. (Before their counts were
-    checked first, one such body held the event loop, and every stream, for 14 to 30 s; now
-    the eight cost it about 0.4 s in all on a two-core machine.)"""
+    and no concurrent short request waits behind them for seconds (the eight cost the event
+    loop about 0.4 s in all on a two-core machine)."""
     *_, gateway = stack
-    short = {"prompt": "Hi", "max_tokens": 1}
-
-    def short_request_s() -> float:
-        t0 = time.perf_counter()
-        status, payload = _http(gateway, "/v1/completions", short)
-        assert status == 200, payload
-        return time.perf_counter() - t0
-
-    short_request_s()  # warm
-    alone = [short_request_s() for _ in range(5)]
+    alone = _short_requests_s(gateway)
     bodies = [
         (json.dumps({"prompt": ["a"] * 1_500_000}).encode(), "1500000 prompts"),
         (b'{"prompt": "hi", "x": [' + b"[0]," * 1_900_000 + b"[0]]}", "arrays and objects"),
@@ -732,10 +728,10 @@ def test_bodies_of_millions_of_items_are_refused_without_holding_others(stack):
         t.start()
     loaded = []
     while any(t.is_alive() for t in threads):
-        loaded.append(short_request_s())
+        loaded.append(_short_request_s(gateway))
     for t in threads:
         t.join()
-    alone += [short_request_s() for _ in range(5)]
+    alone += _short_requests_s(gateway, warm=False)
     assert len(got) == len(bodies)
     for status, what, message in got:
         assert status == 400 and what in message, (status, what, message)

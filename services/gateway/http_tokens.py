@@ -78,6 +78,13 @@ class TokenEndpoints:
             self.fe.check_model(body.get("model") or "")
             ids = body.get("tokens")
             vocab = self.fe.vocab_size
+            most = self.fe.pipeline.max_model_len  # what one sequence of this model can hold
+            if isinstance(ids, list) and len(ids) > most:
+                raise RequestError(
+                    f"tokens holds {len(ids)} ids; at most {most} (the model's context) are "
+                    "decoded at once",
+                    "tokens",
+                )
             if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
             ):

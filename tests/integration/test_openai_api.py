@@ -914,6 +914,7 @@ def test_tokenize_and_detokenize(client):
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [1, -1]}, "tokens"),
         ("/detokenize", {"tokens": "12"}, "tokens"),
+        ("/detokenize", {"tokens": [1] * (tok["max_model_len"] + 1)}, "tokens"),
     ]:
         with pytest.raises(openai.APIStatusError) as e:
             client.post(_root(client, path), cast_to=object, body=body)

@@ -3,6 +3,8 @@ naming it, never ignored or read as something else."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.gateway.openai_wire import (
@@ -158,3 +160,37 @@ def test_a_reply_sent_back_as_history_is_accepted():
         "tool_calls": None,
     }
     assert normalize_messages([reply], 512) == [{"role": "assistant", "content": "Paris."}]
+
+
+def _items_and_strings(v) -> tuple[int, int]:
+    """(arrays + objects + members, strings) of a parsed body, counted by walking it."""
+    if isinstance(v, dict):
+        counts = [_items_and_strings(x) for x in v.values()]
+        return 1 + len(v) + sum(c[0] for c in counts), len(v) + sum(c[1] for c in counts)
+    if isinstance(v, list):
+        counts = [_items_and_strings(x) for x in v]
+        return 1 + sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return 0, int(isinstance(v, str))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[{:", 'a "quoted" [x]: {y}', "back\\slash", "ends in a backslash \\", '\\"[{', '"', ":" * 9],
+)
+def test_body_counts_skip_what_strings_hold(text):
+    """The byte scan's counts equal the parsed body's, whatever brackets, colons, quotes and
+    backslashes its strings hold (keys among them)."""
+    from services.gateway.openai_wire import MAX_JSON_ITEMS, MAX_JSON_STRINGS, check_json_bytes
+
+    members = MAX_JSON_ITEMS // 2 + 1
+    body = {"prompt": text, "logit_bias": {f"{text}{i}": 1 for i in range(members)}}
+    items, strings = _items_and_strings(body)
+    assert items <= MAX_JSON_ITEMS < items + members and strings < MAX_JSON_STRINGS
+    check_json_bytes(json.dumps(body).encode())  # under both limits: passes
+    body["stop"] = {str(i): [text] for i in range(members)}
+    items, strings = _items_and_strings(body)
+    with pytest.raises(RequestError, match=f"holds {items} arrays, objects and object members"):
+        check_json_bytes(json.dumps(body).encode())
+    many = {"prompt": [text] * MAX_JSON_STRINGS}
+    with pytest.raises(RequestError, match=f"holds {MAX_JSON_STRINGS + 1} strings"):
+        check_json_bytes(json.dumps(many).encode())

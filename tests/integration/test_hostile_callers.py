@@ -708,14 +708,20 @@ def _post_raw(gateway: Stage, raw: bytes) -> tuple[int, dict]:
 
 def test_bodies_of_millions_of_items_are_refused_without_holding_others(stack):
     """Bodies near the 8 MB limit built to cost the event loop (1.5 million prompts; 1.9
-    million arrays), four of each at once, are refused with a 400 naming what was too many,
-    and no concurrent short request waits behind them for seconds (the eight cost the event
-    loop about 0.4 s in all on a two-core machine)."""
+    million arrays; an object of 200,000 keys), four of each at once, are refused with a 400
+    naming what was too many, and no concurrent short request waits behind them for seconds
+    (the twelve cost the event loop about 0.2 s in all on a two-core machine)."""
     *_, gateway = stack
     alone = _short_requests_s(gateway)
     bodies = [
-        (json.dumps({"prompt": ["a"] * 1_500_000}).encode(), "1500000 prompts"),
-        (b'{"prompt": "hi", "x": [' + b"[0]," * 1_900_000 + b"[0]]}", "arrays and objects"),
+        (json.dumps({"prompt": ["a"] * 1_500_000}).encode(), "1500001 strings"),
+        (b'{"prompt": "hi", "x": [' + b"[0]," * 1_900_000 + b"[0]]}", "1900005 arrays"),
+        (
+            json.dumps(
+                {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(200_000)}}
+            ).encode(),
+            "200004 arrays, objects and object members",
+        ),
     ] * 4
     got: list[tuple[int, str, str]] = []
 

@@ -169,7 +169,7 @@ HTTP_CASES = [
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": ["x"] * 40}, "stop"),
     # Counts refused before any item is looked at (the gateway's max_inflight, max_messages,
-    # OpenAI's 128 tools, the arrays and objects of one body).
+    # OpenAI's 128 tools, the strings and the arrays, objects and members of one body).
     ("completions", {"prompt": ["hi"] * 1025}, "prompt"),
     ("completions", {"prompt": [[5, 6]] * 1025}, "prompt"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}] * 513}, "messages"),
@@ -181,7 +181,9 @@ HTTP_CASES = [
         },
         "tools",
     ),
-    ("completions", b'{"prompt": "hi", "x": [' + b"[0]," * 70_000 + b"[0]]}", "arrays and objects"),
+    ("completions", b'{"prompt": "hi", "x": [' + b"[0]," * 70_000 + b"[0]]}", "arrays, objects"),
+    ("completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(70_000)}}, "members"),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 300_000}, "300003 strings"),
     # A lone surrogate among a list's strings, and in a key.
     ("completions", {"prompt": ["fine", "hi \udc00"]}, "surrogate"),
     ("completions", {"prompt": "hi", "logit_bias": {"\ud800": 1}}, "surrogate"),

@@ -76,8 +76,11 @@ class EngineConfig(HostTierSettings):
     # (one that alone compiles larger is refused); each compiles off the engine's thread, for at
     # most this many seconds (then its request fails naming the setting; others go on). The
     # default is under the 30 s prefill lease TTL, which a decode worker's compile counts against.
+    # A sequence whose grammar takes longer than grammar_token_budget_ms for one token (its mask
+    # or its advance; ambiguous grammars grow without bound) fails naming it: its batch waits.
     grammar_cache_mb: int = 256
     grammar_compile_timeout_s: float = 20.0
+    grammar_token_budget_ms: float = 30.0
 
     def tenant_quotas(self) -> dict[str, float]:
         """{tenant: fraction of the KV pool} from tenant_quota ({} when unset)."""
@@ -115,15 +118,12 @@ class EngineConfig(HostTierSettings):
             raise ValueError(
                 f"prefill_chunk must be a positive integer, got {self.prefill_chunk!r}"
             )
-        if self.tpot_slo_ms is not None and not self.tpot_slo_ms > 0:
-            raise ValueError(f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms!r}")
+        for name in ("tpot_slo_ms", "grammar_compile_timeout_s", "grammar_token_budget_ms"):
+            if (v := getattr(self, name)) is not None and not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
         if not isinstance(self.grammar_cache_mb, int) or self.grammar_cache_mb < 1:
             raise ValueError(
                 f"grammar_cache_mb must be a positive integer, got {self.grammar_cache_mb!r}"
-            )
-        if not self.grammar_compile_timeout_s > 0:
-            raise ValueError(
-                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -24,11 +24,14 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprobs | None] | None = None
     stop_string: str | None = None
     # With `SamplingParams.prompt_logprobs`: one entry per prompt token, the first None.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # finish_reason "error": why the request failed (its structured output's grammar took
+    # longer than grammar_token_budget_ms for a token).
+    error: str | None = None
 
 
 @dataclass
@@ -41,6 +44,7 @@ class CompletionChunk:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # The first chunk, with `SamplingParams.prompt_logprobs`: one entry per prompt token.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None  # the last chunk, finish_reason "error": why
 
 
 class LLM:
@@ -179,6 +183,7 @@ class LLM:
                         if seq.params.prompt_logprobs is not None
                         else None
                     ),
+                    error=seq.error,
                 )
             )
         return results
@@ -208,7 +213,9 @@ class LLM:
                 if finished:
                     text += d.finish()
                     reason = "stop" if d.stopped_by is not None else (seq.finish_reason or "stop")
-                    yield CompletionChunk(new_ids, text, reason, new_lps, out.prompt_logprobs)
+                    yield CompletionChunk(
+                        new_ids, text, reason, new_lps, out.prompt_logprobs, seq.error
+                    )
                     return
                 yield CompletionChunk(new_ids, text, None, new_lps, out.prompt_logprobs)
         finally:

@@ -282,3 +282,40 @@ def test_drafts_under_a_grammar_are_cut_to_what_it_allows(path, monkeypatch):
     for o in spec.generate(prompts, sampled):
         assert re.fullmatch(REGEX, _words(o.token_ids)), o.token_ids
     assert spec.engine.pool.num_used == 0
+
+
+AMBIGUOUS = 'root ::= s\ns ::= s s | s s s | "w3" | "w4" | ""'
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_past_its_token_budget_fails_alone(path, async_scheduling):
+    """An ambiguous grammar's work grows with every token it accepts (to a second a token on
+    the default model's vocabulary within a hundred), and its whole batch waits for it. Past
+    grammar_token_budget_ms for one token its sequence ends with finish_reason "error" naming
+    the setting, its blocks freed; a plain and a constrained neighbour finish as they would."""
+    budget_ms = 5.0
+    llm = tandem.LLM(
+        path, num_blocks=96, grammar_token_budget_ms=budget_ms, async_scheduling=async_scheduling
+    )
+    eos = sorted(llm.engine.eos_token_ids)
+    hostile = SamplingParams(
+        max_tokens=400,
+        temperature=1.0,
+        seed=1,
+        logit_bias={t: -100 for t in eos},  # the grammar may end at any token: hold it off
+        structured=StructuredOutput("grammar", AMBIGUOUS),
+    )
+    regex = SamplingParams(
+        max_tokens=60, temperature=0, structured=StructuredOutput("regex", REGEX)
+    )
+    plain = SamplingParams(max_tokens=40, temperature=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    want = tandem.LLM(path, num_blocks=96).generate(prompts[1:], [regex, plain])
+    outs = llm.generate(prompts, [hostile, regex, plain])
+    bad = outs[0]
+    assert bad.finish_reason == "error", (bad.finish_reason, len(bad.token_ids))
+    assert "grammar_token_budget_ms" in bad.error and f"at most {budget_ms:g} ms" in bad.error
+    assert 0 < len(bad.token_ids) < 400
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in outs[1:]] == [o.finish_reason for o in want]
+    assert llm.engine.pool.num_used == 0

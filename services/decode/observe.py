@@ -157,10 +157,11 @@ class DecodeTelemetry:
 
     # ---- the end (event loop) -------------------------------------------------------------
     def finished(self, seq_id: str, reason: str) -> None:
-        """A sequence left this worker: stop | length | abort | error[:message]."""
+        """A sequence left this worker: stop | length | abort | error[:message] |
+        invalid:message (failed for its request's fault)."""
         error = None
-        if reason.startswith("error"):
-            reason, error = "error", reason[len("error:") :] or "error"
+        if reason.startswith(("error", "invalid:")):
+            reason, error = "error", reason.partition(":")[2] or "error"
         self.metrics.requests.labels(reason).inc()
         st = self.seqs.pop(seq_id, None) if self.tracing else None
         if st is None:

@@ -34,6 +34,7 @@ from tandem.config import EngineConfig
 from tandem.device import resolved_device, resolved_dtype
 from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import LLMEngine, StepOutput
+from tandem.engine.sequence import Sequence
 from tandem.engine.speculator import Speculator
 from tandem.kv import transports
 from tandem.kv.block_copy import DeviceCopy
@@ -58,6 +59,14 @@ from tandem.rpc.limits import decode_limits
 
 log = logging.getLogger("tandem.decode")
 SERVICE = "tandem.v1.Decode"
+
+
+def finish_reason(seq: Sequence) -> str:
+    """A finished sequence's reason as `_dispatch` takes it: "invalid:<why>" for one the engine
+    failed for its own request's fault (`Sequence.error`: a grammar past its time budget)."""
+    if seq.finish_reason == "error" and seq.error is not None:
+        return "invalid:" + seq.error
+    return seq.finish_reason or "stop"
 
 
 @dataclass
@@ -219,7 +228,7 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
                 o.seq.seq_id,
                 list(o.new_token_ids),
                 list(o.new_logprobs),
-                o.seq.finish_reason if o.finished else None,
+                finish_reason(o.seq) if o.finished else None,
                 (o.seq.spec_proposed, o.seq.spec_accepted),
                 o.prompt_logprobs,
             )
@@ -289,13 +298,16 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
             ms = max(ms, (copy.passed_at() - t0) * 1e3)
         proposed, accepted = self.spec_totals.pop(sid, (0, 0))
         cached, queue_ms, prefill_ms = self.prefill_info.pop(sid, (0, 0.0, 0.0))
-        err = ""
+        err, code = "", ""
         if reason.startswith("error:"):
             reason, err = "error", reason[len("error:") :]
+        elif reason.startswith("invalid:"):  # the request's own fault: the gateway says 400
+            reason, err, code = "error", reason[len("invalid:") :], "INVALID_ARGUMENT"
         return stages_pb2.SeqFinished(
             seq_id=sid,
             finish_reason=reason,
             error=err,
+            error_code=code,
             kv_transfer_ms=ms,
             kv_transport=kind,
             proposed_draft_tokens=proposed,

@@ -189,6 +189,9 @@ class PrefillService(KvEventsServicer, stages_pb2_grpc.PrefillServicer):
             if seq.lease_id is None:
                 if o.finished:  # ended without KV to lease: its caller must not wait for one
                     self._end_run(seq.seq_id)
+                    if seq.error is not None:  # the request's own fault: a 400 naming it
+                        self.loop.call_soon_threadsafe(self._fail, seq.seq_id, seq.error, True)
+                        continue
                     reason = f"the prompt ended without KV to lease ({seq.finish_reason})"
                     self.loop.call_soon_threadsafe(self._fail, seq.seq_id, reason)
                 continue
@@ -230,11 +233,13 @@ class PrefillService(KvEventsServicer, stages_pb2_grpc.PrefillServicer):
             return
         fut.set_result(res)
 
-    def _fail(self, seq_id: str, message: str) -> None:
+    def _fail(self, seq_id: str, message: str, invalid: bool = False) -> None:
         self.obs.forget(seq_id)
         fut = self.pending.pop(seq_id, None)
         if fut is not None and not fut.done():
-            fut.set_exception(RuntimeError(f"prefill failed: {message}"))
+            fut.set_exception(
+                ValueError(message) if invalid else RuntimeError(f"prefill failed: {message}")
+            )
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def Register(self, request, context):
@@ -358,6 +363,8 @@ class PrefillService(KvEventsServicer, stages_pb2_grpc.PrefillServicer):
             else:
                 self.engine_loop.submit(drop)
             raise
+        except ValueError as e:  # the request's own fault (a grammar past its time budget)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         refused = ""

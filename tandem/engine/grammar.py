@@ -28,6 +28,7 @@ finishes with "stop" (whatever `ignore_eos` says: nothing may follow a complete 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,21 @@ from tandem.api.structured import (
 from tandem.engine.grammar_pool import GrammarPool
 
 
+def too_slow(seconds: float, budget_s: float, what: str, tokens: int = 1) -> str | None:
+    """Why a sequence fails whose grammar took `seconds` to `what` for `tokens` tokens, or None
+    within `budget_s` a token (grammar_token_budget_ms). A grammar's work for one token takes
+    microseconds to a few milliseconds; an ambiguous grammar's (`s ::= s s | "a" | ""`) grows
+    with every token it accepts, to a second a token within a hundred, and the sequence's whole
+    batch waits for it. Timed in the engine thread's CPU time (`time.thread_time`): a thread
+    that waited for a core or the GIL meanwhile is not counted against the request."""
+    if seconds <= budget_s * tokens:
+        return None
+    return (
+        f"structured output: the grammar took {seconds * 1e3:.0f} ms to {what}; at most "
+        f"{budget_s * 1e3:g} ms a token are allowed (grammar_token_budget_ms)"
+    )
+
+
 class GrammarCompiler:
     """Compiles `StructuredOutput`s for one tokenizer (off the engine thread, into a cache of
     `cache_bytes`, each compile within `timeout_s`: `tandem/engine/grammar_pool.py`) and makes
@@ -57,9 +73,11 @@ class GrammarCompiler:
         cache_bytes: int,
         timeout_s: float,
         pin_memory: bool = False,
+        token_budget_s: float = float("inf"),
     ) -> None:
         xgr = load_xgrammar()
         self.vocab_size = vocab_size
+        self.token_budget_s = token_budget_s
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
@@ -155,14 +173,24 @@ class GrammarCompiler:
         matcher.rollback(len(draft))
         return mask
 
-    def bitmask(self, matchers: Sequence[Any], rows: Sequence[int], batch: int) -> torch.Tensor:
+    def bitmask(
+        self, matchers: Sequence[Any], rows: Sequence[int], batch: int
+    ) -> tuple[torch.Tensor, dict[int, str]]:
         """[batch, ceil(V / 32)] int32 on the host (pinned for a GPU engine, so that its copy
         needs no synchronization): row `rows[j]` holds the tokens `matchers[j]` allows; the
-        other rows are never applied. Valid until the next call but one.
+        other rows are never applied. Valid until the next call but one. With it, {j: why} for
+        each matcher past the token budget (`too_slow`).
 
         One matcher after another: on an H200 host, replaying 32 JSON-schema outputs, the 32
         fills took 0.11 ms in a loop and 0.39 ms through xgrammar's threaded batch matcher."""
         mask = self._buffer(batch)
-        for m, row in zip(matchers, rows, strict=True):
+        slow: dict[int, str] = {}
+        t = time.thread_time()
+        for j, (m, row) in enumerate(zip(matchers, rows, strict=True)):
             m.fill_next_token_bitmask(mask, row)
-        return mask
+            now = time.thread_time()
+            why = too_slow(now - t, self.token_budget_s, "find the allowed tokens")
+            if why is not None:
+                slow[j] = why
+            t = now
+        return mask, slow

@@ -191,8 +191,11 @@ class LLMEngine:
             grammar_cache_bytes=config.grammar_cache_mb << 20,
             grammar_compile_timeout_s=config.grammar_compile_timeout_s,
             pin_memory=device.type == "cuda",
+            grammar_token_budget_s=config.grammar_token_budget_ms / 1e3,
         )
-        self.recorder = TokenRecorder(self.eos_token_ids, self.max_model_len)
+        self.recorder = TokenRecorder(
+            self.eos_token_ids, self.max_model_len, config.grammar_token_budget_ms / 1e3
+        )
         self.admission = Admission(
             config,
             mc.vocab_size,
@@ -445,7 +448,7 @@ class LLMEngine:
             scored = prompt_scores(seq)
             seq.num_computed += n
             reason = append(seq, tok, lp)
-            if seq.prefill_only:
+            if seq.prefill_only and reason != "error":
                 # The prompt's KV (not the sampled token's, which is not computed yet) is leased
                 # to the decode worker, with the names its prefix cache gave the full blocks;
                 # the rest of the sequence's life is there.

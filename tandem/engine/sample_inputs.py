@@ -38,6 +38,7 @@ class SampleInputs:
         grammar_cache_bytes: int,
         grammar_compile_timeout_s: float,
         pin_memory: bool,
+        grammar_token_budget_s: float = float("inf"),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -46,6 +47,7 @@ class SampleInputs:
         self.grammar_cache_bytes = grammar_cache_bytes
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self.pin_memory = pin_memory
+        self.grammar_token_budget_s = grammar_token_budget_s
         self.grammars: GrammarCompiler | None = None  # built on the first constrained request
         self._lock = threading.Lock()  # that request may come from another thread
 
@@ -61,6 +63,7 @@ class SampleInputs:
                     cache_bytes=self.grammar_cache_bytes,
                     timeout_s=self.grammar_compile_timeout_s,
                     pin_memory=self.pin_memory,
+                    token_budget_s=self.grammar_token_budget_s,
                 )
             return self.grammars
 
@@ -98,7 +101,9 @@ class SampleInputs:
         self, seqs: list[Sequence], batch: list[Sequence] | None = None
     ) -> tuple[torch.Tensor | None, list[int]]:
         """The structured-output bitmask (host side, one row per sequence of `batch`, default
-        `seqs` itself) of the constrained sequences among `seqs`, and their rows."""
+        `seqs` itself) of the constrained sequences among `seqs`, and their rows. A sequence
+        whose grammar took past its token budget is marked to fail (`Sequence.error`): it ends
+        with the token sampled under this mask."""
         constrained = [s for s in seqs if s.matcher is not None]
         if not constrained:
             return None, []
@@ -106,7 +111,10 @@ class SampleInputs:
         batch = batch if batch is not None else seqs
         row_of = {id(s): i for i, s in enumerate(batch)}
         rows = [row_of[id(s)] for s in constrained]
-        return self.grammars.bitmask([s.matcher for s in constrained], rows, len(batch)), rows
+        mask, slow = self.grammars.bitmask([s.matcher for s in constrained], rows, len(batch))
+        for j, why in slow.items():
+            constrained[j].error = constrained[j].error or why
+        return mask, rows
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
         """The ids that end a sequence of `params`: its stop tokens, and end of sequence unless

@@ -37,7 +37,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, with finish_reason "error": the request's own fault
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -4,11 +4,13 @@ the target's), and sequences without drafts sample as usual in the same step."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.api.logprobs import TokenLogprobs
+from tandem.engine.grammar import too_slow
 from tandem.engine.prompt_logprobs import plan_prompt_scoring
 from tandem.engine.sampler import sample
 from tandem.engine.sequence import Sequence, SequenceStatus
@@ -93,7 +95,14 @@ class SpeculativeStep:
                 masks = None
                 if seq.matcher is not None:
                     assert grammars is not None
+                    t = time.thread_time()
                     masks = grammars.draft_masks(seq.matcher, draft)
+                    seq.error = seq.error or too_slow(
+                        time.thread_time() - t,
+                        grammars.token_budget_s,
+                        "find a draft's allowed tokens",
+                        len(draft) + 1,
+                    )
                 new, new_lps = accept_draft_tokens(
                     logits[row : row + c],
                     draft,
@@ -148,5 +157,9 @@ class SpeculativeStep:
                     continue  # its grammar has not read the token in flight yet
                 grammars = self.sample_inputs.grammars
                 assert grammars is not None
+                t, n = time.thread_time(), len(toks)
                 toks = grammars.draft_prefix(seq.matcher, toks)
+                seq.error = seq.error or too_slow(
+                    time.thread_time() - t, grammars.token_budget_s, "check a draft", n
+                )
             seq.spec_tokens = toks

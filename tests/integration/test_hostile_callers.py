@@ -744,3 +744,50 @@ def test_bodies_of_millions_of_items_are_refused_without_holding_others(stack):
     assert max(loaded) < 3.0, (
         f"short requests took {loaded} s beside the hostile bodies, {alone} s alone"
     )
+
+
+def _eight_tokens_s(gateway: Stage) -> float:
+    """Seconds an 8-token completion takes (decoded beside whatever else runs)."""
+    t0 = time.perf_counter()
+    body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+    status, payload = _http(gateway, "/v1/completions", body)
+    assert status == 200, payload
+    return time.perf_counter() - t0
+
+
+def test_a_grammar_that_slows_every_step_fails_alone(stack):
+    """An ambiguous grammar's work grows with each token it accepts (on the default model a
+    second a token within a hundred), and every stream in its batch waits for it. Its request
+    ends with an error naming grammar_token_budget_ms within seconds, and requests decoded
+    beside it stay quick."""
+    *_, gateway = stack
+    alone = [_eight_tokens_s(gateway) for _ in range(3)]
+    hostile = {
+        "prompt": "ab",
+        "max_tokens": 400,
+        "temperature": 1.0,
+        "seed": 1,
+        "stream": True,
+        "logit_bias": {"0": -100, "2": -100},  # the grammar may end anywhere: hold it off
+        "response_format": {
+            "type": "grammar",
+            "grammar": 'root ::= s\ns ::= s s | s s s | "a" | "b" | ""',
+        },
+    }
+    got: list = []
+    t0 = time.perf_counter()
+    t = threading.Thread(target=lambda: got.append((_sse(gateway, hostile), time.perf_counter())))
+    t.start()
+    beside = []
+    while t.is_alive():
+        beside.append(_eight_tokens_s(gateway))
+    t.join()
+    (status, events), t1 = got[0]
+    assert status == 200
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert errors and "grammar_token_budget_ms" in errors[0]["message"], events[-3:]
+    assert errors[0]["type"] == "invalid_request_error"
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
+    assert t1 - t0 < 30, f"the hostile stream took {t1 - t0:.1f} s"
+    assert max(beside) < 3 * max(alone) + 1, (beside, alone)

@@ -52,10 +52,10 @@ def too_slow(seconds: float, budget_s: float, what: str, tokens: int = 1) -> str
     with every token it accepts, to a second a token within a hundred, and the sequence's whole
     batch waits for it. Timed in the engine thread's CPU time (`time.thread_time`): a thread
     that waited for a core or the GIL meanwhile is not counted against the request."""
-    if seconds <= budget_s * tokens:
+    if seconds <= budget_s * max(tokens, 1):
         return None
     return (
-        f"structured output: the grammar took {seconds * 1e3:.0f} ms to {what}; at most "
+        f"structured output: the grammar took {seconds * 1e3:.1f} ms to {what}; at most "
         f"{budget_s * 1e3:g} ms a token are allowed (grammar_token_budget_ms)"
     )
 

@@ -188,12 +188,14 @@ class GatewayConfig:
     tls_key: str | None = None
     # The HTTP listener (services/gateway/http_limits.py): connections at most (503 beyond), per
     # client address (429 beyond; by default all: behind a proxy every client has its address),
-    # and seconds for a request's headers, its body, and a keep-alive connection's idle wait.
+    # and seconds for a request's headers, its body, a keep-alive connection's idle wait, and a
+    # response's client to take any of what the gateway has to send (then it is closed).
     http_max_connections: int = 1024
     http_max_connections_per_client: int = 1024
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_keepalive_timeout_s: float = 75.0
+    http_write_timeout_s: float = 60.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
     # than this many tokens is prefilled there; longer ones, and all with 0, on a prefill worker.
     disagg_threshold: int = 128
@@ -232,12 +234,7 @@ class GatewayConfig:
             raise ValueError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms!r}")
         if not self.resume_budget_s >= 0:
             raise ValueError(f"resume_budget_s must be >= 0, got {self.resume_budget_s!r}")
-        for name in (
-            "http_header_timeout_s",
-            "http_body_timeout_s",
-            "http_keepalive_timeout_s",
-            "stage_health_timeout_s",
-        ):
+        for name in [f.name for f in fields(self) if f.name.endswith("_timeout_s")]:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.shed_load and self.ttft_slo_ms is None:

@@ -10,6 +10,11 @@ connection is, at any time, in one of three states:
   timeout the connection is closed.
 - BUSY: a request is being served. No deadline here: its body has its own (in the handler), and
   a stream lasts as long as it streams.
+
+In any state, a connection whose client takes none of what the gateway has to send for the
+write timeout is closed: its writes are paused (the socket's buffers full) all that time. A
+client that stops reading a long stream would otherwise hold its connection, and the request's
+tokens queued behind it, for as long as it liked; closed, its request is cancelled.
 - IDLE: a keep-alive connection waits for its next request; closed after the keep-alive timeout.
 
 At most `max_connections` are open. At the cap a new connection takes the place of one that
@@ -37,7 +42,7 @@ from services.gateway.openai_wire import error_body
 log = logging.getLogger("tandem.gateway.http")
 
 HEADERS, BUSY, IDLE = "headers", "busy", "idle"
-CLOSE_REASONS = ("header_timeout", "keepalive_timeout", "evicted")
+CLOSE_REASONS = ("header_timeout", "keepalive_timeout", "evicted", "write_timeout")
 REFUSE_REASONS = ("cap", "per_client")
 # A refused connection reads (and drops) what its client sends for this long before it closes:
 # closing a socket with unread data resets it, and the client may lose the refusal with it.
@@ -54,11 +59,13 @@ class ConnectionGuard:
         header_timeout_s: float,
         keepalive_timeout_s: float,
         ssl_context: ssl.SSLContext | None = None,
+        write_timeout_s: float = 60.0,
     ) -> None:
         self.max_connections = max_connections
         self.max_per_client = max_per_client
         self.header_timeout_s = header_timeout_s
         self.keepalive_timeout_s = keepalive_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.ssl_context = ssl_context
         self.open = 0
         self.per_client: defaultdict[str, int] = defaultdict(int)
@@ -119,6 +126,7 @@ class _Connection(asyncio.Protocol):
         self.state: str | None = None  # None: not (or no longer) counted by the guard
         self.refused = False
         self.timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None  # armed while writes are paused
         self.ready = False  # `inner` has its transport (the TLS one, after the handshake)
         self.handshaking = False  # the TLS layer is doing its handshake
 
@@ -196,6 +204,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self, reason: str) -> None:
         """Close the connection for `reason` (one of CLOSE_REASONS)."""
+        self._stop_write_timer()
         self.guard.closed[reason] += 1
         idle = self.state == IDLE
         self._leave()
@@ -257,6 +266,7 @@ class _Connection(asyncio.Protocol):
         return None  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_write_timer()
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -270,12 +280,27 @@ class _Connection(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        if self.state is not None and self.write_timer is None:
+            self.write_timer = asyncio.get_running_loop().call_later(
+                self.guard.write_timeout_s, self._write_expired
+            )
         if self.ready:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self._stop_write_timer()
         if self.ready:
             self.inner.resume_writing()
+
+    def _stop_write_timer(self) -> None:
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+
+    def _write_expired(self) -> None:
+        self.write_timer = None
+        if self.state is not None:
+            self.close("write_timeout")
 
 
 def _refusal_response(status: int, message: str) -> bytes:

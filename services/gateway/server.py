@@ -139,6 +139,7 @@ async def serve(
             gc.http_header_timeout_s,
             gc.http_keepalive_timeout_s,
             ssl_ctx,
+            write_timeout_s=gc.http_write_timeout_s,
         )
         gateway_metrics.watch(lambda: _http_metrics(guard))
         await GuardedSite(runner, host, http_port, guard).start()
@@ -218,7 +219,8 @@ def _http_metrics(guard: ConnectionGuard):
         "tandem_http_connections_closed",
         "HTTP connections the gateway closed: header_timeout (a request's headers, or the TLS "
         "handshake, came too slowly), keepalive_timeout (idle too long), evicted (to make room "
-        "for a new connection at the cap).",
+        "for a new connection at the cap), write_timeout (its client took none of a response "
+        "for --http-write-timeout-s).",
         labels=["reason"],
     )
     for reason in CLOSE_REASONS:

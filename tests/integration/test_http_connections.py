@@ -311,3 +311,38 @@ def test_connections_per_client_address_are_limited(gateway):
         for s in held:
             s.close()
     assert _metric(gw, refused) == before + 1
+
+
+def test_a_client_that_stops_reading_is_closed_after_the_write_timeout(tmp_path, started):
+    """A client sends eight /tokenize requests on one connection (each answer ~1 MB) and reads
+    nothing (its receive window a few KB): once the socket's buffers are full the gateway's
+    writes wait, and after --http-write-timeout-s of that the connection is closed and counted,
+    rather than held for as long as the client likes. Other clients are served meanwhile."""
+    gw = _gateway(tmp_path, ["--http-write-timeout-s", "2"])
+    started.append(gw)
+    body = json.dumps({"prompt": " hello" * 160_000}).encode()  # 160,000 tokens back
+    request = (
+        b"POST /tokenize HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", gw.http_port))
+    s.settimeout(60)
+    s.sendall(request * 8)
+    sample = 'tandem_http_connections_closed_total{reason="write_timeout"}'
+    deadline = time.monotonic() + 120
+    while not _metric(gw, sample):  # each tokenization takes a while, then the writes stall
+        assert time.monotonic() < deadline, "the stalled connection was never closed"
+        with _connect(gw.http_port) as other:
+            assert _livez(other) == 200
+        time.sleep(0.5)
+    assert _metric(gw, sample) == 1
+    got = 0
+    try:
+        while chunk := s.recv(1 << 20):
+            got += len(chunk)
+    except ConnectionResetError:
+        pass
+    s.close()
+    assert 0 < got < 7_000_000, got  # what the buffers held, not the eight answers

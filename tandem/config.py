@@ -189,13 +189,15 @@ class GatewayConfig:
     # The HTTP listener (services/gateway/http_limits.py): connections at most (503 beyond), per
     # client address (429 beyond; by default all: behind a proxy every client has its address),
     # and seconds for a request's headers, its body, a keep-alive connection's idle wait, and a
-    # response's client to take any of what the gateway has to send (then it is closed).
+    # response's client to take any of what the gateway has to send (then it is closed; for a
+    # gRPC stream, grpc_write_timeout_s ends the call).
     http_max_connections: int = 1024
     http_max_connections_per_client: int = 1024
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_keepalive_timeout_s: float = 75.0
     http_write_timeout_s: float = 60.0
+    grpc_write_timeout_s: float = 60.0
     # Conditional disaggregation: a prompt whose part not cached on its decode worker is shorter
     # than this many tokens is prefilled there; longer ones, and all with 0, on a prefill worker.
     disagg_threshold: int = 128

@@ -236,7 +236,27 @@ RETRY_METADATA = (
 )
 
 
+class StreamStalled(Exception):
+    """A streaming call's client took none of its messages for grpc_write_timeout_s."""
+
+
+async def _send(context: grpc.aio.ServicerContext, msg, timeout_s: float) -> None:
+    """Write one message of a streaming call. A client that reads nothing fills the stream's
+    flow-control window and the write waits; past `timeout_s` the call ends (StreamStalled)
+    rather than hold its request, and the tokens queued behind it, for as long as it likes."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await context.write(msg)
+    except TimeoutError:
+        raise StreamStalled(
+            f"the client read none of the stream for {timeout_s:g} s (grpc_write_timeout_s)"
+        ) from None
+
+
 async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    if isinstance(e, StreamStalled):
+        log.warning("gRPC stream ended: %s", e)
+        await context.abort(grpc.StatusCode.CANCELLED, str(e))
     if isinstance(e, ValueError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if isinstance(e, StageUnavailable):
@@ -285,6 +305,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
             rt.fail(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rt.tokenized(ids, params, request.model)
+        timeout_s = self.fe.limits.grpc_write_timeout_s
         try:
             async for ev in rt.watch(
                 self.fe.pipeline.run(ids, params, request.request_id, trace=rt, tenant=rt.tenant)
@@ -292,9 +313,10 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 if isinstance(ev, TextDelta):
                     r = api_pb2.GenerateResponse()
                     fill_chunk(r.chunk, ev)
-                    yield r
+                    await _send(context, r, timeout_s)
                 else:
-                    yield api_pb2.GenerateResponse(finish=finish_to_proto(ev, rt.trace_id))
+                    r = api_pb2.GenerateResponse(finish=finish_to_proto(ev, rt.trace_id))
+                    await _send(context, r, timeout_s)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a traceback
             await _abort_for(context, e)
 
@@ -389,6 +411,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 out.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
+        timeout_s = self.fe.limits.grpc_write_timeout_s
         try:
             while True:
                 msg = await out.get()
@@ -396,7 +419,10 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                     break
                 if isinstance(msg, Exception):
                     await _abort_for(context, msg)
-                yield msg
+                try:
+                    await _send(context, msg, timeout_s)
+                except StreamStalled as e:
+                    await _abort_for(context, e)
         finally:
             reader.cancel()
             t = state["task"]

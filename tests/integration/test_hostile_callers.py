@@ -27,7 +27,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tandem.rpc import api_pb2, stages_pb2, stages_pb2_grpc
+from tandem.rpc import api_pb2, api_pb2_grpc, stages_pb2, stages_pb2_grpc
 from tandem.rpc.auth import STAGE_SECRET_KEY, StageCredentials, stage_channel_sync
 from tests.integration.stages import (
     Stage,
@@ -43,6 +43,7 @@ SECRET = "stage-secret-" + uuid.uuid4().hex
 GATEWAY_SECRET = "gateway-secret-" + uuid.uuid4().hex
 MAX_LEASES = 3
 DECODE_BLOCKS = 32  # of 16 tokens: one sequence holds at most 512 tokens there
+GRPC_WRITE_S = 3  # the gateway's --grpc-write-timeout-s
 DECODE_TAKES = 4  # sequences running (2) and queued (2) at most on the decode worker
 SAMPLING = api_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
@@ -55,7 +56,7 @@ def stack(tmp_path_factory):
         d,
         [],
         "ngram",
-        gateway_args=["--disagg-threshold", "0"],
+        gateway_args=["--disagg-threshold", "0", "--grpc-write-timeout-s", str(GRPC_WRITE_S)],
         prefill_args=["--max-leases-per-peer", str(MAX_LEASES)],
         decode_args=[
             "--num-blocks",
@@ -794,3 +795,33 @@ def test_a_grammar_that_slows_every_step_fails_alone(stack):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "error"
     assert t1 - t0 < 30, f"the hostile stream took {t1 - t0:.1f} s"
     assert max(beside) < 3 * max(alone) + 1, (beside, alone)
+
+
+def test_a_grpc_client_that_stops_reading_is_cancelled(stack):
+    """A Generate stream with 20 logprobs a token whose client reads nothing (its flow-control
+    window 64 KB) fills the window within a couple hundred tokens; after --grpc-write-timeout-s
+    of writes waiting the call ends CANCELLED naming the setting, long before its 470 tokens
+    would have ended it, and the decode worker's blocks come back."""
+    _, _, decode, gateway = stack
+    channel = grpc.insecure_channel(gateway.address, options=[("grpc.http2.bdp_probe", 0)])
+    stub = api_pb2_grpc.GatewayStub(channel)
+    req = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+        sampling=api_pb2.SamplingParams(max_tokens=470, ignore_eos=True, logprobs=20),
+    )
+    t0 = time.monotonic()
+    call = stub.Generate(req, timeout=300)
+    time.sleep(GRPC_WRITE_S + 12)  # reads nothing meanwhile
+    got = 0
+    with pytest.raises(grpc.RpcError) as e:
+        for r in call:
+            got += len(r.chunk.token_ids)
+    assert e.value.code() == grpc.StatusCode.CANCELLED, e.value
+    assert "grpc_write_timeout_s" in e.value.details()
+    assert 0 < got < 470, got
+    channel.close()
+    deadline = time.monotonic() + 30
+    while decode.stats().used_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert decode.stats().used_blocks == 0
+    assert time.monotonic() - t0 < 120

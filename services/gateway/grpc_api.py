@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -240,17 +241,51 @@ class StreamStalled(Exception):
     """A streaming call's client took none of its messages for grpc_write_timeout_s."""
 
 
-async def _send(context: grpc.aio.ServicerContext, msg, timeout_s: float) -> None:
-    """Write one message of a streaming call. A client that reads nothing fills the stream's
-    flow-control window and the write waits; past `timeout_s` the call ends (StreamStalled)
-    rather than hold its request, and the tokens queued behind it, for as long as it likes."""
-    try:
-        async with asyncio.timeout(timeout_s):
+class StreamWrites:
+    """Writes of streaming calls, each bounded in time. A client that reads nothing fills its
+    stream's flow-control window and the write waits; past `timeout_s` the call ends
+    (StreamStalled) rather than hold its request, and the tokens queued behind it, for as long
+    as the client likes. One watchdog task checks the writes in progress a few times a timeout
+    and cancels those past it: a write costs a dict entry, not a timer of its own."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._since: dict[asyncio.Task, float] = {}  # writes in progress: when each began
+        self._expired: set[asyncio.Task] = set()
+        self._watchdog: asyncio.Task | None = None
+
+    async def send(self, context: grpc.aio.ServicerContext, msg) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._since[task] = time.monotonic()
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
+        try:
             await context.write(msg)
-    except TimeoutError:
-        raise StreamStalled(
-            f"the client read none of the stream for {timeout_s:g} s (grpc_write_timeout_s)"
-        ) from None
+        except asyncio.CancelledError:
+            if task not in self._expired:
+                raise
+            self._expired.discard(task)
+            task.uncancel()
+            raise StreamStalled(
+                f"the client read none of the stream for {self.timeout_s:g} s "
+                "(grpc_write_timeout_s)"
+            ) from None
+        finally:
+            self._since.pop(task, None)
+
+    async def _watch(self) -> None:
+        """Runs while writes are in progress (started again by the next one after)."""
+        try:
+            while self._since:
+                await asyncio.sleep(self.timeout_s / 4)
+                now = time.monotonic()
+                for task, t0 in list(self._since.items()):
+                    if now - t0 > self.timeout_s and task not in self._expired:
+                        self._expired.add(task)
+                        task.cancel()
+        finally:
+            self._watchdog = None
 
 
 async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
@@ -270,6 +305,7 @@ async def _abort_for(context: grpc.aio.ServicerContext, e: Exception) -> None:
 class GatewayService(api_pb2_grpc.GatewayServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.fe = frontend
+        self.writes = StreamWrites(frontend.limits.grpc_write_timeout_s)
 
     async def _parse_generate(
         self, req: api_pb2.GenerateRequest
@@ -305,7 +341,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
             rt.fail(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rt.tokenized(ids, params, request.model)
-        timeout_s = self.fe.limits.grpc_write_timeout_s
+        send = self.writes.send
         try:
             async for ev in rt.watch(
                 self.fe.pipeline.run(ids, params, request.request_id, trace=rt, tenant=rt.tenant)
@@ -313,10 +349,10 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 if isinstance(ev, TextDelta):
                     r = api_pb2.GenerateResponse()
                     fill_chunk(r.chunk, ev)
-                    await _send(context, r, timeout_s)
+                    await send(context, r)
                 else:
                     r = api_pb2.GenerateResponse(finish=finish_to_proto(ev, rt.trace_id))
-                    await _send(context, r, timeout_s)
+                    await send(context, r)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a traceback
             await _abort_for(context, e)
 
@@ -411,7 +447,6 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 out.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
-        timeout_s = self.fe.limits.grpc_write_timeout_s
         try:
             while True:
                 msg = await out.get()
@@ -420,7 +455,7 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 if isinstance(msg, Exception):
                     await _abort_for(context, msg)
                 try:
-                    await _send(context, msg, timeout_s)
+                    await self.writes.send(context, msg)
                 except StreamStalled as e:
                     await _abort_for(context, e)
         finally:

@@ -211,8 +211,10 @@ class GatewayConfig:
     # Seconds a worker may take to answer a health check (every half second) before it is taken
     # for stopped: no request is routed to it, its streams resume elsewhere, until it answers.
     stage_health_timeout_s: float = 2.0
-    # Responses kept for `previous_response_id` (the latest, LRU; not those with `store: false`).
+    # Responses kept for `previous_response_id` (the latest, LRU; not those with `store: false`):
+    # at most this many, holding at most responses_store_mb MiB of conversation text in all.
     responses_store_size: int = 1024
+    responses_store_mb: int = 256
     # Web pages of these origins (scheme://host[:port], comma-separated or the flag repeated;
     # `*`: any) may call the HTTP API from a browser (CORS). None: no CORS headers are sent.
     cors_allowed_origins: str | None = field(default=None, metadata={"repeatable": True})

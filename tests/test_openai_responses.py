@@ -13,7 +13,7 @@ from services.gateway.openai_request import FieldError
 from services.gateway.openai_responses import OutputItems, generate, messages_from_input
 from services.gateway.openai_tools import parse_tools
 from services.gateway.pipeline import Finished, TextDelta
-from services.gateway.response_store import ResponseStore
+from services.gateway.response_store import ResponseStore, text_size
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 
@@ -127,3 +127,21 @@ def test_store_keeps_the_most_recent_per_tenant():
     assert store.get("a", "r1") is not None  # now the most recent
     store.put("a", "r3", [])
     assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+
+
+def test_store_holds_at_most_its_characters():
+    """Past max_chars of text in all the oldest conversations go; one longer than that alone
+    is not kept (and an id kept again replaces its own entry's count)."""
+    long = [{"role": "user", "content": "x" * 400}]
+    size = text_size(long)
+    assert size == len("role") + len("user") + len("content") + 400
+    store = ResponseStore(100, max_chars=2 * size)
+    store.put("a", "r1", long)
+    store.put("a", "r2", long)
+    store.put("a", "r2", long)  # again: still two entries' worth
+    assert store.chars == 2 * size and store.get("a", "r1") is not None
+    store.put("a", "r3", long)  # r2 is now the oldest
+    assert store.get("a", "r2") is None and store.get("a", "r1") is not None
+    assert store.chars == 2 * size
+    store.put("a", "huge", [{"role": "user", "content": "x" * (2 * size)}])
+    assert store.get("a", "huge") is None and store.chars == 2 * size

@@ -88,7 +88,7 @@ class OpenAIServer:
         self.app = web.Application(client_max_size=8 << 20, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.chat)
         self.app.router.add_post("/v1/completions", self.completions)
-        self.responses = ResponsesAPI(self, config.responses_store_size)
+        self.responses = ResponsesAPI(self, config.responses_store_size, config.responses_store_mb)
         self.app.router.add_post("/v1/responses", self.responses.create)
         tokens = TokenEndpoints(frontend, self._body)
         self.app.router.add_post("/tokenize", tokens.tokenize)

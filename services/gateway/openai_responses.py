@@ -447,10 +447,10 @@ async def generate(
 class ResponsesAPI:
     """`POST /v1/responses` of an OpenAIServer, with the store of recent responses."""
 
-    def __init__(self, server: OpenAIServer, store_size: int) -> None:
+    def __init__(self, server: OpenAIServer, store_size: int, store_mb: int) -> None:
         self.server = server
         self.fe = server.fe
-        self.store = ResponseStore(store_size)
+        self.store = ResponseStore(store_size, store_mb << 20)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         rt = self.server._begin(request, "chat")

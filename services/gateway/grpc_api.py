@@ -253,6 +253,7 @@ class StreamWrites:
         self._since: dict[asyncio.Task, float] = {}  # writes in progress: when each began
         self._expired: set[asyncio.Task] = set()
         self._watchdog: asyncio.Task | None = None
+        self.stalled = 0  # calls ended so (tandem_grpc_streams_stalled_total)
 
     async def send(self, context: grpc.aio.ServicerContext, msg) -> None:
         task = asyncio.current_task()
@@ -267,6 +268,7 @@ class StreamWrites:
                 raise
             self._expired.discard(task)
             task.uncancel()
+            self.stalled += 1
             raise StreamStalled(
                 f"the client read none of the stream for {self.timeout_s:g} s "
                 "(grpc_write_timeout_s)"

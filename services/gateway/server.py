@@ -104,7 +104,9 @@ async def serve(
         interceptors=interceptors,
         options=[("grpc.max_concurrent_streams", gc.max_concurrent_streams)],
     )
-    add_gateway_to_server(GatewayService(frontend), server)
+    service = GatewayService(frontend)
+    add_gateway_to_server(service, server)
+    gateway_metrics.watch(lambda: _stream_metrics(service.writes))
     health = await add_health(server, [SERVICE])
     names = (
         api_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
@@ -205,6 +207,17 @@ def _routing_metrics(router: Router):
         hit.add_metric([stage], router.routed_hit_tokens[stage])
     yield prompt
     yield hit
+
+
+def _stream_metrics(writes):
+    from prometheus_client.core import CounterMetricFamily
+
+    yield CounterMetricFamily(
+        "tandem_grpc_streams_stalled",
+        "gRPC streams ended CANCELLED because their client read none of them for "
+        "--grpc-write-timeout-s.",
+        value=writes.stalled,
+    )
 
 
 def _http_metrics(guard: ConnectionGuard):

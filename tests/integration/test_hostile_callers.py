@@ -819,6 +819,8 @@ def test_a_grpc_client_that_stops_reading_is_cancelled(stack):
     assert e.value.code() == grpc.StatusCode.CANCELLED, e.value
     assert "grpc_write_timeout_s" in e.value.details()
     assert 0 < got < 470, got
+    page = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics").read()
+    assert b"tandem_grpc_streams_stalled_total 1.0" in page
     channel.close()
     deadline = time.monotonic() + 30
     while decode.stats().used_blocks and time.monotonic() < deadline:

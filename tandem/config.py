@@ -189,8 +189,7 @@ class GatewayConfig:
     # The HTTP listener (services/gateway/http_limits.py): connections at most (503 beyond), per
     # client address (429 beyond; by default all: behind a proxy every client has its address),
     # and seconds for a request's headers, its body, a keep-alive connection's idle wait, and a
-    # response's client to take any of what the gateway has to send (then it is closed; for a
-    # gRPC stream, grpc_write_timeout_s ends the call).
+    # client to take any of a response (then it is closed; gRPC streams: grpc_write_timeout_s).
     http_max_connections: int = 1024
     http_max_connections_per_client: int = 1024
     http_header_timeout_s: float = 10.0

@@ -316,7 +316,7 @@ def test_a_grammar_past_its_token_budget_fails_alone(path, async_scheduling):
     assert bad.finish_reason == "error", (bad.finish_reason, len(bad.token_ids))
     assert "grammar_token_budget_ms" in bad.error and f"at most {budget_ms:g} ms" in bad.error
     took = re.search(r"took ([\d.]+) ms", bad.error)
-    assert took and float(took[1]) > budget_ms, bad.error
+    assert took and float(took[1]) >= budget_ms, bad.error  # rounded in the message
     assert 0 < len(bad.token_ids) < 400
     assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in want]
     assert [o.finish_reason for o in outs[1:]] == [o.finish_reason for o in want]

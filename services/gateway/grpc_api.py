@@ -275,6 +275,8 @@ class StreamWrites:
             ) from None
         finally:
             self._since.pop(task, None)
+            # a write that finished in the turn it expired takes the cancel at its next await
+            self._expired.discard(task)
 
     async def _watch(self) -> None:
         """Runs while writes are in progress (started again by the next one after)."""

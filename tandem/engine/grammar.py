@@ -55,7 +55,7 @@ def too_slow(seconds: float, budget_s: float, what: str, tokens: int = 1) -> str
     if seconds <= budget_s * max(tokens, 1):
         return None
     return (
-        f"structured output: the grammar took {seconds * 1e3:.1f} ms to {what}; at most "
+        f"structured output: the grammar took {seconds * 1e3:.2f} ms to {what}; at most "
         f"{budget_s * 1e3:g} ms a token are allowed (grammar_token_budget_ms)"
     )
 

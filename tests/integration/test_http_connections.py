@@ -329,7 +329,15 @@ def test_a_client_that_stops_reading_is_closed_after_the_write_timeout(tmp_path,
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", gw.http_port))
     s.settimeout(60)
-    s.sendall(request * 8)
+
+    def send() -> None:
+        try:
+            s.sendall(request * 8)
+        except OSError:  # closed before the gateway read every request: reset
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
     sample = 'tandem_http_connections_closed_total{reason="write_timeout"}'
     deadline = time.monotonic() + 120
     while not _metric(gw, sample):  # each tokenization takes a while, then the writes stall
@@ -338,11 +346,12 @@ def test_a_client_that_stops_reading_is_closed_after_the_write_timeout(tmp_path,
             assert _livez(other) == 200
         time.sleep(0.5)
     assert _metric(gw, sample) == 1
+    sender.join(10)
     got = 0
     try:
         while chunk := s.recv(1 << 20):
             got += len(chunk)
-    except ConnectionResetError:
+    except OSError:  # reset (requests left unread): the buffered answers are dropped
         pass
     s.close()
-    assert 0 < got < 7_000_000, got  # what the buffers held, not the eight answers
+    assert got < 7_000_000, got  # at most what the buffers held, not the eight answers

@@ -269,18 +269,16 @@ class DecodeService(KvEventsServicer, stages_pb2_grpc.DecodeServicer):
                 id(sess), (sess, stages_pb2.DecodeOut(step_ended_at=step_ended_at))
             )
             if toks:
-                msg.tokens.append(
-                    stages_pb2.SeqTokens(
-                        seq_id=sid,
-                        token_ids=toks,
-                        logprobs=[logprob_to_proto(lp) for lp in lps if lp is not None],
-                        proposed_draft_tokens=proposed,
-                        accepted_draft_tokens=accepted,
-                        prompt_logprobs=(
-                            prompt_logprobs_to_proto(prompt_lps) if prompt_lps is not None else []
-                        ),
-                    )
-                )
+                # Only the fields a sequence has are set: for most, its id and one token (an
+                # empty list given to the constructor costs as much as a field).
+                seq = msg.tokens.add(seq_id=sid, token_ids=toks)
+                if lps:
+                    seq.logprobs.extend(logprob_to_proto(lp) for lp in lps if lp is not None)
+                if proposed:
+                    seq.proposed_draft_tokens = proposed
+                    seq.accepted_draft_tokens = accepted
+                if prompt_lps is not None:
+                    seq.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt_lps))
             if reason is not None:
                 self.obs.finished(sid, reason)
                 msg.finished.append(self._finished(sid, reason))

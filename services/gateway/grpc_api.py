@@ -266,7 +266,6 @@ class StreamWrites:
         except asyncio.CancelledError:
             if task not in self._expired:
                 raise
-            self._expired.discard(task)
             task.uncancel()
             self.stalled += 1
             raise StreamStalled(
@@ -275,7 +274,7 @@ class StreamWrites:
             ) from None
         finally:
             self._since.pop(task, None)
-            # a write that finished in the turn it expired takes the cancel at its next await
+            # (A write that finished in the turn it expired takes the cancel at its next await.)
             self._expired.discard(task)
 
     async def _watch(self) -> None:
@@ -345,7 +344,6 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
             rt.fail(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rt.tokenized(ids, params, request.model)
-        send = self.writes.send
         try:
             async for ev in rt.watch(
                 self.fe.pipeline.run(ids, params, request.request_id, trace=rt, tenant=rt.tenant)
@@ -353,10 +351,9 @@ class GatewayService(api_pb2_grpc.GatewayServicer):
                 if isinstance(ev, TextDelta):
                     r = api_pb2.GenerateResponse()
                     fill_chunk(r.chunk, ev)
-                    await send(context, r)
                 else:
                     r = api_pb2.GenerateResponse(finish=finish_to_proto(ev, rt.trace_id))
-                    await send(context, r)
+                await self.writes.send(context, r)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a traceback
             await _abort_for(context, e)
 
